@@ -1,0 +1,110 @@
+//! A small RateLimitService client: `tollgate ask`, and a way to try a server without grpcurl.
+
+use std::fmt::Write as _;
+
+use envoy_types::pb::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::Entry;
+use envoy_types::pb::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor;
+use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::rate_limit::Unit;
+use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::Code;
+use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_client::RateLimitServiceClient;
+use envoy_types::pb::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimitResponse};
+
+/// Why asking failed.
+#[derive(Debug, thiserror::Error)]
+pub enum AskError {
+    /// No connection to the server.
+    #[error("cannot connect to {addr}: {source}")]
+    Connect {
+        addr: String,
+        #[source]
+        source: tonic::transport::Error,
+    },
+    /// The server answered with a gRPC error.
+    #[error("the server answered {}: {}", .0.code(), .0.message())]
+    Status(#[from] tonic::Status),
+}
+
+/// Parses `k=v,k=v` into descriptor entries; a value may contain `=` but not `,`.
+pub fn parse_descriptor(text: &str) -> Result<Vec<(String, String)>, String> {
+    text.split(',')
+        .map(|pair| match pair.split_once('=') {
+            Some((k, v)) if !k.is_empty() => Ok((k.to_owned(), v.to_owned())),
+            _ => Err(format!("'{pair}' is not key=value")),
+        })
+        .collect()
+}
+
+/// A request for `domain` with one descriptor per entry list.
+pub fn request(domain: &str, descriptors: &[Vec<(String, String)>], hits_addend: u32) -> RateLimitRequest {
+    RateLimitRequest {
+        domain: domain.to_owned(),
+        descriptors: descriptors
+            .iter()
+            .map(|entries| RateLimitDescriptor {
+                entries: entries
+                    .iter()
+                    .map(|(key, value)| Entry { key: key.clone(), value: value.clone() })
+                    .collect(),
+                ..Default::default()
+            })
+            .collect(),
+        hits_addend,
+    }
+}
+
+/// Sends `request` to the server at `addr` (`host:port` or a URL).
+pub async fn ask(addr: &str, request: RateLimitRequest) -> Result<RateLimitResponse, AskError> {
+    let url = if addr.contains("://") { addr.to_owned() } else { format!("http://{addr}") };
+    let mut client = RateLimitServiceClient::connect(url)
+        .await
+        .map_err(|source| AskError::Connect { addr: addr.to_owned(), source })?;
+    Ok(client.should_rate_limit(request).await?.into_inner())
+}
+
+/// A human-readable rendering of `response`.
+pub fn render(request: &RateLimitRequest, response: &RateLimitResponse) -> String {
+    let code = |c: i32| Code::try_from(c).map(|c| c.as_str_name()).unwrap_or("UNKNOWN");
+    let mut out = format!("overall: {}\n", code(response.overall_code));
+    for (i, status) in response.statuses.iter().enumerate() {
+        let entries = request
+            .descriptors
+            .get(i)
+            .map(|d| d.entries.iter().map(|e| format!("{}={}", e.key, e.value)).collect::<Vec<_>>().join(","))
+            .unwrap_or_default();
+        let _ = write!(out, "descriptor {i} [{entries}]: {}", code(status.code));
+        if let Some(limit) = &status.current_limit {
+            let unit = Unit::try_from(limit.unit).map(|u| u.as_str_name()).unwrap_or("UNKNOWN");
+            let _ = write!(out, "  limit={}/{unit}", limit.requests_per_unit);
+            if !limit.name.is_empty() {
+                let _ = write!(out, " name={}", limit.name);
+            }
+            let _ = write!(out, " remaining={}", status.limit_remaining);
+            if let Some(reset) = &status.duration_until_reset {
+                let _ = write!(out, " full_in={}.{:03}s", reset.seconds, reset.nanos / 1_000_000);
+            }
+        }
+        out.push('\n');
+    }
+    if !response.response_headers_to_add.is_empty() {
+        out.push_str("headers:\n");
+        for h in &response.response_headers_to_add {
+            let _ = writeln!(out, "  {}: {}", h.key, h.value);
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn descriptor_syntax() {
+        assert_eq!(
+            parse_descriptor("tenant=t42,class=a=b").unwrap(),
+            vec![("tenant".into(), "t42".into()), ("class".into(), "a=b".into())]
+        );
+        assert!(parse_descriptor("tenant").is_err());
+        assert!(parse_descriptor("=x").is_err());
+    }
+}

@@ -1,0 +1,222 @@
+//! The rule configuration: loading, validation, and the compiled form the hot path reads.
+//!
+//! A config path is one YAML file or a directory of `*.yaml`/`*.yml` files, one domain per file
+//! (hidden entries such as a Kubernetes ConfigMap's `..data` are skipped). Files are parsed
+//! ([`raw`]), checked and compiled ([`compile`]) into a [`RuleSet`]: an immutable tree per domain
+//! that descriptor matching ([`crate::matcher`]) walks without allocating. A [`RuleSet`] is
+//! either wholly valid or not built at all, so a bad edit can never half-apply.
+
+mod compile;
+mod raw;
+
+use std::collections::{BTreeMap, HashMap};
+use std::fmt;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use serde::Serialize;
+
+use crate::bucket::BucketSpec;
+use crate::matcher::Level;
+use crate::quota::{Quotas, TenantRecord};
+
+/// Every domain tollgate serves, as loaded from one config path.
+#[derive(Debug, Default)]
+pub struct RuleSet {
+    domains: BTreeMap<String, Arc<Domain>>,
+}
+
+impl RuleSet {
+    /// Loads and validates the file or directory at `path`.
+    pub fn load(path: &Path) -> Result<RuleSet, ConfigError> {
+        let files = config_files(path)?;
+        let mut domains: BTreeMap<String, Arc<Domain>> = BTreeMap::new();
+        for file in files {
+            let text = std::fs::read_to_string(&file)
+                .map_err(|source| ConfigError::Io { path: file.clone(), source })?;
+            let domain = compile::domain(&file, &text)?;
+            if let Some(first) = domains.get(&domain.name) {
+                return Err(ConfigError::DuplicateDomain {
+                    file,
+                    domain: domain.name,
+                    first: first.file.clone(),
+                });
+            }
+            domains.insert(domain.name.clone(), Arc::new(domain));
+        }
+        Ok(RuleSet { domains })
+    }
+
+    /// Compiles one domain from YAML text; `file` is only used in error messages.
+    pub fn from_yaml(file: &Path, text: &str) -> Result<RuleSet, ConfigError> {
+        let domain = compile::domain(file, text)?;
+        Ok(RuleSet { domains: BTreeMap::from([(domain.name.clone(), Arc::new(domain))]) })
+    }
+
+    /// The domain named `name`.
+    pub fn domain(&self, name: &str) -> Option<&Arc<Domain>> {
+        self.domains.get(name)
+    }
+
+    /// All domains, ordered by name.
+    pub fn domains(&self) -> impl Iterator<Item = &Arc<Domain>> {
+        self.domains.values()
+    }
+}
+
+// The files a config path stands for, in a stable order.
+fn config_files(path: &Path) -> Result<Vec<PathBuf>, ConfigError> {
+    let io = |source| ConfigError::Io { path: path.to_owned(), source };
+    if !path.is_dir() {
+        std::fs::metadata(path).map_err(io)?;
+        return Ok(vec![path.to_owned()]);
+    }
+    let mut files = Vec::new();
+    for entry in std::fs::read_dir(path).map_err(io)? {
+        let entry = entry.map_err(io)?;
+        let name = entry.file_name();
+        let name = name.to_string_lossy();
+        let yaml = name.ends_with(".yaml") || name.ends_with(".yml");
+        // `is_file` follows symlinks, which is how ConfigMap volumes present their files.
+        if yaml && !name.starts_with('.') && entry.path().is_file() {
+            files.push(entry.path());
+        }
+    }
+    if files.is_empty() {
+        return Err(ConfigError::NoFiles { dir: path.to_owned() });
+    }
+    files.sort();
+    Ok(files)
+}
+
+/// Why a config could not be loaded. Every variant names the file.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    /// The path or a file could not be read.
+    #[error("{}: {source}", path.display())]
+    Io {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    /// A directory holds no config file.
+    #[error("{}: no *.yaml or *.yml files in this directory", dir.display())]
+    NoFiles { dir: PathBuf },
+    /// Not YAML, or not of the schema (unknown key, wrong type); the message shows the position.
+    #[error("{}: {message}", file.display())]
+    Syntax { file: PathBuf, message: String },
+    /// Valid YAML whose meaning is wrong.
+    #[error("{}{}: {at}: {message}", file.display(), position.map(|(l, c)| format!(":{l}:{c}")).unwrap_or_default())]
+    Invalid {
+        file: PathBuf,
+        /// Line and column of the offending descriptor, where known.
+        position: Option<(usize, usize)>,
+        /// Where in the tree, e.g. `descriptors[0](tenant).descriptors[1](class=export)`.
+        at: String,
+        message: String,
+    },
+    /// Two files define the same domain.
+    #[error("{}: duplicate domain '{domain}' (already defined in {})", file.display(), first.display())]
+    DuplicateDomain { file: PathBuf, domain: String, first: PathBuf },
+}
+
+/// One domain, compiled.
+#[derive(Debug)]
+pub struct Domain {
+    /// The domain name Envoy sends.
+    pub name: String,
+    /// The file it came from.
+    pub file: PathBuf,
+    /// The descriptor entry key that carries the tenant id.
+    pub tenant_key: String,
+    /// What to answer when the store fails.
+    pub failure_mode: FailureMode,
+    /// Which response headers to send.
+    pub headers: HeaderSets,
+    /// Tiers for `quota: tenant` rules.
+    pub quotas: Quotas,
+    /// The inline tenant records (`tenants:`), the embedded quota source.
+    pub tenants: HashMap<String, Arc<TenantRecord>>,
+    /// Every rule (node with a limit, `unlimited` included), in file order.
+    pub rules: Vec<Arc<Rule>>,
+    pub(crate) root: Level,
+}
+
+/// A limit attached to a descriptor node.
+#[derive(Debug, Clone, Serialize)]
+pub struct Rule {
+    /// The node's place in the tree, `key_value.key` as envoyproxy/ratelimit prints it.
+    pub path: String,
+    /// `rate_limit.name`, which `replaces` refers to.
+    pub name: Option<String>,
+    /// The bucket, or why there is none.
+    pub limit: Limit,
+    /// Tokens per hit.
+    pub cost: u64,
+    /// The explicit `class`, else `name`: the bucket's name within its tenant.
+    pub class: Option<String>,
+    /// Evaluated and counted, never denies.
+    pub shadow_mode: bool,
+    /// Per-value metrics requested.
+    pub detailed_metric: bool,
+    /// Names of rules this one replaces when both match one request.
+    pub replaces: Vec<String>,
+    /// Index of the descriptor entry holding the tenant, if the rule is under a tenant node.
+    pub tenant_depth: Option<usize>,
+    /// For each depth, the pattern that replaces the request's value in the key when the node is
+    /// a wildcard with `share_threshold` (all matching values share one bucket).
+    #[serde(skip)]
+    pub shared_values: Vec<Option<String>>,
+}
+
+/// How a rule limits.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Limit {
+    /// Never limited, never touches the store.
+    Unlimited,
+    /// A fixed bucket from `rate_limit` or `token_bucket`.
+    Bucket(BucketSpec),
+    /// The tenant's resolved quota for the rule's class.
+    TenantQuota,
+}
+
+/// The answer when the store cannot be asked.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum FailureMode {
+    /// Answer OK (fail open).
+    #[default]
+    Allow,
+    /// Answer OVER_LIMIT (fail closed).
+    Deny,
+    /// Return gRPC UNAVAILABLE and let Envoy's `failure_mode_deny` decide.
+    Error,
+}
+
+impl fmt::Display for FailureMode {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            FailureMode::Allow => "allow",
+            FailureMode::Deny => "deny",
+            FailureMode::Error => "error",
+        })
+    }
+}
+
+/// Which groups of response headers a domain sends.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct HeaderSets {
+    /// `X-RateLimit-Limit` and `X-RateLimit-Remaining`.
+    pub x_ratelimit: bool,
+    /// `Retry-After` on OVER_LIMIT.
+    pub retry_after: bool,
+    /// IETF `RateLimit-Policy` and `RateLimit`.
+    pub ietf: bool,
+}
+
+impl Default for HeaderSets {
+    fn default() -> Self {
+        HeaderSets { x_ratelimit: true, retry_after: true, ietf: false }
+    }
+}

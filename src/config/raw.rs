@@ -1,0 +1,90 @@
+//! The YAML schema, exactly as written in files.
+//!
+//! The envoyproxy/ratelimit keys come first in each struct, tollgate's extensions after. Every
+//! struct denies unknown fields, so a typo is an error and not a silently ignored rule. Meaning
+//! (units, exclusivity, references between tiers) is checked in [`super::compile`].
+
+use std::collections::BTreeMap;
+
+use serde::Deserialize;
+use serde_saphyr::Spanned;
+
+/// One config file: one domain.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DomainFile {
+    pub domain: Option<String>,
+    #[serde(default)]
+    pub descriptors: Option<Vec<Descriptor>>,
+
+    pub tenant_key: Option<String>,
+    pub default_tier: Option<String>,
+    #[serde(default)]
+    pub tiers: BTreeMap<String, BTreeMap<String, TokenBucket>>,
+    #[serde(default)]
+    pub tenants: BTreeMap<String, Tenant>,
+    pub failure_mode: Option<String>,
+    pub response_headers: Option<Vec<String>>,
+}
+
+/// A node of the descriptor tree.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Descriptor {
+    pub key: Spanned<String>,
+    pub value: Option<String>,
+    pub rate_limit: Option<RateLimit>,
+    pub descriptors: Option<Vec<Descriptor>>,
+    #[serde(default)]
+    pub shadow_mode: bool,
+    #[serde(default)]
+    pub detailed_metric: bool,
+    // Newer envoyproxy/ratelimit keys, accepted so that such files load unchanged.
+    #[serde(default)]
+    pub value_to_metric: bool,
+    #[serde(default)]
+    pub share_threshold: bool,
+
+    pub token_bucket: Option<TokenBucket>,
+    pub cost: Option<u64>,
+    pub class: Option<String>,
+    pub quota: Option<String>,
+}
+
+/// envoyproxy/ratelimit's fixed-window limit, which tollgate turns into a token bucket.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RateLimit {
+    pub unit: Option<String>,
+    #[serde(default)]
+    pub requests_per_unit: u32,
+    #[serde(default)]
+    pub unlimited: bool,
+    pub name: Option<String>,
+    #[serde(default)]
+    pub replaces: Vec<Replaces>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Replaces {
+    #[serde(default)]
+    pub name: String,
+}
+
+/// An explicit bucket: burst capacity and sustained rate.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TokenBucket {
+    pub capacity: f64,
+    pub refill_per_second: f64,
+}
+
+/// A tenant of the embedded quota source.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Tenant {
+    pub tier: Option<String>,
+    #[serde(default)]
+    pub overrides: BTreeMap<String, TokenBucket>,
+}

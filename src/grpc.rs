@@ -1,0 +1,90 @@
+//! The protocol edge: Envoy's `envoy.service.ratelimit.v3.RateLimitService` over gRPC.
+//!
+//! Every request enters here ([`RateLimitGrpc::should_rate_limit`]), is decided by the
+//! [`Limiter`], and leaves as a `RateLimitResponse` built by [`encode`]. Malformed requests get
+//! `INVALID_ARGUMENT`; a store failure in a domain whose failure mode is `error` gets
+//! `UNAVAILABLE`, so that Envoy's own `failure_mode_deny` decides.
+
+use std::sync::Arc;
+
+use envoy_types::pb::envoy::config::core::v3::HeaderValue;
+use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::{DescriptorStatus, RateLimit};
+use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_server::RateLimitService;
+use envoy_types::pb::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimitResponse};
+use envoy_types::pb::google::protobuf::Duration as ProtoDuration;
+use tonic::{Request, Response, Status};
+
+use crate::headers::response_headers;
+use crate::limiter::{DecideError, Decision, LimitInfo, Limiter, Outcome};
+use crate::units;
+
+/// The gRPC service Envoy's ratelimit filter calls.
+pub struct RateLimitGrpc {
+    limiter: Arc<Limiter>,
+}
+
+impl RateLimitGrpc {
+    /// A service answering with `limiter`.
+    pub fn new(limiter: Arc<Limiter>) -> Self {
+        RateLimitGrpc { limiter }
+    }
+}
+
+#[tonic::async_trait]
+impl RateLimitService for RateLimitGrpc {
+    async fn should_rate_limit(
+        &self,
+        request: Request<RateLimitRequest>,
+    ) -> Result<Response<RateLimitResponse>, Status> {
+        let request = request.into_inner();
+        match self.limiter.decide(&request).await {
+            Ok(decision) => Ok(Response::new(encode(&decision))),
+            Err(e @ DecideError::InvalidArgument(_)) => {
+                tracing::debug!(domain = %request.domain, error = %e, "rejected malformed request");
+                Err(Status::invalid_argument(e.to_string()))
+            }
+            Err(e @ DecideError::StoreUnavailable { .. }) => Err(Status::unavailable(e.to_string())),
+        }
+    }
+}
+
+/// The protobuf response for `decision`.
+pub fn encode(decision: &Decision) -> RateLimitResponse {
+    let statuses = decision
+        .descriptors
+        .iter()
+        .map(|d| {
+            let mut status = DescriptorStatus { code: d.code as i32, ..Default::default() };
+            match &d.outcome {
+                Outcome::NoLimit => {}
+                Outcome::Unlimited => status.limit_remaining = u32::MAX,
+                Outcome::Bucket(b) => {
+                    status.current_limit = Some(current_limit(&b.limit));
+                    status.limit_remaining = b.remaining();
+                    status.duration_until_reset = Some(duration(b.verdict.reset_ms));
+                }
+                Outcome::StoreFailed { limit, .. } => status.current_limit = Some(current_limit(limit)),
+            }
+            status
+        })
+        .collect();
+    let response_headers_to_add = response_headers(decision)
+        .into_iter()
+        .map(|(key, value)| HeaderValue { key: key.to_owned(), value, raw_value: Vec::new() })
+        .collect();
+    RateLimitResponse {
+        overall_code: decision.overall as i32,
+        statuses,
+        response_headers_to_add,
+        ..Default::default()
+    }
+}
+
+fn current_limit(limit: &LimitInfo) -> RateLimit {
+    let (requests_per_unit, unit) = units::requests_per_unit(limit.spec.refill_per_second);
+    RateLimit { name: limit.name.clone(), requests_per_unit, unit: unit as i32 }
+}
+
+fn duration(ms: u64) -> ProtoDuration {
+    ProtoDuration { seconds: (ms / 1000) as i64, nanos: ((ms % 1000) * 1_000_000) as i32 }
+}

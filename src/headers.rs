@@ -1,0 +1,99 @@
+//! Response headers that tell clients where they stand.
+//!
+//! Envoy copies these onto the response: the upstream's on OK, the 429 on OVER_LIMIT. Per domain
+//! (`response_headers:`) three sets can be chosen:
+//!
+//! * `x-ratelimit`: `X-RateLimit-Limit` (capacity) and `X-RateLimit-Remaining` (whole tokens
+//!   left) of the most constrained bucket: the denying bucket with the fewest tokens when the
+//!   request is denied, otherwise the bucket with the fewest tokens.
+//! * `retry-after`: on OVER_LIMIT, `Retry-After` in whole seconds (at least 1): the longest wait
+//!   among the denying buckets. Omitted when a denying request can never succeed (its cost
+//!   exceeds the bucket's capacity), because retrying cannot help.
+//! * `ietf`: `RateLimit-Policy` and `RateLimit` structured fields of
+//!   draft-ietf-httpapi-ratelimit-headers (-09): one item per bucket, `q` = capacity, `w` =
+//!   seconds to refill from empty, `r` = remaining, `t` = seconds until full.
+
+use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::Code;
+
+use crate::limiter::{BucketReport, Decision, Outcome};
+
+/// The headers for `decision`, as (name, value) pairs.
+pub fn response_headers(decision: &Decision) -> Vec<(&'static str, String)> {
+    let Some(domain) = &decision.domain else { return Vec::new() };
+    let sets = domain.headers;
+    let buckets: Vec<&BucketReport> = decision
+        .descriptors
+        .iter()
+        .filter_map(|d| match &d.outcome {
+            Outcome::Bucket(b) => Some(b),
+            _ => None,
+        })
+        .collect();
+    let denying: Vec<&BucketReport> = buckets.iter().copied().filter(|b| b.denied() && !b.shadow).collect();
+    let mut headers = Vec::new();
+
+    let candidates = if denying.is_empty() { &buckets } else { &denying };
+    let most_constrained = candidates.iter().min_by(|a, b| {
+        (a.remaining(), a.limit.spec.capacity)
+            .partial_cmp(&(b.remaining(), b.limit.spec.capacity))
+            .unwrap_or(std::cmp::Ordering::Equal)
+    });
+    if let (true, Some(b)) = (sets.x_ratelimit, most_constrained) {
+        headers.push(("X-RateLimit-Limit", whole(b.limit.spec.capacity).to_string()));
+        headers.push(("X-RateLimit-Remaining", b.remaining().to_string()));
+    }
+
+    if sets.retry_after && decision.overall == Code::OverLimit && !denying.is_empty() {
+        let waits: Option<Vec<u64>> = denying.iter().map(|b| b.verdict.retry_after_ms).collect();
+        if let Some(longest) = waits.and_then(|w| w.into_iter().max()) {
+            headers.push(("Retry-After", longest.div_ceil(1000).max(1).to_string()));
+        }
+    }
+
+    if sets.ietf && !buckets.is_empty() {
+        let mut policies = Vec::new();
+        let mut states = Vec::new();
+        for (i, b) in buckets.iter().enumerate() {
+            let id = policy_id(b, i);
+            let spec = b.limit.spec;
+            let window = if spec.refill_per_second > 0.0 {
+                (spec.capacity / spec.refill_per_second).ceil().max(1.0) as u64
+            } else {
+                1
+            };
+            policies.push(format!("{id};q={};w={window}", whole(spec.capacity)));
+            states.push(format!("{id};r={};t={}", b.remaining(), b.verdict.reset_ms.div_ceil(1000)));
+        }
+        headers.push(("RateLimit-Policy", policies.join(", ")));
+        headers.push(("RateLimit", states.join(", ")));
+    }
+    headers
+}
+
+fn whole(x: f64) -> u64 {
+    x.max(0.0).floor() as u64
+}
+
+// A structured-field string naming the bucket's policy: the limit's name, else the rule path,
+// else its position. Only printable ASCII is allowed in sf-strings; anything else becomes `?`.
+fn policy_id(b: &BucketReport, index: usize) -> String {
+    let name = match (&b.limit.name, &b.limit.rule) {
+        (n, _) if !n.is_empty() => n.clone(),
+        (_, Some(rule)) => rule.path.clone(),
+        _ => format!("limit{index}"),
+    };
+    let mut out = String::with_capacity(name.len() + 2);
+    out.push('"');
+    for c in name.chars() {
+        match c {
+            '"' | '\\' => {
+                out.push('\\');
+                out.push(c);
+            }
+            ' '..='~' => out.push(c),
+            _ => out.push('?'),
+        }
+    }
+    out.push('"');
+    out
+}

@@ -1,0 +1,76 @@
+//! HTTP side endpoints for operators and orchestrators.
+//!
+//! * `GET /healthz`: the process is alive (liveness).
+//! * `GET /readyz`: config loaded, store answering, not draining (readiness); 503 otherwise,
+//!   with the reason in the body.
+//! * `GET /config`: the loaded rules as JSON, like envoyproxy/ratelimit's `/rlconfig`. It holds
+//!   rule trees, tiers and inline tenant quotas, never connection strings or credentials.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+
+use arc_swap::ArcSwap;
+use axum::extract::State;
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use axum::routing::get;
+use axum::{Json, Router};
+use serde_json::{json, Value};
+
+use crate::config::RuleSet;
+use crate::store::Store;
+
+/// What the endpoints look at.
+#[derive(Clone)]
+pub struct HttpState {
+    /// The rules in force.
+    pub rules: Arc<ArcSwap<RuleSet>>,
+    /// The store, pinged by `/readyz`.
+    pub store: Arc<dyn Store>,
+    /// Set when shutdown begins, so that load balancers stop sending first.
+    pub draining: Arc<AtomicBool>,
+}
+
+/// The side-endpoint router.
+pub fn router(state: HttpState) -> Router {
+    Router::new()
+        .route("/healthz", get(|| async { "ok\n" }))
+        .route("/readyz", get(readyz))
+        .route("/config", get(config))
+        .with_state(state)
+}
+
+async fn readyz(State(state): State<HttpState>) -> Response {
+    if state.draining.load(Ordering::SeqCst) {
+        return (StatusCode::SERVICE_UNAVAILABLE, "draining\n").into_response();
+    }
+    match state.store.ping().await {
+        Ok(()) => "ready\n".into_response(),
+        Err(e) => (StatusCode::SERVICE_UNAVAILABLE, format!("store unreachable: {e}\n")).into_response(),
+    }
+}
+
+async fn config(State(state): State<HttpState>) -> Json<Value> {
+    Json(config_json(&state.rules.load()))
+}
+
+/// The JSON view of `rules` served at `/config`.
+pub fn config_json(rules: &RuleSet) -> Value {
+    let domains: Vec<Value> = rules
+        .domains()
+        .map(|d| {
+            json!({
+                "domain": d.name,
+                "file": d.file,
+                "tenant_key": d.tenant_key,
+                "failure_mode": d.failure_mode,
+                "response_headers": d.headers,
+                "rules": d.rules,
+                "tiers": d.quotas.tiers,
+                "default_tier": d.quotas.default_tier,
+                "tenants": d.tenants,
+            })
+        })
+        .collect();
+    json!({ "domains": domains })
+}

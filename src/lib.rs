@@ -1,0 +1,30 @@
+//! tollgate: an external rate-limit service for Envoy and Istio.
+//!
+//! Every Envoy asks tollgate before forwarding a request; tollgate checks and debits per-tenant
+//! token buckets in shared state (Redis Cluster), so a tenant gets its quota in total, however
+//! many replicas serve it.
+//!
+//! Where things are:
+//!
+//! * a request enters at [`grpc`] (Envoy's `RateLimitService`), side endpoints at [`http`];
+//! * the decision is made in [`limiter`], using [`matcher`] (descriptor → rule), [`quota`]
+//!   (tenant → bucket size), [`keys`] (bucket → storage key) and [`headers`];
+//! * state lives behind [`store::Store`]: in Redis ([`store::RedisStore`], the algorithm in
+//!   `store/token_bucket.lua`) or in process ([`store::MemoryStore`], the algorithm in [`bucket`]);
+//! * rules come from YAML through [`config`]; [`server`] runs and drains it all.
+
+pub mod bucket;
+pub mod client;
+pub mod clock;
+pub mod config;
+pub mod grpc;
+pub mod headers;
+pub mod http;
+pub mod keys;
+pub mod limiter;
+pub mod matcher;
+pub mod quota;
+pub mod server;
+pub mod store;
+pub mod telemetry;
+pub mod units;

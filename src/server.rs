@@ -1,0 +1,128 @@
+//! Server lifecycle: bind, serve gRPC and HTTP, drain, stop.
+//!
+//! Both listeners are bound before anything is served, so a port conflict fails start-up instead
+//! of leaving a half-running process. Shutdown follows the order load balancers need:
+//!
+//! 1. the shutdown signal arrives;
+//! 2. `/readyz` answers 503 and gRPC health reports NOT_SERVING, so Envoy and Kubernetes stop
+//!    sending new work;
+//! 3. after the drain delay, both servers stop accepting and finish every in-flight request;
+//! 4. [`run`] returns.
+
+use std::future::Future;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use arc_swap::ArcSwap;
+use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_server::RateLimitServiceServer;
+use tokio::net::TcpListener;
+use tokio::sync::watch;
+use tonic::transport::server::TcpIncoming;
+
+use crate::config::RuleSet;
+use crate::grpc::RateLimitGrpc;
+use crate::http::{self, HttpState};
+use crate::limiter::Limiter;
+
+/// The gRPC service name Envoy health-checks.
+pub const SERVICE_NAME: &str = "envoy.service.ratelimit.v3.RateLimitService";
+
+/// Where to listen.
+#[derive(Debug, Clone)]
+pub struct Listen {
+    /// The gRPC (RateLimitService, grpc.health.v1) address.
+    pub grpc: SocketAddr,
+    /// The HTTP side-endpoint address.
+    pub http: SocketAddr,
+}
+
+/// Why the server stopped with an error.
+#[derive(Debug, thiserror::Error)]
+pub enum ServeError {
+    /// A listener could not be bound.
+    #[error("cannot listen on {addr}: {source}")]
+    Bind {
+        addr: SocketAddr,
+        #[source]
+        source: std::io::Error,
+    },
+    /// The gRPC server failed.
+    #[error("gRPC server: {0}")]
+    Grpc(#[from] tonic::transport::Error),
+    /// The HTTP server failed.
+    #[error("HTTP server: {0}")]
+    Http(#[source] std::io::Error),
+}
+
+/// How shutdown should proceed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Shutdown {
+    /// Go unready, wait this long for load balancers to notice, then drain.
+    Drain(Duration),
+    /// Drain in-flight requests without waiting first (an operator's Ctrl-C).
+    Immediate,
+}
+
+/// Serves until `shutdown` resolves, then drains and returns.
+pub async fn run(
+    listen: Listen,
+    rules: Arc<ArcSwap<RuleSet>>,
+    limiter: Arc<Limiter>,
+    shutdown: impl Future<Output = Shutdown>,
+) -> Result<(), ServeError> {
+    let bind = |addr: SocketAddr| async move {
+        TcpListener::bind(addr).await.map_err(|source| ServeError::Bind { addr, source })
+    };
+    let grpc_listener = bind(listen.grpc).await?;
+    let http_listener = bind(listen.http).await?;
+    let grpc_addr = grpc_listener.local_addr().map_err(ServeError::Http)?;
+    let http_addr = http_listener.local_addr().map_err(ServeError::Http)?;
+
+    let (health, health_service) = tonic_health::server::health_reporter();
+    health.set_service_status("", tonic_health::ServingStatus::Serving).await;
+    health.set_service_status(SERVICE_NAME, tonic_health::ServingStatus::Serving).await;
+
+    let draining = Arc::new(AtomicBool::new(false));
+    let (stop_tx, stop_rx) = watch::channel(false);
+    let stopped = |mut rx: watch::Receiver<bool>| async move {
+        let _ = rx.wait_for(|stop| *stop).await;
+    };
+
+    let state = HttpState { rules, store: limiter.store().clone(), draining: draining.clone() };
+    let http_server = axum::serve(http_listener, http::router(state))
+        .with_graceful_shutdown(stopped(stop_rx.clone()));
+    let grpc_server = tonic::transport::Server::builder()
+        .add_service(health_service)
+        .add_service(RateLimitServiceServer::from_arc(Arc::new(RateLimitGrpc::new(limiter))))
+        .serve_with_incoming_shutdown(TcpIncoming::from(grpc_listener).with_nodelay(Some(true)), stopped(stop_rx));
+
+    let lifecycle = async move {
+        let how = shutdown.await;
+        draining.store(true, Ordering::SeqCst);
+        health.set_service_status("", tonic_health::ServingStatus::NotServing).await;
+        health.set_service_status(SERVICE_NAME, tonic_health::ServingStatus::NotServing).await;
+        if let Shutdown::Drain(delay) = how {
+            tracing::info!(?delay, "shutting down: unready now, draining after the delay");
+            tokio::time::sleep(delay).await;
+        }
+        tracing::info!("draining in-flight requests");
+        let _ = stop_tx.send(true);
+    };
+
+    tracing::info!(grpc = %grpc_addr, http = %http_addr, "listening");
+    let servers = async {
+        tokio::try_join!(async { grpc_server.await.map_err(ServeError::Grpc) }, async {
+            http_server.await.map_err(ServeError::Http)
+        })
+    };
+    tokio::pin!(servers, lifecycle);
+    // A server that fails ends everything; otherwise the lifecycle decides when to stop.
+    tokio::select! {
+        result = &mut servers => { result?; }
+        () = &mut lifecycle => { servers.await?; }
+    }
+    tracing::info!("stopped");
+    Ok(())
+}

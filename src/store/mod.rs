@@ -1,0 +1,49 @@
+//! Where bucket state lives.
+//!
+//! A [`Store`] evaluates a [`Batch`] of groups with the semantics of [`crate::bucket`]: each group
+//! all-or-nothing, atomic with respect to every other caller of the same store. Two backends:
+//!
+//! * [`MemoryStore`]: state in this process; limits hold per process only. For trying tollgate
+//!   out and for tests.
+//! * [`RedisStore`]: state in Redis (standalone or Cluster), shared by every replica; each call is
+//!   one Lua script run, atomic on the server.
+//!
+//! Results are per group so that a Cluster shard that is down fails only the groups whose keys
+//! live on it.
+
+mod memory;
+mod redis;
+
+use std::time::Duration;
+
+use futures::future::BoxFuture;
+
+pub use self::memory::MemoryStore;
+pub use self::redis::{RedisStore, RedisTarget};
+use crate::bucket::{Batch, GroupOutcome};
+
+/// A backend holding bucket state.
+pub trait Store: Send + Sync + 'static {
+    /// Evaluates every group of `batch`, returning one result per group in order.
+    fn evaluate<'a>(&'a self, batch: &'a Batch) -> BoxFuture<'a, Vec<Result<GroupOutcome, StoreError>>>;
+
+    /// Checks that the backend answers, for readiness probes.
+    fn ping(&self) -> BoxFuture<'_, Result<(), StoreError>>;
+
+    /// A short description for logs, without credentials.
+    fn describe(&self) -> String;
+}
+
+/// Why a store could not answer.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum StoreError {
+    /// No answer within the configured deadline.
+    #[error("no answer within {0:?}")]
+    Timeout(Duration),
+    /// The Redis client or server reported an error.
+    #[error("redis: {0}")]
+    Redis(String),
+    /// Redis answered something the script never returns.
+    #[error("unexpected reply from the bucket script: {0}")]
+    Protocol(String),
+}

@@ -1,0 +1,237 @@
+//! The shared store: bucket state in Redis, standalone or Cluster.
+//!
+//! Every evaluation is one run of `token_bucket.lua` per Cluster slot involved, so the read, the
+//! check and the write of a group happen as one step on the server: no other replica can spend
+//! the same token in between. Groups of different slots go out concurrently; against a
+//! standalone server the whole batch is one call. Capacity and rate travel as ARGV on every call,
+//! so a changed quota applies to the next request, and the script's clock is the server's `TIME`.
+//!
+//! The script is sent with EVALSHA and loaded on NOSCRIPT (after a restart or `SCRIPT FLUSH`).
+//! Connections are established lazily and re-established by the client, so tollgate starts and
+//! keeps answering (with its failure mode) while Redis is away.
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use futures::future::{join_all, BoxFuture};
+use redis::aio::{ConnectionManager, ConnectionManagerConfig};
+use redis::cluster::ClusterClientBuilder;
+use redis::cluster_async::ClusterConnection;
+use redis::{IntoConnectionInfo, Script, Value};
+
+use super::{Store, StoreError};
+use crate::bucket::{Batch, Group, GroupOutcome, Verdict};
+use crate::keys::cluster_slot;
+
+/// The script, loaded once per process.
+const SCRIPT: &str = include_str!("token_bucket.lua");
+
+/// Which Redis deployment to use.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum RedisTarget {
+    /// One server: `redis://[user:password@]host:port[/db]` or `rediss://...` for TLS.
+    Standalone(String),
+    /// A Cluster, found through these seed nodes (`host:port`).
+    Cluster(Vec<String>),
+}
+
+/// Bucket state in Redis.
+pub struct RedisStore {
+    connection: Connection,
+    script: Script,
+    timeout: Duration,
+    description: String,
+}
+
+#[derive(Clone)]
+enum Connection {
+    Standalone(ConnectionManager),
+    Cluster(ClusterConnection),
+}
+
+impl RedisStore {
+    /// Prepares a store for `target` without waiting for Redis to be up; every call is bounded
+    /// by `timeout`.
+    pub fn connect(target: &RedisTarget, timeout: Duration) -> Result<RedisStore, StoreError> {
+        let redis_err = |e: redis::RedisError| StoreError::Redis(e.to_string());
+        let (connection, description) = match target {
+            RedisTarget::Standalone(url) => {
+                let info = url.as_str().into_connection_info().map_err(redis_err)?;
+                let description = format!("redis at {}", info.addr());
+                let client = redis::Client::open(info).map_err(redis_err)?;
+                let config = ConnectionManagerConfig::new()
+                    .set_connection_timeout(Some(timeout))
+                    .set_response_timeout(Some(timeout))
+                    .set_number_of_retries(1)
+                    .set_max_delay(Duration::from_millis(500));
+                let manager = ConnectionManager::new_lazy_with_config(client, config).map_err(redis_err)?;
+                (Connection::Standalone(manager), description)
+            }
+            RedisTarget::Cluster(seeds) => {
+                let urls: Vec<String> = seeds
+                    .iter()
+                    .map(|s| if s.contains("://") { s.clone() } else { format!("redis://{s}") })
+                    .collect();
+                let mut addrs = Vec::with_capacity(urls.len());
+                for url in &urls {
+                    addrs.push(url.as_str().into_connection_info().map_err(redis_err)?.addr().to_string());
+                }
+                let client = ClusterClientBuilder::new(urls)
+                    .connection_timeout(timeout)
+                    .response_timeout(timeout)
+                    .build()
+                    .map_err(redis_err)?;
+                let connection = client.get_pending_async_connection_with_config(Default::default());
+                (Connection::Cluster(connection), format!("redis cluster via {}", addrs.join(",")))
+            }
+        };
+        Ok(RedisStore { connection, script: Script::new(SCRIPT), timeout, description })
+    }
+
+    // One script run for groups that all live in one slot (or on one standalone server).
+    async fn run(&self, batch: &[&Group]) -> Result<Vec<GroupOutcome>, StoreError> {
+        let mut invocation = self.script.prepare_invoke();
+        let mut key_index: HashMap<&str, usize> = HashMap::new();
+        let mut args: Vec<String> = Vec::with_capacity(1 + batch.iter().map(|g| 1 + 5 * g.len()).sum::<usize>());
+        args.push(batch.len().to_string());
+        for group in batch {
+            args.push(group.len().to_string());
+            for op in group.iter() {
+                let next = key_index.len() + 1;
+                let index = *key_index.entry(op.key.as_str()).or_insert_with(|| {
+                    invocation.key(op.key.as_str());
+                    next
+                });
+                args.push(index.to_string());
+                // Display of f64 is the shortest text that parses back to the same double.
+                args.push(op.spec.capacity.to_string());
+                args.push(op.spec.refill_per_second.to_string());
+                args.push(op.need.to_string());
+                args.push(if op.shadow { "1" } else { "0" }.to_owned());
+            }
+        }
+        invocation.arg(args);
+
+        let mut connection = self.connection.clone();
+        let call = async {
+            match &mut connection {
+                Connection::Standalone(c) => invocation.invoke_async::<Value>(c).await,
+                Connection::Cluster(c) => invocation.invoke_async::<Value>(c).await,
+            }
+        };
+        let reply = tokio::time::timeout(self.timeout, call)
+            .await
+            .map_err(|_| StoreError::Timeout(self.timeout))?
+            .map_err(|e| StoreError::Redis(e.to_string()))?;
+        parse_reply(reply, batch)
+    }
+}
+
+impl Store for RedisStore {
+    fn evaluate<'a>(&'a self, batch: &'a Batch) -> BoxFuture<'a, Vec<Result<GroupOutcome, StoreError>>> {
+        Box::pin(async move {
+            // Partition by slot; a standalone server takes everything in one call.
+            let mut partitions: Vec<(u16, Vec<usize>)> = Vec::new();
+            for (i, group) in batch.iter().enumerate() {
+                let slot = match (&self.connection, group.first()) {
+                    (Connection::Cluster(_), Some(op)) => cluster_slot(&op.key),
+                    _ => 0,
+                };
+                match partitions.iter_mut().find(|(s, _)| *s == slot) {
+                    Some((_, members)) => members.push(i),
+                    None => partitions.push((slot, vec![i])),
+                }
+            }
+            let calls = partitions.iter().map(|(_, members)| {
+                let groups: Vec<&Group> = members.iter().map(|&i| &batch[i]).collect();
+                async move { self.run(&groups).await }
+            });
+            let mut results: Vec<Option<Result<GroupOutcome, StoreError>>> = vec![None; batch.len()];
+            for ((_, members), result) in partitions.iter().zip(join_all(calls).await) {
+                match result {
+                    Ok(outcomes) => {
+                        for (&i, outcome) in members.iter().zip(outcomes) {
+                            results[i] = Some(Ok(outcome));
+                        }
+                    }
+                    Err(e) => {
+                        for &i in members {
+                            results[i] = Some(Err(e.clone()));
+                        }
+                    }
+                }
+            }
+            results.into_iter().map(|r| r.expect("every group has a result")).collect()
+        })
+    }
+
+    fn ping(&self) -> BoxFuture<'_, Result<(), StoreError>> {
+        Box::pin(async move {
+            let mut connection = self.connection.clone();
+            let ping = redis::cmd("PING");
+            let call = async {
+                match &mut connection {
+                    Connection::Standalone(c) => ping.query_async::<()>(c).await,
+                    Connection::Cluster(c) => ping.query_async::<()>(c).await,
+                }
+            };
+            tokio::time::timeout(self.timeout, call)
+                .await
+                .map_err(|_| StoreError::Timeout(self.timeout))?
+                .map_err(|e| StoreError::Redis(e.to_string()))
+        })
+    }
+
+    fn describe(&self) -> String {
+        self.description.clone()
+    }
+}
+
+// Reads the flat reply described at the top of the script.
+fn parse_reply(reply: Value, batch: &[&Group]) -> Result<Vec<GroupOutcome>, StoreError> {
+    let Value::Array(items) = reply else {
+        return Err(StoreError::Protocol(format!("expected an array, got {reply:?}")));
+    };
+    let expected = 1 + batch.iter().map(|g| 1 + 4 * g.len()).sum::<usize>();
+    if items.len() != expected {
+        return Err(StoreError::Protocol(format!("expected {expected} values, got {}", items.len())));
+    }
+    let mut items = items.into_iter();
+    let now_ms = u64::try_from(int(&mut items)?).unwrap_or(0);
+    let mut outcomes = Vec::with_capacity(batch.len());
+    for group in batch {
+        let admitted = int(&mut items)? == 1;
+        let mut verdicts = Vec::with_capacity(group.len());
+        for _ in 0..group.len() {
+            let allowed = int(&mut items)? == 1;
+            let tokens = float(&mut items)?;
+            let retry = int(&mut items)?;
+            let reset = int(&mut items)?;
+            verdicts.push(Verdict {
+                allowed,
+                tokens,
+                retry_after_ms: u64::try_from(retry).ok(),
+                reset_ms: u64::try_from(reset).unwrap_or(0),
+            });
+        }
+        outcomes.push(GroupOutcome { admitted, now_ms, verdicts });
+    }
+    Ok(outcomes)
+}
+
+fn int(items: &mut impl Iterator<Item = Value>) -> Result<i64, StoreError> {
+    match items.next() {
+        Some(Value::Int(i)) => Ok(i),
+        other => Err(StoreError::Protocol(format!("expected an integer, got {other:?}"))),
+    }
+}
+
+fn float(items: &mut impl Iterator<Item = Value>) -> Result<f64, StoreError> {
+    match items.next() {
+        Some(Value::BulkString(b)) => std::str::from_utf8(&b)
+            .ok()
+            .and_then(|s| s.parse::<f64>().ok())
+            .ok_or_else(|| StoreError::Protocol(format!("not a number: {:?}", String::from_utf8_lossy(&b)))),
+        other => Err(StoreError::Protocol(format!("expected a number, got {other:?}"))),
+    }
+}
