@@ -1,0 +1,372 @@
+//! The test harness: real servers on loopback, started and stopped by the tests.
+//!
+//! Every process a test starts is owned by a guard that kills it by PID when dropped, so a
+//! failing test leaves nothing behind. Ports come from a range below Linux's ephemeral range
+//! (32768+), so they do not collide with the client side of connections; a Cluster node's bus
+//! port (port + 10000) stays below it too. Readiness is always polled (PING, CLUSTER INFO,
+//! /readyz) with a bounded number of tries, never slept for.
+
+#![allow(dead_code)]
+
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicU16, Ordering};
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
+
+use envoy_types::pb::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimitResponse};
+use tollgate::client;
+
+/// A loopback port that was free a moment ago, with `port + 10000` free as well.
+pub fn free_port() -> u16 {
+    static NEXT: OnceLock<AtomicU16> = OnceLock::new();
+    // Spread concurrent test binaries over the range by process id.
+    let next = NEXT.get_or_init(|| AtomicU16::new(20_000 + (std::process::id() % 250) as u16 * 10));
+    for _ in 0..3_000 {
+        let mut port = next.fetch_add(1, Ordering::SeqCst);
+        if port >= 22_700 {
+            port = 20_000 + port % 2_700;
+            next.store(port + 1, Ordering::SeqCst);
+        }
+        let free = |p: u16| TcpListener::bind(("127.0.0.1", p)).is_ok();
+        if free(port) && free(port + 10_000) {
+            return port;
+        }
+    }
+    panic!("no free loopback port in 20000..22700");
+}
+
+/// Waits until `ready` holds, trying `tries` times `every` apart; panics with `what` otherwise.
+pub fn wait_until(what: &str, tries: u32, every: Duration, mut ready: impl FnMut() -> bool) {
+    for _ in 0..tries {
+        if ready() {
+            return;
+        }
+        std::thread::sleep(every);
+    }
+    panic!("timed out waiting for {what}");
+}
+
+/// A child process killed (by its PID) when dropped.
+pub struct Proc {
+    child: Child,
+    name: String,
+}
+
+impl Proc {
+    pub fn spawn(name: &str, command: &mut Command) -> Proc {
+        let child = command
+            .stdin(Stdio::null())
+            .spawn()
+            .unwrap_or_else(|e| panic!("cannot start {name} ({e}); run scripts/test, which installs what the tests need"));
+        Proc { child, name: name.to_owned() }
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// Sends `signal` (e.g. "TERM") to the process.
+    pub fn signal(&self, signal: &str) {
+        let status = Command::new("kill").arg(format!("-{signal}")).arg(self.pid().to_string()).status();
+        assert!(status.map(|s| s.success()).unwrap_or(false), "kill -{signal} {} failed", self.name);
+    }
+
+    /// Waits up to `limit` for the process to exit; returns its status.
+    pub fn wait_exit(&mut self, limit: Duration) -> Option<std::process::ExitStatus> {
+        let start = Instant::now();
+        while start.elapsed() < limit {
+            if let Some(status) = self.child.try_wait().expect("try_wait") {
+                return Some(status);
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        None
+    }
+
+    pub fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+fn scratch_dir(prefix: &str) -> tempfile::TempDir {
+    tempfile::Builder::new().prefix(prefix).tempdir().expect("temp dir")
+}
+
+/// A standalone `redis-server` on loopback.
+pub struct Redis {
+    pub port: u16,
+    proc: Proc,
+    _dir: tempfile::TempDir,
+}
+
+impl Redis {
+    pub fn start() -> Redis {
+        Self::start_with(&[])
+    }
+
+    pub fn start_with(extra: &[&str]) -> Redis {
+        let dir = scratch_dir("tollgate-redis");
+        let port = free_port();
+        let proc = Proc::spawn(
+            "redis-server",
+            Command::new("redis-server")
+                .args(["--port", &port.to_string(), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
+                .args(["--dir", dir.path().to_str().unwrap(), "--logfile", "redis.log"])
+                .args(extra)
+                .stdout(Stdio::null()),
+        );
+        let redis = Redis { port, proc, _dir: dir };
+        wait_until("redis-server to answer PING", 250, Duration::from_millis(20), || redis.ping());
+        redis
+    }
+
+    pub fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}", self.port)
+    }
+
+    pub fn connection(&self) -> redis::Connection {
+        redis::Client::open(self.url()).unwrap().get_connection().expect("connect to redis")
+    }
+
+    fn ping(&self) -> bool {
+        redis::Client::open(self.url())
+            .and_then(|c| c.get_connection_with_timeout(Duration::from_millis(200)))
+            .and_then(|mut c| redis::cmd("PING").query::<String>(&mut c))
+            .is_ok()
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.proc.pid()
+    }
+}
+
+/// A Redis Cluster of 3 primaries and 3 replicas made with `redis-cli --cluster create`.
+pub struct RedisCluster {
+    pub ports: Vec<u16>,
+    nodes: Vec<Proc>,
+    _dir: tempfile::TempDir,
+}
+
+impl RedisCluster {
+    pub fn start() -> RedisCluster {
+        let dir = scratch_dir("tollgate-cluster");
+        let ports: Vec<u16> = (0..6).map(|_| free_port()).collect();
+        let nodes = ports
+            .iter()
+            .map(|port| {
+                let node_dir = dir.path().join(port.to_string());
+                std::fs::create_dir(&node_dir).unwrap();
+                Proc::spawn(
+                    "redis-server (cluster node)",
+                    Command::new("redis-server")
+                        .args(["--port", &port.to_string(), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
+                        .args(["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf"])
+                        .args(["--cluster-node-timeout", "2000"])
+                        .args(["--dir", node_dir.to_str().unwrap(), "--logfile", "redis.log"])
+                        .stdout(Stdio::null()),
+                )
+            })
+            .collect();
+        let cluster = RedisCluster { ports, nodes, _dir: dir };
+        for port in &cluster.ports {
+            wait_until("cluster node to answer PING", 250, Duration::from_millis(20), || {
+                node_query::<String>(*port, &["PING"]).is_some()
+            });
+        }
+        let addrs: Vec<String> = cluster.ports.iter().map(|p| format!("127.0.0.1:{p}")).collect();
+        let out = Command::new("redis-cli")
+            .args(["--cluster", "create"])
+            .args(&addrs)
+            .args(["--cluster-replicas", "1", "--cluster-yes"])
+            .output()
+            .expect("redis-cli --cluster create");
+        assert!(out.status.success(), "cluster create failed: {}", String::from_utf8_lossy(&out.stdout));
+        for port in &cluster.ports {
+            wait_until("cluster_state:ok on every node", 500, Duration::from_millis(20), || {
+                node_query::<String>(*port, &["CLUSTER", "INFO"])
+                    .is_some_and(|info| info.contains("cluster_state:ok") && info.contains("cluster_known_nodes:6"))
+            });
+        }
+        cluster
+    }
+
+    /// `host:port,...` for `--redis-cluster`.
+    pub fn seeds(&self) -> String {
+        self.ports.iter().map(|p| format!("127.0.0.1:{p}")).collect::<Vec<_>>().join(",")
+    }
+
+    /// Ports of the nodes that are primaries now.
+    pub fn primaries(&self) -> Vec<u16> {
+        self.ports
+            .iter()
+            .copied()
+            .filter(|p| is_primary(*p))
+            .collect()
+    }
+
+    /// A connection that follows the cluster's redirections.
+    pub fn connection(&self) -> redis::cluster::ClusterConnection {
+        let nodes: Vec<String> = self.ports.iter().map(|p| format!("redis://127.0.0.1:{p}")).collect();
+        redis::cluster::ClusterClient::new(nodes).unwrap().get_connection().expect("cluster connection")
+    }
+
+    /// The primary port serving `slot`.
+    pub fn primary_for_slot(&self, slot: u16) -> u16 {
+        let slots: redis::Value = node_query(self.ports[0], &["CLUSTER", "SLOTS"]).expect("CLUSTER SLOTS");
+        let redis::Value::Array(ranges) = slots else { panic!("CLUSTER SLOTS: {slots:?}") };
+        for range in ranges {
+            let redis::Value::Array(parts) = range else { continue };
+            let (redis::Value::Int(lo), redis::Value::Int(hi)) = (&parts[0], &parts[1]) else { continue };
+            if (*lo..=*hi).contains(&i64::from(slot)) {
+                let redis::Value::Array(primary) = &parts[2] else { continue };
+                let redis::Value::Int(port) = primary[1] else { continue };
+                return port as u16;
+            }
+        }
+        panic!("slot {slot} is not served");
+    }
+
+    pub fn node_pid(&self, port: u16) -> u32 {
+        let i = self.ports.iter().position(|p| *p == port).expect("a node of this cluster");
+        self.nodes[i].pid()
+    }
+}
+
+fn is_primary(port: u16) -> bool {
+    let role: Option<redis::Value> = node_query(port, &["ROLE"]);
+    matches!(role, Some(redis::Value::Array(parts)) if matches!(&parts[0], redis::Value::BulkString(b) if b == b"master"))
+}
+
+/// Runs one command against one node (no redirection), `None` on any error.
+pub fn node_query<T: redis::FromRedisValue>(port: u16, args: &[&str]) -> Option<T> {
+    let client = redis::Client::open(format!("redis://127.0.0.1:{port}")).ok()?;
+    let mut con = client.get_connection_with_timeout(Duration::from_millis(500)).ok()?;
+    let mut cmd = redis::cmd(args[0]);
+    for a in &args[1..] {
+        cmd.arg(*a);
+    }
+    cmd.query(&mut con).ok()
+}
+
+/// Path of the tollgate binary Cargo built for these tests.
+pub fn tollgate_bin() -> &'static str {
+    env!("CARGO_BIN_EXE_tollgate")
+}
+
+/// A `tollgate serve` process.
+pub struct Tollgate {
+    pub grpc: SocketAddr,
+    pub http: SocketAddr,
+    pub proc: Proc,
+}
+
+/// Where a tollgate under test keeps its state.
+#[derive(Clone, Debug)]
+pub enum Backend {
+    Memory,
+    Redis(String),
+    Cluster(String),
+}
+
+impl Tollgate {
+    /// Starts `tollgate serve --config config` on `backend` and waits for `/readyz`.
+    pub fn start(config: &Path, backend: &Backend, extra: &[&str]) -> Tollgate {
+        let t = Self::spawn(config, backend, extra);
+        wait_until("tollgate /readyz", 500, Duration::from_millis(20), || {
+            http_get(t.http, "/readyz").is_some_and(|(status, _)| status == 200)
+        });
+        t
+    }
+
+    /// Starts it and waits only for `/healthz` (for tests whose store is meant to be down).
+    pub fn start_unready(config: &Path, backend: &Backend, extra: &[&str]) -> Tollgate {
+        let t = Self::spawn(config, backend, extra);
+        wait_until("tollgate /healthz", 500, Duration::from_millis(20), || {
+            http_get(t.http, "/healthz").is_some_and(|(status, _)| status == 200)
+        });
+        t
+    }
+
+    fn spawn(config: &Path, backend: &Backend, extra: &[&str]) -> Tollgate {
+        let grpc: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
+        let http: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
+        let mut cmd = Command::new(tollgate_bin());
+        cmd.args(["serve", "--config", config.to_str().unwrap()])
+            .args(["--grpc-addr", &grpc.to_string(), "--http-addr", &http.to_string()])
+            .args(["--drain-delay", "0s"])
+            .env("RUST_LOG", "warn")
+            .env_remove("TOLLGATE_REDIS_URL")
+            .env_remove("TOLLGATE_REDIS_CLUSTER");
+        match backend {
+            Backend::Memory => {}
+            Backend::Redis(url) => {
+                cmd.args(["--redis-url", url]);
+            }
+            Backend::Cluster(seeds) => {
+                cmd.args(["--redis-cluster", seeds]);
+            }
+        }
+        cmd.args(extra);
+        let proc = Proc::spawn("tollgate", &mut cmd);
+        Tollgate { grpc, http, proc }
+    }
+
+    pub fn addr(&self) -> String {
+        self.grpc.to_string()
+    }
+}
+
+/// A minimal HTTP/1.1 GET: (status, body), `None` if the server is not there.
+pub fn http_get(addr: SocketAddr, path: &str) -> Option<(u16, String)> {
+    let mut stream = TcpStream::connect_timeout(&addr, Duration::from_millis(500)).ok()?;
+    stream.set_read_timeout(Some(Duration::from_secs(5))).ok()?;
+    write!(stream, "GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n").ok()?;
+    let mut response = String::new();
+    stream.read_to_string(&mut response).ok()?;
+    let status = response.split_whitespace().nth(1)?.parse().ok()?;
+    let body = response.split_once("\r\n\r\n").map(|(_, b)| b.to_owned()).unwrap_or_default();
+    Some((status, body))
+}
+
+/// Writes `yaml` to a fresh directory and returns (dir guard, file path).
+pub fn config_file(yaml: &str) -> (tempfile::TempDir, PathBuf) {
+    let dir = scratch_dir("tollgate-config");
+    let path = dir.path().join("config.yaml");
+    std::fs::write(&path, yaml).unwrap();
+    (dir, path)
+}
+
+/// One gRPC round trip.
+pub async fn ask(addr: &str, request: RateLimitRequest) -> Result<RateLimitResponse, tonic::Status> {
+    match client::ask(addr, request).await {
+        Ok(r) => Ok(r),
+        Err(client::AskError::Status(s)) => Err(s),
+        Err(e) => panic!("{e}"),
+    }
+}
+
+/// A request with one descriptor per `k=v,k=v` string.
+pub fn req(domain: &str, descriptors: &[&str], hits: u32) -> RateLimitRequest {
+    let parsed: Vec<Vec<(String, String)>> =
+        descriptors.iter().map(|d| client::parse_descriptor(d).expect("descriptor syntax")).collect();
+    client::request(domain, &parsed, hits)
+}
+
+/// The value of response header `name`.
+pub fn header<'a>(response: &'a RateLimitResponse, name: &str) -> Option<&'a str> {
+    response.response_headers_to_add.iter().find(|h| h.key.eq_ignore_ascii_case(name)).map(|h| h.value.as_str())
+}
+
+/// Overall code of a response: 1 = OK, 2 = OVER_LIMIT.
+pub const OK: i32 = 1;
+pub const OVER_LIMIT: i32 = 2;
