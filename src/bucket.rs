@@ -135,11 +135,7 @@ pub fn refill(state: Option<BucketState>, spec: &BucketSpec, now_ms: u64) -> Buc
 /// Evaluates `batch` at `now_ms` against the states `load` returns (`None` = no stored bucket).
 ///
 /// `load` is called at most once per distinct key.
-pub fn evaluate(
-    batch: &Batch,
-    now_ms: u64,
-    mut load: impl FnMut(&str) -> Option<BucketState>,
-) -> Evaluation {
+pub fn evaluate(batch: &Batch, now_ms: u64, mut load: impl FnMut(&str) -> Option<BucketState>) -> Evaluation {
     // Committed state of every key touched so far in this batch.
     let mut running: HashMap<&str, Option<BucketState>> = HashMap::new();
     let mut dirty: HashMap<&str, u64> = HashMap::new();
@@ -177,10 +173,9 @@ pub fn evaluate(
             let key = op.key.as_str();
             if admitted {
                 running.insert(key, tentative.get(key).copied());
-                if verdict.allowed && op.need != 0.0 && op.spec.refill_per_second > 0.0 {
-                    if dirty.insert(key, op.spec.idle_ttl_ms()).is_none() {
-                        dirty_order.push(key);
-                    }
+                let debited = verdict.allowed && op.need != 0.0 && op.spec.refill_per_second > 0.0;
+                if debited && dirty.insert(key, op.spec.idle_ttl_ms()).is_none() {
+                    dirty_order.push(key);
                 }
             } else {
                 verdict.tokens = refill(running[key], &op.spec, now_ms).tokens;
@@ -223,11 +218,14 @@ mod tests {
         assert!(e.groups[0].admitted && v.allowed);
         assert_eq!(v.tokens, 7.0);
         assert_eq!(v.reset_ms, 3_000);
-        assert_eq!(e.writes, vec![Write {
-            key: "a".into(),
-            state: BucketState { tokens: 7.0, last_refill_ms: 1_000 },
-            ttl_ms: 11_000,
-        }]);
+        assert_eq!(
+            e.writes,
+            vec![Write {
+                key: "a".into(),
+                state: BucketState { tokens: 7.0, last_refill_ms: 1_000 },
+                ttl_ms: 11_000,
+            }]
+        );
     }
 
     #[test]

@@ -118,10 +118,7 @@ mod tests {
         assert_eq!(tenant_key("t42", &Class::Named("export")), "rl:{t42}:export");
         assert_eq!(tenant_key("a}b{", &Class::Named("x:y")), "rl:{a%7Db%7B}:x%3Ay");
         assert_eq!(tenant_key("", &Class::Named("default")), "rl:{%}:default");
-        assert_eq!(
-            tenant_key("t", &Class::Path(&[("path", "/export")])),
-            "rl:{t}:path=/export"
-        );
+        assert_eq!(tenant_key("t", &Class::Path(&[("path", "/export")])), "rl:{t}:path=/export");
         assert_eq!(
             descriptor_key("edge", &[("remote_address", "10.0.0.1"), ("k", "a=b")]),
             "rl:edge:remote_address=10.0.0.1:k=a%3Db"

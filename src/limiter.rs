@@ -19,10 +19,10 @@ use std::sync::Arc;
 
 use arc_swap::ArcSwap;
 use envoy_types::pb::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor;
+use envoy_types::pb::envoy::r#type::v3::RateLimitUnit;
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::rate_limit::Unit;
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::Code;
 use envoy_types::pb::envoy::service::ratelimit::v3::RateLimitRequest;
-use envoy_types::pb::envoy::r#type::v3::RateLimitUnit;
 
 use crate::bucket::{BucketOp, BucketSpec, Group, Verdict};
 use crate::config::{Domain, FailureMode, Limit, Rule, RuleSet};
@@ -175,11 +175,8 @@ impl Limiter {
             return Ok(Decision::all_ok(request.descriptors.len(), None));
         };
 
-        let mut plans: Vec<Plan<'_>> = request
-            .descriptors
-            .iter()
-            .map(|d| self.plan(domain, d, request.hits_addend))
-            .collect();
+        let mut plans: Vec<Plan<'_>> =
+            request.descriptors.iter().map(|d| self.plan(domain, d, request.hits_addend)).collect();
         drop_replaced(&mut plans);
         self.resolve_quotas(domain, &mut plans).await;
 
@@ -213,8 +210,10 @@ impl Limiter {
                     };
                     match &results[*g] {
                         Ok(outcome) => {
-                            let report = BucketReport { limit, verdict: outcome.verdicts[*i], shadow: p.shadow };
-                            let code = if report.denied() && !report.shadow { Code::OverLimit } else { Code::Ok };
+                            let report =
+                                BucketReport { limit, verdict: outcome.verdicts[*i], shadow: p.shadow };
+                            let code =
+                                if report.denied() && !report.shadow { Code::OverLimit } else { Code::Ok };
                             DescriptorVerdict { code, outcome: Outcome::Bucket(report) }
                         }
                         Err(error) => self.store_failed(domain, limit, error)?,
@@ -225,14 +224,16 @@ impl Limiter {
             };
             descriptors.push(verdict);
         }
-        let overall = if descriptors.iter().any(|d| d.code == Code::OverLimit) { Code::OverLimit } else { Code::Ok };
+        let overall =
+            if descriptors.iter().any(|d| d.code == Code::OverLimit) { Code::OverLimit } else { Code::Ok };
         Ok(Decision { overall, descriptors, domain: Some(domain.clone()) })
     }
 
     fn plan<'r>(&self, domain: &'r Domain, d: &'r RateLimitDescriptor, request_hits: u32) -> Plan<'r> {
         let rule = domain.lookup(&d.entries);
         // `validate` has checked the override's unit.
-        let override_spec = d.limit.and_then(|o| Some(units::bucket(o.requests_per_unit, override_unit(o.unit)?)));
+        let override_spec =
+            d.limit.and_then(|o| Some(units::bucket(o.requests_per_unit, override_unit(o.unit)?)));
         let spec = match (override_spec, rule.map(|r| r.limit)) {
             (Some(spec), _) | (None, Some(Limit::Bucket(spec))) => Some(spec),
             (None, Some(Limit::TenantQuota)) => None,
@@ -319,7 +320,10 @@ impl Limiter {
             FailureMode::Allow => Code::Ok,
             FailureMode::Deny => Code::OverLimit,
             FailureMode::Error => {
-                return Err(DecideError::StoreUnavailable { domain: domain.name.clone(), source: error.clone() })
+                return Err(DecideError::StoreUnavailable {
+                    domain: domain.name.clone(),
+                    source: error.clone(),
+                })
             }
         };
         Ok(DescriptorVerdict { code, outcome: Outcome::StoreFailed { limit, mode } })
@@ -386,14 +390,19 @@ pub fn validate(request: &RateLimitRequest) -> Result<(), DecideError> {
             return invalid(format!("descriptor {i} has no entries"));
         }
         if d.entries.len() > MAX_ENTRIES {
-            return invalid(format!("descriptor {i} has {} entries, at most {MAX_ENTRIES} allowed", d.entries.len()));
+            return invalid(format!(
+                "descriptor {i} has {} entries, at most {MAX_ENTRIES} allowed",
+                d.entries.len()
+            ));
         }
         for (j, e) in d.entries.iter().enumerate() {
             if e.key.is_empty() {
                 return invalid(format!("descriptor {i} entry {j} has an empty key"));
             }
             if e.key.len() > MAX_ENTRY_BYTES || e.value.len() > MAX_ENTRY_BYTES {
-                return invalid(format!("descriptor {i} entry {j}: keys and values are limited to {MAX_ENTRY_BYTES} bytes"));
+                return invalid(format!(
+                    "descriptor {i} entry {j}: keys and values are limited to {MAX_ENTRY_BYTES} bytes"
+                ));
             }
         }
         if let Some(o) = &d.limit {

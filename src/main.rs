@@ -1,7 +1,7 @@
 //! The `tollgate` command: `serve`, `validate`, `ask`.
 
 use std::net::SocketAddr;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::Duration;
@@ -18,7 +18,11 @@ use tollgate::server::{self, Listen, Shutdown};
 use tollgate::store::{MemoryStore, RedisStore, RedisTarget, Store};
 
 #[derive(Parser)]
-#[command(name = "tollgate", version, about = "Rate-limit service for Envoy and Istio: per-tenant token buckets in Redis Cluster")]
+#[command(
+    name = "tollgate",
+    version,
+    about = "Rate-limit service for Envoy and Istio: per-tenant token buckets in Redis Cluster"
+)]
 struct Cli {
     /// Log format: text or json.
     #[arg(long, global = true, env = "TOLLGATE_LOG_FORMAT", default_value = "text", value_parser = ["text", "json"])]
@@ -112,8 +116,13 @@ fn serve(args: ServeArgs) -> Result<()> {
     }
     runtime()?.block_on(async move {
         let store: Arc<dyn Store> = match (&args.redis_url, args.redis_cluster.is_empty()) {
-            (Some(url), _) => Arc::new(RedisStore::connect(&RedisTarget::Standalone(url.clone()), args.redis_timeout)?),
-            (None, false) => Arc::new(RedisStore::connect(&RedisTarget::Cluster(args.redis_cluster.clone()), args.redis_timeout)?),
+            (Some(url), _) => {
+                Arc::new(RedisStore::connect(&RedisTarget::Standalone(url.clone()), args.redis_timeout)?)
+            }
+            (None, false) => Arc::new(RedisStore::connect(
+                &RedisTarget::Cluster(args.redis_cluster.clone()),
+                args.redis_timeout,
+            )?),
             (None, true) => {
                 tracing::warn!(
                     "no --redis-url or --redis-cluster: using the embedded memory store. Limits hold \
@@ -124,7 +133,8 @@ fn serve(args: ServeArgs) -> Result<()> {
         };
         tracing::info!(store = %store.describe(), shadow_mode = args.shadow_mode, "store ready");
         let rules = Arc::new(ArcSwap::from_pointee(rules));
-        let limiter = Arc::new(Limiter::new(rules.clone(), store, Arc::new(EmbeddedQuotas), args.shadow_mode));
+        let limiter =
+            Arc::new(Limiter::new(rules.clone(), store, Arc::new(EmbeddedQuotas), args.shadow_mode));
         let listen = Listen { grpc: args.grpc_addr, http: args.http_addr };
         server::run(listen, rules, limiter, shutdown_signal(args.drain_delay)).await?;
         Ok(())
@@ -148,7 +158,7 @@ async fn shutdown_signal(drain_delay: Duration) -> Shutdown {
     }
 }
 
-fn validate(path: &PathBuf) -> Result<()> {
+fn validate(path: &Path) -> Result<()> {
     let rules = RuleSet::load(path)?;
     let mut any = false;
     for domain in rules.domains() {

@@ -34,7 +34,9 @@ impl DescriptorEntry for (&str, &str) {
     }
 }
 
-impl DescriptorEntry for envoy_types::pb::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::Entry {
+impl DescriptorEntry
+    for envoy_types::pb::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::Entry
+{
     fn key(&self) -> &str {
         &self.key
     }

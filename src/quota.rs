@@ -66,11 +66,7 @@ impl Quotas {
 /// source answers `None` for tenants it does not know, which then get `default_tier`.
 pub trait QuotaSource: Send + Sync + 'static {
     /// The record of `tenant` in `domain`.
-    fn tenant<'a>(
-        &'a self,
-        domain: &'a Domain,
-        tenant: &'a str,
-    ) -> BoxFuture<'a, Option<Arc<TenantRecord>>>;
+    fn tenant<'a>(&'a self, domain: &'a Domain, tenant: &'a str) -> BoxFuture<'a, Option<Arc<TenantRecord>>>;
 }
 
 /// Tenant records written inline in the domain file (`tenants:`).
@@ -78,11 +74,7 @@ pub trait QuotaSource: Send + Sync + 'static {
 pub struct EmbeddedQuotas;
 
 impl QuotaSource for EmbeddedQuotas {
-    fn tenant<'a>(
-        &'a self,
-        domain: &'a Domain,
-        tenant: &'a str,
-    ) -> BoxFuture<'a, Option<Arc<TenantRecord>>> {
+    fn tenant<'a>(&'a self, domain: &'a Domain, tenant: &'a str) -> BoxFuture<'a, Option<Arc<TenantRecord>>> {
         Box::pin(std::future::ready(domain.tenants.get(tenant).cloned()))
     }
 }

@@ -91,12 +91,15 @@ pub async fn run(
     };
 
     let state = HttpState { rules, store: limiter.store().clone(), draining: draining.clone() };
-    let http_server = axum::serve(http_listener, http::router(state))
-        .with_graceful_shutdown(stopped(stop_rx.clone()));
+    let http_server =
+        axum::serve(http_listener, http::router(state)).with_graceful_shutdown(stopped(stop_rx.clone()));
     let grpc_server = tonic::transport::Server::builder()
         .add_service(health_service)
         .add_service(RateLimitServiceServer::from_arc(Arc::new(RateLimitGrpc::new(limiter))))
-        .serve_with_incoming_shutdown(TcpIncoming::from(grpc_listener).with_nodelay(Some(true)), stopped(stop_rx));
+        .serve_with_incoming_shutdown(
+            TcpIncoming::from(grpc_listener).with_nodelay(Some(true)),
+            stopped(stop_rx),
+        );
 
     let lifecycle = async move {
         let how = shutdown.await;

@@ -172,13 +172,20 @@ fn envoyproxy_ratelimit_files_load_unchanged_from_a_directory() {
     assert_eq!(rules.domains().count(), RATELIMIT_EXAMPLES.len());
 
     // Example 2: nested and key-only rules.
-    assert_eq!(matched(&rules, "messaging", &[("message_type", "marketing"), ("to_number", "206")]), "message_type_marketing.to_number");
+    assert_eq!(
+        matched(&rules, "messaging", &[("message_type", "marketing"), ("to_number", "206")]),
+        "message_type_marketing.to_number"
+    );
     assert_eq!(matched(&rules, "messaging", &[("to_number", "206")]), "to_number");
     assert_eq!(matched(&rules, "messaging", &[("message_type", "other"), ("to_number", "206")]), "-");
     // Example 3: the most specific match wins.
     assert_eq!(matched(&rules, "edge_proxy_per_ip", &[("remote_address", "50.0.0.1")]), "remote_address");
-    assert_eq!(matched(&rules, "edge_proxy_per_ip", &[("remote_address", "50.0.0.5")]), "remote_address_50.0.0.5");
-    let blocked = rules.domain("edge_proxy_per_ip").unwrap().lookup(&[("remote_address", "50.0.0.5")]).unwrap();
+    assert_eq!(
+        matched(&rules, "edge_proxy_per_ip", &[("remote_address", "50.0.0.5")]),
+        "remote_address_50.0.0.5"
+    );
+    let blocked =
+        rules.domain("edge_proxy_per_ip").unwrap().lookup(&[("remote_address", "50.0.0.5")]).unwrap();
     assert_eq!(blocked.limit, Limit::Bucket(BucketSpec { capacity: 0.0, refill_per_second: 0.0 }));
     // Example 4: a limit applies only at the depth of the descriptor's last entry.
     assert_eq!(matched(&rules, "example4", &[("key", "value")]), "-");
@@ -205,8 +212,14 @@ fn rate_limit_becomes_a_token_bucket() {
         "domain: d\ndescriptors:\n  - key: a\n    rate_limit: {unit: Minute, requests_per_unit: 20}\n  - key: b\n    rate_limit: {unit: DAY, requests_per_unit: 86400}\n",
     );
     let d = rules.domain("d").unwrap();
-    assert_eq!(d.lookup(&[("a", "x")]).unwrap().limit, Limit::Bucket(BucketSpec { capacity: 20.0, refill_per_second: 20.0 / 60.0 }));
-    assert_eq!(d.lookup(&[("b", "x")]).unwrap().limit, Limit::Bucket(BucketSpec { capacity: 86400.0, refill_per_second: 1.0 }));
+    assert_eq!(
+        d.lookup(&[("a", "x")]).unwrap().limit,
+        Limit::Bucket(BucketSpec { capacity: 20.0, refill_per_second: 20.0 / 60.0 })
+    );
+    assert_eq!(
+        d.lookup(&[("b", "x")]).unwrap().limit,
+        Limit::Bucket(BucketSpec { capacity: 86400.0, refill_per_second: 1.0 })
+    );
 }
 
 #[test]
@@ -297,7 +310,10 @@ descriptors:
     assert_eq!(org.limit, Limit::Bucket(BucketSpec { capacity: 100.0, refill_per_second: 50.0 }));
     assert_eq!((org.tenant_depth, org.cost, org.class.as_deref()), (Some(0), 1, None));
     let export = d.lookup(&[("org", "t1"), ("path", "/export")]).unwrap();
-    assert_eq!((export.limit, export.cost, export.class.as_deref()), (Limit::TenantQuota, 25, Some("export")));
+    assert_eq!(
+        (export.limit, export.cost, export.class.as_deref()),
+        (Limit::TenantQuota, 25, Some("export"))
+    );
     let versioned = d.lookup(&[("org", "t1"), ("path", "/v2/items")]).unwrap();
     assert_eq!(versioned.class.as_deref(), Some("versioned"), "a rule's name names its class");
     assert_eq!(versioned.shared_values, vec![None, Some("/v*".to_string())]);

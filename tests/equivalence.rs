@@ -38,7 +38,11 @@ fn buckets(rng: &mut StdRng) -> Vec<Bucket> {
                 capacity: capacities[rng.random_range(0..capacities.len())],
                 refill_per_second: rates[rng.random_range(0..rates.len())],
             };
-            all.push(Bucket { key: tenant_key(&format!("t{tenant}"), &Class::Named(class)), group: tenant, spec });
+            all.push(Bucket {
+                key: tenant_key(&format!("t{tenant}"), &Class::Named(class)),
+                group: tenant,
+                spec,
+            });
         }
     }
     all.push(Bucket {
@@ -89,7 +93,8 @@ async fn replay(seed: u64, redis: &common::Redis) {
             for b in &buckets {
                 let last: Option<u64> = redis::cmd("HGET").arg(&b.key).arg("l").query(&mut con).unwrap();
                 if let Some(last) = last {
-                    let _: () = redis::cmd("HSET").arg(&b.key).arg("l").arg(last - delta).query(&mut con).unwrap();
+                    let _: () =
+                        redis::cmd("HSET").arg(&b.key).arg("l").arg(last - delta).query(&mut con).unwrap();
                 }
             }
             shift += delta;
@@ -117,7 +122,9 @@ async fn memory_store_and_lua_script_agree() {
     let mut seeds = vec![1, 2, 3, 42];
     match std::env::var("TOLLGATE_EQUIV_SEED") {
         Ok(s) => seeds = vec![s.parse().expect("TOLLGATE_EQUIV_SEED is a number")],
-        Err(_) => seeds.push(std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_secs()),
+        Err(_) => {
+            seeds.push(std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_secs())
+        }
     }
     for seed in seeds {
         replay(seed, &redis).await;

@@ -8,8 +8,19 @@ use tollgate::keys::{cluster_slot, descriptor_key, tenant_key, Class};
 fn tricky() -> impl Strategy<Value = String> {
     proptest::collection::vec(
         prop_oneof![
-            Just('{'), Just('}'), Just(':'), Just('%'), Just('='), Just('\n'), Just('\0'),
-            Just('a'), Just('b'), Just('2'), Just('5'), Just('*'), Just('é'),
+            Just('{'),
+            Just('}'),
+            Just(':'),
+            Just('%'),
+            Just('='),
+            Just('\n'),
+            Just('\0'),
+            Just('a'),
+            Just('b'),
+            Just('2'),
+            Just('5'),
+            Just('*'),
+            Just('é'),
         ],
         0..8,
     )

@@ -26,9 +26,10 @@ pub(super) fn domain(file: &Path, text: &str) -> Result<Domain, ConfigError> {
         message,
     };
 
-    let name = raw.domain.filter(|d| !d.is_empty()).ok_or_else(|| {
-        invalid("domain", "config file cannot have empty domain".into())
-    })?;
+    let name = raw
+        .domain
+        .filter(|d| !d.is_empty())
+        .ok_or_else(|| invalid("domain", "config file cannot have empty domain".into()))?;
     let tenant_key = raw.tenant_key.unwrap_or_else(|| "tenant".into());
     if tenant_key.is_empty() {
         return Err(invalid("tenant_key", "must not be empty".into()));
@@ -44,26 +45,27 @@ pub(super) fn domain(file: &Path, text: &str) -> Result<Domain, ConfigError> {
             ))
         }
     };
-    let headers = match raw.response_headers {
-        None => HeaderSets::default(),
-        Some(sets) => {
-            let mut h = HeaderSets { x_ratelimit: false, retry_after: false, ietf: false };
-            for (i, set) in sets.iter().enumerate() {
-                match set.as_str() {
-                    "x-ratelimit" => h.x_ratelimit = true,
-                    "retry-after" => h.retry_after = true,
-                    "ietf" => h.ietf = true,
-                    other => {
-                        return Err(invalid(
+    let headers =
+        match raw.response_headers {
+            None => HeaderSets::default(),
+            Some(sets) => {
+                let mut h = HeaderSets { x_ratelimit: false, retry_after: false, ietf: false };
+                for (i, set) in sets.iter().enumerate() {
+                    match set.as_str() {
+                        "x-ratelimit" => h.x_ratelimit = true,
+                        "retry-after" => h.retry_after = true,
+                        "ietf" => h.ietf = true,
+                        other => return Err(invalid(
                             &format!("response_headers[{i}]"),
-                            format!("unknown header set '{other}' (expected x-ratelimit, retry-after or ietf)"),
-                        ))
+                            format!(
+                                "unknown header set '{other}' (expected x-ratelimit, retry-after or ietf)"
+                            ),
+                        )),
                     }
                 }
+                h
             }
-            h
-        }
-    };
+        };
 
     let mut tiers = HashMap::new();
     for (tier, classes) in &raw.tiers {
@@ -167,9 +169,7 @@ impl Tree<'_> {
                     (false, Some(v)) => format!("{}.{key}_{v}", parent.path),
                 },
                 depth: parent.depth + 1,
-                tenant_depth: parent
-                    .tenant_depth
-                    .or((key == self.tenant_key).then_some(parent.depth)),
+                tenant_depth: parent.tenant_depth.or((key == self.tenant_key).then_some(parent.depth)),
                 shared_values: {
                     let mut s = parent.shared_values.clone();
                     s.push(value.filter(|v| d.share_threshold && v.contains('*')).map(str::to_owned));
@@ -189,9 +189,9 @@ impl Tree<'_> {
             self.rules.extend(rule.clone());
             let children = self.level(d.descriptors.as_deref().unwrap_or_default(), &place)?;
             let node = Node { value: ValueMatch::parse(value), rule, children };
-            level.insert(key, node).map_err(|_| {
-                invalid(format!("duplicate descriptor composite key '{}'", place.path))
-            })?;
+            level
+                .insert(key, node)
+                .map_err(|_| invalid(format!("duplicate descriptor composite key '{}'", place.path)))?;
         }
         Ok(level)
     }
@@ -204,7 +204,7 @@ impl Tree<'_> {
         let mut name = None;
         let mut replaces = Vec::new();
         let limit = if let Some(rl) = &d.rate_limit {
-            let unit = rl.unit.as_deref().and_then(|u| units::parse(u));
+            let unit = rl.unit.as_deref().and_then(units::parse);
             name = rl.name.clone().filter(|n| !n.is_empty());
             for r in &rl.replaces {
                 if r.name.is_empty() {
@@ -219,12 +219,10 @@ impl Tree<'_> {
                 (true, Some(_)) => return Err("should not specify rate limit unit when unlimited".into()),
                 (true, None) => Some(Limit::Unlimited),
                 (false, Some(unit)) => Some(Limit::Bucket(units::bucket(rl.requests_per_unit, unit))),
-                (false, None) => {
-                    return Err(format!(
-                        "invalid rate limit unit '{}' (expected second, minute, hour, day, week, month or year)",
-                        rl.unit.as_deref().unwrap_or_default()
-                    ))
-                }
+                (false, None) => return Err(format!(
+                    "invalid rate limit unit '{}' (expected second, minute, hour, day, week, month or year)",
+                    rl.unit.as_deref().unwrap_or_default()
+                )),
             }
         } else if let Some(tb) = &d.token_bucket {
             Some(Limit::Bucket(token_bucket(tb).map_err(|m| format!("token_bucket: {m}"))?))
@@ -295,7 +293,10 @@ fn token_bucket(b: &raw::TokenBucket) -> Result<BucketSpec, String> {
         return Err(format!("refill_per_second must be a non-negative number, got {rate}"));
     }
     if rate == 0.0 && capacity > 0.0 {
-        return Err("refill_per_second must be above 0 (a bucket that never refills is a quota, not a rate limit)".into());
+        return Err(
+            "refill_per_second must be above 0 (a bucket that never refills is a quota, not a rate limit)"
+                .into(),
+        );
     }
     Ok(BucketSpec { capacity, refill_per_second: rate })
 }

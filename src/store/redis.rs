@@ -92,7 +92,8 @@ impl RedisStore {
     async fn run(&self, batch: &[&Group]) -> Result<Vec<GroupOutcome>, StoreError> {
         let mut invocation = self.script.prepare_invoke();
         let mut key_index: HashMap<&str, usize> = HashMap::new();
-        let mut args: Vec<String> = Vec::with_capacity(1 + batch.iter().map(|g| 1 + 5 * g.len()).sum::<usize>());
+        let mut args: Vec<String> =
+            Vec::with_capacity(1 + batch.iter().map(|g| 1 + 5 * g.len()).sum::<usize>());
         args.push(batch.len().to_string());
         for group in batch {
             args.push(group.len().to_string());

@@ -57,10 +57,9 @@ pub struct Proc {
 
 impl Proc {
     pub fn spawn(name: &str, command: &mut Command) -> Proc {
-        let child = command
-            .stdin(Stdio::null())
-            .spawn()
-            .unwrap_or_else(|e| panic!("cannot start {name} ({e}); run scripts/test, which installs what the tests need"));
+        let child = command.stdin(Stdio::null()).spawn().unwrap_or_else(|e| {
+            panic!("cannot start {name} ({e}); run scripts/test, which installs what the tests need")
+        });
         Proc { child, name: name.to_owned() }
     }
 
@@ -116,11 +115,23 @@ impl Redis {
 
     pub fn start_with(extra: &[&str]) -> Redis {
         let dir = scratch_dir("tollgate-redis");
-        let port = free_port();
+        let port = match extra.iter().position(|a| *a == "--port") {
+            Some(i) => extra[i + 1].parse().expect("a port number"),
+            None => free_port(),
+        };
         let proc = Proc::spawn(
             "redis-server",
             Command::new("redis-server")
-                .args(["--port", &port.to_string(), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
+                .args([
+                    "--port",
+                    &port.to_string(),
+                    "--bind",
+                    "127.0.0.1",
+                    "--save",
+                    "",
+                    "--appendonly",
+                    "no",
+                ])
                 .args(["--dir", dir.path().to_str().unwrap(), "--logfile", "redis.log"])
                 .args(extra)
                 .stdout(Stdio::null()),
@@ -169,7 +180,16 @@ impl RedisCluster {
                 Proc::spawn(
                     "redis-server (cluster node)",
                     Command::new("redis-server")
-                        .args(["--port", &port.to_string(), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
+                        .args([
+                            "--port",
+                            &port.to_string(),
+                            "--bind",
+                            "127.0.0.1",
+                            "--save",
+                            "",
+                            "--appendonly",
+                            "no",
+                        ])
                         .args(["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf"])
                         .args(["--cluster-node-timeout", "2000"])
                         .args(["--dir", node_dir.to_str().unwrap(), "--logfile", "redis.log"])
@@ -193,8 +213,9 @@ impl RedisCluster {
         assert!(out.status.success(), "cluster create failed: {}", String::from_utf8_lossy(&out.stdout));
         for port in &cluster.ports {
             wait_until("cluster_state:ok on every node", 500, Duration::from_millis(20), || {
-                node_query::<String>(*port, &["CLUSTER", "INFO"])
-                    .is_some_and(|info| info.contains("cluster_state:ok") && info.contains("cluster_known_nodes:6"))
+                node_query::<String>(*port, &["CLUSTER", "INFO"]).is_some_and(|info| {
+                    info.contains("cluster_state:ok") && info.contains("cluster_known_nodes:6")
+                })
             });
         }
         cluster
@@ -207,11 +228,7 @@ impl RedisCluster {
 
     /// Ports of the nodes that are primaries now.
     pub fn primaries(&self) -> Vec<u16> {
-        self.ports
-            .iter()
-            .copied()
-            .filter(|p| is_primary(*p))
-            .collect()
+        self.ports.iter().copied().filter(|p| is_primary(*p)).collect()
     }
 
     /// A connection that follows the cluster's redirections.
@@ -303,7 +320,6 @@ impl Tollgate {
         let mut cmd = Command::new(tollgate_bin());
         cmd.args(["serve", "--config", config.to_str().unwrap()])
             .args(["--grpc-addr", &grpc.to_string(), "--http-addr", &http.to_string()])
-            .args(["--drain-delay", "0s"])
             .env("RUST_LOG", "warn")
             .env_remove("TOLLGATE_REDIS_URL")
             .env_remove("TOLLGATE_REDIS_CLUSTER");
@@ -315,6 +331,9 @@ impl Tollgate {
             Backend::Cluster(seeds) => {
                 cmd.args(["--redis-cluster", seeds]);
             }
+        }
+        if !extra.contains(&"--drain-delay") {
+            cmd.args(["--drain-delay", "0s"]);
         }
         cmd.args(extra);
         let proc = Proc::spawn("tollgate", &mut cmd);
@@ -364,7 +383,11 @@ pub fn req(domain: &str, descriptors: &[&str], hits: u32) -> RateLimitRequest {
 
 /// The value of response header `name`.
 pub fn header<'a>(response: &'a RateLimitResponse, name: &str) -> Option<&'a str> {
-    response.response_headers_to_add.iter().find(|h| h.key.eq_ignore_ascii_case(name)).map(|h| h.value.as_str())
+    response
+        .response_headers_to_add
+        .iter()
+        .find(|h| h.key.eq_ignore_ascii_case(name))
+        .map(|h| h.value.as_str())
 }
 
 /// Overall code of a response: 1 = OK, 2 = OVER_LIMIT.
