@@ -12,8 +12,10 @@ use common::*;
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_client::RateLimitServiceClient;
 use tollgate::keys::{cluster_slot, tenant_key, Class};
 
+// Fail closed: a store error must never count as an admission in the concurrency test.
 const CONFIG: &str = r#"
 domain: c
+failure_mode: deny
 default_tier: free
 tiers:
   free:

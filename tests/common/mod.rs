@@ -332,8 +332,12 @@ impl Tollgate {
                 cmd.args(["--redis-cluster", seeds]);
             }
         }
-        if !extra.contains(&"--drain-delay") {
-            cmd.args(["--drain-delay", "0s"]);
+        // Defaults for tests, unless the test sets its own: no drain delay, and a Redis deadline
+        // generous enough that a loaded CI machine never turns answers into failure modes.
+        for (flag, value) in [("--drain-delay", "0s"), ("--redis-timeout", "2s")] {
+            if !extra.contains(&flag) {
+                cmd.args([flag, value]);
+            }
         }
         cmd.args(extra);
         let proc = Proc::spawn("tollgate", &mut cmd);
