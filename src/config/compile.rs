@@ -45,27 +45,28 @@ pub(super) fn domain(file: &Path, text: &str) -> Result<Domain, ConfigError> {
             ))
         }
     };
-    let headers =
-        match raw.response_headers {
-            None => HeaderSets::default(),
-            Some(sets) => {
-                let mut h = HeaderSets { x_ratelimit: false, retry_after: false, ietf: false };
-                for (i, set) in sets.iter().enumerate() {
-                    match set.as_str() {
-                        "x-ratelimit" => h.x_ratelimit = true,
-                        "retry-after" => h.retry_after = true,
-                        "ietf" => h.ietf = true,
-                        other => return Err(invalid(
+    let headers = match raw.response_headers {
+        None => HeaderSets::default(),
+        Some(sets) => {
+            let mut h = HeaderSets { x_ratelimit: false, retry_after: false, ietf: false };
+            for (i, set) in sets.iter().enumerate() {
+                match set.as_str() {
+                    "x-ratelimit" => h.x_ratelimit = true,
+                    "retry-after" => h.retry_after = true,
+                    "ietf" => h.ietf = true,
+                    other => {
+                        return Err(invalid(
                             &format!("response_headers[{i}]"),
                             format!(
                                 "unknown header set '{other}' (expected x-ratelimit, retry-after or ietf)"
                             ),
-                        )),
+                        ))
                     }
                 }
-                h
             }
-        };
+            h
+        }
+    };
 
     let mut tiers = HashMap::new();
     for (tier, classes) in &raw.tiers {
@@ -219,10 +220,12 @@ impl Tree<'_> {
                 (true, Some(_)) => return Err("should not specify rate limit unit when unlimited".into()),
                 (true, None) => Some(Limit::Unlimited),
                 (false, Some(unit)) => Some(Limit::Bucket(units::bucket(rl.requests_per_unit, unit))),
-                (false, None) => return Err(format!(
+                (false, None) => {
+                    return Err(format!(
                     "invalid rate limit unit '{}' (expected second, minute, hour, day, week, month or year)",
                     rl.unit.as_deref().unwrap_or_default()
-                )),
+                ))
+                }
             }
         } else if let Some(tb) = &d.token_bucket {
             Some(Limit::Bucket(token_bucket(tb).map_err(|m| format!("token_bucket: {m}"))?))

@@ -101,6 +101,15 @@ fn scratch_dir(prefix: &str) -> tempfile::TempDir {
     tempfile::Builder::new().prefix(prefix).tempdir().expect("temp dir")
 }
 
+/// A `redis-server` command for loopback `port`, without persistence, logging into `dir`.
+fn redis_server(port: u16, dir: &Path) -> Command {
+    let mut cmd = Command::new("redis-server");
+    cmd.args(["--port", &port.to_string(), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
+        .args(["--dir", dir.to_str().unwrap(), "--logfile", "redis.log"])
+        .stdout(Stdio::null());
+    cmd
+}
+
 /// A standalone `redis-server` on loopback.
 pub struct Redis {
     pub port: u16,
@@ -119,23 +128,7 @@ impl Redis {
             Some(i) => extra[i + 1].parse().expect("a port number"),
             None => free_port(),
         };
-        let proc = Proc::spawn(
-            "redis-server",
-            Command::new("redis-server")
-                .args([
-                    "--port",
-                    &port.to_string(),
-                    "--bind",
-                    "127.0.0.1",
-                    "--save",
-                    "",
-                    "--appendonly",
-                    "no",
-                ])
-                .args(["--dir", dir.path().to_str().unwrap(), "--logfile", "redis.log"])
-                .args(extra)
-                .stdout(Stdio::null()),
-        );
+        let proc = Proc::spawn("redis-server", redis_server(port, dir.path()).args(extra));
         let redis = Redis { port, proc, _dir: dir };
         wait_until("redis-server to answer PING", 250, Duration::from_millis(20), || redis.ping());
         redis
@@ -179,21 +172,9 @@ impl RedisCluster {
                 std::fs::create_dir(&node_dir).unwrap();
                 Proc::spawn(
                     "redis-server (cluster node)",
-                    Command::new("redis-server")
-                        .args([
-                            "--port",
-                            &port.to_string(),
-                            "--bind",
-                            "127.0.0.1",
-                            "--save",
-                            "",
-                            "--appendonly",
-                            "no",
-                        ])
+                    redis_server(*port, &node_dir)
                         .args(["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf"])
-                        .args(["--cluster-node-timeout", "2000"])
-                        .args(["--dir", node_dir.to_str().unwrap(), "--logfile", "redis.log"])
-                        .stdout(Stdio::null()),
+                        .args(["--cluster-node-timeout", "2000"]),
                 )
             })
             .collect();
