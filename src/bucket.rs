@@ -27,7 +27,25 @@ pub struct BucketSpec {
     pub refill_per_second: f64,
 }
 
+/// Largest accepted capacity: beyond 2^53 a balance is no longer exact in an f64.
+pub const MAX_CAPACITY: f64 = 1e15;
+
 impl BucketSpec {
+    /// A checked bucket: finite, non-negative, and refilling unless it is empty for good.
+    /// Every bucket from outside (config, database, command line) comes through here.
+    pub fn new(capacity: f64, refill_per_second: f64) -> Result<BucketSpec, String> {
+        if !capacity.is_finite() || !(0.0..=MAX_CAPACITY).contains(&capacity) {
+            return Err(format!("capacity must be between 0 and {MAX_CAPACITY:e}, got {capacity}"));
+        }
+        if !refill_per_second.is_finite() || refill_per_second < 0.0 {
+            return Err(format!("refill_per_second must be a non-negative number, got {refill_per_second}"));
+        }
+        if refill_per_second == 0.0 && capacity > 0.0 {
+            return Err("refill_per_second must be above 0 (a bucket that never refills is a quota, not a rate limit)".into());
+        }
+        Ok(BucketSpec { capacity, refill_per_second })
+    }
+
     /// Tokens per millisecond, the unit the algorithm works in.
     fn rate_per_ms(&self) -> f64 {
         self.refill_per_second / 1000.0

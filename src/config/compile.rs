@@ -12,9 +12,6 @@ use crate::matcher::{Level, Node, ValueMatch};
 use crate::quota::{Quotas, TenantRecord, DEFAULT_CLASS};
 use crate::units;
 
-/// Largest accepted capacity: beyond 2^53 a bucket's balance is no longer exact in f64.
-const MAX_CAPACITY: f64 = 1e15;
-
 /// Compiles the domain file `file` with contents `text`.
 pub(super) fn domain(file: &Path, text: &str) -> Result<Domain, ConfigError> {
     let raw: raw::DomainFile = serde_saphyr::from_str(text)
@@ -286,20 +283,6 @@ impl Tree<'_> {
     }
 }
 
-/// Checks an explicit bucket: finite, non-negative, and refilling unless it is empty for good.
 fn token_bucket(b: &raw::TokenBucket) -> Result<BucketSpec, String> {
-    let (capacity, rate) = (b.capacity, b.refill_per_second);
-    if !capacity.is_finite() || !(0.0..=MAX_CAPACITY).contains(&capacity) {
-        return Err(format!("capacity must be between 0 and {MAX_CAPACITY:e}, got {capacity}"));
-    }
-    if !rate.is_finite() || rate < 0.0 {
-        return Err(format!("refill_per_second must be a non-negative number, got {rate}"));
-    }
-    if rate == 0.0 && capacity > 0.0 {
-        return Err(
-            "refill_per_second must be above 0 (a bucket that never refills is a quota, not a rate limit)"
-                .into(),
-        );
-    }
-    Ok(BucketSpec { capacity, refill_per_second: rate })
+    BucketSpec::new(b.capacity, b.refill_per_second)
 }
