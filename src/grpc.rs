@@ -3,9 +3,11 @@
 //! Every request enters here ([`RateLimitGrpc::should_rate_limit`]), is decided by the
 //! [`Limiter`], and leaves as a `RateLimitResponse` built by [`encode`]. Malformed requests get
 //! `INVALID_ARGUMENT`; a store failure in a domain whose failure mode is `error` gets
-//! `UNAVAILABLE`, so that Envoy's own `failure_mode_deny` decides.
+//! `UNAVAILABLE`, so that Envoy's own `failure_mode_deny` decides. Every answer is counted and
+//! timed here.
 
 use std::sync::Arc;
+use std::time::Instant;
 
 use envoy_types::pb::envoy::config::core::v3::HeaderValue;
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::{DescriptorStatus, RateLimit};
@@ -16,17 +18,19 @@ use tonic::{Request, Response, Status};
 
 use crate::headers::response_headers;
 use crate::limiter::{DecideError, Decision, LimitInfo, Limiter, Outcome};
+use crate::telemetry::Telemetry;
 use crate::units;
 
 /// The gRPC service Envoy's ratelimit filter calls.
 pub struct RateLimitGrpc {
     limiter: Arc<Limiter>,
+    telemetry: Arc<Telemetry>,
 }
 
 impl RateLimitGrpc {
-    /// A service answering with `limiter`.
-    pub fn new(limiter: Arc<Limiter>) -> Self {
-        RateLimitGrpc { limiter }
+    /// A service answering with `limiter`, counting into `telemetry`.
+    pub fn new(limiter: Arc<Limiter>, telemetry: Arc<Telemetry>) -> Self {
+        RateLimitGrpc { limiter, telemetry }
     }
 }
 
@@ -36,15 +40,27 @@ impl RateLimitService for RateLimitGrpc {
         &self,
         request: Request<RateLimitRequest>,
     ) -> Result<Response<RateLimitResponse>, Status> {
+        let start = Instant::now();
         let request = request.into_inner();
-        match self.limiter.decide(&request).await {
-            Ok(decision) => Ok(Response::new(encode(&decision))),
+        let answer = match self.limiter.decide(&request).await {
+            Ok(decision) => {
+                self.telemetry.record(&request, &decision);
+                match &decision.unavailable {
+                    None => Ok(Response::new(encode(&decision))),
+                    Some(error) => Err(Status::unavailable(format!(
+                        "rate limit store unavailable for domain '{}': {error}",
+                        request.domain
+                    ))),
+                }
+            }
             Err(e @ DecideError::InvalidArgument(_)) => {
-                tracing::debug!(domain = %request.domain, error = %e, "rejected malformed request");
+                metrics::counter!("tollgate_invalid_requests_total").increment(1);
+                tracing::debug!(error = %e, "rejected malformed request");
                 Err(Status::invalid_argument(e.to_string()))
             }
-            Err(e @ DecideError::StoreUnavailable { .. }) => Err(Status::unavailable(e.to_string())),
-        }
+        };
+        metrics::histogram!("tollgate_request_duration_seconds").record(start.elapsed());
+        answer
     }
 }
 

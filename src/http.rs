@@ -5,13 +5,14 @@
 //!   with the reason in the body.
 //! * `GET /config`: the loaded rules as JSON, like envoyproxy/ratelimit's `/rlconfig`. It holds
 //!   rule trees, tiers and inline tenant quotas, never connection strings or credentials.
+//! * `GET /metrics`: Prometheus text exposition.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use arc_swap::ArcSwap;
 use axum::extract::State;
-use axum::http::StatusCode;
+use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use axum::{Json, Router};
@@ -19,6 +20,7 @@ use serde_json::{json, Value};
 
 use crate::config::RuleSet;
 use crate::store::Store;
+use crate::telemetry::Telemetry;
 
 /// What the endpoints look at.
 #[derive(Clone)]
@@ -29,6 +31,8 @@ pub struct HttpState {
     pub store: Arc<dyn Store>,
     /// Set when shutdown begins, so that load balancers stop sending first.
     pub draining: Arc<AtomicBool>,
+    /// Rendered by `/metrics`.
+    pub telemetry: Arc<Telemetry>,
 }
 
 /// The side-endpoint router.
@@ -37,6 +41,7 @@ pub fn router(state: HttpState) -> Router {
         .route("/healthz", get(|| async { "ok\n" }))
         .route("/readyz", get(readyz))
         .route("/config", get(config))
+        .route("/metrics", get(metrics))
         .with_state(state)
 }
 
@@ -48,6 +53,10 @@ async fn readyz(State(state): State<HttpState>) -> Response {
         Ok(()) => "ready\n".into_response(),
         Err(e) => (StatusCode::SERVICE_UNAVAILABLE, format!("store unreachable: {e}\n")).into_response(),
     }
+}
+
+async fn metrics(State(state): State<HttpState>) -> Response {
+    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], state.telemetry.render()).into_response()
 }
 
 async fn config(State(state): State<HttpState>) -> Json<Value> {

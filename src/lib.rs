@@ -24,6 +24,7 @@ pub mod keys;
 pub mod limiter;
 pub mod matcher;
 pub mod quota;
+pub mod reload;
 pub mod server;
 pub mod store;
 pub mod telemetry;

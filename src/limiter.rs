@@ -23,6 +23,7 @@ use envoy_types::pb::envoy::r#type::v3::RateLimitUnit;
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::rate_limit::Unit;
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::Code;
 use envoy_types::pb::envoy::service::ratelimit::v3::RateLimitRequest;
+use futures::future::join_all;
 
 use crate::bucket::{BucketOp, BucketSpec, Group, Verdict};
 use crate::config::{Domain, FailureMode, Limit, Rule, RuleSet};
@@ -53,13 +54,6 @@ pub enum DecideError {
     /// The request is malformed; the message says how.
     #[error("{0}")]
     InvalidArgument(String),
-    /// The store failed and the domain's failure mode is `error`.
-    #[error("rate limit store unavailable for domain '{domain}': {source}")]
-    StoreUnavailable {
-        domain: String,
-        #[source]
-        source: StoreError,
-    },
 }
 
 /// The answer to one request.
@@ -71,6 +65,9 @@ pub struct Decision {
     pub descriptors: Vec<DescriptorVerdict>,
     /// The domain that decided, if it is configured.
     pub domain: Option<Arc<Domain>>,
+    /// Set when the store failed in a domain whose failure mode is `error`: the caller must
+    /// answer UNAVAILABLE instead of this decision.
+    pub unavailable: Option<StoreError>,
 }
 
 /// The answer for one descriptor.
@@ -80,6 +77,8 @@ pub struct DescriptorVerdict {
     pub code: Code,
     /// What decided it.
     pub outcome: Outcome,
+    /// Hits the descriptor asked for (tokens = hits x the rule's cost).
+    pub hits: u64,
 }
 
 /// What decided a descriptor's code.
@@ -95,7 +94,7 @@ pub enum Outcome {
     StoreFailed {
         /// The limit that could not be checked.
         limit: LimitInfo,
-        /// The mode applied (`allow` or `deny`).
+        /// The mode applied.
         mode: FailureMode,
     },
 }
@@ -172,7 +171,7 @@ impl Limiter {
         validate(request)?;
         let rules = self.rules.load_full();
         let Some(domain) = rules.domain(&request.domain) else {
-            return Ok(Decision::all_ok(request.descriptors.len(), None));
+            return Ok(Decision::all_ok(request));
         };
 
         let mut plans: Vec<Plan<'_>> =
@@ -198,10 +197,21 @@ impl Limiter {
             slot.push(Some((g, batch[g].len() - 1)));
         }
         let results = if batch.is_empty() { Vec::new() } else { self.store.evaluate(&batch).await };
+        let mut unavailable = None;
+        for error in results.iter().filter_map(|r| r.as_ref().err()) {
+            let kind = if matches!(error, StoreError::Timeout(_)) { "timeout" } else { "error" };
+            let mode = domain.failure_mode;
+            metrics::counter!("tollgate_store_errors_total", "domain" => domain.name.clone(), "kind" => kind, "failure_mode" => mode.to_string()).increment(1);
+            tracing::warn!(domain = %domain.name, %error, failure_mode = %mode, "store failed; applying the failure mode");
+            if mode == FailureMode::Error {
+                unavailable = Some(error.clone());
+            }
+        }
 
         let mut descriptors = Vec::with_capacity(plans.len());
-        for (plan, slot) in plans.iter().zip(&slot) {
-            let verdict = match (plan, slot) {
+        for ((plan, slot), d) in plans.iter().zip(&slot).zip(&request.descriptors) {
+            let hits = hits(d, request.hits_addend);
+            let (code, outcome) = match (plan, slot) {
                 (Plan::Bucket(p), Some((g, i))) => {
                     let limit = LimitInfo {
                         rule: p.rule.cloned(),
@@ -214,19 +224,23 @@ impl Limiter {
                                 BucketReport { limit, verdict: outcome.verdicts[*i], shadow: p.shadow };
                             let code =
                                 if report.denied() && !report.shadow { Code::OverLimit } else { Code::Ok };
-                            DescriptorVerdict { code, outcome: Outcome::Bucket(report) }
+                            (code, Outcome::Bucket(report))
                         }
-                        Err(error) => self.store_failed(domain, limit, error)?,
+                        Err(_) => {
+                            let mode = domain.failure_mode;
+                            let code = if mode == FailureMode::Allow { Code::Ok } else { Code::OverLimit };
+                            (code, Outcome::StoreFailed { limit, mode })
+                        }
                     }
                 }
-                (Plan::Unlimited, _) => DescriptorVerdict { code: Code::Ok, outcome: Outcome::Unlimited },
-                _ => DescriptorVerdict { code: Code::Ok, outcome: Outcome::NoLimit },
+                (Plan::Unlimited, _) => (Code::Ok, Outcome::Unlimited),
+                _ => (Code::Ok, Outcome::NoLimit),
             };
-            descriptors.push(verdict);
+            descriptors.push(DescriptorVerdict { code, outcome, hits });
         }
         let overall =
             if descriptors.iter().any(|d| d.code == Code::OverLimit) { Code::OverLimit } else { Code::Ok };
-        Ok(Decision { overall, descriptors, domain: Some(domain.clone()) })
+        Ok(Decision { overall, descriptors, domain: Some(domain.clone()), unavailable })
     }
 
     fn plan<'r>(&self, domain: &'r Domain, d: &'r RateLimitDescriptor, request_hits: u32) -> Plan<'r> {
@@ -278,11 +292,7 @@ impl Limiter {
             }
         };
 
-        let hits = match &d.hits_addend {
-            Some(h) => h.value,
-            None => u64::from(request_hits.max(1)),
-        };
-        let need = hits.saturating_mul(rule.map_or(1, |r| r.cost)) as f64;
+        let need = hits(d, request_hits).saturating_mul(rule.map_or(1, |r| r.cost)) as f64;
         // envoyproxy/ratelimit never applies shadow mode to a request-level override.
         let shadow = self.global_shadow || (override_spec.is_none() && rule.is_some_and(|r| r.shadow_mode));
         Plan::Bucket(BucketPlan {
@@ -296,44 +306,53 @@ impl Limiter {
         })
     }
 
+    // One lookup per distinct tenant, all at once.
     async fn resolve_quotas(&self, domain: &Domain, plans: &mut [Plan<'_>]) {
-        for plan in plans {
+        let mut tenants: Vec<&str> = Vec::new();
+        for plan in plans.iter() {
+            if let Plan::Bucket(BucketPlan { spec: None, quota: Some((tenant, _)), .. }) = plan {
+                if !tenants.contains(tenant) {
+                    tenants.push(tenant);
+                }
+            }
+        }
+        if tenants.is_empty() {
+            return;
+        }
+        let records = join_all(tenants.iter().map(|t| self.quotas.tenant(domain, t))).await;
+        for plan in plans.iter_mut() {
             if let Plan::Bucket(p @ BucketPlan { spec: None, .. }) = plan {
                 // Validation puts every quota rule under a tenant node.
                 let (tenant, class) = p.quota.as_ref().expect("a quota rule has a tenant");
-                let record = self.quotas.tenant(domain, tenant).await;
+                let record = &records[tenants.iter().position(|t| t == tenant).expect("collected above")];
                 // Validation guarantees a default tier with a default bucket.
                 p.spec = domain.quotas.resolve(record.as_deref(), class);
             }
         }
     }
-
-    fn store_failed(
-        &self,
-        domain: &Domain,
-        limit: LimitInfo,
-        error: &StoreError,
-    ) -> Result<DescriptorVerdict, DecideError> {
-        let mode = domain.failure_mode;
-        tracing::warn!(domain = %domain.name, %error, failure_mode = %mode, "store failed; applying the failure mode");
-        let code = match mode {
-            FailureMode::Allow => Code::Ok,
-            FailureMode::Deny => Code::OverLimit,
-            FailureMode::Error => {
-                return Err(DecideError::StoreUnavailable {
-                    domain: domain.name.clone(),
-                    source: error.clone(),
-                })
-            }
-        };
-        Ok(DescriptorVerdict { code, outcome: Outcome::StoreFailed { limit, mode } })
-    }
 }
 
 impl Decision {
-    fn all_ok(descriptors: usize, domain: Option<Arc<Domain>>) -> Decision {
-        let ok = DescriptorVerdict { code: Code::Ok, outcome: Outcome::NoLimit };
-        Decision { overall: Code::Ok, descriptors: vec![ok; descriptors], domain }
+    fn all_ok(request: &RateLimitRequest) -> Decision {
+        let descriptors = request
+            .descriptors
+            .iter()
+            .map(|d| DescriptorVerdict {
+                code: Code::Ok,
+                outcome: Outcome::NoLimit,
+                hits: hits(d, request.hits_addend),
+            })
+            .collect();
+        Decision { overall: Code::Ok, descriptors, domain: None, unavailable: None }
+    }
+}
+
+/// Hits a descriptor asks for: its own `hits_addend` if set (0 = only check), else the
+/// request's, at least 1.
+fn hits(d: &RateLimitDescriptor, request_hits: u32) -> u64 {
+    match &d.hits_addend {
+        Some(h) => h.value,
+        None => u64::from(request_hits.max(1)),
     }
 }
 

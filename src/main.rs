@@ -4,18 +4,26 @@ use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, SystemTime};
 
 use anyhow::{bail, Context, Result};
 use arc_swap::ArcSwap;
 use clap::{Args, Parser, Subcommand};
 
+use tollgate::bucket::BucketSpec;
 use tollgate::client;
 use tollgate::config::RuleSet;
 use tollgate::limiter::Limiter;
-use tollgate::quota::EmbeddedQuotas;
-use tollgate::server::{self, Listen, Shutdown};
+use tollgate::quota::cache::CachedQuotas;
+use tollgate::quota::postgres::{Listing, PostgresQuotas};
+use tollgate::quota::{EmbeddedQuotas, QuotaSource};
+use tollgate::reload::Reloader;
+use tollgate::server::{self, Listen, Service, Shutdown};
 use tollgate::store::{MemoryStore, RedisStore, RedisTarget, Store};
+use tollgate::telemetry::{Telemetry, TelemetryConfig};
+
+/// Connections to the quota database per process; lookups are rare (one per tenant per TTL).
+const QUOTA_DB_CONNECTIONS: usize = 8;
 
 #[derive(Parser)]
 #[command(
@@ -42,6 +50,8 @@ enum Command {
     },
     /// Ask a running server about descriptors and print its answer.
     Ask(AskArgs),
+    /// Manage tenant tiers and quota overrides in the quota database.
+    Quota(QuotaArgs),
 }
 
 #[derive(Args)]
@@ -70,6 +80,69 @@ struct ServeArgs {
     /// On SIGTERM, how long to stay up unready before draining (lets load balancers notice).
     #[arg(long, env = "TOLLGATE_DRAIN_DELAY", default_value = "5s", value_parser = humantime::parse_duration)]
     drain_delay: Duration,
+    /// Tenant quotas from PostgreSQL: postgres://user:password@host:port/db (see `tollgate quota`).
+    #[arg(long, env = "TOLLGATE_QUOTA_STORE", hide_env_values = true)]
+    quota_store: Option<String>,
+    /// How long a tenant's quota is served from the cache before it is read again.
+    #[arg(long, env = "TOLLGATE_QUOTA_CACHE_TTL", default_value = "45s", value_parser = humantime::parse_duration)]
+    quota_cache_ttl: Duration,
+    /// Most tenants held in the quota cache.
+    #[arg(long, env = "TOLLGATE_QUOTA_CACHE_SIZE", default_value_t = 100_000)]
+    quota_cache_size: u64,
+    /// How many of the most-denied tenants /metrics lists.
+    #[arg(long, env = "TOLLGATE_TOP_DENIED_TENANTS", default_value_t = 10)]
+    top_denied_tenants: usize,
+    /// The window over which denied tenants are ranked.
+    #[arg(long, env = "TOLLGATE_TOP_DENIED_WINDOW", default_value = "60s", value_parser = humantime::parse_duration)]
+    top_denied_window: Duration,
+    /// Most per-tenant series for rules with detailed_metric: true; later tenants count as (other).
+    #[arg(long, env = "TOLLGATE_DETAILED_METRIC_SERIES", default_value_t = 10_000)]
+    detailed_metric_series: usize,
+}
+
+#[derive(Args)]
+struct QuotaArgs {
+    /// The quota database: postgres://user:password@host:port/db.
+    #[arg(long, env = "TOLLGATE_QUOTA_STORE", hide_env_values = true, global = true)]
+    quota_store: Option<String>,
+    #[command(subcommand)]
+    action: QuotaAction,
+}
+
+#[derive(Subcommand)]
+enum QuotaAction {
+    /// Create the quota tables if they do not exist.
+    Migrate,
+    /// Set a tenant's tier (--tier) and/or its bucket for one class (--class, --capacity, --refill-per-second).
+    Set {
+        #[arg(long)]
+        tenant: String,
+        #[arg(long)]
+        tier: Option<String>,
+        #[arg(long, requires_all = ["capacity", "refill_per_second"])]
+        class: Option<String>,
+        #[arg(long, requires = "class", allow_negative_numbers = true)]
+        capacity: Option<f64>,
+        #[arg(long, requires = "class", allow_negative_numbers = true)]
+        refill_per_second: Option<f64>,
+        /// The override lapses after this long (e.g. 30d).
+        #[arg(long, requires = "class", value_parser = humantime::parse_duration)]
+        expires_in: Option<Duration>,
+    },
+    /// Show a tenant's tier and overrides.
+    Get {
+        #[arg(long)]
+        tenant: String,
+    },
+    /// Show every tenant with a tier or an override.
+    List,
+    /// Delete a tenant's override for --class, or without --class the tenant and all its overrides.
+    Delete {
+        #[arg(long)]
+        tenant: String,
+        #[arg(long)]
+        class: Option<String>,
+    },
 }
 
 #[derive(Args)]
@@ -90,11 +163,12 @@ struct AskArgs {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    tollgate::telemetry::init(cli.log_format == "json");
+    tollgate::telemetry::logs::init(cli.log_format == "json");
     let result = match cli.command {
         Command::Serve(args) => serve(args),
         Command::Validate { path } => validate(&path),
         Command::Ask(args) => ask(args),
+        Command::Quota(args) => quota(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -115,14 +189,15 @@ fn serve(args: ServeArgs) -> Result<()> {
         tracing::info!(domain = %domain.name, file = %domain.file.display(), rules = domain.rules.len(), "loaded domain");
     }
     runtime()?.block_on(async move {
+        let telemetry = Telemetry::install(TelemetryConfig {
+            top_denied: args.top_denied_tenants,
+            top_denied_window: args.top_denied_window,
+            detailed_series: args.detailed_metric_series,
+        })
+        .context("installing the metrics recorder")?;
         let store: Arc<dyn Store> = match (&args.redis_url, args.redis_cluster.is_empty()) {
-            (Some(url), _) => {
-                Arc::new(RedisStore::connect(&RedisTarget::Standalone(url.clone()), args.redis_timeout)?)
-            }
-            (None, false) => Arc::new(RedisStore::connect(
-                &RedisTarget::Cluster(args.redis_cluster.clone()),
-                args.redis_timeout,
-            )?),
+            (Some(url), _) => Arc::new(RedisStore::connect(&RedisTarget::Standalone(url.clone()), args.redis_timeout)?),
+            (None, false) => Arc::new(RedisStore::connect(&RedisTarget::Cluster(args.redis_cluster.clone()), args.redis_timeout)?),
             (None, true) => {
                 tracing::warn!(
                     "no --redis-url or --redis-cluster: using the embedded memory store. Limits hold \
@@ -132,11 +207,21 @@ fn serve(args: ServeArgs) -> Result<()> {
             }
         };
         tracing::info!(store = %store.describe(), shadow_mode = args.shadow_mode, "store ready");
+        let quotas: Arc<dyn QuotaSource> = match &args.quota_store {
+            Some(url) => {
+                let db = PostgresQuotas::connect(url, QUOTA_DB_CONNECTIONS).context("--quota-store")?;
+                tracing::info!(quota_store = %db.describe(), ttl = ?args.quota_cache_ttl, size = args.quota_cache_size, "tenant quotas from the database");
+                // A decision never waits on the database longer than on Redis.
+                Arc::new(CachedQuotas::new(db, args.quota_cache_size, args.quota_cache_ttl, args.redis_timeout))
+            }
+            None => Arc::new(EmbeddedQuotas),
+        };
         let rules = Arc::new(ArcSwap::from_pointee(rules));
-        let limiter =
-            Arc::new(Limiter::new(rules.clone(), store, Arc::new(EmbeddedQuotas), args.shadow_mode));
+        let _reloader = Reloader::new(&args.config, rules.clone()).spawn().context("watching the config")?;
+        let limiter = Arc::new(Limiter::new(rules.clone(), store, quotas, args.shadow_mode));
+        let service = Service { rules, limiter, telemetry: Arc::new(telemetry) };
         let listen = Listen { grpc: args.grpc_addr, http: args.http_addr };
-        server::run(listen, rules, limiter, shutdown_signal(args.drain_delay)).await?;
+        server::run(listen, service, shutdown_signal(args.drain_delay)).await?;
         Ok(())
     })
 }
@@ -177,4 +262,57 @@ fn ask(args: AskArgs) -> Result<()> {
     let response = runtime()?.block_on(client::ask(&args.addr, request.clone()))?;
     print!("{}", client::render(&request, &response));
     Ok(())
+}
+
+fn quota(args: QuotaArgs) -> Result<()> {
+    let url = args.quota_store.context("--quota-store (or TOLLGATE_QUOTA_STORE) is required")?;
+    runtime()?.block_on(async move {
+        let db = PostgresQuotas::connect(&url, 1)?;
+        match args.action {
+            QuotaAction::Migrate => {
+                db.migrate().await?;
+                println!("quota tables ready in {}", db.describe());
+            }
+            QuotaAction::Set { tenant, tier, class, capacity, refill_per_second, expires_in } => {
+                if tier.is_none() && class.is_none() {
+                    bail!("nothing to set: give --tier, or --class with --capacity and --refill-per-second");
+                }
+                if let Some(tier) = &tier {
+                    db.set_tier(&tenant, tier).await?;
+                }
+                if let (Some(class), Some(capacity), Some(refill)) = (&class, capacity, refill_per_second) {
+                    let spec = BucketSpec::new(capacity, refill).map_err(anyhow::Error::msg)?;
+                    let expires_at = expires_in.map(|d| SystemTime::now() + d);
+                    db.set_override(&tenant, class, spec, expires_at).await?;
+                }
+                print_listings(&db.list(Some(&tenant)).await?);
+            }
+            QuotaAction::Get { tenant } => {
+                let listings = db.list(Some(&tenant)).await?;
+                if listings.is_empty() {
+                    println!("tenant {tenant}: no rows (it gets its domain's default tier)");
+                }
+                print_listings(&listings);
+            }
+            QuotaAction::List => print_listings(&db.list(None).await?),
+            QuotaAction::Delete { tenant, class } => {
+                let deleted = db.delete(&tenant, class.as_deref()).await?;
+                println!("deleted {deleted} row(s)");
+            }
+        }
+        Ok(())
+    })
+}
+
+fn print_listings(listings: &[Listing]) {
+    for l in listings {
+        println!("tenant {}: tier {}", l.tenant, l.tier.as_deref().unwrap_or("(default tier)"));
+        for o in &l.overrides {
+            let expiry = o
+                .expires_at
+                .map(|at| format!(" until {}", humantime::format_rfc3339_seconds(at)))
+                .unwrap_or_default();
+            println!("  {}: capacity {}, refill {}/s{expiry}", o.class, o.capacity, o.refill_per_second);
+        }
+    }
 }

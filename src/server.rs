@@ -25,6 +25,7 @@ use crate::config::RuleSet;
 use crate::grpc::RateLimitGrpc;
 use crate::http::{self, HttpState};
 use crate::limiter::Limiter;
+use crate::telemetry::Telemetry;
 
 /// The gRPC service name Envoy health-checks.
 pub const SERVICE_NAME: &str = "envoy.service.ratelimit.v3.RateLimitService";
@@ -65,11 +66,20 @@ pub enum Shutdown {
     Immediate,
 }
 
+/// What the servers serve.
+pub struct Service {
+    /// The rules in force, swapped by reloads.
+    pub rules: Arc<ArcSwap<RuleSet>>,
+    /// The decision maker.
+    pub limiter: Arc<Limiter>,
+    /// Metrics.
+    pub telemetry: Arc<Telemetry>,
+}
+
 /// Serves until `shutdown` resolves, then drains and returns.
 pub async fn run(
     listen: Listen,
-    rules: Arc<ArcSwap<RuleSet>>,
-    limiter: Arc<Limiter>,
+    service: Service,
     shutdown: impl Future<Output = Shutdown>,
 ) -> Result<(), ServeError> {
     let bind = |addr: SocketAddr| async move {
@@ -90,12 +100,18 @@ pub async fn run(
         let _ = rx.wait_for(|stop| *stop).await;
     };
 
-    let state = HttpState { rules, store: limiter.store().clone(), draining: draining.clone() };
+    let Service { rules, limiter, telemetry } = service;
+    let state = HttpState {
+        rules,
+        store: limiter.store().clone(),
+        draining: draining.clone(),
+        telemetry: telemetry.clone(),
+    };
     let http_server =
         axum::serve(http_listener, http::router(state)).with_graceful_shutdown(stopped(stop_rx.clone()));
     let grpc_server = tonic::transport::Server::builder()
         .add_service(health_service)
-        .add_service(RateLimitServiceServer::from_arc(Arc::new(RateLimitGrpc::new(limiter))))
+        .add_service(RateLimitServiceServer::from_arc(Arc::new(RateLimitGrpc::new(limiter, telemetry))))
         .serve_with_incoming_shutdown(
             TcpIncoming::from(grpc_listener).with_nodelay(Some(true)),
             stopped(stop_rx),

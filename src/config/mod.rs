@@ -11,6 +11,7 @@ mod raw;
 
 use std::collections::{BTreeMap, HashMap};
 use std::fmt;
+use std::hash::{DefaultHasher, Hash, Hasher};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -24,6 +25,7 @@ use crate::quota::{Quotas, TenantRecord};
 #[derive(Debug, Default)]
 pub struct RuleSet {
     domains: BTreeMap<String, Arc<Domain>>,
+    fingerprint: u64,
 }
 
 impl RuleSet {
@@ -31,9 +33,11 @@ impl RuleSet {
     pub fn load(path: &Path) -> Result<RuleSet, ConfigError> {
         let files = config_files(path)?;
         let mut domains: BTreeMap<String, Arc<Domain>> = BTreeMap::new();
+        let mut fingerprint = DefaultHasher::new();
         for file in files {
             let text = std::fs::read_to_string(&file)
                 .map_err(|source| ConfigError::Io { path: file.clone(), source })?;
+            (&file, &text).hash(&mut fingerprint);
             let domain = compile::domain(&file, &text)?;
             if let Some(first) = domains.get(&domain.name) {
                 return Err(ConfigError::DuplicateDomain {
@@ -44,13 +48,23 @@ impl RuleSet {
             }
             domains.insert(domain.name.clone(), Arc::new(domain));
         }
-        Ok(RuleSet { domains })
+        Ok(RuleSet { domains, fingerprint: fingerprint.finish() })
     }
 
     /// Compiles one domain from YAML text; `file` is only used in error messages.
     pub fn from_yaml(file: &Path, text: &str) -> Result<RuleSet, ConfigError> {
         let domain = compile::domain(file, text)?;
-        Ok(RuleSet { domains: BTreeMap::from([(domain.name.clone(), Arc::new(domain))]) })
+        let mut fingerprint = DefaultHasher::new();
+        (file, text).hash(&mut fingerprint);
+        Ok(RuleSet {
+            domains: BTreeMap::from([(domain.name.clone(), Arc::new(domain))]),
+            fingerprint: fingerprint.finish(),
+        })
+    }
+
+    /// A hash of the files this set was loaded from: equal fingerprints, equal configs.
+    pub fn fingerprint(&self) -> u64 {
+        self.fingerprint
     }
 
     /// The domain named `name`.

@@ -10,8 +10,12 @@
 //! 4. the same two lookups in `default_tier` (also used for unknown tenants and unknown tiers).
 //!
 //! Where tenant records come from is a [`QuotaSource`]: the domain file's inline `tenants:` map
-//! ([`EmbeddedQuotas`]) or a database. Validation guarantees `default_tier` has a `default`
-//! bucket, so resolution always ends in a bucket.
+//! ([`EmbeddedQuotas`]), or PostgreSQL ([`postgres`]) behind a cache ([`cache`]), which falls
+//! back to the inline records. Validation guarantees `default_tier` has a `default` bucket, so
+//! resolution always ends in a bucket.
+
+pub mod cache;
+pub mod postgres;
 
 use std::collections::HashMap;
 use std::sync::Arc;

@@ -11,7 +11,7 @@
 //! keeps answering (with its failure mode) while Redis is away.
 
 use std::collections::HashMap;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use futures::future::{join_all, BoxFuture};
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
@@ -120,8 +120,10 @@ impl RedisStore {
                 Connection::Cluster(c) => invocation.invoke_async::<Value>(c).await,
             }
         };
-        let reply = tokio::time::timeout(self.timeout, call)
-            .await
+        let start = Instant::now();
+        let reply = tokio::time::timeout(self.timeout, call).await;
+        metrics::histogram!("tollgate_store_duration_seconds").record(start.elapsed());
+        let reply = reply
             .map_err(|_| StoreError::Timeout(self.timeout))?
             .map_err(|e| StoreError::Redis(e.to_string()))?;
         parse_reply(reply, batch)

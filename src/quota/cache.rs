@@ -1,0 +1,146 @@
+//! The in-process cache in front of the quota database.
+//!
+//! The database is read off the hot path, and a decision never waits on it longer than the
+//! Redis deadline:
+//!
+//! * **fresh** entries (younger than the TTL, and not past the first expiry of an override they
+//!   hold) are served without a query;
+//! * **stale** entries are served as they are while one background query refreshes them, so a
+//!   changed quota shows within TTL plus one query;
+//! * a **miss** starts one query (concurrent misses of a tenant share it: single flight) and
+//!   waits for it at most the deadline; past that the decision goes on without the record
+//!   (inline records, then the default tier) and the query still fills the cache;
+//! * tenants the database does not know are cached too (negative cache), so repeated unknown ids
+//!   cost one query per TTL;
+//! * when the database fails, entries already cached keep being served, however old, and a
+//!   tenant never seen gets the default tier; either way the next query for that tenant waits
+//!   a second;
+//! * the cache holds at most `capacity` tenants. Admission is frequency-based (TinyLFU), so a
+//!   flood of one-off tenant ids does not push busy tenants out.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant, SystemTime};
+
+use futures::future::{BoxFuture, FutureExt, Shared};
+
+use super::postgres::PostgresQuotas;
+use super::{QuotaSource, TenantRecord};
+use crate::config::Domain;
+
+/// How long a failed lookup of a tenant never seen is remembered before the next try.
+const FAILURE_BACKOFF: Duration = Duration::from_secs(1);
+/// How long a background query may take before it is abandoned.
+const QUERY_LIMIT: Duration = Duration::from_secs(5);
+
+/// Tenant records from PostgreSQL through a bounded, TTL'd, single-flight cache.
+pub struct CachedQuotas {
+    db: Arc<PostgresQuotas>,
+    entries: moka::sync::Cache<String, Arc<Entry>>,
+    inflight: Arc<Mutex<HashMap<String, Shared<BoxFuture<'static, ()>>>>>,
+    ttl: Duration,
+    deadline: Duration,
+}
+
+struct Entry {
+    // `None`: the database has no such tenant (or could not be asked, see FAILURE_BACKOFF).
+    record: Option<Arc<TenantRecord>>,
+    fresh_until: Instant,
+}
+
+impl CachedQuotas {
+    /// A cache of at most `capacity` tenants, each fresh for `ttl`, in front of `db`; decisions
+    /// wait at most `deadline` for a query.
+    pub fn new(db: PostgresQuotas, capacity: u64, ttl: Duration, deadline: Duration) -> Self {
+        CachedQuotas {
+            db: Arc::new(db),
+            entries: moka::sync::Cache::builder().max_capacity(capacity).build(),
+            inflight: Arc::default(),
+            ttl,
+            deadline,
+        }
+    }
+
+    /// The database's record of `tenant`: `Some(None)` if it has none, `None` if it could not
+    /// tell within the deadline.
+    async fn lookup(&self, tenant: &str) -> Option<Option<Arc<TenantRecord>>> {
+        if let Some(entry) = self.entries.get(tenant) {
+            let result = if Instant::now() < entry.fresh_until {
+                "hit"
+            } else {
+                // Fire and forget: the spawned query refreshes the entry.
+                drop(self.refresh(tenant));
+                "stale"
+            };
+            metrics::counter!("tollgate_quota_cache_lookups_total", "result" => result).increment(1);
+            return Some(entry.record.clone());
+        }
+        metrics::counter!("tollgate_quota_cache_lookups_total", "result" => "miss").increment(1);
+        if tokio::time::timeout(self.deadline, self.refresh(tenant)).await.is_err() {
+            metrics::counter!("tollgate_quota_deadline_exceeded_total").increment(1);
+            return None;
+        }
+        self.entries.get(tenant).map(|e| e.record.clone())
+    }
+
+    // Starts (or joins) the one query for `tenant`; the query runs to completion on its own.
+    fn refresh(&self, tenant: &str) -> Shared<BoxFuture<'static, ()>> {
+        let mut inflight = self.inflight.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(query) = inflight.get(tenant) {
+            return query.clone();
+        }
+        // A query that finished since the caller looked has left a fresh entry: use it. (A query
+        // fills the cache before it leaves `inflight`, so under this lock one of them is seen.)
+        if self.entries.get(tenant).is_some_and(|e| Instant::now() < e.fresh_until) {
+            return futures::future::ready(()).boxed().shared();
+        }
+        let (db, entries, registry, ttl) =
+            (self.db.clone(), self.entries.clone(), self.inflight.clone(), self.ttl);
+        let key = tenant.to_owned();
+        let task = tokio::spawn(async move {
+            let now = Instant::now();
+            match tokio::time::timeout(QUERY_LIMIT, db.fetch(&key)).await {
+                Ok(Ok(fetched)) => {
+                    let mut fresh_until = now + ttl;
+                    if let Some(at) = fetched.expires_at {
+                        let left = at.duration_since(SystemTime::now()).unwrap_or_default();
+                        fresh_until = fresh_until.min(now + left);
+                    }
+                    entries.insert(
+                        key.clone(),
+                        Arc::new(Entry { record: fetched.record.map(Arc::new), fresh_until }),
+                    );
+                    metrics::gauge!("tollgate_quota_cache_entries").set(entries.entry_count() as f64);
+                }
+                failed => {
+                    let kind = match &failed {
+                        Ok(Err(_)) => "error",
+                        _ => "timeout",
+                    };
+                    metrics::counter!("tollgate_quota_db_errors_total", "kind" => kind).increment(1);
+                    match failed {
+                        Ok(Err(error)) => tracing::warn!(tenant = %key, %error, "quota lookup failed"),
+                        _ => tracing::warn!(tenant = %key, limit = ?QUERY_LIMIT, "quota lookup timed out"),
+                    }
+                    // Keep what is known (or nothing), and ask again after the backoff.
+                    let record = entries.get(&key).and_then(|e| e.record.clone());
+                    entries
+                        .insert(key.clone(), Arc::new(Entry { record, fresh_until: now + FAILURE_BACKOFF }));
+                }
+            }
+            registry.lock().unwrap_or_else(|p| p.into_inner()).remove(&key);
+        });
+        let query = task.map(|_| ()).boxed().shared();
+        inflight.insert(tenant.to_owned(), query.clone());
+        query
+    }
+}
+
+impl QuotaSource for CachedQuotas {
+    /// The database's record, else the domain file's inline record, else none (default tier).
+    fn tenant<'a>(&'a self, domain: &'a Domain, tenant: &'a str) -> BoxFuture<'a, Option<Arc<TenantRecord>>> {
+        Box::pin(async move {
+            self.lookup(tenant).await.flatten().or_else(|| domain.tenants.get(tenant).cloned())
+        })
+    }
+}

@@ -1,0 +1,234 @@
+//! Prometheus metrics, served at `/metrics` on the HTTP port.
+//!
+//! Counters and histograms go through the `metrics` facade from wherever the event happens
+//! (limiter, stores, quota cache, reloader); this module installs the exporter, describes every
+//! metric, records decisions, and renders the scrape, including the top denied tenants that the
+//! facade cannot express (a set of series that changes every window).
+//!
+//! Every label set is bounded whatever clients send: domains are configured names (unknown ones
+//! are counted as `(unknown)`), rules are config paths, per-tenant series exist only for rules
+//! with `detailed_metric: true` and are capped, and the top denied tenants are k series.
+
+use std::collections::HashSet;
+use std::fmt::Write as _;
+use std::sync::Mutex;
+use std::time::Duration;
+
+use envoy_types::pb::envoy::service::ratelimit::v3::RateLimitRequest;
+use metrics::{counter, describe_counter, describe_gauge, describe_histogram, gauge, Unit};
+use metrics_exporter_prometheus::{BuildError, PrometheusBuilder, PrometheusHandle};
+
+use super::top_denied::TopDenied;
+use crate::config::FailureMode;
+use crate::limiter::{Decision, Outcome};
+
+/// Histogram buckets in seconds: fine enough for p50/p99 from 50 µs to 100 ms, then coarse.
+pub const LATENCY_BUCKETS: [f64; 24] = [
+    0.00005, 0.0001, 0.00015, 0.0002, 0.0003, 0.0004, 0.0005, 0.0007, 0.001, 0.0015, 0.002, 0.003, 0.004,
+    0.005, 0.007, 0.01, 0.015, 0.02, 0.03, 0.05, 0.07, 0.1, 0.25, 1.0,
+];
+
+/// The `domain` label of requests for domains not in the config.
+pub const UNKNOWN_DOMAIN: &str = "(unknown)";
+/// The `tenant` label once the per-tenant series budget is spent.
+pub const OTHER_TENANTS: &str = "(other)";
+
+/// Bounds of the per-tenant series.
+#[derive(Debug, Clone, Copy)]
+pub struct TelemetryConfig {
+    /// How many of the most-denied tenants to export.
+    pub top_denied: usize,
+    /// The window over which denials are ranked.
+    pub top_denied_window: Duration,
+    /// Most distinct (domain, rule, tenant) series for `detailed_metric` rules.
+    pub detailed_series: usize,
+}
+
+impl Default for TelemetryConfig {
+    fn default() -> Self {
+        TelemetryConfig {
+            top_denied: 10,
+            top_denied_window: Duration::from_secs(60),
+            detailed_series: 10_000,
+        }
+    }
+}
+
+/// The metrics side of the service.
+pub struct Telemetry {
+    prometheus: Option<PrometheusHandle>,
+    top_denied: TopDenied,
+    detailed_series: usize,
+    detailed_seen: Mutex<HashSet<String>>,
+}
+
+impl Telemetry {
+    /// Installs the process-wide Prometheus recorder and describes every metric. Call once, from
+    /// inside the Tokio runtime (it starts the exporter's upkeep task).
+    pub fn install(config: TelemetryConfig) -> Result<Telemetry, BuildError> {
+        let handle = PrometheusBuilder::new().set_buckets(&LATENCY_BUCKETS)?.install_recorder()?;
+        let upkeep = handle.clone();
+        tokio::spawn(async move {
+            let mut every = tokio::time::interval(Duration::from_secs(5));
+            loop {
+                every.tick().await;
+                upkeep.run_upkeep();
+            }
+        });
+        describe();
+        gauge!("tollgate_build_info", "version" => env!("CARGO_PKG_VERSION")).set(1.0);
+        Ok(Telemetry { prometheus: Some(handle), ..Telemetry::without_exporter(config) })
+    }
+
+    /// Telemetry that keeps the top-denied ranking but exports nothing (for embedding the
+    /// limiter where another recorder, or none, is installed).
+    pub fn without_exporter(config: TelemetryConfig) -> Telemetry {
+        Telemetry {
+            prometheus: None,
+            top_denied: TopDenied::new(config.top_denied, config.top_denied_window),
+            detailed_series: config.detailed_series,
+            detailed_seen: Mutex::new(HashSet::new()),
+        }
+    }
+
+    /// Counts the decision on `request`, per descriptor and in hits.
+    pub fn record(&self, request: &RateLimitRequest, decision: &Decision) {
+        let domain = decision.domain.as_ref().map_or(UNKNOWN_DOMAIN, |d| d.name.as_str());
+        for (descriptor, verdict) in request.descriptors.iter().zip(&decision.descriptors) {
+            let (rule, outcome) = match &verdict.outcome {
+                Outcome::NoLimit => (None, "ok"),
+                Outcome::Unlimited => (None, "ok"),
+                Outcome::Bucket(b) => {
+                    let label = match (b.denied(), b.shadow) {
+                        (false, _) => "ok",
+                        (true, true) => "shadow_over_limit",
+                        (true, false) => "over_limit",
+                    };
+                    (b.limit.rule.as_ref(), label)
+                }
+                Outcome::StoreFailed { limit, mode } => {
+                    let label = match mode {
+                        FailureMode::Allow => "failed_open",
+                        FailureMode::Deny => "failed_closed",
+                        FailureMode::Error => "error",
+                    };
+                    (limit.rule.as_ref(), label)
+                }
+            };
+            let rule_path = rule.map_or("", |r| r.path.as_str());
+            counter!("tollgate_decisions_total", "domain" => domain.to_owned(), "rule" => rule_path.to_owned(), "decision" => outcome)
+                .increment(verdict.hits);
+
+            let Some(rule) = rule else { continue };
+            // The tenant, or for rules outside a tenant the value that selected the bucket.
+            let subject = match rule.tenant_depth {
+                Some(depth) => descriptor.entries.get(depth),
+                None => descriptor.entries.last(),
+            }
+            .map(|e| e.value.as_str());
+            let Some(subject) = subject else { continue };
+            if rule.detailed_metric {
+                let tenant = self.detailed_label(domain, rule_path, subject);
+                counter!("tollgate_tenant_decisions_total", "domain" => domain.to_owned(), "rule" => rule_path.to_owned(), "tenant" => tenant, "decision" => outcome)
+                    .increment(verdict.hits);
+            }
+            if outcome == "over_limit" && rule.tenant_depth.is_some() {
+                self.top_denied.record(subject, verdict.hits.max(1));
+            }
+        }
+    }
+
+    // The tenant label, or `(other)` once the series budget is spent on other tenants.
+    fn detailed_label(&self, domain: &str, rule: &str, tenant: &str) -> String {
+        let series = format!("{domain}\0{rule}\0{tenant}");
+        let mut seen = self.detailed_seen.lock().unwrap_or_else(|p| p.into_inner());
+        if seen.contains(&series) || seen.len() < self.detailed_series {
+            seen.insert(series);
+            tenant.to_owned()
+        } else {
+            OTHER_TENANTS.to_owned()
+        }
+    }
+
+    /// The Prometheus text exposition for `/metrics`.
+    pub fn render(&self) -> String {
+        let mut out = self.prometheus.as_ref().map(PrometheusHandle::render).unwrap_or_default();
+        out.push_str("# HELP tollgate_top_denied_tenant_hits Denied hits of the most-denied tenants in the last complete window.\n");
+        out.push_str("# TYPE tollgate_top_denied_tenant_hits gauge\n");
+        for (rank, (tenant, hits)) in self.top_denied.last_window().iter().enumerate() {
+            let _ = writeln!(
+                out,
+                "tollgate_top_denied_tenant_hits{{rank=\"{}\",tenant=\"{}\"}} {hits}",
+                rank + 1,
+                escape_label(tenant)
+            );
+        }
+        out
+    }
+}
+
+// Label values in the text format escape backslash, double quote and newline.
+fn escape_label(value: &str) -> String {
+    value.replace('\\', r"\\").replace('"', "\\\"").replace('\n', r"\n")
+}
+
+fn describe() {
+    describe_counter!("tollgate_decisions_total", Unit::Count, "Decisions per domain, rule and outcome (ok, over_limit, shadow_over_limit, failed_open, failed_closed, error), counted in hits.");
+    describe_counter!("tollgate_tenant_decisions_total", Unit::Count, "Decisions per tenant for rules with detailed_metric: true, counted in hits; tenants beyond the series budget are counted as (other).");
+    describe_counter!(
+        "tollgate_invalid_requests_total",
+        Unit::Count,
+        "Requests rejected with INVALID_ARGUMENT."
+    );
+    describe_histogram!(
+        "tollgate_request_duration_seconds",
+        Unit::Seconds,
+        "Time to answer one ShouldRateLimit call, from receipt to response."
+    );
+    describe_histogram!(
+        "tollgate_store_duration_seconds",
+        Unit::Seconds,
+        "Time of one bucket script call, measured at the Redis client, failures included."
+    );
+    describe_counter!(
+        "tollgate_store_errors_total",
+        Unit::Count,
+        "Failed or timed-out store calls, by kind (error, timeout) and the failure mode that answered."
+    );
+    describe_counter!(
+        "tollgate_quota_cache_lookups_total",
+        Unit::Count,
+        "Quota cache lookups: hit (fresh), stale (served, refreshing), miss (queried)."
+    );
+    describe_counter!(
+        "tollgate_quota_db_queries_total",
+        Unit::Count,
+        "Tenant lookups sent to the quota database."
+    );
+    describe_counter!(
+        "tollgate_quota_db_errors_total",
+        Unit::Count,
+        "Quota database queries that failed (error) or took too long (timeout)."
+    );
+    describe_counter!(
+        "tollgate_quota_deadline_exceeded_total",
+        Unit::Count,
+        "Decisions that went on without waiting for a quota query (past the Redis deadline)."
+    );
+    describe_counter!(
+        "tollgate_quota_bad_rows_total",
+        Unit::Count,
+        "Invalid rows in tollgate_overrides that were skipped."
+    );
+    describe_gauge!("tollgate_quota_cache_entries", Unit::Count, "Tenants held in the quota cache.");
+    describe_counter!(
+        "tollgate_config_reloads_total",
+        Unit::Count,
+        "Config reload attempts by result (success, failure)."
+    );
+    describe_gauge!(
+        "tollgate_config_last_reload_successful",
+        "1 if the last config reload succeeded (or none was needed), 0 if it was rejected."
+    );
+    describe_gauge!("tollgate_build_info", "Always 1; the version label says which tollgate runs.");
+}

@@ -1,0 +1,7 @@
+//! What operators see: structured logs ([`logs`]) and Prometheus metrics ([`Telemetry`]).
+
+pub mod logs;
+mod metrics;
+pub mod top_denied;
+
+pub use self::metrics::{Telemetry, TelemetryConfig, LATENCY_BUCKETS};

@@ -1,0 +1,140 @@
+//! Config hot reload on a Kubernetes ConfigMap layout: symlink swaps apply, bad configs are
+//! rejected while the old one keeps serving, SIGHUP forces a reload, and requests keep being
+//! answered throughout.
+
+mod common;
+
+use std::path::Path;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use common::*;
+
+fn rules(capacity: u32) -> String {
+    format!("domain: r\ndescriptors:\n  - key: k\n    rate_limit: {{unit: hour, requests_per_unit: {capacity}}}\n")
+}
+
+/// A directory laid out the way the kubelet mounts a ConfigMap.
+struct ConfigMap {
+    dir: tempfile::TempDir,
+    generation: usize,
+}
+
+impl ConfigMap {
+    fn new(yaml: &str) -> ConfigMap {
+        let mut cm = ConfigMap { dir: tempfile::tempdir().unwrap(), generation: 0 };
+        cm.publish(yaml);
+        std::os::unix::fs::symlink("..data/rules.yaml", cm.dir.path().join("rules.yaml")).unwrap();
+        cm
+    }
+
+    // What the kubelet does: write a new timestamped directory, point `..data_tmp` at it, rename
+    // it over `..data` (atomic), remove the old directory.
+    fn publish(&mut self, yaml: &str) {
+        let root = self.dir.path();
+        self.generation += 1;
+        let fresh = format!("..2026_12_02_{:02}", self.generation);
+        std::fs::create_dir(root.join(&fresh)).unwrap();
+        std::fs::write(root.join(&fresh).join("rules.yaml"), yaml).unwrap();
+        std::os::unix::fs::symlink(&fresh, root.join("..data_tmp")).unwrap();
+        std::fs::rename(root.join("..data_tmp"), root.join("..data")).unwrap();
+        if self.generation > 1 {
+            std::fs::remove_dir_all(root.join(format!("..2026_12_02_{:02}", self.generation - 1))).unwrap();
+        }
+    }
+
+    fn path(&self) -> &Path {
+        self.dir.path()
+    }
+}
+
+async fn limit(server: &Tollgate) -> String {
+    let r = ask(&server.addr(), req("r", &["k=v"], 0)).await.unwrap();
+    header(&r, "X-RateLimit-Limit").unwrap_or("-").to_owned()
+}
+
+async fn wait_for_limit(server: &Tollgate, expected: &str) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while limit(server).await != expected {
+        assert!(Instant::now() < deadline, "limit never became {expected}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+fn reloads(server: &Tollgate, result: &str) -> f64 {
+    sample(&server.metrics(), "tollgate_config_reloads_total", &[("result", result)])
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn configmap_swaps_reload_and_bad_configs_are_rejected() {
+    let mut cm = ConfigMap::new(&rules(3));
+    let server = Tollgate::start(cm.path(), &Backend::Memory, &[]);
+    assert_eq!(limit(&server).await, "3");
+
+    // Requests keep flowing while configs change; every one must be answered.
+    let stop = Arc::new(AtomicBool::new(false));
+    let answered = Arc::new(AtomicUsize::new(0));
+    let traffic = {
+        let (stop, answered, addr) = (stop.clone(), answered.clone(), server.addr());
+        tokio::spawn(async move {
+            while !stop.load(Ordering::SeqCst) {
+                ask(&addr, req("r", &["k=traffic"], 1)).await.expect("answered during reloads");
+                answered.fetch_add(1, Ordering::SeqCst);
+            }
+        })
+    };
+
+    cm.publish(&rules(7));
+    wait_for_limit(&server, "7").await;
+    assert_eq!(reloads(&server, "success"), 1.0);
+    assert_eq!(sample(&server.metrics(), "tollgate_config_last_reload_successful", &[]), 1.0);
+
+    // A config with an error: rejected, counted, logged with file and position; 7 still serves.
+    cm.publish(
+        "domain: r\ndescriptors:\n  - key: k\n    rate_limit: {unit: fortnight, requests_per_unit: 1}\n",
+    );
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while reloads(&server, "failure") < 1.0 {
+        assert!(Instant::now() < deadline, "the bad config was never attempted");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(limit(&server).await, "7");
+    assert_eq!(sample(&server.metrics(), "tollgate_config_last_reload_successful", &[]), 0.0);
+    let log = server.log();
+    assert!(
+        log.contains("config rejected")
+            && log.contains("rules.yaml:3:10: descriptors[0](k): invalid rate limit unit 'fortnight'"),
+        "{log}"
+    );
+
+    cm.publish(&rules(11));
+    wait_for_limit(&server, "11").await;
+    assert_eq!(reloads(&server, "success"), 2.0);
+
+    stop.store(true, Ordering::SeqCst);
+    traffic.await.unwrap();
+    assert!(answered.load(Ordering::SeqCst) > 0);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_single_file_and_sighup() {
+    let (dir, path) = config_file(&rules(5));
+    let server = Tollgate::start(&path, &Backend::Memory, &[]);
+    assert_eq!(limit(&server).await, "5");
+
+    // An editor saving in place.
+    std::fs::write(&path, rules(6)).unwrap();
+    wait_for_limit(&server, "6").await;
+
+    // SIGHUP reloads even though nothing changed.
+    let before = reloads(&server, "success");
+    server.proc.signal("HUP");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while reloads(&server, "success") <= before {
+        assert!(Instant::now() < deadline, "SIGHUP did not reload");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(limit(&server).await, "6");
+    drop(dir);
+}
