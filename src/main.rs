@@ -83,6 +83,9 @@ struct ServeArgs {
     /// Tenant quotas from PostgreSQL: postgres://user:password@host:port/db (see `tollgate quota`).
     #[arg(long, env = "TOLLGATE_QUOTA_STORE", hide_env_values = true)]
     quota_store: Option<String>,
+    /// Extra CA certificates (PEM) to verify the quota database's TLS certificate.
+    #[arg(long, env = "TOLLGATE_QUOTA_STORE_CA")]
+    quota_store_ca: Option<PathBuf>,
     /// How long a tenant's quota is served from the cache before it is read again.
     #[arg(long, env = "TOLLGATE_QUOTA_CACHE_TTL", default_value = "45s", value_parser = humantime::parse_duration)]
     quota_cache_ttl: Duration,
@@ -105,6 +108,9 @@ struct QuotaArgs {
     /// The quota database: postgres://user:password@host:port/db.
     #[arg(long, env = "TOLLGATE_QUOTA_STORE", hide_env_values = true, global = true)]
     quota_store: Option<String>,
+    /// Extra CA certificates (PEM) to verify the quota database's TLS certificate.
+    #[arg(long, env = "TOLLGATE_QUOTA_STORE_CA", global = true)]
+    quota_store_ca: Option<PathBuf>,
     #[command(subcommand)]
     action: QuotaAction,
 }
@@ -209,7 +215,8 @@ fn serve(args: ServeArgs) -> Result<()> {
         tracing::info!(store = %store.describe(), shadow_mode = args.shadow_mode, "store ready");
         let quotas: Arc<dyn QuotaSource> = match &args.quota_store {
             Some(url) => {
-                let db = PostgresQuotas::connect(url, QUOTA_DB_CONNECTIONS).context("--quota-store")?;
+                let db = PostgresQuotas::connect(url, QUOTA_DB_CONNECTIONS, args.quota_store_ca.as_deref())
+                    .context("--quota-store")?;
                 tracing::info!(quota_store = %db.describe(), ttl = ?args.quota_cache_ttl, size = args.quota_cache_size, "tenant quotas from the database");
                 // A decision never waits on the database longer than on Redis.
                 Arc::new(CachedQuotas::new(db, args.quota_cache_size, args.quota_cache_ttl, args.redis_timeout))
@@ -267,7 +274,7 @@ fn ask(args: AskArgs) -> Result<()> {
 fn quota(args: QuotaArgs) -> Result<()> {
     let url = args.quota_store.context("--quota-store (or TOLLGATE_QUOTA_STORE) is required")?;
     runtime()?.block_on(async move {
-        let db = PostgresQuotas::connect(&url, 1)?;
+        let db = PostgresQuotas::connect(&url, 1, args.quota_store_ca.as_deref())?;
         match args.action {
             QuotaAction::Migrate => {
                 db.migrate().await?;

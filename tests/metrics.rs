@@ -167,3 +167,40 @@ async fn cardinality_stays_bounded_with_100k_tenants() {
     println!("{series} series in /metrics after 100k tenants");
     assert!(series < 1_000, "{series} series");
 }
+
+#[test]
+fn dashboard_and_readme_cover_exactly_the_exported_metrics() {
+    let exported: HashSet<&str> = tollgate::telemetry::METRICS.iter().map(|m| m.0).collect();
+    let dashboard: serde_json::Value =
+        serde_json::from_str(include_str!("../dashboards/tollgate.json")).expect("dashboard JSON");
+    let mut used = HashSet::new();
+    for panel in dashboard["panels"].as_array().unwrap() {
+        for target in panel["targets"].as_array().unwrap() {
+            let expr = target["expr"].as_str().unwrap();
+            for word in expr.split(|c: char| !(c.is_ascii_alphanumeric() || c == '_')) {
+                if let Some(name) = word.strip_prefix("tollgate_") {
+                    let name = format!("tollgate_{name}");
+                    let base = ["_bucket", "_sum", "_count"]
+                        .iter()
+                        .find_map(|s| name.strip_suffix(s))
+                        .unwrap_or(&name)
+                        .to_owned();
+                    assert!(exported.contains(base.as_str()), "dashboard uses unknown metric {name}");
+                    used.insert(base);
+                }
+            }
+        }
+    }
+    for key in [
+        "tollgate_decisions_total",
+        "tollgate_top_denied_tenant_hits",
+        "tollgate_store_duration_seconds",
+        "tollgate_store_errors_total",
+    ] {
+        assert!(used.contains(key), "the dashboard lacks {key}");
+    }
+    let readme = include_str!("../README.md");
+    for name in &exported {
+        assert!(readme.contains(name), "README does not document {name}");
+    }
+}

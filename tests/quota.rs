@@ -278,3 +278,32 @@ async fn database_down_serves_cached_quotas_and_tier_defaults() {
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn tls_to_the_quota_database_is_verified() {
+    let pki = TestPki::new();
+    let pg = Postgres::start_tls(&pki);
+    let url = format!("{}?sslmode=require", pg.url());
+    let ca = pki.path_str("ca.pem");
+    let run = |extra: &[&str]| {
+        Command::new(tollgate_bin())
+            .args(["quota", "migrate", "--quota-store", &url])
+            .args(extra)
+            .env("RUST_LOG", "off")
+            .output()
+            .unwrap()
+    };
+    let untrusted = run(&[]);
+    assert!(!untrusted.status.success(), "a certificate from an unknown CA is refused");
+    let stderr = String::from_utf8_lossy(&untrusted.stderr);
+    assert!(stderr.to_lowercase().contains("certificate"), "{stderr}");
+    let trusted = run(&["--quota-store-ca", &ca]);
+    assert!(trusted.status.success(), "{}", String::from_utf8_lossy(&trusted.stderr));
+    pg.sql("INSERT INTO tollgate_tenants VALUES ('secure', 'pro')");
+    assert_eq!(pg.sql("SELECT count(*) FROM pg_stat_ssl WHERE ssl"), "1", "psql's own connection");
+
+    let (_dir, config) = config_file(CONFIG);
+    let server =
+        Tollgate::start(&config, &Backend::Memory, &["--quota-store", &url, "--quota-store-ca", &ca]);
+    assert_eq!(capacity(&server, "secure").await, 200, "the tier comes over TLS");
+}

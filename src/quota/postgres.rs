@@ -11,8 +11,13 @@
 use std::str::FromStr;
 use std::time::{Duration, SystemTime};
 
+use std::path::Path;
+use std::sync::Arc;
+
 use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod, Runtime};
-use tokio_postgres::NoTls;
+use rustls::pki_types::pem::PemObject;
+use rustls::pki_types::CertificateDer;
+use tokio_postgres_rustls::MakeRustlsConnect;
 
 use super::TenantRecord;
 use crate::bucket::BucketSpec;
@@ -74,9 +79,16 @@ const FETCH: &str = "\
 
 impl PostgresQuotas {
     /// A pool for `url` (`postgres://user:password@host:port/db`); connects lazily, at most
-    /// `max_connections` at a time.
-    pub fn connect(url: &str, max_connections: usize) -> Result<PostgresQuotas, QuotaError> {
+    /// `max_connections` at a time. TLS follows the URL's `sslmode` (`prefer` by default,
+    /// `require` to insist), verifying the server against the public web roots and, if given,
+    /// the PEM certificates in `ca_file`.
+    pub fn connect(
+        url: &str,
+        max_connections: usize,
+        ca_file: Option<&Path>,
+    ) -> Result<PostgresQuotas, QuotaError> {
         let config = tokio_postgres::Config::from_str(url).map_err(|e| QuotaError::Url(e.to_string()))?;
+        let tls = tls_connector(ca_file)?;
         let hosts: Vec<String> = config
             .get_hosts()
             .iter()
@@ -89,7 +101,7 @@ impl PostgresQuotas {
         let description =
             format!("postgres at {}/{}", hosts.join(","), config.get_dbname().unwrap_or_default());
         let manager =
-            Manager::from_config(config, NoTls, ManagerConfig { recycling_method: RecyclingMethod::Fast });
+            Manager::from_config(config, tls, ManagerConfig { recycling_method: RecyclingMethod::Fast });
         let pool = Pool::builder(manager)
             .max_size(max_connections)
             .runtime(Runtime::Tokio1)
@@ -253,6 +265,28 @@ impl PostgresQuotas {
         }
         Ok(listings)
     }
+}
+
+fn tls_connector(ca_file: Option<&Path>) -> Result<MakeRustlsConnect, QuotaError> {
+    let mut roots = rustls::RootCertStore { roots: webpki_roots::TLS_SERVER_ROOTS.to_vec() };
+    if let Some(path) = ca_file {
+        let invalid = |e: &dyn std::fmt::Display| QuotaError::Invalid(format!("{}: {e}", path.display()));
+        let mut added = 0;
+        for cert in CertificateDer::pem_file_iter(path).map_err(|e| invalid(&e))? {
+            roots.add(cert.map_err(|e| invalid(&e))?).map_err(|e| invalid(&e))?;
+            added += 1;
+        }
+        if added == 0 {
+            return Err(invalid(&"no PEM certificate in the file"));
+        }
+    }
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let config = rustls::ClientConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .map_err(|e| QuotaError::Invalid(e.to_string()))?
+        .with_root_certificates(roots)
+        .with_no_client_auth();
+    Ok(MakeRustlsConnect::new(config))
 }
 
 // tokio-postgres puts the useful part (the server's message, the I/O error) in the source.

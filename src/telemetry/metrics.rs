@@ -153,7 +153,8 @@ impl Telemetry {
     /// The Prometheus text exposition for `/metrics`.
     pub fn render(&self) -> String {
         let mut out = self.prometheus.as_ref().map(PrometheusHandle::render).unwrap_or_default();
-        out.push_str("# HELP tollgate_top_denied_tenant_hits Denied hits of the most-denied tenants in the last complete window.\n");
+        let help = METRICS.iter().find(|m| m.0 == "tollgate_top_denied_tenant_hits").map_or("", |m| m.2);
+        let _ = writeln!(out, "# HELP tollgate_top_denied_tenant_hits {help}");
         out.push_str("# TYPE tollgate_top_denied_tenant_hits gauge\n");
         for (rank, (tenant, hits)) in self.top_denied.last_window().iter().enumerate() {
             let _ = writeln!(
@@ -172,63 +173,41 @@ fn escape_label(value: &str) -> String {
     value.replace('\\', r"\\").replace('"', "\\\"").replace('\n', r"\n")
 }
 
+/// What kind of series a metric is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kind {
+    Counter,
+    Gauge,
+    Histogram,
+}
+
+/// Every metric tollgate exports: name, kind, help. The README's metric table and the Grafana
+/// dashboard are checked against this list.
+pub const METRICS: &[(&str, Kind, &str)] = &[
+    ("tollgate_decisions_total", Kind::Counter, "Decisions per domain, rule and outcome (ok, over_limit, shadow_over_limit, failed_open, failed_closed, error), counted in hits."),
+    ("tollgate_tenant_decisions_total", Kind::Counter, "Decisions per tenant for rules with detailed_metric: true, counted in hits; tenants beyond the series budget are counted as (other)."),
+    ("tollgate_top_denied_tenant_hits", Kind::Gauge, "Denied hits of the most-denied tenants in the last complete window."),
+    ("tollgate_invalid_requests_total", Kind::Counter, "Requests rejected with INVALID_ARGUMENT."),
+    ("tollgate_request_duration_seconds", Kind::Histogram, "Time to answer one ShouldRateLimit call, from receipt to response."),
+    ("tollgate_store_duration_seconds", Kind::Histogram, "Time of one bucket script call, measured at the Redis client, failures included."),
+    ("tollgate_store_errors_total", Kind::Counter, "Failed or timed-out store calls, by domain, kind (error, timeout) and the failure mode that answered."),
+    ("tollgate_quota_cache_lookups_total", Kind::Counter, "Quota cache lookups: hit (fresh), stale (served while refreshing), miss (queried)."),
+    ("tollgate_quota_db_queries_total", Kind::Counter, "Tenant lookups sent to the quota database."),
+    ("tollgate_quota_db_errors_total", Kind::Counter, "Quota database queries that failed (error) or took too long (timeout)."),
+    ("tollgate_quota_deadline_exceeded_total", Kind::Counter, "Decisions that went on without waiting for a quota query (past the Redis deadline)."),
+    ("tollgate_quota_bad_rows_total", Kind::Counter, "Invalid rows in tollgate_overrides that were skipped."),
+    ("tollgate_quota_cache_entries", Kind::Gauge, "Tenants held in the quota cache."),
+    ("tollgate_config_reloads_total", Kind::Counter, "Config reloads by result (success, failure)."),
+    ("tollgate_config_last_reload_successful", Kind::Gauge, "1 if the last config reload succeeded (or none was needed), 0 if it was rejected."),
+    ("tollgate_build_info", Kind::Gauge, "Always 1; the version label says which tollgate runs."),
+];
+
 fn describe() {
-    describe_counter!("tollgate_decisions_total", Unit::Count, "Decisions per domain, rule and outcome (ok, over_limit, shadow_over_limit, failed_open, failed_closed, error), counted in hits.");
-    describe_counter!("tollgate_tenant_decisions_total", Unit::Count, "Decisions per tenant for rules with detailed_metric: true, counted in hits; tenants beyond the series budget are counted as (other).");
-    describe_counter!(
-        "tollgate_invalid_requests_total",
-        Unit::Count,
-        "Requests rejected with INVALID_ARGUMENT."
-    );
-    describe_histogram!(
-        "tollgate_request_duration_seconds",
-        Unit::Seconds,
-        "Time to answer one ShouldRateLimit call, from receipt to response."
-    );
-    describe_histogram!(
-        "tollgate_store_duration_seconds",
-        Unit::Seconds,
-        "Time of one bucket script call, measured at the Redis client, failures included."
-    );
-    describe_counter!(
-        "tollgate_store_errors_total",
-        Unit::Count,
-        "Failed or timed-out store calls, by kind (error, timeout) and the failure mode that answered."
-    );
-    describe_counter!(
-        "tollgate_quota_cache_lookups_total",
-        Unit::Count,
-        "Quota cache lookups: hit (fresh), stale (served, refreshing), miss (queried)."
-    );
-    describe_counter!(
-        "tollgate_quota_db_queries_total",
-        Unit::Count,
-        "Tenant lookups sent to the quota database."
-    );
-    describe_counter!(
-        "tollgate_quota_db_errors_total",
-        Unit::Count,
-        "Quota database queries that failed (error) or took too long (timeout)."
-    );
-    describe_counter!(
-        "tollgate_quota_deadline_exceeded_total",
-        Unit::Count,
-        "Decisions that went on without waiting for a quota query (past the Redis deadline)."
-    );
-    describe_counter!(
-        "tollgate_quota_bad_rows_total",
-        Unit::Count,
-        "Invalid rows in tollgate_overrides that were skipped."
-    );
-    describe_gauge!("tollgate_quota_cache_entries", Unit::Count, "Tenants held in the quota cache.");
-    describe_counter!(
-        "tollgate_config_reloads_total",
-        Unit::Count,
-        "Config reload attempts by result (success, failure)."
-    );
-    describe_gauge!(
-        "tollgate_config_last_reload_successful",
-        "1 if the last config reload succeeded (or none was needed), 0 if it was rejected."
-    );
-    describe_gauge!("tollgate_build_info", "Always 1; the version label says which tollgate runs.");
+    for (name, kind, help) in METRICS {
+        match kind {
+            Kind::Counter => describe_counter!(*name, *help),
+            Kind::Gauge => describe_gauge!(*name, *help),
+            Kind::Histogram => describe_histogram!(*name, Unit::Seconds, *help),
+        }
+    }
 }

@@ -4,4 +4,4 @@ pub mod logs;
 mod metrics;
 pub mod top_denied;
 
-pub use self::metrics::{Telemetry, TelemetryConfig, LATENCY_BUCKETS};
+pub use self::metrics::{Kind, Telemetry, TelemetryConfig, LATENCY_BUCKETS, METRICS};

@@ -429,6 +429,15 @@ pub struct Postgres {
 
 impl Postgres {
     pub fn start() -> Postgres {
+        Self::start_with(None)
+    }
+
+    /// A server that also accepts TLS, with `pki`'s server certificate.
+    pub fn start_tls(pki: &TestPki) -> Postgres {
+        Self::start_with(Some(pki))
+    }
+
+    fn start_with(pki: Option<&TestPki>) -> Postgres {
         let bin = postgres_bin_dir();
         let dir = scratch_dir("tollgate-pg");
         // PostgreSQL refuses to run as root: as root, run it as the `postgres` system user.
@@ -457,6 +466,22 @@ impl Postgres {
             .stderr(Stdio::null());
         as_user(&mut initdb, user);
         assert!(initdb.status().expect("initdb").success(), "initdb failed");
+        if let Some(pki) = pki {
+            // The key must belong to the server's user and be private to it.
+            use std::os::unix::fs::PermissionsExt;
+            for file in ["server.pem", "server.key"] {
+                let to = data.join(file);
+                std::fs::copy(pki.path(file), &to).unwrap();
+                std::fs::set_permissions(&to, std::fs::Permissions::from_mode(0o600)).unwrap();
+                if let Some((uid, gid)) = user {
+                    std::os::unix::fs::chown(&to, Some(uid), Some(gid)).unwrap();
+                }
+            }
+            let conf = "ssl = on\nssl_cert_file = 'server.pem'\nssl_key_file = 'server.key'\n";
+            let mut pgconf =
+                std::fs::OpenOptions::new().append(true).open(data.join("postgresql.conf")).unwrap();
+            pgconf.write_all(conf.as_bytes()).unwrap();
+        }
         let mut pg = Postgres { port: free_port(), proc: None, dir, bin, user };
         pg.run();
         pg
@@ -539,4 +564,41 @@ fn postgres_bin_dir() -> PathBuf {
         .collect();
     versions.sort();
     versions.pop().expect("no initdb under /usr/lib/postgresql/*/bin")
+}
+
+/// A throwaway PKI for TLS tests: a CA, a server certificate for 127.0.0.1 and localhost, and a
+/// client certificate, as PEM files in a temporary directory.
+pub struct TestPki {
+    pub dir: tempfile::TempDir,
+}
+
+impl TestPki {
+    pub fn new() -> TestPki {
+        use rcgen::{BasicConstraints, CertificateParams, CertifiedIssuer, DnType, IsCa, KeyPair};
+        let dir = scratch_dir("tollgate-pki");
+        let mut ca_params = CertificateParams::new(Vec::<String>::new()).unwrap();
+        ca_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+        ca_params.distinguished_name.push(DnType::CommonName, "tollgate test CA");
+        let ca = CertifiedIssuer::self_signed(ca_params, KeyPair::generate().unwrap()).unwrap();
+        std::fs::write(dir.path().join("ca.pem"), ca.pem()).unwrap();
+        for (name, sans) in
+            [("server", vec!["127.0.0.1".to_string(), "localhost".into()]), ("client", vec!["client".into()])]
+        {
+            let key = KeyPair::generate().unwrap();
+            let mut params = CertificateParams::new(sans).unwrap();
+            params.distinguished_name.push(DnType::CommonName, name);
+            let cert = params.signed_by(&key, &ca).unwrap();
+            std::fs::write(dir.path().join(format!("{name}.pem")), cert.pem()).unwrap();
+            std::fs::write(dir.path().join(format!("{name}.key")), key.serialize_pem()).unwrap();
+        }
+        TestPki { dir }
+    }
+
+    pub fn path(&self, file: &str) -> PathBuf {
+        self.dir.path().join(file)
+    }
+
+    pub fn path_str(&self, file: &str) -> String {
+        self.path(file).to_str().unwrap().to_owned()
+    }
 }
