@@ -12,8 +12,17 @@
 //! * `ietf`: `RateLimit-Policy` and `RateLimit` structured fields of
 //!   draft-ietf-httpapi-ratelimit-headers (-09): one item per bucket, `q` = capacity, `w` =
 //!   seconds to refill from empty, `r` = remaining, `t` = seconds until full.
+//! * `grpc-status-details`: on OVER_LIMIT, `grpc-status-details-bin`, the base64 of a
+//!   `google.rpc.Status` (RESOURCE_EXHAUSTED) carrying `google.rpc.RetryInfo` with the same wait
+//!   as `Retry-After` (without RetryInfo when retrying cannot help). Envoy's gRPC local reply for
+//!   a rate-limited request keeps it, so gRPC clients get a machine-readable retry delay.
 
+use std::time::Duration;
+
+use base64::engine::general_purpose::STANDARD_NO_PAD;
+use base64::Engine;
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::Code;
+use tonic_types::{ErrorDetails, StatusExt};
 
 use crate::limiter::{BucketReport, Decision, Outcome};
 
@@ -43,10 +52,15 @@ pub fn response_headers(decision: &Decision) -> Vec<(&'static str, String)> {
         headers.push(("X-RateLimit-Remaining", b.remaining().to_string()));
     }
 
-    if sets.retry_after && decision.overall == Code::OverLimit && !denying.is_empty() {
+    if decision.overall == Code::OverLimit && !denying.is_empty() {
+        // The longest wait in whole seconds, or none if a denying bucket can never admit.
         let waits: Option<Vec<u64>> = denying.iter().map(|b| b.verdict.retry_after_ms).collect();
-        if let Some(longest) = waits.and_then(|w| w.into_iter().max()) {
-            headers.push(("Retry-After", longest.div_ceil(1000).max(1).to_string()));
+        let retry_after = waits.and_then(|w| w.into_iter().max()).map(|ms| ms.div_ceil(1000).max(1));
+        if let (true, Some(seconds)) = (sets.retry_after, retry_after) {
+            headers.push(("Retry-After", seconds.to_string()));
+        }
+        if sets.grpc_status_details {
+            headers.push(("grpc-status-details-bin", grpc_status_details(retry_after)));
         }
     }
 
@@ -68,6 +82,19 @@ pub fn response_headers(decision: &Decision) -> Vec<(&'static str, String)> {
         headers.push(("RateLimit", states.join(", ")));
     }
     headers
+}
+
+// google.rpc.Status { RESOURCE_EXHAUSTED, RetryInfo }, encoded as gRPC binary headers are.
+fn grpc_status_details(retry_after_seconds: Option<u64>) -> String {
+    let (message, details) = match retry_after_seconds {
+        Some(s) => (
+            format!("rate limited; retry in {s} s"),
+            ErrorDetails::with_retry_info(Some(Duration::from_secs(s))),
+        ),
+        None => ("rate limited; this request exceeds the limit's capacity".to_owned(), ErrorDetails::new()),
+    };
+    let status = tonic::Status::with_error_details(tonic::Code::ResourceExhausted, message, details);
+    STANDARD_NO_PAD.encode(status.details())
 }
 
 fn whole(x: f64) -> u64 {

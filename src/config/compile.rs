@@ -45,17 +45,23 @@ pub(super) fn domain(file: &Path, text: &str) -> Result<Domain, ConfigError> {
     let headers = match raw.response_headers {
         None => HeaderSets::default(),
         Some(sets) => {
-            let mut h = HeaderSets { x_ratelimit: false, retry_after: false, ietf: false };
+            let mut h = HeaderSets {
+                x_ratelimit: false,
+                retry_after: false,
+                ietf: false,
+                grpc_status_details: false,
+            };
             for (i, set) in sets.iter().enumerate() {
                 match set.as_str() {
                     "x-ratelimit" => h.x_ratelimit = true,
                     "retry-after" => h.retry_after = true,
                     "ietf" => h.ietf = true,
+                    "grpc-status-details" => h.grpc_status_details = true,
                     other => {
                         return Err(invalid(
                             &format!("response_headers[{i}]"),
                             format!(
-                                "unknown header set '{other}' (expected x-ratelimit, retry-after or ietf)"
+                                "unknown header set '{other}' (expected x-ratelimit, retry-after, ietf or grpc-status-details)"
                             ),
                         ))
                     }

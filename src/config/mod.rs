@@ -227,10 +227,13 @@ pub struct HeaderSets {
     pub retry_after: bool,
     /// IETF `RateLimit-Policy` and `RateLimit`.
     pub ietf: bool,
+    /// `grpc-status-details-bin` (google.rpc.Status with RetryInfo) on OVER_LIMIT, for domains
+    /// that serve gRPC.
+    pub grpc_status_details: bool,
 }
 
 impl Default for HeaderSets {
     fn default() -> Self {
-        HeaderSets { x_ratelimit: true, retry_after: true, ietf: false }
+        HeaderSets { x_ratelimit: true, retry_after: true, ietf: false, grpc_status_details: false }
     }
 }

