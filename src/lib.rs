@@ -25,6 +25,7 @@ pub mod limiter;
 pub mod matcher;
 pub mod quota;
 pub mod reload;
+pub mod render;
 pub mod server;
 pub mod store;
 pub mod telemetry;

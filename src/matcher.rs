@@ -15,7 +15,7 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use crate::config::{Domain, Rule};
+use crate::config::{Domain, Rule, Source};
 
 /// One `(key, value)` entry of a request descriptor.
 pub trait DescriptorEntry {
@@ -123,15 +123,22 @@ impl Pattern {
 
 /// A node of the descriptor tree.
 #[derive(Debug)]
-pub(crate) struct Node {
+pub struct Node {
+    /// The entry key it matches.
+    pub key: String,
+    /// How it matches the entry's value.
     pub value: ValueMatch,
+    /// The limit at this node, if any.
     pub rule: Option<Arc<Rule>>,
+    /// Where Envoy takes this entry from (for `tollgate render`).
+    pub source: Option<Source>,
+    /// The next level.
     pub children: Level,
 }
 
 /// The nodes at one depth of the tree, indexed for lookup.
 #[derive(Debug, Default)]
-pub(crate) struct Level {
+pub struct Level {
     nodes: Vec<Node>,
     by_key: HashMap<String, KeyIndex>,
 }
@@ -148,9 +155,14 @@ struct KeyIndex {
 pub(crate) struct DuplicateNode;
 
 impl Level {
-    /// Adds `node` under `key`, refusing a second node with the same key and value.
-    pub fn insert(&mut self, key: &str, node: Node) -> Result<(), DuplicateNode> {
-        let index = self.by_key.entry(key.to_owned()).or_default();
+    /// The nodes in config order.
+    pub fn nodes(&self) -> &[Node] {
+        &self.nodes
+    }
+
+    /// Adds `node`, refusing a second node with the same key and value.
+    pub(crate) fn insert(&mut self, node: Node) -> Result<(), DuplicateNode> {
+        let index = self.by_key.entry(node.key.clone()).or_default();
         let id = self.nodes.len();
         match &node.value {
             ValueMatch::Any if index.any.is_some() => return Err(DuplicateNode),

@@ -192,9 +192,11 @@ impl Tree<'_> {
             let rule = self.rule(d, &place).map_err(invalid)?.map(Arc::new);
             self.rules.extend(rule.clone());
             let children = self.level(d.descriptors.as_deref().unwrap_or_default(), &place)?;
-            let node = Node { value: ValueMatch::parse(value), rule, children };
+            let source = d.source.clone();
+            check_source(key, value, source.as_ref()).map_err(invalid)?;
+            let node = Node { key: key.to_owned(), value: ValueMatch::parse(value), rule, source, children };
             level
-                .insert(key, node)
+                .insert(node)
                 .map_err(|_| invalid(format!("duplicate descriptor composite key '{}'", place.path)))?;
         }
         Ok(level)
@@ -286,6 +288,26 @@ impl Tree<'_> {
             tenant_depth: place.tenant_depth,
             shared_values: place.shared_values.clone(),
         }))
+    }
+}
+
+// A source must be able to produce the node's key and value.
+fn check_source(key: &str, value: Option<&str>, source: Option<&raw::Source>) -> Result<(), String> {
+    match source {
+        Some(raw::Source::RemoteAddress) if key != "remote_address" => {
+            Err("source: remote_address needs key: remote_address (Envoy's action always uses that key)"
+                .into())
+        }
+        Some(raw::Source::GenericKey(constant)) if value.is_some_and(|v| v != constant) => Err(format!(
+            "source: generic_key '{constant}' always sends that value, but the node matches '{}'",
+            value.unwrap_or_default()
+        )),
+        Some(raw::Source::JwtClaim(s) | raw::Source::RequestHeader(s) | raw::Source::GenericKey(s))
+            if s.is_empty() =>
+        {
+            Err("source: the claim, header or value must not be empty".into())
+        }
+        _ => Ok(()),
     }
 }
 

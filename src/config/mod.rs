@@ -9,6 +9,8 @@
 mod compile;
 mod raw;
 
+pub use self::raw::Source;
+
 use std::collections::{BTreeMap, HashMap};
 use std::fmt;
 use std::hash::{DefaultHasher, Hash, Hasher};
@@ -153,7 +155,8 @@ pub struct Domain {
     pub tenants: HashMap<String, Arc<TenantRecord>>,
     /// Every rule (node with a limit, `unlimited` included), in file order.
     pub rules: Vec<Arc<Rule>>,
-    pub(crate) root: Level,
+    /// The descriptor tree.
+    pub root: Level,
 }
 
 /// A limit attached to a descriptor node.

@@ -49,6 +49,25 @@ pub struct Descriptor {
     pub cost: Option<u64>,
     pub class: Option<String>,
     pub quota: Option<String>,
+    pub source: Option<Source>,
+}
+
+/// Where Envoy takes an entry's value from; used only by `tollgate render`.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize, serde::Serialize)]
+#[serde(rename_all = "snake_case", deny_unknown_fields)]
+pub enum Source {
+    /// A claim of the verified JWT (jwt_authn payload metadata).
+    JwtClaim(String),
+    /// A request header.
+    RequestHeader(String),
+    /// The request path (`:path`).
+    Path,
+    /// The request method (`:method`).
+    Method,
+    /// The client address (Envoy's `remote_address` action; the key must be `remote_address`).
+    RemoteAddress,
+    /// A constant, for routes that should be charged to this node.
+    GenericKey(String),
 }
 
 /// envoyproxy/ratelimit's fixed-window limit, which tollgate turns into a token bucket.

@@ -610,7 +610,7 @@ pub fn envoy_bin() -> PathBuf {
     if let Ok(bin) = std::env::var("ENVOY_BIN") {
         return PathBuf::from(bin);
     }
-    let venv = Path::new(env!("CARGO_MANIFEST_DIR")).join("target/envoy-venv/bin/envoy");
+    let venv = Path::new(env!("CARGO_MANIFEST_DIR")).join("target/venv/bin/envoy");
     if venv.exists() {
         return venv;
     }

@@ -1,0 +1,290 @@
+//! `tollgate render`: the Envoy and Istio side of a config, generated from the config.
+//!
+//! The descriptor tree already says which entries tollgate expects; with a `source:` on each
+//! node it also says where Envoy gets them, so one file drives both sides and they cannot drift
+//! apart. Every rule (except `unlimited` ones, which need no call) becomes one Envoy
+//! `rate_limits` entry with one action per node on its path.
+//!
+//! Placement: an entry whose actions are all request-derived (JWT claim, header, path, method,
+//! address) belongs to the virtual host, because it describes every request and the rules pick
+//! out the ones they limit. An entry with a `generic_key` marks a route, so it goes to the routes
+//! that should be charged to it, grouped by its constant values; a route with its own
+//! `rate_limits` replaces the virtual host's, so each route group repeats them.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use serde_json::{json, Value};
+
+use crate::config::{Domain, Limit, RuleSet, Source};
+use crate::matcher::Level;
+
+/// Where the verified JWT payload sits in Envoy's dynamic metadata.
+#[derive(Debug, Clone)]
+pub enum JwtPayload {
+    /// Envoy's jwt_authn with `payload_in_metadata: <key>`.
+    MetadataKey(String),
+    /// Istio's RequestAuthentication: the payload is stored under the issuer.
+    Issuer(String),
+}
+
+/// What a render needs besides the config.
+#[derive(Debug, Clone)]
+pub struct RenderOptions {
+    /// The domain to render; required when the config has several.
+    pub domain: Option<String>,
+    /// Where the JWT payload is.
+    pub jwt: JwtPayload,
+    /// Envoy's deadline for tollgate.
+    pub timeout: Duration,
+    /// `failure_mode_deny` of the filter.
+    pub failure_mode_deny: bool,
+}
+
+/// Why a config cannot be rendered.
+#[derive(Debug, thiserror::Error)]
+pub enum RenderError {
+    /// `--domain` names no configured domain, or is missing with several domains.
+    #[error("{0}")]
+    Domain(String),
+    /// A node on the path of a rule has no `source`.
+    #[error("domain '{domain}': descriptor '{path}' has no source: add `source:` (jwt_claim, request_header, path, method, remote_address or generic_key)")]
+    NoSource { domain: String, path: String },
+}
+
+/// The `rate_limits` entries for one domain.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RateLimits {
+    /// For the virtual host.
+    pub virtual_host: Vec<Value>,
+    /// For routes, by group (`key=value` of their generic keys); each repeats the virtual
+    /// host's entries.
+    pub routes: BTreeMap<String, Vec<Value>>,
+}
+
+/// The domain `options` selects.
+pub fn select<'a>(rules: &'a RuleSet, options: &RenderOptions) -> Result<&'a Domain, RenderError> {
+    let names: Vec<&str> = rules.domains().map(|d| d.name.as_str()).collect();
+    match &options.domain {
+        Some(name) => rules.domain(name).map(|d| d.as_ref()).ok_or_else(|| {
+            RenderError::Domain(format!("no domain '{name}' (the config has {})", names.join(", ")))
+        }),
+        None if names.len() == 1 => Ok(rules.domains().next().expect("one domain")),
+        None => Err(RenderError::Domain(format!(
+            "the config has several domains ({}): choose one with --domain",
+            names.join(", ")
+        ))),
+    }
+}
+
+/// The `rate_limits` entries that produce the descriptors `domain`'s rules expect.
+pub fn rate_limits(domain: &Domain, jwt: &JwtPayload) -> Result<RateLimits, RenderError> {
+    let mut out = RateLimits { virtual_host: Vec::new(), routes: BTreeMap::new() };
+    walk(domain, &domain.root, jwt, &[], &[], &mut out)?;
+    for entries in out.routes.values_mut() {
+        let mut all = out.virtual_host.clone();
+        all.append(entries);
+        *entries = all;
+    }
+    Ok(out)
+}
+
+fn walk(
+    domain: &Domain,
+    level: &Level,
+    jwt: &JwtPayload,
+    actions: &[Option<Value>],
+    groups: &[String],
+    out: &mut RateLimits,
+) -> Result<(), RenderError> {
+    for node in level.nodes() {
+        let mut path = actions.to_vec();
+        path.push(node.source.as_ref().map(|s| action(&node.key, s, jwt)));
+        let mut groups = groups.to_vec();
+        if let Some(Source::GenericKey(value)) = &node.source {
+            groups.push(format!("{}={value}", node.key));
+        }
+        if let Some(rule) = node.rule.as_ref().filter(|r| r.limit != Limit::Unlimited) {
+            let actions: Option<Vec<Value>> = path.iter().cloned().collect();
+            let actions = actions.ok_or_else(|| RenderError::NoSource {
+                domain: domain.name.clone(),
+                path: rule.path.clone(),
+            })?;
+            let entry = json!({ "actions": actions });
+            let list = if groups.is_empty() {
+                &mut out.virtual_host
+            } else {
+                out.routes.entry(groups.join(",")).or_default()
+            };
+            // Rules for different values of one key (e.g. every remote_address rule) share one
+            // entry; a second one would make Envoy send the descriptor, and charge it, twice.
+            if !list.contains(&entry) {
+                list.push(entry);
+            }
+        }
+        walk(domain, &node.children, jwt, &path, &groups, out)?;
+    }
+    Ok(())
+}
+
+/// The Envoy action that produces entry `key` from `source`.
+fn action(key: &str, source: &Source, jwt: &JwtPayload) -> Value {
+    match source {
+        Source::JwtClaim(claim) => {
+            let outer = match jwt {
+                JwtPayload::MetadataKey(k) | JwtPayload::Issuer(k) => k,
+            };
+            // Without a value Envoy builds no descriptor and skips the call: a token without the
+            // claim would go unlimited. The default sends such tokens to one shared bucket.
+            json!({ "metadata": {
+                "descriptor_key": key,
+                "source": "DYNAMIC",
+                "metadata_key": {
+                    "key": "envoy.filters.http.jwt_authn",
+                    "path": [{ "key": outer }, { "key": claim }],
+                },
+                "default_value": format!("_no_{claim}_claim"),
+            }})
+        }
+        Source::RequestHeader(header) => header_action(key, header),
+        Source::Path => header_action(key, ":path"),
+        Source::Method => header_action(key, ":method"),
+        Source::RemoteAddress => json!({ "remote_address": {} }),
+        Source::GenericKey(value) => {
+            json!({ "generic_key": { "descriptor_key": key, "descriptor_value": value } })
+        }
+    }
+}
+
+fn header_action(key: &str, header: &str) -> Value {
+    json!({ "request_headers": { "header_name": header, "descriptor_key": key } })
+}
+
+/// The ratelimit HTTP filter for `domain`, calling tollgate through `cluster`.
+pub fn http_filter(domain: &Domain, cluster: &str, options: &RenderOptions) -> Value {
+    json!({
+        "name": "envoy.filters.http.ratelimit",
+        "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.filters.http.ratelimit.v3.RateLimit",
+            "domain": domain.name,
+            "timeout": format!("{}s", options.timeout.as_secs_f64()),
+            "failure_mode_deny": options.failure_mode_deny,
+            "rate_limited_as_resource_exhausted": true,
+            "rate_limit_service": {
+                "transport_api_version": "V3",
+                "grpc_service": { "envoy_grpc": { "cluster_name": cluster } },
+            },
+        },
+    })
+}
+
+/// `tollgate render envoy`: the filter, the tollgate cluster (at `address`, `host:port`) and
+/// the `rate_limits` for the virtual host and for each route group.
+pub fn envoy(rules: &RuleSet, options: &RenderOptions, address: &str) -> Result<Value, RenderError> {
+    let domain = select(rules, options)?;
+    let limits = rate_limits(domain, &options.jwt)?;
+    let (host, port) = address.rsplit_once(':').unwrap_or((address, "8081"));
+    let port: u16 = port.parse().unwrap_or(8081);
+    let routes: serde_json::Map<String, Value> = limits
+        .routes
+        .into_iter()
+        .map(|(group, entries)| (group, json!({ "rate_limits": entries })))
+        .collect();
+    Ok(json!({
+        "domain": domain.name,
+        "http_filter": http_filter(domain, "tollgate", options),
+        "cluster": {
+            "name": "tollgate",
+            "type": "STRICT_DNS",
+            "connect_timeout": "0.25s",
+            "typed_extension_protocol_options": {
+                "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
+                    "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
+                    "explicit_http_config": { "http2_protocol_options": {} },
+                },
+            },
+            "load_assignment": {
+                "cluster_name": "tollgate",
+                "endpoints": [{ "lb_endpoints": [{ "endpoint": { "address": {
+                    "socket_address": { "address": host, "port_value": port },
+                }}}]}],
+            },
+        },
+        "virtual_host": { "rate_limits": limits.virtual_host },
+        "routes": routes,
+    }))
+}
+
+/// Which Istio proxies to configure.
+#[derive(Debug, Clone)]
+pub enum IstioTarget {
+    /// The ingress gateway (`istio: ingressgateway` in `istio-system`).
+    Gateway,
+    /// The sidecars of pods labelled `app: <app>` in `namespace`.
+    Sidecar { app: String, namespace: String },
+}
+
+/// `tollgate render istio`: one EnvoyFilter that inserts the ratelimit filter before the router
+/// and merges the `rate_limits` into the virtual hosts and into the routes named after each
+/// route group's constant. `service` is tollgate's Kubernetes service host
+/// (`tollgate.<namespace>.svc.cluster.local`); its gRPC port must be named `grpc` or have
+/// `appProtocol: grpc`, so Istio's outbound cluster speaks HTTP/2 and needs no CLUSTER patch.
+pub fn istio(
+    rules: &RuleSet,
+    options: &RenderOptions,
+    target: &IstioTarget,
+    service: &str,
+    port: u16,
+) -> Result<Value, RenderError> {
+    let domain = select(rules, options)?;
+    let limits = rate_limits(domain, &options.jwt)?;
+    let (context, namespace, selector, name) = match target {
+        IstioTarget::Gateway => (
+            "GATEWAY",
+            "istio-system",
+            json!({ "istio": "ingressgateway" }),
+            format!("tollgate-{}-gateway", domain.name),
+        ),
+        IstioTarget::Sidecar { app, namespace } => (
+            "SIDECAR_INBOUND",
+            namespace.as_str(),
+            json!({ "app": app }),
+            format!("tollgate-{}-{app}", domain.name),
+        ),
+    };
+    let cluster = format!("outbound|{port}||{service}");
+    let mut patches = vec![
+        json!({
+            "applyTo": "HTTP_FILTER",
+            "match": { "context": context, "listener": { "filterChain": { "filter": {
+                "name": "envoy.filters.network.http_connection_manager",
+                "subFilter": { "name": "envoy.filters.http.router" },
+            }}}},
+            "patch": { "operation": "INSERT_BEFORE", "value": http_filter(domain, &cluster, options) },
+        }),
+        json!({
+            "applyTo": "VIRTUAL_HOST",
+            "match": { "context": context },
+            "patch": { "operation": "MERGE", "value": { "rate_limits": limits.virtual_host } },
+        }),
+    ];
+    for (group, entries) in limits.routes {
+        patches.push(json!({
+            "applyTo": "HTTP_ROUTE",
+            "match": { "context": context, "routeConfiguration": { "vhost": { "route": { "name": route_name(&group) } } } },
+            "patch": { "operation": "MERGE", "value": { "route": { "rate_limits": entries } } },
+        }));
+    }
+    Ok(json!({
+        "apiVersion": "networking.istio.io/v1alpha3",
+        "kind": "EnvoyFilter",
+        "metadata": { "name": name, "namespace": namespace },
+        "spec": { "workloadSelector": { "labels": selector }, "configPatches": patches },
+    }))
+}
+
+/// The VirtualService route name a route group's patch matches: its constants' values joined
+/// by `-` (`class=export` → `export`).
+pub fn route_name(group: &str) -> String {
+    group.split(',').map(|kv| kv.split_once('=').map_or(kv, |(_, v)| v)).collect::<Vec<_>>().join("-")
+}

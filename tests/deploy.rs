@@ -1,0 +1,379 @@
+//! The deployment artefacts, checked offline: Kubernetes manifests against the bundled schemas
+//! (kubernetes-validate --strict) and our own invariants, Istio EnvoyFilters against what
+//! `tollgate render` prints and, through their Envoy fragments, against a real Envoy; the
+//! docker-compose stack and the Dockerfile against the files they reference.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use common::*;
+use serde_json::{json, Value};
+
+fn repo(relative: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join(relative)
+}
+
+fn yaml_docs(relative: &str) -> Vec<Value> {
+    let text = std::fs::read_to_string(repo(relative)).unwrap();
+    serde_saphyr::from_str_multiple(&text).unwrap_or_else(|e| panic!("{relative}: {e}"))
+}
+
+fn manifests(dir: &str) -> Vec<(String, Value)> {
+    let mut files: Vec<PathBuf> = std::fs::read_dir(repo(dir))
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|e| e == "yaml"))
+        .collect();
+    files.sort();
+    files
+        .iter()
+        .flat_map(|f| {
+            let name = format!("{dir}/{}", f.file_name().unwrap().to_string_lossy());
+            yaml_docs(&name).into_iter().map(move |d| (name.clone(), d))
+        })
+        .collect()
+}
+
+fn kubernetes_validate() -> PathBuf {
+    std::env::var("KUBERNETES_VALIDATE_BIN")
+        .map(PathBuf::from)
+        .unwrap_or_else(|_| repo("target/venv/bin/kubernetes-validate"))
+}
+
+#[test]
+fn kubernetes_manifests_pass_the_schema_validator() {
+    let mut files: Vec<PathBuf> = Vec::new();
+    for dir in ["k8s/tollgate", "k8s/redis"] {
+        for entry in std::fs::read_dir(repo(dir)).unwrap() {
+            let path = entry.unwrap().path();
+            if path.extension().is_some_and(|e| e == "yaml") {
+                files.push(path);
+            }
+        }
+    }
+    let out = Command::new(kubernetes_validate())
+        .arg("--strict")
+        .args(&files)
+        .output()
+        .expect("kubernetes-validate (scripts/test installs it into target/venv)");
+    let report = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success(), "{report}");
+    for kind in [
+        "deployment/tollgate",
+        "service/tollgate",
+        "configmap/tollgate-rules",
+        "horizontalpodautoscaler/tollgate",
+        "poddisruptionbudget/tollgate",
+        "networkpolicy/tollgate",
+        "networkpolicy/redis-only-from-tollgate",
+        "statefulset/redis-cluster",
+    ] {
+        assert!(report.contains(&format!("passed for resource {kind}")), "{kind} not validated:\n{report}");
+    }
+}
+
+#[test]
+fn tollgate_manifests_keep_their_promises() {
+    let docs = manifests("k8s/tollgate");
+    let find = |kind: &str, name: &str| {
+        docs.iter()
+            .map(|(_, d)| d)
+            .find(|d| d["kind"] == kind && d["metadata"]["name"] == name)
+            .unwrap_or_else(|| panic!("{kind}/{name}"))
+    };
+    let deploy = find("Deployment", "tollgate");
+    let pod = &deploy["spec"]["template"]["spec"];
+    let c = &pod["containers"][0];
+    assert_eq!(deploy["spec"]["replicas"], 3);
+    assert_eq!(c["readinessProbe"]["httpGet"]["path"], "/readyz");
+    assert_eq!(c["livenessProbe"]["httpGet"]["path"], "/healthz");
+    assert_eq!(pod["securityContext"]["runAsNonRoot"], true);
+    assert_eq!(c["securityContext"]["readOnlyRootFilesystem"], true);
+    assert_eq!(c["securityContext"]["allowPrivilegeEscalation"], false);
+    assert!(c["resources"]["requests"]["cpu"].is_string() && c["resources"]["limits"]["memory"].is_string());
+    let pre_stop = c["lifecycle"]["preStop"]["sleep"]["seconds"].as_u64().expect("preStop sleep");
+    assert!(
+        pod["terminationGracePeriodSeconds"].as_u64().unwrap() > pre_stop + 2,
+        "grace covers preStop and drain"
+    );
+    // Hot reload needs the ConfigMap mounted as a directory: subPath mounts never update.
+    let mount = &c["volumeMounts"][0];
+    assert!(mount.get("subPath").is_none());
+    assert_eq!(c["args"], json!(["serve", "--config", mount["mountPath"]]));
+
+    let service = find("Service", "tollgate");
+    let grpc = service["spec"]["ports"].as_array().unwrap().iter().find(|p| p["port"] == 8081).unwrap();
+    assert_eq!((grpc["name"].as_str(), grpc["appProtocol"].as_str()), (Some("grpc"), Some("grpc")));
+    assert_eq!(find("HorizontalPodAutoscaler", "tollgate")["spec"]["minReplicas"], 3);
+    assert_eq!(find("PodDisruptionBudget", "tollgate")["spec"]["minAvailable"], 2);
+
+    // The ConfigMap carries exactly the example rules, which load.
+    let rules = &find("ConfigMap", "tollgate-rules")["data"];
+    for file in ["tollgate.yaml", "grpc-api.yaml"] {
+        let shipped = std::fs::read_to_string(repo(&format!("examples/{file}"))).unwrap();
+        assert_eq!(rules[file].as_str().unwrap(), shipped, "configmap {file} differs from examples/{file}");
+        tollgate::config::RuleSet::from_yaml(Path::new(file), &shipped).unwrap();
+    }
+}
+
+fn render(args: &[&str]) -> Value {
+    let out = Command::new(tollgate_bin()).arg("render").args(args).output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    serde_saphyr::from_str(&String::from_utf8(out.stdout).unwrap()).unwrap()
+}
+
+#[test]
+fn istio_envoyfilters_are_what_render_prints() {
+    let examples = repo("examples");
+    let common = [
+        "--config",
+        examples.to_str().unwrap(),
+        "--domain",
+        "api-gateway",
+        "--jwt-issuer",
+        "https://auth.tollgate.example",
+    ];
+    let gateway = render(&[&["istio", "--gateway"][..], &common].concat());
+    assert_eq!(yaml_docs("k8s/istio/ingress-gateway.yaml"), vec![gateway]);
+    let sidecar = render(&[&["istio", "--sidecar", "demo-api", "--namespace", "demo"][..], &common].concat());
+    assert_eq!(yaml_docs("k8s/istio/sidecar.yaml"), vec![sidecar]);
+}
+
+#[test]
+fn istio_manifests_are_well_formed() {
+    let apply_to = [
+        "HTTP_FILTER",
+        "VIRTUAL_HOST",
+        "HTTP_ROUTE",
+        "CLUSTER",
+        "LISTENER",
+        "NETWORK_FILTER",
+        "ROUTE_CONFIGURATION",
+    ];
+    let contexts = ["GATEWAY", "SIDECAR_INBOUND", "SIDECAR_OUTBOUND", "ANY"];
+    let operations = ["MERGE", "ADD", "REMOVE", "INSERT_BEFORE", "INSERT_AFTER", "INSERT_FIRST", "REPLACE"];
+    let docs = manifests("k8s/istio");
+    let mut kinds = Vec::new();
+    for (file, d) in &docs {
+        for field in ["apiVersion", "kind"] {
+            assert!(d[field].is_string(), "{file}: {field}");
+        }
+        assert!(
+            d["metadata"]["name"].is_string() && d["metadata"]["namespace"].is_string(),
+            "{file}: metadata"
+        );
+        let kind = d["kind"].as_str().unwrap();
+        kinds.push(kind.to_owned());
+        match kind {
+            "EnvoyFilter" => {
+                assert_eq!(d["apiVersion"], "networking.istio.io/v1alpha3", "{file}");
+                assert!(d["spec"]["workloadSelector"]["labels"].is_object(), "{file}: workloadSelector");
+                for p in d["spec"]["configPatches"].as_array().unwrap() {
+                    assert!(apply_to.contains(&p["applyTo"].as_str().unwrap()), "{file}: {p}");
+                    assert!(contexts.contains(&p["match"]["context"].as_str().unwrap()), "{file}: {p}");
+                    assert!(operations.contains(&p["patch"]["operation"].as_str().unwrap()), "{file}: {p}");
+                    assert!(p["patch"]["value"].is_object(), "{file}: {p}");
+                }
+            }
+            "RequestAuthentication" => {
+                let rule = &d["spec"]["jwtRules"][0];
+                assert!(
+                    rule["issuer"].is_string() && (rule["jwks"].is_string() || rule["jwksUri"].is_string()),
+                    "{file}"
+                );
+            }
+            "AuthorizationPolicy" => {
+                assert!(
+                    d["spec"]["rules"][0]["from"][0]["source"]["requestPrincipals"].is_array(),
+                    "{file}: requires a JWT"
+                );
+            }
+            "Gateway" | "VirtualService" => assert!(d["spec"].is_object(), "{file}"),
+            other => panic!("{file}: unexpected kind {other}"),
+        }
+    }
+    for kind in ["EnvoyFilter", "RequestAuthentication", "AuthorizationPolicy", "VirtualService"] {
+        assert!(kinds.iter().any(|k| k == kind), "no {kind}");
+    }
+    // The VirtualService names the route the HTTP_ROUTE patch matches.
+    let vs = docs.iter().map(|(_, d)| d).find(|d| d["kind"] == "VirtualService").unwrap();
+    let gateway = docs
+        .iter()
+        .map(|(_, d)| d)
+        .find(|d| d["metadata"]["name"] == "tollgate-api-gateway-gateway")
+        .unwrap();
+    let route_patch = gateway["spec"]["configPatches"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|p| p["applyTo"] == "HTTP_ROUTE")
+        .unwrap();
+    let name = &route_patch["match"]["routeConfiguration"]["vhost"]["route"]["name"];
+    assert!(
+        vs["spec"]["http"].as_array().unwrap().iter().any(|r| &r["name"] == name),
+        "no VirtualService route named {name}"
+    );
+}
+
+// An Envoy bootstrap built from an EnvoyFilter's patches, the way Istio would apply them.
+fn bootstrap_from(filter: &Value) -> Value {
+    let patches = filter["spec"]["configPatches"].as_array().unwrap();
+    let of = |kind: &'static str| patches.iter().filter(move |p| p["applyTo"] == kind);
+    let http_filter = of("HTTP_FILTER").next().expect("an HTTP_FILTER patch")["patch"]["value"].clone();
+    let cluster_name = http_filter["typed_config"]["rate_limit_service"]["grpc_service"]["envoy_grpc"]
+        ["cluster_name"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    let mut vhost = json!({"name": "all", "domains": ["*"], "routes": []});
+    for p in of("VIRTUAL_HOST") {
+        for (k, v) in p["patch"]["value"].as_object().unwrap() {
+            vhost[k] = v.clone();
+        }
+    }
+    let mut routes: Vec<Value> = of("HTTP_ROUTE")
+        .map(|p| {
+            let mut route = json!({
+                "name": p["match"]["routeConfiguration"]["vhost"]["route"]["name"],
+                "match": {"prefix": "/named"},
+                "route": {"cluster": "upstream"},
+            });
+            for (k, v) in p["patch"]["value"]["route"].as_object().unwrap() {
+                route["route"][k] = v.clone();
+            }
+            route
+        })
+        .collect();
+    routes.push(json!({"match": {"prefix": "/"}, "route": {"cluster": "upstream"}}));
+    vhost["routes"] = json!(routes);
+    let cluster = |name: &str, http2: bool| {
+        let mut c = json!({
+            "name": name, "type": "STATIC", "connect_timeout": "1s",
+            "load_assignment": {"cluster_name": name, "endpoints": [{"lb_endpoints": [{"endpoint": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": 8081}}}}]}]},
+        });
+        if http2 {
+            c["typed_extension_protocol_options"] = json!({"envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
+                "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
+                "explicit_http_config": {"http2_protocol_options": {}}}});
+        }
+        c
+    };
+    json!({"static_resources": {
+        "listeners": [{
+            "name": "istio", "address": {"socket_address": {"address": "127.0.0.1", "port_value": 10000}},
+            "filter_chains": [{"filters": [{
+                "name": "envoy.filters.network.http_connection_manager",
+                "typed_config": {
+                    "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
+                    "stat_prefix": "istio",
+                    "route_config": {"virtual_hosts": [vhost]},
+                    "http_filters": [http_filter, {"name": "envoy.filters.http.router", "typed_config": {"@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"}}],
+                },
+            }]}],
+        }],
+        "clusters": [cluster(&cluster_name, true), cluster("upstream", false)],
+    }})
+}
+
+#[test]
+fn envoy_fragments_of_the_envoyfilters_load_in_envoy() {
+    let filters: Vec<Value> =
+        manifests("k8s/istio").into_iter().map(|(_, d)| d).filter(|d| d["kind"] == "EnvoyFilter").collect();
+    assert_eq!(filters.len(), 2);
+    for filter in &filters {
+        let (ok, output) = envoy_validate(&bootstrap_from(filter));
+        assert!(ok, "{}: {output}", filter["metadata"]["name"]);
+    }
+    // A typo inside a patch is caught.
+    let mut broken = filters[0].clone();
+    broken["spec"]["configPatches"][0]["patch"]["value"]["typed_config"]
+        ["rate_limited_as_resource_exhaustd"] = json!(true);
+    let (ok, output) = envoy_validate(&bootstrap_from(&broken));
+    assert!(!ok, "{output}");
+}
+
+#[test]
+fn docker_compose_stack_references_resolve() {
+    // A Docker engine is not available where these tests run; if the compose client is, let it
+    // check the file too.
+    if let Ok(out) =
+        Command::new("docker").args(["compose", "config", "--quiet"]).current_dir(repo("")).output()
+    {
+        if out.status.success() || !String::from_utf8_lossy(&out.stderr).contains("unknown") {
+            assert!(out.status.success(), "docker compose config: {}", String::from_utf8_lossy(&out.stderr));
+        }
+    }
+    let compose = &yaml_docs("docker-compose.yml")[0];
+    let services = compose["services"].as_object().unwrap();
+    for name in ["tollgate", "envoy", "upstream", "grpc-upstream", "redis-cluster-init"] {
+        assert!(services.contains_key(name), "no service {name}");
+    }
+    assert_eq!(services.keys().filter(|k| k.starts_with("redis-") && *k != "redis-cluster-init").count(), 6);
+    for (name, s) in services {
+        assert!(s["image"].is_string() || s["build"].is_string(), "{name}: image or build");
+        if let Some(context) = s["build"].as_str() {
+            assert!(repo(context).join("Dockerfile").exists(), "{name}: build context without Dockerfile");
+        }
+        for volume in s["volumes"].as_array().into_iter().flatten() {
+            let host = volume.as_str().unwrap().split(':').next().unwrap();
+            assert!(repo(host).exists(), "{name}: mounted path {host} does not exist");
+        }
+        for port in s["ports"].as_array().into_iter().flatten() {
+            let (host, container) = port.as_str().unwrap().split_once(':').unwrap();
+            assert!(host.parse::<u16>().is_ok() && container.parse::<u16>().is_ok(), "{name}: port {port}");
+        }
+        let deps: Vec<String> = match &s["depends_on"] {
+            Value::Array(a) => a.iter().map(|d| d.as_str().unwrap().to_owned()).collect(),
+            Value::Object(o) => o.keys().cloned().collect(),
+            _ => vec![],
+        };
+        for d in deps {
+            assert!(services.contains_key(&d), "{name} depends on unknown {d}");
+        }
+    }
+    // What Envoy dials exists: each front-proxy cluster's host is a service listening there.
+    let envoy_config = repo_yaml("envoy/front-proxy.yaml");
+    let listens = |service: &str, port: u64| -> bool {
+        let command: Vec<String> = services[service]["command"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|c| c.as_str().unwrap().to_owned())
+            .collect();
+        let text = command.join(" ");
+        text.contains(&format!(":{port}"))
+            || (service == "tollgate" && port == 8081 && !text.contains("--grpc-addr"))
+    };
+    for cluster in envoy_config["static_resources"]["clusters"].as_array().unwrap() {
+        let addr = &cluster["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]["address"]
+            ["socket_address"];
+        let (host, port) = (addr["address"].as_str().unwrap(), addr["port_value"].as_u64().unwrap());
+        assert!(services.contains_key(host), "envoy dials {host}, which is not a compose service");
+        assert!(listens(host, port), "{host} does not listen on {port}");
+    }
+    // tollgate's rules load as the container would read them.
+    let out =
+        Command::new(tollgate_bin()).args(["validate", repo("examples").to_str().unwrap()]).output().unwrap();
+    assert!(out.status.success());
+}
+
+#[test]
+fn dockerfile_copies_what_exists() {
+    let dockerfile = std::fs::read_to_string(repo("Dockerfile")).unwrap();
+    let mut copies = 0;
+    for line in dockerfile.lines().filter(|l| l.starts_with("COPY ") && !l.contains("--from")) {
+        let parts: Vec<&str> = line.split_whitespace().skip(1).collect();
+        for source in &parts[..parts.len() - 1] {
+            assert!(repo(source).exists(), "Dockerfile copies missing {source}");
+            copies += 1;
+        }
+    }
+    assert!(copies >= 3);
+    assert!(dockerfile.contains("USER nonroot") && dockerfile.contains("cargo build --release --locked"));
+    // Everything the crate includes at compile time is inside what the Dockerfile copies.
+    for included in ["src/store/token_bucket.lua", "migrations/0001_tollgate_quotas.sql"] {
+        assert!(repo(included).exists());
+    }
+}
