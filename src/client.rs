@@ -2,6 +2,8 @@
 
 use std::fmt::Write as _;
 
+use tonic::transport::{Certificate, ClientTlsConfig, Endpoint, Identity};
+
 use envoy_types::pb::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::Entry;
 use envoy_types::pb::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor;
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::rate_limit::Unit;
@@ -52,13 +54,44 @@ pub fn request(domain: &str, descriptors: &[Vec<(String, String)>], hits_addend:
     }
 }
 
-/// Sends `request` to the server at `addr` (`host:port` or a URL).
+/// TLS settings for asking a server that serves gRPC over TLS.
+#[derive(Debug, Clone, Default)]
+pub struct ClientTls {
+    /// CA certificates (PEM) that signed the server's certificate.
+    pub ca_pem: Vec<u8>,
+    /// Client certificate and key (PEM), for servers that require mTLS.
+    pub identity_pem: Option<(Vec<u8>, Vec<u8>)>,
+    /// The name to verify the server's certificate against (default: the address's host).
+    pub domain: Option<String>,
+}
+
+/// Sends `request` to the server at `addr` (`host:port` or a URL), in plaintext.
 pub async fn ask(addr: &str, request: RateLimitRequest) -> Result<RateLimitResponse, AskError> {
-    let url = if addr.contains("://") { addr.to_owned() } else { format!("http://{addr}") };
-    let mut client = RateLimitServiceClient::connect(url)
-        .await
-        .map_err(|source| AskError::Connect { addr: addr.to_owned(), source })?;
-    Ok(client.should_rate_limit(request).await?.into_inner())
+    ask_with(addr, request, None).await
+}
+
+/// Sends `request` to the server at `addr`, over TLS when `tls` is given.
+pub async fn ask_with(
+    addr: &str,
+    request: RateLimitRequest,
+    tls: Option<&ClientTls>,
+) -> Result<RateLimitResponse, AskError> {
+    let connect = |source| AskError::Connect { addr: addr.to_owned(), source };
+    let scheme = if tls.is_some() { "https" } else { "http" };
+    let url = if addr.contains("://") { addr.to_owned() } else { format!("{scheme}://{addr}") };
+    let mut endpoint = Endpoint::from_shared(url).map_err(connect)?;
+    if let Some(tls) = tls {
+        let mut config = ClientTlsConfig::new().ca_certificate(Certificate::from_pem(&tls.ca_pem));
+        if let Some((cert, key)) = &tls.identity_pem {
+            config = config.identity(Identity::from_pem(cert, key));
+        }
+        if let Some(domain) = &tls.domain {
+            config = config.domain_name(domain.clone());
+        }
+        endpoint = endpoint.tls_config(config).map_err(connect)?;
+    }
+    let channel = endpoint.connect().await.map_err(connect)?;
+    Ok(RateLimitServiceClient::new(channel).should_rate_limit(request).await?.into_inner())
 }
 
 /// A human-readable rendering of `response`.

@@ -3,11 +3,14 @@
 //! Every request enters here ([`RateLimitGrpc::should_rate_limit`]), is decided by the
 //! [`Limiter`], and leaves as a `RateLimitResponse` built by [`encode`]. Malformed requests get
 //! `INVALID_ARGUMENT`; a store failure in a domain whose failure mode is `error` gets
-//! `UNAVAILABLE`, so that Envoy's own `failure_mode_deny` decides. Every answer is counted and
-//! timed here.
+//! `UNAVAILABLE`, so that Envoy's own `failure_mode_deny` decides. Beyond `max_inflight`
+//! concurrent decisions, requests are refused at once with `RESOURCE_EXHAUSTED`. Every answer is
+//! counted and timed here.
 
 use std::sync::Arc;
 use std::time::Instant;
+
+use tokio::sync::Semaphore;
 
 use envoy_types::pb::envoy::config::core::v3::HeaderValue;
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::{DescriptorStatus, RateLimit};
@@ -25,12 +28,15 @@ use crate::units;
 pub struct RateLimitGrpc {
     limiter: Arc<Limiter>,
     telemetry: Arc<Telemetry>,
+    inflight: Arc<Semaphore>,
+    max_inflight: usize,
 }
 
 impl RateLimitGrpc {
-    /// A service answering with `limiter`, counting into `telemetry`.
-    pub fn new(limiter: Arc<Limiter>, telemetry: Arc<Telemetry>) -> Self {
-        RateLimitGrpc { limiter, telemetry }
+    /// A service answering with `limiter`, counting into `telemetry`, with at most
+    /// `max_inflight` decisions in progress.
+    pub fn new(limiter: Arc<Limiter>, telemetry: Arc<Telemetry>, max_inflight: usize) -> Self {
+        RateLimitGrpc { limiter, telemetry, inflight: Arc::new(Semaphore::new(max_inflight)), max_inflight }
     }
 }
 
@@ -41,6 +47,15 @@ impl RateLimitService for RateLimitGrpc {
         request: Request<RateLimitRequest>,
     ) -> Result<Response<RateLimitResponse>, Status> {
         let start = Instant::now();
+        // Past the bound, refuse at once instead of queueing: a backlog would only answer late,
+        // after Envoy has given up, and grow memory. Envoy's failure_mode_deny then decides.
+        let Ok(_permit) = self.inflight.clone().try_acquire_owned() else {
+            metrics::counter!("tollgate_overload_rejections_total").increment(1);
+            return Err(Status::resource_exhausted(format!(
+                "tollgate is overloaded: {} decisions in flight",
+                self.max_inflight
+            )));
+        };
         let request = request.into_inner();
         let answer = match self.limiter.decide(&request).await {
             Ok(decision) => {

@@ -29,4 +29,5 @@ pub mod render;
 pub mod server;
 pub mod store;
 pub mod telemetry;
+pub mod tls;
 pub mod units;

@@ -20,8 +20,9 @@ use tollgate::quota::{EmbeddedQuotas, QuotaSource};
 use tollgate::reload::Reloader;
 use tollgate::render::{IstioTarget, JwtPayload, RenderOptions};
 use tollgate::server::{self, Listen, Service, Shutdown};
-use tollgate::store::{MemoryStore, RedisStore, RedisTarget, Store};
+use tollgate::store::{MemoryStore, RedisStore, RedisTarget, RedisTls, Store};
 use tollgate::telemetry::{Telemetry, TelemetryConfig};
+use tollgate::tls::{ReloadingTls, TlsFiles};
 
 /// Connections to the quota database per process; lookups are rare (one per tenant per TTL).
 const QUOTA_DB_CONNECTIONS: usize = 8;
@@ -134,9 +135,30 @@ struct ServeArgs {
     /// Redis Cluster seed nodes: HOST:PORT,HOST:PORT,...
     #[arg(long, env = "TOLLGATE_REDIS_CLUSTER", value_delimiter = ',', hide_env_values = true)]
     redis_cluster: Vec<String>,
+    /// CA certificates (PEM) that signed the Redis servers' TLS certificates (rediss://).
+    #[arg(long, env = "TOLLGATE_REDIS_CA")]
+    redis_ca: Option<PathBuf>,
+    /// Client certificate (PEM) for Redis servers that require TLS client authentication.
+    #[arg(long, env = "TOLLGATE_REDIS_CLIENT_CERT", requires = "redis_client_key")]
+    redis_client_cert: Option<PathBuf>,
+    /// Its private key (PEM).
+    #[arg(long, env = "TOLLGATE_REDIS_CLIENT_KEY", requires = "redis_client_cert")]
+    redis_client_key: Option<PathBuf>,
     /// Deadline for each Redis call; past it the domain's failure mode answers.
     #[arg(long, env = "TOLLGATE_REDIS_TIMEOUT", default_value = "50ms", value_parser = humantime::parse_duration)]
     redis_timeout: Duration,
+    /// Most decisions in progress at once; beyond it requests are refused with RESOURCE_EXHAUSTED.
+    #[arg(long, env = "TOLLGATE_MAX_INFLIGHT", default_value_t = 10_000)]
+    max_inflight: usize,
+    /// Serve gRPC over TLS with this certificate chain (PEM); reloaded when the file changes.
+    #[arg(long, env = "TOLLGATE_TLS_CERT", requires = "tls_key")]
+    tls_cert: Option<PathBuf>,
+    /// The private key (PEM) of --tls-cert.
+    #[arg(long, env = "TOLLGATE_TLS_KEY", requires = "tls_cert")]
+    tls_key: Option<PathBuf>,
+    /// Require client certificates signed by this CA (PEM): mutual TLS.
+    #[arg(long, env = "TOLLGATE_TLS_CLIENT_CA", requires = "tls_cert")]
+    tls_client_ca: Option<PathBuf>,
     /// Evaluate and count every limit, but never answer OVER_LIMIT.
     #[arg(long, env = "TOLLGATE_SHADOW_MODE")]
     shadow_mode: bool,
@@ -228,6 +250,15 @@ struct AskArgs {
     /// hits_addend of the request (tokens per descriptor, times the rule's cost).
     #[arg(long, default_value_t = 1)]
     hits: u32,
+    /// Use TLS, trusting this CA (PEM).
+    #[arg(long)]
+    tls_ca: Option<PathBuf>,
+    /// Client certificate (PEM), for servers that require mTLS.
+    #[arg(long, requires_all = ["tls_key", "tls_ca"])]
+    tls_cert: Option<PathBuf>,
+    /// Client key (PEM).
+    #[arg(long, requires = "tls_cert")]
+    tls_key: Option<PathBuf>,
 }
 
 fn main() -> ExitCode {
@@ -265,9 +296,13 @@ fn serve(args: ServeArgs) -> Result<()> {
             detailed_series: args.detailed_metric_series,
         })
         .context("installing the metrics recorder")?;
+        let redis_tls = RedisTls {
+            ca: args.redis_ca.clone(),
+            client: args.redis_client_cert.clone().zip(args.redis_client_key.clone()),
+        };
         let store: Arc<dyn Store> = match (&args.redis_url, args.redis_cluster.is_empty()) {
-            (Some(url), _) => Arc::new(RedisStore::connect(&RedisTarget::Standalone(url.clone()), args.redis_timeout)?),
-            (None, false) => Arc::new(RedisStore::connect(&RedisTarget::Cluster(args.redis_cluster.clone()), args.redis_timeout)?),
+            (Some(url), _) => Arc::new(RedisStore::connect(&RedisTarget::Standalone(url.clone()), args.redis_timeout, &redis_tls)?),
+            (None, false) => Arc::new(RedisStore::connect(&RedisTarget::Cluster(args.redis_cluster.clone()), args.redis_timeout, &redis_tls)?),
             (None, true) => {
                 tracing::warn!(
                     "no --redis-url or --redis-cluster: using the embedded memory store. Limits hold \
@@ -276,7 +311,7 @@ fn serve(args: ServeArgs) -> Result<()> {
                 Arc::new(MemoryStore::new())
             }
         };
-        tracing::info!(store = %store.describe(), shadow_mode = args.shadow_mode, "store ready");
+        tracing::info!(store = %store.describe(), shadow_mode = args.shadow_mode, "store configured");
         let quotas: Arc<dyn QuotaSource> = match &args.quota_store {
             Some(url) => {
                 let db = PostgresQuotas::connect(url, QUOTA_DB_CONNECTIONS, args.quota_store_ca.as_deref())
@@ -290,8 +325,18 @@ fn serve(args: ServeArgs) -> Result<()> {
         let rules = Arc::new(ArcSwap::from_pointee(rules));
         let _reloader = Reloader::new(&args.config, rules.clone()).spawn().context("watching the config")?;
         let limiter = Arc::new(Limiter::new(rules.clone(), store, quotas, args.shadow_mode));
-        let service = Service { rules, limiter, telemetry: Arc::new(telemetry) };
-        let listen = Listen { grpc: args.grpc_addr, http: args.http_addr };
+        let tls = match (&args.tls_cert, &args.tls_key) {
+            (Some(cert), Some(key)) => {
+                let files = TlsFiles { cert: cert.clone(), key: key.clone(), client_ca: args.tls_client_ca.clone() };
+                let tls = ReloadingTls::load(files).context("loading the gRPC TLS files")?;
+                tracing::info!(mutual = args.tls_client_ca.is_some(), "gRPC over TLS");
+                Some(tls)
+            }
+            _ => None,
+        };
+        let _tls_watch = tls.as_ref().map(|t| t.watch()).transpose().context("watching the TLS files")?;
+        let service = Service { rules, limiter, telemetry: Arc::new(telemetry), max_inflight: args.max_inflight };
+        let listen = Listen { grpc: args.grpc_addr, tls, http: args.http_addr };
         server::run(listen, service, shutdown_signal(args.drain_delay)).await?;
         Ok(())
     })
@@ -330,7 +375,19 @@ fn validate(path: &Path) -> Result<()> {
 
 fn ask(args: AskArgs) -> Result<()> {
     let request = client::request(&args.domain, &args.descriptors, args.hits);
-    let response = runtime()?.block_on(client::ask(&args.addr, request.clone()))?;
+    let read = |p: &PathBuf| std::fs::read(p).with_context(|| format!("reading {}", p.display()));
+    let tls = match &args.tls_ca {
+        Some(ca) => Some(client::ClientTls {
+            ca_pem: read(ca)?,
+            identity_pem: match (&args.tls_cert, &args.tls_key) {
+                (Some(cert), Some(key)) => Some((read(cert)?, read(key)?)),
+                _ => None,
+            },
+            domain: None,
+        }),
+        None => None,
+    };
+    let response = runtime()?.block_on(client::ask_with(&args.addr, request.clone(), tls.as_ref()))?;
     print!("{}", client::render(&request, &response));
     Ok(())
 }

@@ -67,41 +67,57 @@ impl Reloader {
         }
     }
 
-    /// Watches the path and `SIGHUP` for as long as the returned task runs.
-    pub fn spawn(self) -> Result<tokio::task::JoinHandle<()>, notify::Error> {
-        let (changed_tx, mut changed) = mpsc::channel::<()>(1);
-        let mut watcher = notify::recommended_watcher(move |event: notify::Result<notify::Event>| {
-            // A full channel already holds a pending reload, which will see this change too.
-            if event.is_ok() {
-                let _ = changed_tx.try_send(());
-            }
-        })?;
-        let watched = if self.path.is_dir() {
-            self.path.clone()
-        } else {
-            match self.path.parent() {
-                Some(p) if !p.as_os_str().is_empty() => p.to_owned(),
-                _ => PathBuf::from("."),
-            }
-        };
-        watcher.watch(&watched, RecursiveMode::NonRecursive)?;
+    /// Watches the path and `SIGHUP` for as long as the returned tasks run.
+    pub fn spawn(self) -> Result<Vec<tokio::task::JoinHandle<()>>, notify::Error> {
+        let watched = if self.path.is_dir() { self.path.clone() } else { parent(&self.path) };
         let mut hangup = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup())
             .map_err(|e| notify::Error::generic(&format!("cannot watch SIGHUP: {e}")))?;
         metrics::gauge!("tollgate_config_last_reload_successful").set(1.0);
-        Ok(tokio::spawn(async move {
-            // The watcher stops when dropped, so it lives in this task.
-            let _watcher = watcher;
-            loop {
-                tokio::select! {
-                    Some(()) = changed.recv() => {
-                        tokio::time::sleep(DEBOUNCE).await;
-                        while changed.try_recv().is_ok() {}
-                        self.reload_and_report(false);
-                    }
-                    Some(()) = hangup.recv() => self.reload_and_report(true),
-                    else => break,
-                }
+        let reloader = Arc::new(self);
+        let on_file = reloader.clone();
+        let files = on_change(vec![watched], move || on_file.reload_and_report(false))?;
+        let signal = tokio::spawn(async move {
+            while hangup.recv().await.is_some() {
+                reloader.reload_and_report(true);
             }
-        }))
+        });
+        Ok(vec![files, signal])
     }
+}
+
+/// The directory a file lives in (`.` for a bare file name).
+pub fn parent(path: &Path) -> PathBuf {
+    match path.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p.to_owned(),
+        _ => PathBuf::from("."),
+    }
+}
+
+/// Calls `action` whenever something in `dirs` changes (debounced), until the task is dropped.
+///
+/// Directories are watched rather than files, so that files replaced by rename (editors,
+/// Kubernetes ConfigMap and Secret volumes, certificate managers) are seen too.
+pub fn on_change(
+    dirs: Vec<PathBuf>,
+    mut action: impl FnMut() + Send + 'static,
+) -> Result<tokio::task::JoinHandle<()>, notify::Error> {
+    let (changed_tx, mut changed) = mpsc::channel::<()>(1);
+    let mut watcher = notify::recommended_watcher(move |event: notify::Result<notify::Event>| {
+        // A full channel already holds a pending change, which will see this one too.
+        if event.is_ok() {
+            let _ = changed_tx.try_send(());
+        }
+    })?;
+    for dir in &dirs {
+        watcher.watch(dir, RecursiveMode::NonRecursive)?;
+    }
+    Ok(tokio::spawn(async move {
+        // The watcher stops when dropped, so it lives in this task.
+        let _watcher = watcher;
+        while changed.recv().await.is_some() {
+            tokio::time::sleep(DEBOUNCE).await;
+            while changed.try_recv().is_ok() {}
+            action();
+        }
+    }))
 }

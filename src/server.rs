@@ -11,6 +11,7 @@
 
 use std::future::Future;
 use std::net::SocketAddr;
+use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -26,15 +27,18 @@ use crate::grpc::RateLimitGrpc;
 use crate::http::{self, HttpState};
 use crate::limiter::Limiter;
 use crate::telemetry::Telemetry;
+use crate::tls::ReloadingTls;
 
 /// The gRPC service name Envoy health-checks.
 pub const SERVICE_NAME: &str = "envoy.service.ratelimit.v3.RateLimitService";
 
 /// Where to listen.
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub struct Listen {
     /// The gRPC (RateLimitService, grpc.health.v1) address.
     pub grpc: SocketAddr,
+    /// TLS (or mTLS) for the gRPC port; plaintext when `None`.
+    pub tls: Option<Arc<ReloadingTls>>,
     /// The HTTP side-endpoint address.
     pub http: SocketAddr,
 }
@@ -68,6 +72,8 @@ pub enum Shutdown {
 
 /// What the servers serve.
 pub struct Service {
+    /// Most decisions in flight at once; more are refused at once with RESOURCE_EXHAUSTED.
+    pub max_inflight: usize,
     /// The rules in force, swapped by reloads.
     pub rules: Arc<ArcSwap<RuleSet>>,
     /// The decision maker.
@@ -100,7 +106,7 @@ pub async fn run(
         let _ = rx.wait_for(|stop| *stop).await;
     };
 
-    let Service { rules, limiter, telemetry } = service;
+    let Service { rules, limiter, telemetry, max_inflight } = service;
     let state = HttpState {
         rules,
         store: limiter.store().clone(),
@@ -109,13 +115,19 @@ pub async fn run(
     };
     let http_server =
         axum::serve(http_listener, http::router(state)).with_graceful_shutdown(stopped(stop_rx.clone()));
-    let grpc_server = tonic::transport::Server::builder()
-        .add_service(health_service)
-        .add_service(RateLimitServiceServer::from_arc(Arc::new(RateLimitGrpc::new(limiter, telemetry))))
-        .serve_with_incoming_shutdown(
-            TcpIncoming::from(grpc_listener).with_nodelay(Some(true)),
-            stopped(stop_rx),
-        );
+    let routes = tonic::transport::Server::builder().add_service(health_service).add_service(
+        RateLimitServiceServer::from_arc(Arc::new(RateLimitGrpc::new(limiter, telemetry, max_inflight))),
+    );
+    let grpc_server: Pin<Box<dyn Future<Output = Result<(), tonic::transport::Error>> + Send>> =
+        match &listen.tls {
+            Some(tls) => {
+                Box::pin(routes.serve_with_incoming_shutdown(tls.incoming(grpc_listener), stopped(stop_rx)))
+            }
+            None => Box::pin(routes.serve_with_incoming_shutdown(
+                TcpIncoming::from(grpc_listener).with_nodelay(Some(true)),
+                stopped(stop_rx),
+            )),
+        };
 
     let lifecycle = async move {
         let how = shutdown.await;

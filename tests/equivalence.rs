@@ -18,7 +18,7 @@ use rand::{Rng, SeedableRng};
 use tollgate::bucket::{BucketOp, BucketSpec, Group};
 use tollgate::clock::ManualClock;
 use tollgate::keys::{tenant_key, Class};
-use tollgate::store::{MemoryStore, RedisStore, RedisTarget, Store};
+use tollgate::store::{MemoryStore, RedisStore, RedisTarget, RedisTls, Store};
 
 struct Bucket {
     key: String,
@@ -77,7 +77,12 @@ fn random_batch(rng: &mut StdRng, buckets: &[Bucket]) -> Vec<Group> {
 async fn replay(seed: u64, redis: &common::Redis) {
     let mut rng = StdRng::seed_from_u64(seed);
     let buckets = buckets(&mut rng);
-    let store = RedisStore::connect(&RedisTarget::Standalone(redis.url()), Duration::from_secs(2)).unwrap();
+    let store = RedisStore::connect(
+        &RedisTarget::Standalone(redis.url()),
+        Duration::from_secs(2),
+        &RedisTls::default(),
+    )
+    .unwrap();
     let clock = ManualClock::new(0);
     let memory = MemoryStore::with_clock(Arc::new(clock.clone()));
     let mut con = redis.connection();

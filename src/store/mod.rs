@@ -19,7 +19,7 @@ use std::time::Duration;
 use futures::future::BoxFuture;
 
 pub use self::memory::MemoryStore;
-pub use self::redis::{RedisStore, RedisTarget};
+pub use self::redis::{RedisStore, RedisTarget, RedisTls};
 use crate::bucket::{Batch, GroupOutcome};
 
 /// A backend holding bucket state.

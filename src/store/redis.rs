@@ -11,13 +11,14 @@
 //! keeps answering (with its failure mode) while Redis is away.
 
 use std::collections::HashMap;
+use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use futures::future::{join_all, BoxFuture};
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::cluster::ClusterClientBuilder;
 use redis::cluster_async::ClusterConnection;
-use redis::{IntoConnectionInfo, Script, Value};
+use redis::{ClientTlsConfig, IntoConnectionInfo, Script, TlsCertificates, Value};
 
 use super::{Store, StoreError};
 use crate::bucket::{Batch, Group, GroupOutcome, Verdict};
@@ -33,6 +34,31 @@ pub enum RedisTarget {
     Standalone(String),
     /// A Cluster, found through these seed nodes (`host:port`).
     Cluster(Vec<String>),
+}
+
+/// Certificates for TLS to Redis (`rediss://`) beyond the public web roots.
+#[derive(Debug, Clone, Default)]
+pub struct RedisTls {
+    /// CA bundle (PEM) that signed the servers' certificates.
+    pub ca: Option<PathBuf>,
+    /// Client certificate and key (PEM), when the servers require TLS client authentication.
+    pub client: Option<(PathBuf, PathBuf)>,
+}
+
+impl RedisTls {
+    fn certificates(&self) -> Result<Option<TlsCertificates>, StoreError> {
+        if self.ca.is_none() && self.client.is_none() {
+            return Ok(None);
+        }
+        let read =
+            |p: &PathBuf| std::fs::read(p).map_err(|e| StoreError::Redis(format!("{}: {e}", p.display())));
+        let root_cert = self.ca.as_ref().map(read).transpose()?;
+        let client_tls = match &self.client {
+            Some((cert, key)) => Some(ClientTlsConfig { client_cert: read(cert)?, client_key: read(key)? }),
+            None => None,
+        };
+        Ok(Some(TlsCertificates { client_tls, root_cert }))
+    }
 }
 
 /// Bucket state in Redis.
@@ -51,14 +77,23 @@ enum Connection {
 
 impl RedisStore {
     /// Prepares a store for `target` without waiting for Redis to be up; every call is bounded
-    /// by `timeout`.
-    pub fn connect(target: &RedisTarget, timeout: Duration) -> Result<RedisStore, StoreError> {
+    /// by `timeout`. `tls` adds a CA and client certificates for `rediss://` targets.
+    pub fn connect(
+        target: &RedisTarget,
+        timeout: Duration,
+        tls: &RedisTls,
+    ) -> Result<RedisStore, StoreError> {
         let redis_err = |e: redis::RedisError| StoreError::Redis(e.to_string());
+        let certificates = tls.certificates()?;
         let (connection, description) = match target {
             RedisTarget::Standalone(url) => {
                 let info = url.as_str().into_connection_info().map_err(redis_err)?;
                 let description = format!("redis at {}", info.addr());
-                let client = redis::Client::open(info).map_err(redis_err)?;
+                let client = match certificates {
+                    Some(certs) => redis::Client::build_with_tls(info, certs),
+                    None => redis::Client::open(info),
+                }
+                .map_err(redis_err)?;
                 let config = ConnectionManagerConfig::new()
                     .set_connection_timeout(Some(timeout))
                     .set_response_timeout(Some(timeout))
@@ -76,11 +111,12 @@ impl RedisStore {
                 for url in &urls {
                     addrs.push(url.as_str().into_connection_info().map_err(redis_err)?.addr().to_string());
                 }
-                let client = ClusterClientBuilder::new(urls)
-                    .connection_timeout(timeout)
-                    .response_timeout(timeout)
-                    .build()
-                    .map_err(redis_err)?;
+                let mut builder =
+                    ClusterClientBuilder::new(urls).connection_timeout(timeout).response_timeout(timeout);
+                if let Some(certs) = certificates {
+                    builder = builder.certs(certs);
+                }
+                let client = builder.build().map_err(redis_err)?;
                 let connection = client.get_pending_async_connection_with_config(Default::default());
                 (Connection::Cluster(connection), format!("redis cluster via {}", addrs.join(",")))
             }

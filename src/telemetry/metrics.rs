@@ -188,6 +188,7 @@ pub const METRICS: &[(&str, Kind, &str)] = &[
     ("tollgate_tenant_decisions_total", Kind::Counter, "Decisions per tenant for rules with detailed_metric: true, counted in hits; tenants beyond the series budget are counted as (other)."),
     ("tollgate_top_denied_tenant_hits", Kind::Gauge, "Denied hits of the most-denied tenants in the last complete window."),
     ("tollgate_invalid_requests_total", Kind::Counter, "Requests rejected with INVALID_ARGUMENT."),
+    ("tollgate_overload_rejections_total", Kind::Counter, "Requests refused with RESOURCE_EXHAUSTED because --max-inflight decisions were in progress."),
     ("tollgate_request_duration_seconds", Kind::Histogram, "Time to answer one ShouldRateLimit call, from receipt to response."),
     ("tollgate_store_duration_seconds", Kind::Histogram, "Time of one bucket script call, measured at the Redis client, failures included."),
     ("tollgate_store_errors_total", Kind::Counter, "Failed or timed-out store calls, by domain, kind (error, timeout) and the failure mode that answered."),
@@ -199,6 +200,8 @@ pub const METRICS: &[(&str, Kind, &str)] = &[
     ("tollgate_quota_cache_entries", Kind::Gauge, "Tenants held in the quota cache."),
     ("tollgate_config_reloads_total", Kind::Counter, "Config reloads by result (success, failure)."),
     ("tollgate_config_last_reload_successful", Kind::Gauge, "1 if the last config reload succeeded (or none was needed), 0 if it was rejected."),
+    ("tollgate_tls_reloads_total", Kind::Counter, "Reloads of the gRPC TLS certificates by result (success, failure)."),
+    ("tollgate_tls_handshake_failures_total", Kind::Counter, "gRPC TLS handshakes that failed or timed out (e.g. a client without an accepted certificate)."),
     ("tollgate_build_info", Kind::Gauge, "Always 1; the version label says which tollgate runs."),
 ];
 

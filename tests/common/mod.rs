@@ -138,6 +138,56 @@ impl Redis {
         format!("redis://127.0.0.1:{}", self.port)
     }
 
+    /// A server that only speaks TLS (with `pki`'s server certificate), users from `acl`.
+    pub fn start_tls(pki: &TestPki, acl: &str) -> Redis {
+        let dir = scratch_dir("tollgate-redis-tls");
+        std::fs::write(dir.path().join("users.acl"), acl).unwrap();
+        let port = free_port();
+        let proc = Proc::spawn(
+            "redis-server",
+            redis_server(0, dir.path())
+                .args(["--tls-port", &port.to_string()])
+                .args([
+                    "--tls-cert-file",
+                    &pki.path_str("server.pem"),
+                    "--tls-key-file",
+                    &pki.path_str("server.key"),
+                ])
+                .args(["--tls-ca-cert-file", &pki.path_str("ca.pem"), "--tls-auth-clients", "optional"])
+                .args(["--aclfile", dir.path().join("users.acl").to_str().unwrap()]),
+        );
+        let redis = Redis { port, proc, _dir: dir };
+        wait_until("redis-server (TLS) to accept connections", 250, Duration::from_millis(20), || {
+            redis.tls_cli(pki, &["--user", "probe", "--pass", "probe", "PING"]).0
+        });
+        redis
+    }
+
+    /// Runs redis-cli over TLS; (succeeded without an error reply, output).
+    pub fn tls_cli(&self, pki: &TestPki, args: &[&str]) -> (bool, String) {
+        let out = Command::new("redis-cli")
+            .args([
+                "--tls",
+                "--cacert",
+                &pki.path_str("ca.pem"),
+                "-h",
+                "127.0.0.1",
+                "-p",
+                &self.port.to_string(),
+            ])
+            .args(["--no-auth-warning"])
+            .args(args)
+            .output()
+            .expect("redis-cli");
+        let text =
+            format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+        let failed = !out.status.success()
+            || text.contains("ERR")
+            || text.contains("NOPERM")
+            || text.contains("WRONGPASS");
+        (!failed, text)
+    }
+
     pub fn connection(&self) -> redis::Connection {
         redis::Client::open(self.url()).unwrap().get_connection().expect("connect to redis")
     }
@@ -306,7 +356,21 @@ impl Tollgate {
         self
     }
 
+    /// Starts it with extra environment variables (e.g. `RUST_LOG`) and waits for `/healthz`.
+    pub fn start_unready_with_env(
+        config: &Path,
+        backend: &Backend,
+        extra: &[&str],
+        env: &[(&str, &str)],
+    ) -> Tollgate {
+        Self::spawn_with_env(config, backend, extra, env).wait_for("/healthz")
+    }
+
     fn spawn(config: &Path, backend: &Backend, extra: &[&str]) -> Tollgate {
+        Self::spawn_with_env(config, backend, extra, &[])
+    }
+
+    fn spawn_with_env(config: &Path, backend: &Backend, extra: &[&str], env: &[(&str, &str)]) -> Tollgate {
         let grpc: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
         let http: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
         let mut cmd = Command::new(tollgate_bin());
@@ -332,6 +396,7 @@ impl Tollgate {
             }
         }
         cmd.args(extra);
+        cmd.envs(env.iter().copied());
         let log_dir = scratch_dir("tollgate-log");
         cmd.stderr(std::fs::File::create(log_dir.path().join("stderr.log")).unwrap());
         let proc = Proc::spawn("tollgate", &mut cmd);

@@ -1,0 +1,273 @@
+//! Transport security and secrets: gRPC TLS and mTLS with certificate reload, mTLS from a real
+//! Envoy, Redis over TLS as a least-privilege ACL user, and no credentials in logs, /config or
+//! /metrics.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::*;
+use serde_json::json;
+use tollgate::client::{ask_with, ClientTls};
+
+const CONFIG: &str = r#"
+domain: s
+failure_mode: error
+descriptors:
+  - key: k
+    rate_limit: {unit: hour, requests_per_unit: 2}
+"#;
+
+fn tls_client(pki: &TestPki, with_identity: bool) -> ClientTls {
+    let read = |f: &str| std::fs::read(pki.path(f)).unwrap();
+    ClientTls {
+        ca_pem: read("ca.pem"),
+        identity_pem: with_identity.then(|| (read("client.pem"), read("client.key"))),
+        domain: Some("localhost".into()),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn grpc_over_tls_and_mutual_tls() {
+    let pki = TestPki::new();
+    let (_dir, config) = config_file(CONFIG);
+    let tls_args = ["--tls-cert", &pki.path_str("server.pem"), "--tls-key", &pki.path_str("server.key")];
+    let server = Tollgate::start(&config, &Backend::Memory, &tls_args);
+    let addr = server.addr();
+    let r = ask_with(&addr, req("s", &["k=1"], 1), Some(&tls_client(&pki, false))).await.unwrap();
+    assert_eq!(r.overall_code, OK);
+    assert!(ask_with(&addr, req("s", &["k=1"], 1), None).await.is_err(), "plaintext is refused");
+
+    // mTLS: a client certificate signed by the client CA is required.
+    let mtls = Tollgate::start(
+        &config,
+        &Backend::Memory,
+        &[&tls_args[..], &["--tls-client-ca", &pki.path_str("ca.pem")]].concat(),
+    );
+    let addr = mtls.addr();
+    assert!(
+        ask_with(&addr, req("s", &["k=1"], 1), Some(&tls_client(&pki, false))).await.is_err(),
+        "no client certificate"
+    );
+    let stranger = TestPki::new();
+    let mut forged = tls_client(&pki, true);
+    forged.identity_pem = Some((
+        std::fs::read(stranger.path("client.pem")).unwrap(),
+        std::fs::read(stranger.path("client.key")).unwrap(),
+    ));
+    assert!(
+        ask_with(&addr, req("s", &["k=1"], 1), Some(&forged)).await.is_err(),
+        "a certificate from another CA"
+    );
+    let r = ask_with(&addr, req("s", &["k=1"], 1), Some(&tls_client(&pki, true))).await.unwrap();
+    assert_eq!(r.overall_code, OK);
+    assert!(sample(&mtls.metrics(), "tollgate_tls_handshake_failures_total", &[]) >= 2.0);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn certificates_are_reloaded_without_a_restart() {
+    let old = TestPki::new();
+    let live = tempfile::tempdir().unwrap();
+    for f in ["server.pem", "server.key"] {
+        std::fs::copy(old.path(f), live.path().join(f)).unwrap();
+    }
+    let (_dir, config) = config_file(CONFIG);
+    let cert = live.path().join("server.pem");
+    let key = live.path().join("server.key");
+    let server = Tollgate::start(
+        &config,
+        &Backend::Memory,
+        &["--tls-cert", cert.to_str().unwrap(), "--tls-key", key.to_str().unwrap()],
+    );
+    let addr = server.addr();
+    assert!(ask_with(&addr, req("s", &["k=1"], 1), Some(&tls_client(&old, false))).await.is_ok());
+
+    // Rotate: a certificate from a new CA, written the way Secret volumes do (rename into place).
+    let new = TestPki::new();
+    for f in ["server.pem", "server.key"] {
+        let staged = live.path().join(format!(".{f}.tmp"));
+        std::fs::copy(new.path(f), &staged).unwrap();
+        std::fs::rename(&staged, live.path().join(f)).unwrap();
+    }
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while ask_with(&addr, req("s", &["k=2"], 1), Some(&tls_client(&new, false))).await.is_err() {
+        assert!(Instant::now() < deadline, "the new certificate was never served");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(
+        ask_with(&addr, req("s", &["k=2"], 1), Some(&tls_client(&old, false))).await.is_err(),
+        "the old one is gone"
+    );
+    assert!(sample(&server.metrics(), "tollgate_tls_reloads_total", &[("result", "success")]) >= 1.0);
+
+    // A broken file is rejected and the current certificate stays.
+    std::fs::write(&key, "not a key").unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while sample(&server.metrics(), "tollgate_tls_reloads_total", &[("result", "failure")]) < 1.0 {
+        assert!(Instant::now() < deadline, "the broken key was never noticed");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(ask_with(&addr, req("s", &["k=3"], 1), Some(&tls_client(&new, false))).await.is_ok());
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn envoy_reaches_tollgate_over_mtls() {
+    let pki = TestPki::new();
+    let tollgate = Tollgate::start(
+        std::path::Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/examples")),
+        &Backend::Memory,
+        &[
+            "--tls-cert",
+            &pki.path_str("server.pem"),
+            "--tls-key",
+            &pki.path_str("server.key"),
+            "--tls-client-ca",
+            &pki.path_str("ca.pem"),
+        ],
+    );
+    let upstream = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let upstream_addr = upstream.local_addr().unwrap();
+    tokio::spawn(async move {
+        axum::serve(upstream, axum::Router::new().fallback(|| async { "ok" })).await.unwrap()
+    });
+
+    // The shipped front proxy, with its tollgate cluster replaced by the shipped mTLS cluster.
+    let mut config = repo_yaml("envoy/front-proxy.yaml");
+    let mut cluster = repo_yaml("envoy/tollgate-mtls-cluster.yaml");
+    let tls = &mut cluster["transport_socket"]["typed_config"]["common_tls_context"];
+    tls["tls_certificates"][0]["certificate_chain"]["filename"] = json!(pki.path_str("client.pem"));
+    tls["tls_certificates"][0]["private_key"]["filename"] = json!(pki.path_str("client.key"));
+    tls["validation_context"]["trusted_ca"]["filename"] = json!(pki.path_str("ca.pem"));
+    tls["validation_context"]["match_typed_subject_alt_names"][0]["matcher"]["exact"] = json!("localhost");
+    cluster["transport_socket"]["typed_config"]["sni"] = json!("localhost");
+    let socket = |a: std::net::SocketAddr| json!({"address": a.ip().to_string(), "port_value": a.port()});
+    cluster["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]["address"]["socket_address"] =
+        socket(tollgate.grpc);
+    let (listener, admin) = (free_port(), free_port());
+    config["admin"]["address"]["socket_address"] = json!({"address": "127.0.0.1", "port_value": admin});
+    config["static_resources"]["listeners"][0]["address"]["socket_address"] =
+        json!({"address": "127.0.0.1", "port_value": listener});
+    for c in config["static_resources"]["clusters"].as_array_mut().unwrap() {
+        match c["name"].as_str().unwrap() {
+            "tollgate" => *c = cluster.clone(),
+            _ => {
+                c["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]["address"]
+                    ["socket_address"] = socket(upstream_addr)
+            }
+        }
+    }
+    let _envoy = Envoy::start(&config, format!("127.0.0.1:{admin}").parse().unwrap());
+    let tokens: serde_json::Value = serde_json::from_str(include_str!("../envoy/demo/tokens.json")).unwrap();
+    let bearer = format!("Bearer {}", tokens["acme"].as_str().unwrap());
+    let r =
+        http_request(format!("127.0.0.1:{listener}").parse().unwrap(), "/", &[("authorization", &bearer)]);
+    assert_eq!(r.status, 200, "{r:?}");
+    let policy = r.header("ratelimit-policy").unwrap_or_default();
+    assert!(policy.contains(r#""tenant";q=200"#), "tollgate answered over mTLS (acme is pro): {r:?}");
+    assert_eq!(sample(&tollgate.metrics(), "tollgate_tls_handshake_failures_total", &[]), 0.0);
+}
+
+/// The ACL tollgate needs: its scripts' commands on `rl:*` keys, nothing else.
+const TOLLGATE_ACL: &str = "user tollgate on >tollgate-secret resetkeys ~rl:* resetchannels -@all +evalsha +eval +script|load +ping +time +hmget +hset +pexpire";
+
+#[tokio::test(flavor = "multi_thread")]
+async fn redis_over_tls_as_a_least_privilege_acl_user() {
+    let pki = TestPki::new();
+    let acl = format!(
+        "user default off\nuser probe on >probe ~* +ping\nuser admin on >admin ~* &* +@all\n{TOLLGATE_ACL}\n"
+    );
+    let redis = Redis::start_tls(&pki, &acl);
+    let (_dir, config) = config_file(CONFIG);
+    let url = format!("rediss://tollgate:tollgate-secret@127.0.0.1:{}", redis.port);
+    let server = Tollgate::start(&config, &Backend::Redis(url), &["--redis-ca", &pki.path_str("ca.pem")]);
+    // failure_mode: error, so any store failure would surface as UNAVAILABLE.
+    for expected in [OK, OK, OVER_LIMIT] {
+        assert_eq!(ask(&server.addr(), req("s", &["k=acl"], 1)).await.unwrap().overall_code, expected);
+    }
+    let (ok, log) = redis.tls_cli(&pki, &["--user", "admin", "--pass", "admin", "ACL", "LOG"]);
+    assert!(ok && log.trim().is_empty(), "tollgate needed a command outside its ACL: {log}");
+    let (_, keys) = redis.tls_cli(&pki, &["--user", "admin", "--pass", "admin", "KEYS", "*"]);
+    assert_eq!(keys.trim(), "rl:s:k=acl");
+    // The user can do nothing else.
+    for denied in
+        [vec!["GET", "other"], vec!["FLUSHALL"], vec!["HGETALL", "session:1"], vec!["CONFIG", "GET", "*"]]
+    {
+        let args = [&["--user", "tollgate", "--pass", "tollgate-secret"][..], &denied].concat();
+        let (ok, out) = redis.tls_cli(&pki, &args);
+        assert!(!ok && out.contains("NOPERM"), "{denied:?}: {out}");
+    }
+    // Without the CA, the server's certificate is not trusted.
+    let (_dir2, config2) = config_file(CONFIG);
+    let untrusted = Tollgate::start_unready(
+        &config2,
+        &Backend::Redis(format!("rediss://tollgate:tollgate-secret@127.0.0.1:{}", redis.port)),
+        &[],
+    );
+    let err = ask(&untrusted.addr(), req("s", &["k=1"], 1)).await.unwrap_err();
+    assert_eq!(err.code(), tonic::Code::Unavailable, "{err:?}");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn no_credentials_in_logs_config_or_metrics() {
+    let redis_password = "redis-pw-7f3a9c";
+    let db_password = "db-pw-51be20";
+    let jwt = "eyJhbGciOiJSUzI1NiJ9.eyJ0ZW5hbnQiOiJzZWNyZXQifQ.c2lnbmF0dXJlLXNlY3JldA";
+    let (_dir, config) = config_file(
+        "domain: s\nfailure_mode: error\ndefault_tier: free\ntiers: {free: {default: {capacity: 5, refill_per_second: 1}}}\ndescriptors:\n  - key: k\n    rate_limit: {unit: hour, requests_per_unit: 2}\n  - key: tenant\n    quota: tenant\n",
+    );
+    // Both stores are unreachable, so every path that reports a store error runs.
+    let redis_url = format!("redis://default:{redis_password}@127.0.0.1:{}", free_port());
+    let db_url = format!("postgres://tollgate:{db_password}@127.0.0.1:{}/db", free_port());
+    let server = Tollgate::start_unready_with_env(
+        &config,
+        &Backend::Memory,
+        &["--quota-store", &db_url],
+        &[("RUST_LOG", "debug"), ("TOLLGATE_REDIS_URL", &redis_url)],
+    );
+    // A token-like value in a descriptor (tollgate never sees Authorization headers; values are
+    // the only way one could reach it) must not be logged either.
+    for descriptors in [vec!["k=1".to_string()], vec!["tenant=t1".to_string()], vec![format!("k={jwt}")]] {
+        let d: Vec<&str> = descriptors.iter().map(String::as_str).collect();
+        let _ = ask(&server.addr(), req("s", &d, 1)).await;
+    }
+    let _ = ask(&server.addr(), req("", &["k=1"], 1)).await;
+    let (_, config_json) = http_get(server.http, "/config").unwrap();
+    let (_, metrics) = http_get(server.http, "/metrics").unwrap();
+    let log = server.log();
+    assert!(log.contains("store failed") || log.contains("quota lookup"), "the error paths ran:\n{log}");
+    for (what, text) in [("log", &log), ("/config", &config_json), ("/metrics", &metrics)] {
+        for secret in [redis_password, db_password, jwt] {
+            assert!(!text.contains(secret), "{what} contains a secret ({secret}):\n{text}");
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn redis_cluster_as_a_least_privilege_acl_user() {
+    let cluster = RedisCluster::start();
+    let acl_rules = TOLLGATE_ACL.strip_prefix("user tollgate ").unwrap();
+    let cluster_extra = "+cluster|slots +asking";
+    for port in &cluster.ports {
+        let mut args = vec!["ACL", "SETUSER", "tollgate"];
+        args.extend(acl_rules.split(' '));
+        args.extend(cluster_extra.split(' '));
+        let ok: String = node_query(*port, &args).expect("ACL SETUSER");
+        assert_eq!(ok, "OK");
+    }
+    let seeds: Vec<String> = cluster
+        .ports
+        .iter()
+        .take(3)
+        .map(|p| format!("redis://tollgate:tollgate-secret@127.0.0.1:{p}"))
+        .collect();
+    let (_dir, config) = config_file(CONFIG);
+    let server = Tollgate::start(&config, &Backend::Cluster(seeds.join(",")), &[]);
+    for i in 0..50 {
+        let r = ask(&server.addr(), req("s", &[&format!("k={i}")], 1)).await.unwrap();
+        assert_eq!(r.overall_code, OK);
+    }
+    for port in &cluster.ports {
+        let log: Vec<redis::Value> = node_query(*port, &["ACL", "LOG"]).unwrap();
+        assert!(log.is_empty(), "node {port}: tollgate needed a command outside its ACL: {log:?}");
+    }
+}
