@@ -44,7 +44,7 @@ struct Cli {
 #[derive(Subcommand)]
 enum Command {
     /// Serve Envoy's RateLimitService (gRPC) and the HTTP side endpoints.
-    Serve(ServeArgs),
+    Serve(Box<ServeArgs>),
     /// Load and check a config exactly as `serve` would, and summarise it.
     Validate {
         /// A YAML file, or a directory of *.yaml / *.yml files (one domain per file).
@@ -265,7 +265,7 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     tollgate::telemetry::logs::init(cli.log_format == "json");
     let result = match cli.command {
-        Command::Serve(args) => serve(args),
+        Command::Serve(args) => serve(*args),
         Command::Validate { path } => validate(&path),
         Command::Ask(args) => ask(args),
         Command::Quota(args) => quota(args),
