@@ -9,14 +9,24 @@
 //! The script is sent with EVALSHA and loaded on NOSCRIPT (after a restart or `SCRIPT FLUSH`).
 //! Connections are established lazily and re-established by the client, so tollgate starts and
 //! keeps answering (with its failure mode) while Redis is away.
+//!
+//! A Cluster client follows MOVED and ASK by itself, but when a primary dies it keeps dialling
+//! the dead address: the slot map it holds is only refreshed by redirections, and the dead node
+//! sends none. So after connection errors or timeouts a new Cluster connection is built from the
+//! seed nodes in the background, at most every [`REBUILD_INTERVAL`]; it reads the topology again
+//! (finding the promoted replica) and replaces the old one once it is ready. Calls to healthy
+//! shards keep using the old connection meanwhile, and calls already running finish on it.
 
 use std::collections::HashMap;
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use arc_swap::ArcSwap;
 use futures::future::{join_all, BoxFuture};
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
-use redis::cluster::ClusterClientBuilder;
+use redis::cluster::{ClusterClient, ClusterClientBuilder};
 use redis::cluster_async::ClusterConnection;
 use redis::{ClientTlsConfig, IntoConnectionInfo, Script, TlsCertificates, Value};
 
@@ -26,6 +36,9 @@ use crate::keys::cluster_slot;
 
 /// The script, loaded once per process.
 const SCRIPT: &str = include_str!("token_bucket.lua");
+
+/// Least time between two rebuilds of a failing Cluster connection.
+pub const REBUILD_INTERVAL: Duration = Duration::from_millis(500);
 
 /// Which Redis deployment to use.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -69,10 +82,67 @@ pub struct RedisStore {
     description: String,
 }
 
-#[derive(Clone)]
 enum Connection {
     Standalone(ConnectionManager),
-    Cluster(ClusterConnection),
+    Cluster(ClusterHandle),
+}
+
+// A Cluster connection that can be replaced by a fresh one.
+struct ClusterHandle {
+    client: ClusterClient,
+    current: Arc<ArcSwap<ClusterConnection>>,
+    last_rebuild: Arc<Mutex<Instant>>,
+    rebuilding: Arc<AtomicBool>,
+}
+
+impl ClusterHandle {
+    fn connection(&self) -> ClusterConnection {
+        (**self.current.load()).clone()
+    }
+
+    // After a connection-level failure: a new connection re-reads the topology from the seeds.
+    fn rebuild_after(&self, error: &redis::RedisError) {
+        let connection_trouble = error.is_io_error()
+            || error.is_timeout()
+            || error.is_connection_refusal()
+            || error.is_connection_dropped()
+            || error.is_cluster_error()
+            || matches!(error.kind(), redis::ErrorKind::ClusterConnectionNotFound);
+        if connection_trouble {
+            self.rebuild();
+        }
+    }
+
+    // Builds the new connection in the background and swaps it in only once it has connected
+    // and read the slot map, so calls to healthy shards never wait for it.
+    fn rebuild(&self) {
+        {
+            let mut last = self.last_rebuild.lock().unwrap_or_else(|p| p.into_inner());
+            if last.elapsed() < REBUILD_INTERVAL || self.rebuilding.swap(true, Ordering::SeqCst) {
+                return;
+            }
+            *last = Instant::now();
+        }
+        let (client, current, rebuilding) =
+            (self.client.clone(), self.current.clone(), self.rebuilding.clone());
+        tokio::spawn(async move {
+            let built = tokio::time::timeout(
+                Duration::from_secs(5),
+                client.get_async_connection_with_config(Default::default()),
+            )
+            .await;
+            match built {
+                Ok(Ok(connection)) => {
+                    current.store(Arc::new(connection));
+                    metrics::counter!("tollgate_store_reconnects_total").increment(1);
+                    tracing::info!("rebuilt the Redis Cluster connection to re-read the topology");
+                }
+                Ok(Err(error)) => tracing::warn!(%error, "could not rebuild the Redis Cluster connection"),
+                Err(_) => tracing::warn!("rebuilding the Redis Cluster connection timed out"),
+            }
+            rebuilding.store(false, Ordering::SeqCst);
+        });
+    }
 }
 
 impl RedisStore {
@@ -118,7 +188,13 @@ impl RedisStore {
                 }
                 let client = builder.build().map_err(redis_err)?;
                 let connection = client.get_pending_async_connection_with_config(Default::default());
-                (Connection::Cluster(connection), format!("redis cluster via {}", addrs.join(",")))
+                let handle = ClusterHandle {
+                    client,
+                    current: Arc::new(ArcSwap::from_pointee(connection)),
+                    last_rebuild: Arc::new(Mutex::new(Instant::now())),
+                    rebuilding: Arc::default(),
+                };
+                (Connection::Cluster(handle), format!("redis cluster via {}", addrs.join(",")))
             }
         };
         Ok(RedisStore { connection, script: Script::new(SCRIPT), timeout, description })
@@ -149,15 +225,25 @@ impl RedisStore {
         }
         invocation.arg(args);
 
-        let mut connection = self.connection.clone();
-        let call = async {
-            match &mut connection {
-                Connection::Standalone(c) => invocation.invoke_async::<Value>(c).await,
-                Connection::Cluster(c) => invocation.invoke_async::<Value>(c).await,
+        let start = Instant::now();
+        let reply = match &self.connection {
+            Connection::Standalone(c) => {
+                tokio::time::timeout(self.timeout, invocation.invoke_async::<Value>(&mut c.clone())).await
+            }
+            Connection::Cluster(handle) => {
+                let reply = tokio::time::timeout(
+                    self.timeout,
+                    invocation.invoke_async::<Value>(&mut handle.connection()),
+                )
+                .await;
+                match &reply {
+                    Err(_) => handle.rebuild(),
+                    Ok(Err(e)) => handle.rebuild_after(e),
+                    Ok(Ok(_)) => {}
+                }
+                reply
             }
         };
-        let start = Instant::now();
-        let reply = tokio::time::timeout(self.timeout, call).await;
         metrics::histogram!("tollgate_store_duration_seconds").record(start.elapsed());
         let reply = reply
             .map_err(|_| StoreError::Timeout(self.timeout))?
@@ -206,12 +292,11 @@ impl Store for RedisStore {
 
     fn ping(&self) -> BoxFuture<'_, Result<(), StoreError>> {
         Box::pin(async move {
-            let mut connection = self.connection.clone();
             let ping = redis::cmd("PING");
             let call = async {
-                match &mut connection {
-                    Connection::Standalone(c) => ping.query_async::<()>(c).await,
-                    Connection::Cluster(c) => ping.query_async::<()>(c).await,
+                match &self.connection {
+                    Connection::Standalone(c) => ping.query_async::<()>(&mut c.clone()).await,
+                    Connection::Cluster(handle) => ping.query_async::<()>(&mut handle.connection()).await,
                 }
             };
             tokio::time::timeout(self.timeout, call)

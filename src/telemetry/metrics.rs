@@ -191,6 +191,7 @@ pub const METRICS: &[(&str, Kind, &str)] = &[
     ("tollgate_overload_rejections_total", Kind::Counter, "Requests refused with RESOURCE_EXHAUSTED because --max-inflight decisions were in progress."),
     ("tollgate_request_duration_seconds", Kind::Histogram, "Time to answer one ShouldRateLimit call, from receipt to response."),
     ("tollgate_store_duration_seconds", Kind::Histogram, "Time of one bucket script call, measured at the Redis client, failures included."),
+    ("tollgate_store_reconnects_total", Kind::Counter, "Rebuilds of the Redis Cluster connection after connection errors (to re-read the topology, e.g. after a failover)."),
     ("tollgate_store_errors_total", Kind::Counter, "Failed or timed-out store calls, by domain, kind (error, timeout) and the failure mode that answered."),
     ("tollgate_quota_cache_lookups_total", Kind::Counter, "Quota cache lookups: hit (fresh), stale (served while refreshing), miss (queried)."),
     ("tollgate_quota_db_queries_total", Kind::Counter, "Tenant lookups sent to the quota database."),

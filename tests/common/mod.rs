@@ -8,6 +8,8 @@
 
 #![allow(dead_code)]
 
+pub mod load;
+
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::path::{Path, PathBuf};
@@ -224,7 +226,9 @@ impl RedisCluster {
                     "redis-server (cluster node)",
                     redis_server(*port, &node_dir)
                         .args(["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf"])
-                        .args(["--cluster-node-timeout", "2000"]),
+                        .args(["--cluster-node-timeout", "2000", "--repl-diskless-sync-delay", "0"])
+                        // Shards keep serving while another one fails over (as in production).
+                        .args(["--cluster-require-full-coverage", "no"]),
                 )
             })
             .collect();
@@ -284,9 +288,57 @@ impl RedisCluster {
         panic!("slot {slot} is not served");
     }
 
-    pub fn node_pid(&self, port: u16) -> u32 {
+    /// Kills the node on `port` (by its PID).
+    pub fn kill_node(&mut self, port: u16) {
         let i = self.ports.iter().position(|p| *p == port).expect("a node of this cluster");
-        self.nodes[i].pid()
+        self.nodes[i].kill();
+    }
+
+    /// Starts a seventh, empty node on a new port and joins it to the cluster as a primary.
+    pub fn add_empty_primary(&mut self) -> u16 {
+        let port = free_port();
+        let node_dir = self._dir.path().join(port.to_string());
+        std::fs::create_dir(&node_dir).unwrap();
+        self.nodes.push(Proc::spawn(
+            "redis-server (cluster node)",
+            redis_server(port, &node_dir)
+                .args(["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf"])
+                .args(["--cluster-node-timeout", "2000", "--repl-diskless-sync-delay", "0"])
+                // Shards keep serving while another one fails over (as in production).
+                .args(["--cluster-require-full-coverage", "no"]),
+        ));
+        wait_until("the new node to answer PING", 250, Duration::from_millis(20), || {
+            node_query::<String>(port, &["PING"]).is_some()
+        });
+        let out = Command::new("redis-cli")
+            .args([
+                "--cluster",
+                "add-node",
+                &format!("127.0.0.1:{port}"),
+                &format!("127.0.0.1:{}", self.ports[0]),
+            ])
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "add-node: {}", String::from_utf8_lossy(&out.stdout));
+        self.ports.push(port);
+        wait_until(
+            "every node to know the new one, and the new one the slots",
+            500,
+            Duration::from_millis(20),
+            || {
+                self.ports.iter().all(|p| {
+                    node_query::<String>(*p, &["CLUSTER", "INFO"]).is_some_and(|i| {
+                        i.contains("cluster_known_nodes:7") && i.contains("cluster_state:ok")
+                    })
+                })
+            },
+        );
+        port
+    }
+
+    /// The node id of the node on `port`.
+    pub fn node_id(&self, port: u16) -> String {
+        node_query::<String>(port, &["CLUSTER", "MYID"]).expect("CLUSTER MYID")
     }
 }
 

@@ -1,0 +1,84 @@
+//! Properties of the bucket arithmetic for all finite inputs: balances stay within
+//! [0, capacity], spending never raises the balance, and time never lowers it.
+
+use proptest::prelude::*;
+use tollgate::bucket::{evaluate, refill, BucketOp, BucketSpec, BucketState};
+
+fn spec() -> impl Strategy<Value = BucketSpec> {
+    prop_oneof![
+        (0.0f64..1e15, 1e-9f64..1e9).prop_map(|(c, r)| BucketSpec::new(c, r).unwrap()),
+        (1u32..1_000, 1u32..1_000).prop_map(|(c, r)| BucketSpec::new(f64::from(c), f64::from(r)).unwrap()),
+        Just(BucketSpec::new(0.0, 0.0).unwrap()),
+    ]
+}
+
+fn state(spec: BucketSpec) -> impl Strategy<Value = Option<BucketState>> {
+    proptest::option::of(
+        (0.0..=1.0f64, 0u64..u64::MAX / 2)
+            .prop_map(move |(f, last)| BucketState { tokens: f * spec.capacity, last_refill_ms: last }),
+    )
+}
+
+fn need() -> impl Strategy<Value = f64> {
+    prop_oneof![0.0f64..1e6, Just(0.0), Just(1.0), (1u64..u64::MAX).prop_map(|n| n as f64), -1e6f64..0.0]
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(2_000))]
+
+    #[test]
+    fn balances_stay_between_zero_and_capacity(
+        (spec, st) in spec().prop_flat_map(|s| (Just(s), state(s))),
+        steps in proptest::collection::vec((need(), 0u64..10_000_000), 1..20),
+        start in 0u64..u64::MAX / 2,
+    ) {
+        let mut stored = st;
+        let mut now = start;
+        for (need, dt) in steps {
+            now = now.saturating_add(dt);
+            let op = BucketOp { key: "k".into(), spec, need, shadow: false };
+            let e = evaluate(&[vec![op]], now, |_| stored);
+            let v = e.groups[0].verdicts[0];
+            prop_assert!(v.tokens >= 0.0 && v.tokens <= spec.capacity, "{v:?} outside [0, {}]", spec.capacity);
+            prop_assert!(v.tokens.is_finite());
+            if let Some(w) = e.writes.first() {
+                prop_assert!(w.state.tokens >= 0.0 && w.state.tokens <= spec.capacity);
+                stored = Some(w.state);
+            }
+        }
+    }
+
+    #[test]
+    fn spending_never_raises_the_balance(
+        spec in spec(),
+        needs in proptest::collection::vec(0.0f64..1e4, 1..20),
+        now in 0u64..u64::MAX / 2,
+    ) {
+        let mut stored: Option<BucketState> = None;
+        let mut previous = spec.capacity;
+        for need in needs {
+            let op = BucketOp { key: "k".into(), spec, need, shadow: false };
+            let e = evaluate(&[vec![op]], now, |_| stored);
+            let tokens = e.groups[0].verdicts[0].tokens;
+            prop_assert!(tokens <= previous, "{tokens} > {previous}");
+            previous = tokens;
+            if let Some(w) = e.writes.first() {
+                stored = Some(w.state);
+            }
+        }
+    }
+
+    #[test]
+    fn refill_is_monotone_in_time(
+        (spec, st) in spec().prop_flat_map(|s| (Just(s), state(s))),
+        t1 in 0u64..u64::MAX / 2,
+        dt in 0u64..u64::MAX / 4,
+    ) {
+        let t2 = t1 + dt;
+        let a = refill(st, &spec, t1);
+        let b = refill(st, &spec, t2);
+        prop_assert!(a.tokens <= b.tokens, "{a:?} then {b:?}");
+        prop_assert!(b.tokens <= spec.capacity.max(st.map_or(0.0, |s| s.tokens)));
+        prop_assert!(a.last_refill_ms <= b.last_refill_ms);
+    }
+}
