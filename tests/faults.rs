@@ -27,11 +27,7 @@ const CAPACITY: usize = 50;
 
 /// These tests measure timings under load; one at a time, so they measure tollgate and Redis
 /// rather than each other on a two-core machine.
-static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
-
-fn serial() -> std::sync::MutexGuard<'static, ()> {
-    SERIAL.lock().unwrap_or_else(|p| p.into_inner())
-}
+static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
 fn tenants(n: usize, prefix: &str) -> Vec<String> {
     (0..n).map(|i| format!("{prefix}{i}")).collect()
@@ -43,7 +39,7 @@ fn count(answers: &[Answer], pred: impl Fn(&Answer) -> bool) -> usize {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn primary_failover_under_load() {
-    let _serial = serial();
+    let _serial = SERIAL.lock().await;
     let mut cluster = RedisCluster::start();
     let (_dir, config) = config_file(CONFIG);
     let server = Tollgate::start(&config, &Backend::Cluster(cluster.seeds()), &["--redis-timeout", "100ms"]);
@@ -127,7 +123,7 @@ fn window(answers: &[Answer], from: Duration, to: Duration) -> (usize, usize, us
 
 #[tokio::test(flavor = "multi_thread")]
 async fn a_paused_redis_gets_failure_mode_answers_within_the_deadline() {
-    let _serial = serial();
+    let _serial = SERIAL.lock().await;
     let redis = Redis::start();
     let (_dir, config) = config_file(CONFIG);
     let server = Tollgate::start(&config, &Backend::Redis(redis.url()), &["--redis-timeout", "50ms"]);
@@ -160,7 +156,7 @@ async fn a_paused_redis_gets_failure_mode_answers_within_the_deadline() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn redis_restarts_with_an_empty_script_cache() {
-    let _serial = serial();
+    let _serial = SERIAL.lock().await;
     let mut redis = Some(Redis::start());
     let port = redis.as_ref().unwrap().port;
     let (_dir, config) = config_file(CONFIG);
@@ -206,7 +202,7 @@ fn tollgate_script_sha() -> String {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn slots_migrate_to_a_new_node_during_traffic() {
-    let _serial = serial();
+    let _serial = SERIAL.lock().await;
     let mut cluster = RedisCluster::start();
     let (_dir, config) = config_file(CONFIG);
     let server = Tollgate::start(&config, &Backend::Cluster(cluster.seeds()), &[]);
@@ -257,7 +253,7 @@ async fn slots_migrate_to_a_new_node_during_traffic() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn sigterm_under_load_drops_nothing() {
-    let _serial = serial();
+    let _serial = SERIAL.lock().await;
     let (_dir, config) = config_file(CONFIG);
     let mut server = Tollgate::start(&config, &Backend::Memory, &["--drain-delay", "1s"]);
     let load = Load::start(&[server.addr()], "f", &tenants(100, "s-"), 16).await;
@@ -285,7 +281,7 @@ async fn sigterm_under_load_drops_nothing() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn overload_is_refused_at_once_not_queued() {
-    let _serial = serial();
+    let _serial = SERIAL.lock().await;
     let redis = Redis::start();
     let (_dir, config) = config_file(CONFIG);
     let server = Tollgate::start(
@@ -333,7 +329,7 @@ fn rss_kib(pid: u32) -> u64 {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn memory_stays_bounded_under_a_flood_of_unique_tenants() {
-    let _serial = serial();
+    let _serial = SERIAL.lock().await;
     let redis = Redis::start();
     let (_dir, config) = config_file(CONFIG);
     let server = Tollgate::start(&config, &Backend::Redis(redis.url()), &["--quota-cache-size", "1000"]);

@@ -84,7 +84,7 @@ pub struct RedisStore {
 
 enum Connection {
     Standalone(ConnectionManager),
-    Cluster(ClusterHandle),
+    Cluster(Box<ClusterHandle>),
 }
 
 // A Cluster connection that can be replaced by a fresh one.
@@ -194,7 +194,7 @@ impl RedisStore {
                     last_rebuild: Arc::new(Mutex::new(Instant::now())),
                     rebuilding: Arc::default(),
                 };
-                (Connection::Cluster(handle), format!("redis cluster via {}", addrs.join(",")))
+                (Connection::Cluster(Box::new(handle)), format!("redis cluster via {}", addrs.join(",")))
             }
         };
         Ok(RedisStore { connection, script: Script::new(SCRIPT), timeout, description })
