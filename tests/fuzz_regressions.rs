@@ -8,7 +8,8 @@ use std::path::Path;
 
 #[test]
 fn seeds_and_regressions_pass_the_fuzz_checks() {
-    let targets: [(&str, fn(&[u8])); 3] =
+    type Check = fn(&[u8]);
+    let targets: [(&str, Check); 3] =
         [("config", checks::config), ("matching", checks::matching), ("keys", checks::keys)];
     let mut checked = 0;
     for (target, check) in targets {
