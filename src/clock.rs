@@ -8,12 +8,13 @@
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::{SystemTime, UNIX_EPOCH};
+use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
-/// A source of wall-clock milliseconds since the Unix epoch.
+/// A source of milliseconds.
 ///
-/// Milliseconds since the epoch, the unit Redis `TIME` yields in the Lua script, so that bucket
-/// state written by either backend means the same thing.
+/// The memory store reads milliseconds since the epoch, the unit Redis `TIME` yields in the Lua
+/// script, so that bucket state written by either backend means the same thing; the pre-check
+/// only subtracts readings and uses a [`MonotonicClock`].
 pub trait Clock: Send + Sync + 'static {
     /// The current time in milliseconds since the Unix epoch.
     fn now_ms(&self) -> u64;
@@ -29,6 +30,30 @@ pub struct SystemClock;
 impl Clock for SystemClock {
     fn now_ms(&self) -> u64 {
         SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_millis() as u64).unwrap_or(0)
+    }
+}
+
+/// Milliseconds since this clock was made, never going backwards: for measuring elapsed time
+/// locally (the pre-check), where a wall-clock step must not look like time passing.
+#[derive(Debug, Clone, Copy)]
+pub struct MonotonicClock(Instant);
+
+impl MonotonicClock {
+    /// A clock reading 0 now.
+    pub fn new() -> Self {
+        MonotonicClock(Instant::now())
+    }
+}
+
+impl Default for MonotonicClock {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Clock for MonotonicClock {
+    fn now_ms(&self) -> u64 {
+        self.0.elapsed().as_millis() as u64
     }
 }
 

@@ -12,6 +12,7 @@ use clap::{Args, Parser, Subcommand};
 
 use tollgate::bucket::BucketSpec;
 use tollgate::client;
+use tollgate::clock::MonotonicClock;
 use tollgate::config::RuleSet;
 use tollgate::limiter::Limiter;
 use tollgate::quota::cache::CachedQuotas;
@@ -20,7 +21,7 @@ use tollgate::quota::{EmbeddedQuotas, QuotaSource};
 use tollgate::reload::Reloader;
 use tollgate::render::{IstioTarget, JwtPayload, RenderOptions};
 use tollgate::server::{self, Listen, Service, Shutdown};
-use tollgate::store::{MemoryStore, RedisStore, RedisTarget, RedisTls, Store};
+use tollgate::store::{MemoryStore, Precheck, RedisStore, RedisTarget, RedisTls, Store};
 use tollgate::telemetry::{Telemetry, TelemetryConfig};
 use tollgate::tls::{ReloadingTls, TlsFiles};
 
@@ -147,6 +148,17 @@ struct ServeArgs {
     /// Deadline for each Redis call; past it the domain's failure mode answers.
     #[arg(long, env = "TOLLGATE_REDIS_TIMEOUT", default_value = "50ms", value_parser = humantime::parse_duration)]
     redis_timeout: Duration,
+    /// Hot-tenant coalescing: concurrent Redis calls for one slot become one script call, a queued
+    /// request waiting about this long at most for the call before it. 0 turns it off.
+    #[arg(long, env = "TOLLGATE_COALESCE_DELAY", default_value = "500us", value_parser = humantime::parse_duration)]
+    coalesce_delay: Duration,
+    /// Turn off the exact local pre-check (answering certain denials without Redis). Needed when
+    /// clients send credits (is_negative_hits) through several replicas.
+    #[arg(long, env = "TOLLGATE_NO_PRECHECK")]
+    no_precheck: bool,
+    /// Most buckets the pre-check remembers.
+    #[arg(long, env = "TOLLGATE_PRECHECK_BUCKETS", default_value_t = 100_000)]
+    precheck_buckets: usize,
     /// Most decisions in progress at once; beyond it requests are refused with RESOURCE_EXHAUSTED.
     #[arg(long, env = "TOLLGATE_MAX_INFLIGHT", default_value_t = 10_000)]
     max_inflight: usize,
@@ -300,10 +312,24 @@ fn serve(args: ServeArgs) -> Result<()> {
             ca: args.redis_ca.clone(),
             client: args.redis_client_cert.clone().zip(args.redis_client_key.clone()),
         };
-        let store: Arc<dyn Store> = match (&args.redis_url, args.redis_cluster.is_empty()) {
-            (Some(url), _) => Arc::new(RedisStore::connect(&RedisTarget::Standalone(url.clone()), args.redis_timeout, &redis_tls)?),
-            (None, false) => Arc::new(RedisStore::connect(&RedisTarget::Cluster(args.redis_cluster.clone()), args.redis_timeout, &redis_tls)?),
-            (None, true) => {
+        let redis_target = match (&args.redis_url, args.redis_cluster.is_empty()) {
+            (Some(url), _) => Some(RedisTarget::Standalone(url.clone())),
+            (None, false) => Some(RedisTarget::Cluster(args.redis_cluster.clone())),
+            (None, true) => None,
+        };
+        let store: Arc<dyn Store> = match redis_target {
+            Some(target) => {
+                let mut redis = RedisStore::connect(&target, args.redis_timeout, &redis_tls)?;
+                if !args.coalesce_delay.is_zero() {
+                    redis = redis.coalescing(args.coalesce_delay);
+                }
+                if args.no_precheck {
+                    Arc::new(redis)
+                } else {
+                    Arc::new(Precheck::new(Arc::new(redis), Arc::new(MonotonicClock::new()), args.precheck_buckets))
+                }
+            }
+            None => {
                 tracing::warn!(
                     "no --redis-url or --redis-cluster: using the embedded memory store. Limits hold \
                      PER PROCESS ONLY; every replica enforces the full limit on its own"

@@ -56,10 +56,15 @@ async fn counts_after_known_traffic() {
     assert_eq!(decisions("(unknown)", "", "ok"), 1.0);
     assert_eq!(decisions("m", "", "ok"), 1.0);
     assert_eq!(sample(&m, "tollgate_invalid_requests_total", &[]), 1.0);
-    // Every answered request is timed; every script call is timed at the client (6 + 0: the
-    // unknown domain and the rule-less descriptor never reach Redis).
+    // Every answered request is timed; every script call is timed at the client. Of the 6
+    // bucket requests, 3 find a bucket already known to be short (the third `k`, the second and
+    // third `shadow`): the pre-check answers those without Redis. The unknown domain and the
+    // rule-less descriptor never reach Redis.
     assert_eq!(sample(&m, "tollgate_request_duration_seconds", &[]), 9.0);
-    assert_eq!(sample(&m, "tollgate_store_duration_seconds", &[]), 6.0);
+    assert_eq!(sample(&m, "tollgate_store_duration_seconds", &[]), 3.0);
+    assert_eq!(sample(&m, "tollgate_store_calls_total", &[]), 3.0);
+    assert_eq!(sample(&m, "tollgate_store_call_groups_total", &[]), 3.0);
+    assert_eq!(sample(&m, "tollgate_precheck_answers_total", &[]), 3.0);
     assert_eq!(sample(&m, "tollgate_build_info", &[("version", env!("CARGO_PKG_VERSION"))]), 1.0);
 }
 

@@ -8,10 +8,16 @@
 //! * [`RedisStore`]: state in Redis (standalone or Cluster), shared by every replica; each call is
 //!   one Lua script run, atomic on the server.
 //!
+//! [`Precheck`] wraps a store and answers denials that are certain without asking it. The Redis
+//! backend can coalesce concurrent calls for one Cluster slot into one script run
+//! (`coalesce`), which changes round trips, not answers.
+//!
 //! Results are per group so that a Cluster shard that is down fails only the groups whose keys
 //! live on it.
 
+mod coalesce;
 mod memory;
+mod precheck;
 mod redis;
 
 use std::time::Duration;
@@ -19,6 +25,7 @@ use std::time::Duration;
 use futures::future::BoxFuture;
 
 pub use self::memory::MemoryStore;
+pub use self::precheck::Precheck;
 pub use self::redis::{RedisStore, RedisTarget, RedisTls};
 use crate::bucket::{Batch, GroupOutcome};
 

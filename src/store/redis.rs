@@ -30,6 +30,7 @@ use redis::cluster::{ClusterClient, ClusterClientBuilder};
 use redis::cluster_async::ClusterConnection;
 use redis::{ClientTlsConfig, IntoConnectionInfo, Script, TlsCertificates, Value};
 
+use super::coalesce::{Call, Coalescer};
 use super::{Store, StoreError};
 use crate::bucket::{Batch, Group, GroupOutcome, Verdict};
 use crate::keys::cluster_slot;
@@ -76,6 +77,12 @@ impl RedisTls {
 
 /// Bucket state in Redis.
 pub struct RedisStore {
+    shared: Arc<Shared>,
+    coalescer: Option<Arc<Coalescer>>,
+}
+
+// What a script call needs, shared with the coalescer's call tasks.
+struct Shared {
     connection: Connection,
     script: Script,
     timeout: Duration,
@@ -197,9 +204,24 @@ impl RedisStore {
                 (Connection::Cluster(Box::new(handle)), format!("redis cluster via {}", addrs.join(",")))
             }
         };
-        Ok(RedisStore { connection, script: Script::new(SCRIPT), timeout, description })
+        let shared = Shared { connection, script: Script::new(SCRIPT), timeout, description };
+        Ok(RedisStore { shared: Arc::new(shared), coalescer: None })
     }
 
+    /// Turns on hot-tenant coalescing ([`super::coalesce`]): concurrent requests for one slot
+    /// share a script call, a queued request waiting about `delay` at most.
+    pub fn coalescing(mut self, delay: Duration) -> Self {
+        let shared = self.shared.clone();
+        let call: Call = Arc::new(move |groups: Vec<Group>| {
+            let shared = shared.clone();
+            Box::pin(async move { shared.run(&groups.iter().collect::<Vec<_>>()).await })
+        });
+        self.coalescer = Some(Coalescer::new(call, delay, self.shared.timeout));
+        self
+    }
+}
+
+impl Shared {
     // One script run for groups that all live in one slot (or on one standalone server).
     async fn run(&self, batch: &[&Group]) -> Result<Vec<GroupOutcome>, StoreError> {
         let mut invocation = self.script.prepare_invoke();
@@ -245,6 +267,8 @@ impl RedisStore {
             }
         };
         metrics::histogram!("tollgate_store_duration_seconds").record(start.elapsed());
+        metrics::counter!("tollgate_store_calls_total").increment(1);
+        metrics::counter!("tollgate_store_call_groups_total").increment(batch.len() as u64);
         let reply = reply
             .map_err(|_| StoreError::Timeout(self.timeout))?
             .map_err(|e| StoreError::Redis(e.to_string()))?;
@@ -258,7 +282,7 @@ impl Store for RedisStore {
             // Partition by slot; a standalone server takes everything in one call.
             let mut partitions: Vec<(u16, Vec<usize>)> = Vec::new();
             for (i, group) in batch.iter().enumerate() {
-                let slot = match (&self.connection, group.first()) {
+                let slot = match (&self.shared.connection, group.first()) {
                     (Connection::Cluster(_), Some(op)) => cluster_slot(&op.key),
                     _ => 0,
                 };
@@ -267,9 +291,11 @@ impl Store for RedisStore {
                     None => partitions.push((slot, vec![i])),
                 }
             }
-            let calls = partitions.iter().map(|(_, members)| {
-                let groups: Vec<&Group> = members.iter().map(|&i| &batch[i]).collect();
-                async move { self.run(&groups).await }
+            let calls = partitions.iter().map(|(slot, members)| async move {
+                match &self.coalescer {
+                    Some(c) => c.submit(*slot, members.iter().map(|&i| batch[i].clone()).collect()).await,
+                    None => self.shared.run(&members.iter().map(|&i| &batch[i]).collect::<Vec<_>>()).await,
+                }
             });
             let mut results: Vec<Option<Result<GroupOutcome, StoreError>>> = vec![None; batch.len()];
             for ((_, members), result) in partitions.iter().zip(join_all(calls).await) {
@@ -294,20 +320,21 @@ impl Store for RedisStore {
         Box::pin(async move {
             let ping = redis::cmd("PING");
             let call = async {
-                match &self.connection {
+                match &self.shared.connection {
                     Connection::Standalone(c) => ping.query_async::<()>(&mut c.clone()).await,
                     Connection::Cluster(handle) => ping.query_async::<()>(&mut handle.connection()).await,
                 }
             };
-            tokio::time::timeout(self.timeout, call)
+            let timeout = self.shared.timeout;
+            tokio::time::timeout(timeout, call)
                 .await
-                .map_err(|_| StoreError::Timeout(self.timeout))?
+                .map_err(|_| StoreError::Timeout(timeout))?
                 .map_err(|e| StoreError::Redis(e.to_string()))
         })
     }
 
     fn describe(&self) -> String {
-        self.description.clone()
+        self.shared.description.clone()
     }
 }
 

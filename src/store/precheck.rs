@@ -1,0 +1,208 @@
+//! The exact local pre-check: answering OVER_LIMIT without a round trip when the answer is
+//! already certain.
+//!
+//! A bucket's balance only grows by refill. So after a script call reports `tokens` at server time
+//! `now`, the balance at any later moment is at most `tokens + elapsed × rate` (capped at the
+//! capacity), whatever other replicas spend meanwhile. When that upper bound is below what a
+//! request needs, Redis would deny it too, and [`Precheck`] answers locally. An abusive tenant
+//! hammering an empty bucket then costs one Redis call per refilled token, not one per request.
+//!
+//! The bound must never be too low, or the pre-check would deny what Redis admits:
+//!
+//! * Elapsed time is measured locally from *before* the call that made the observation (the
+//!   server read its clock later), stretched by [`DRIFT`] for clock-rate differences, plus
+//!   [`SLACK_MS`] for both clocks' millisecond truncation.
+//! * An observation is used only for the exact capacity and rate it was made with: a changed
+//!   rule or quota makes it useless at once.
+//! * Credits (`is_negative_hits`) raise a balance: a credit sent through this replica drops the
+//!   observation, and one sent by another replica is not seen. Turn the pre-check off where
+//!   buckets receive credits.
+//! * Redis losing state (restart without persistence, failover before replication) refills
+//!   buckets. Any store error drops every observation, and none is used after [`MAX_AGE_MS`].
+//!
+//! Only buckets that the next equal request would find short are remembered, and each shard of
+//! the map has a fixed capacity; when it is full, new observations are skipped (which is always
+//! safe: the request goes to Redis).
+
+use std::collections::HashMap;
+use std::hash::{BuildHasher, RandomState};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+
+use futures::future::BoxFuture;
+
+use super::{Store, StoreError};
+use crate::bucket::{Batch, BucketOp, BucketSpec, Group, GroupOutcome, Verdict};
+use crate::clock::Clock;
+
+/// Allowed rate difference between the local clock and the Redis server's clock.
+pub const DRIFT: f64 = 1e-3;
+/// Milliseconds added to every elapsed time for truncation of both clocks to whole milliseconds.
+pub const SLACK_MS: u64 = 2;
+/// Oldest observation used, in milliseconds.
+pub const MAX_AGE_MS: u64 = 1_000;
+
+const SHARDS: usize = 16;
+
+/// A [`Store`] that answers certain denials itself and passes everything else to `inner`.
+pub struct Precheck {
+    inner: Arc<dyn Store>,
+    clock: Arc<dyn Clock>,
+    shards: Vec<Mutex<HashMap<String, Observation>>>,
+    shard_capacity: usize,
+    hasher: RandomState,
+    answered: AtomicU64,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Observation {
+    tokens: f64,
+    // What the request that left the bucket short needed: the observation is worth keeping while
+    // the bucket may still be short of that.
+    need: f64,
+    server_ms: u64,
+    local_ms: u64,
+    spec: BucketSpec,
+}
+
+impl Observation {
+    // Tokens the bucket may hold at local time `now`: an upper bound when `conservative`, the
+    // likely balance (for the answer's headers) otherwise.
+    fn tokens_at(&self, now: u64, conservative: bool) -> f64 {
+        let elapsed = now.saturating_sub(self.local_ms) as f64;
+        let elapsed = if conservative { (elapsed + SLACK_MS as f64) * (1.0 + DRIFT) } else { elapsed };
+        (self.tokens + elapsed * self.spec.refill_per_second / 1000.0).min(self.spec.capacity)
+    }
+}
+
+impl Precheck {
+    /// Wraps `inner`, measuring elapsed time with `clock` (a monotonic one in production),
+    /// remembering at most `max_buckets` buckets.
+    pub fn new(inner: Arc<dyn Store>, clock: Arc<dyn Clock>, max_buckets: usize) -> Self {
+        Precheck {
+            inner,
+            clock,
+            shards: (0..SHARDS).map(|_| Mutex::default()).collect(),
+            shard_capacity: max_buckets.div_ceil(SHARDS),
+            hasher: RandomState::new(),
+            answered: AtomicU64::new(0),
+        }
+    }
+
+    /// Groups answered without the inner store since start.
+    pub fn answered_locally(&self) -> u64 {
+        self.answered.load(Ordering::Relaxed)
+    }
+
+    fn shard(&self, key: &str) -> std::sync::MutexGuard<'_, HashMap<String, Observation>> {
+        let index = self.hasher.hash_one(key) as usize % SHARDS;
+        self.shards[index].lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    fn observation(&self, op: &BucketOp, now: u64) -> Option<Observation> {
+        let found = *self.shard(&op.key).get(&op.key)?;
+        (found.spec == op.spec && now.saturating_sub(found.local_ms) <= MAX_AGE_MS).then_some(found)
+    }
+
+    // The group's outcome if every operation is certainly short of tokens, as the store would
+    // report it (nothing debited).
+    fn certain_denial(&self, group: &Group, now: u64) -> Option<GroupOutcome> {
+        let mut verdicts = Vec::with_capacity(group.len());
+        let mut server_ms = 0;
+        for op in group {
+            let seen = self.observation(op, now).filter(|_| op.need > 0.0)?;
+            if seen.tokens_at(now, true) >= op.need {
+                return None;
+            }
+            let (tokens, rate_ms) = (seen.tokens_at(now, false), op.spec.refill_per_second / 1000.0);
+            let retry_after_ms =
+                (op.need <= op.spec.capacity).then(|| ((op.need - tokens) / rate_ms).ceil() as u64);
+            let reset_ms = ((op.spec.capacity - tokens) / rate_ms).ceil() as u64;
+            verdicts.push(Verdict { allowed: false, tokens, retry_after_ms, reset_ms });
+            server_ms = server_ms.max(seen.server_ms + now.saturating_sub(seen.local_ms));
+        }
+        let admitted = group.iter().all(|op| op.shadow);
+        Some(GroupOutcome { admitted, now_ms: server_ms, verdicts })
+    }
+
+    // Remembers what the store reported for the buckets the next equal request would find short.
+    fn observe(&self, group: &Group, outcome: &GroupOutcome, call_start: u64) {
+        for (op, verdict) in group.iter().zip(&outcome.verdicts) {
+            let mut shard = self.shard(&op.key);
+            if op.need <= 0.0 || verdict.tokens >= op.need {
+                shard.remove(&op.key);
+                continue;
+            }
+            if shard.len() >= self.shard_capacity && !shard.contains_key(&op.key) {
+                let now = self.clock.now_ms();
+                shard.retain(|_, o| {
+                    now.saturating_sub(o.local_ms) <= MAX_AGE_MS && o.tokens_at(now, true) < o.need
+                });
+                if shard.len() >= self.shard_capacity {
+                    continue;
+                }
+            }
+            let seen = Observation {
+                tokens: verdict.tokens,
+                need: op.need,
+                server_ms: outcome.now_ms,
+                local_ms: call_start,
+                spec: op.spec,
+            };
+            shard.insert(op.key.clone(), seen);
+        }
+    }
+
+    fn forget_everything(&self) {
+        for shard in &self.shards {
+            shard.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).clear();
+        }
+    }
+}
+
+impl Store for Precheck {
+    fn evaluate<'a>(&'a self, batch: &'a Batch) -> BoxFuture<'a, Vec<Result<GroupOutcome, StoreError>>> {
+        Box::pin(async move {
+            let call_start = self.clock.now_ms();
+            // A credit in one group could lift a later group's bucket: such batches go to the
+            // store whole.
+            let credits = batch.iter().flatten().any(|op| op.need < 0.0);
+            let mut results: Vec<Option<Result<GroupOutcome, StoreError>>> = batch
+                .iter()
+                .map(|g| if credits { None } else { self.certain_denial(g, call_start).map(Ok) })
+                .collect();
+            let local = results.iter().filter(|r| r.is_some()).count();
+            self.answered.fetch_add(local as u64, Ordering::Relaxed);
+            if local > 0 {
+                metrics::counter!("tollgate_precheck_answers_total").increment(local as u64);
+            }
+            if local == batch.len() {
+                return results.into_iter().flatten().collect();
+            }
+            // A denied group debits nothing, so leaving it out does not change the others.
+            let remote: Vec<usize> = (0..batch.len()).filter(|&i| results[i].is_none()).collect();
+            let answers = if local == 0 {
+                self.inner.evaluate(batch).await
+            } else {
+                let rest: Vec<Group> = remote.iter().map(|&i| batch[i].clone()).collect();
+                self.inner.evaluate(&rest).await
+            };
+            for (&i, answer) in remote.iter().zip(answers) {
+                match &answer {
+                    Ok(outcome) => self.observe(&batch[i], outcome, call_start),
+                    Err(_) => self.forget_everything(),
+                }
+                results[i] = Some(answer);
+            }
+            results.into_iter().map(|r| r.expect("every group has a result")).collect()
+        })
+    }
+
+    fn ping(&self) -> BoxFuture<'_, Result<(), StoreError>> {
+        self.inner.ping()
+    }
+
+    fn describe(&self) -> String {
+        format!("{} with the local pre-check", self.inner.describe())
+    }
+}

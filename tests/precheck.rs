@@ -1,0 +1,178 @@
+//! The exact local pre-check (`src/store/precheck.rs`) must answer exactly what the store would:
+//! replayed operation sequences give identical decisions with it and without it, while a good
+//! share of denials never reach the store; through a real Redis, an abusive tenant costs a few
+//! script calls instead of one per request.
+
+mod common;
+
+use std::sync::Arc;
+
+use common::*;
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+use redis::Commands as _;
+use tollgate::bucket::{BucketOp, BucketSpec, Group};
+use tollgate::clock::ManualClock;
+use tollgate::store::{MemoryStore, Precheck, Store};
+
+fn op(key: &str, capacity: f64, refill_per_second: f64, need: f64) -> BucketOp {
+    BucketOp { key: key.into(), spec: BucketSpec { capacity, refill_per_second }, need, shadow: false }
+}
+
+// Small, slowly refilling buckets hammered often, so that most requests find them short.
+fn random_group(rng: &mut StdRng) -> Group {
+    let specs = [(1.0, 0.5), (3.0, 2.0), (10.0, 1.0 / 3.0), (5.0, 40.0), (0.0, 0.0)];
+    let needs = [1.0, 1.0, 1.0, 2.0, 4.0, 0.0, -1.0, 11.0];
+    (0..rng.random_range(1..=3))
+        .map(|_| {
+            let b = rng.random_range(0..specs.len());
+            // One bucket changes its capacity now and then, as after a quota change.
+            let (capacity, rate) = if b == 1 && rng.random_bool(0.05) { (6.0, 2.0) } else { specs[b] };
+            let mut o =
+                op(&format!("rl:{{t}}:b{b}"), capacity, rate, needs[rng.random_range(0..needs.len())]);
+            o.shadow = rng.random_bool(0.1);
+            o
+        })
+        .collect()
+}
+
+#[tokio::test]
+async fn decisions_are_identical_with_and_without_the_precheck() {
+    let mut local_answers = 0;
+    for seed in 0..20u64 {
+        let clock = ManualClock::new(1_700_000_000_000);
+        let plain = MemoryStore::with_clock(Arc::new(clock.clone()));
+        let inner: Arc<dyn Store> = Arc::new(MemoryStore::with_clock(Arc::new(clock.clone())));
+        let checked = Precheck::new(inner, Arc::new(clock.clone()), 1000);
+        let mut rng = StdRng::seed_from_u64(seed);
+        for step in 0..2000 {
+            let batch: Vec<Group> = (0..rng.random_range(1..=2)).map(|_| random_group(&mut rng)).collect();
+            let expected = plain.evaluate(&batch).await;
+            let got = checked.evaluate(&batch).await;
+            for (g, (e, o)) in expected.iter().zip(&got).enumerate() {
+                let (e, o) = (e.as_ref().unwrap(), o.as_ref().unwrap());
+                let what = format!("seed {seed} step {step} group {g}: {:?}", batch[g]);
+                assert_eq!(e.admitted, o.admitted, "{what}");
+                for (ev, ov) in e.verdicts.iter().zip(&o.verdicts) {
+                    assert_eq!(ev.allowed, ov.allowed, "{what}");
+                    // A local answer estimates the balance; it never overstates the wait (beyond
+                    // a millisecond of rounding: the refill is summed in a different order).
+                    assert!(ov.tokens >= ev.tokens - 1e-9, "{what}: {ov:?} vs {ev:?}");
+                    if let (Some(e_ms), Some(o_ms)) = (ev.retry_after_ms, ov.retry_after_ms) {
+                        assert!(o_ms <= e_ms + 1, "{what}: retry {o_ms} > {e_ms}");
+                    }
+                }
+            }
+            clock.advance(rng.random_range(0..400));
+        }
+        local_answers += checked.answered_locally();
+    }
+    println!("pre-check answered {local_answers} of the groups locally");
+    assert!(local_answers > 5_000, "the pre-check answered only {local_answers} groups");
+}
+
+#[tokio::test]
+async fn a_changed_quota_is_never_held_to_the_old_observation() {
+    let clock = ManualClock::new(1_700_000_000_000);
+    let inner: Arc<dyn Store> = Arc::new(MemoryStore::with_clock(Arc::new(clock.clone())));
+    let checked = Precheck::new(inner, Arc::new(clock.clone()), 1000);
+    let spend = |rate| vec![vec![op("rl:{t}:default", 1.0, rate, 1.0)]];
+    assert!(checked.evaluate(&spend(0.001)).await[0].as_ref().unwrap().admitted);
+    assert!(!checked.evaluate(&spend(0.001)).await[0].as_ref().unwrap().admitted);
+    assert!(!checked.evaluate(&spend(0.001)).await[0].as_ref().unwrap().admitted);
+    assert_eq!(checked.answered_locally(), 2, "the empty bucket is denied locally");
+    // The quota's rate grows: half a second refills the bucket at the new rate, though the old
+    // observation's rate would bound it to 0.0005 tokens. The pre-check must ask the store.
+    clock.advance(500);
+    assert!(checked.evaluate(&spend(10.0)).await[0].as_ref().unwrap().admitted);
+    assert_eq!(checked.answered_locally(), 2);
+}
+
+#[tokio::test]
+async fn memory_stays_bounded_under_many_empty_buckets() {
+    let clock = ManualClock::new(1_700_000_000_000);
+    let inner: Arc<dyn Store> = Arc::new(MemoryStore::with_clock(Arc::new(clock.clone())));
+    let checked = Precheck::new(inner, Arc::new(clock.clone()), 160);
+    // 10,000 empty buckets; only 160 can be remembered, the rest still get correct answers.
+    for t in 0..10_000 {
+        let key = format!("rl:{{t{t}}}:default");
+        assert!(!checked.evaluate(&[vec![op(&key, 0.0, 0.0, 1.0)]]).await[0].as_ref().unwrap().admitted);
+    }
+    for t in 0..10_000 {
+        let key = format!("rl:{{t{t}}}:default");
+        assert!(!checked.evaluate(&[vec![op(&key, 0.0, 0.0, 1.0)]]).await[0].as_ref().unwrap().admitted);
+    }
+    let answered = checked.answered_locally();
+    println!("answered locally: {answered} of 10000 repeats");
+    assert!((100..=160).contains(&answered), "{answered} observations used; 160 fit");
+}
+
+const CONFIG: &str = r#"
+domain: abuse
+descriptors:
+  - key: tenant
+    token_bucket: { capacity: 5, refill_per_second: 0.01 }
+"#;
+
+// Sends `n` requests for one tenant in order; returns the overall codes and Retry-After values.
+async fn hammer(server: &Tollgate, n: usize) -> Vec<(i32, Option<String>)> {
+    let mut answers = Vec::new();
+    for _ in 0..n {
+        let r = ask(&server.addr(), req("abuse", &["tenant=mallory"], 1)).await.expect("answer");
+        answers.push((r.overall_code, header(&r, "retry-after").map(str::to_owned)));
+    }
+    answers
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn an_abusive_tenant_is_denied_locally_with_the_same_answers() {
+    let redis = Redis::start();
+    let (_dir, config) = config_file(CONFIG);
+    let mut runs = Vec::new();
+    for flags in [&["--no-precheck"][..], &[]] {
+        redis.connection().del::<_, ()>("rl:{mallory}:default").unwrap();
+        let server = Tollgate::start(&config, &Backend::Redis(redis.url()), flags);
+        let answers = hammer(&server, 200).await;
+        let scrape = server.metrics();
+        let calls = sample(&scrape, "tollgate_store_calls_total", &[]);
+        let local = sample(&scrape, "tollgate_precheck_answers_total", &[]);
+        println!("{flags:?}: {calls} script calls, {local} local answers for 200 requests");
+        runs.push((answers, calls, local));
+    }
+    let (without, with) = (&runs[0], &runs[1]);
+    let codes = |run: &Vec<(i32, Option<String>)>| run.iter().map(|a| a.0).collect::<Vec<_>>();
+    assert_eq!(codes(&without.0), codes(&with.0), "same decisions with and without the pre-check");
+    assert_eq!(codes(&with.0).iter().filter(|c| **c == OK).count(), 5);
+    assert_eq!(without.1, 200.0, "without the pre-check every request is a script call");
+    assert!(with.1 <= 10.0, "with it, {} script calls", with.1);
+    assert!(with.2 >= 190.0);
+    // A local denial still says when to come back: one token refills in 100 s.
+    for (code, retry) in &with.0[5..] {
+        assert_eq!(*code, OVER_LIMIT);
+        let secs: u64 = retry.as_deref().expect("retry-after").parse().unwrap();
+        assert!((1..=100).contains(&secs), "retry-after {secs}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_reloaded_rule_applies_to_the_next_request_despite_the_precheck() {
+    let redis = Redis::start();
+    let (dir, config) = config_file(CONFIG);
+    let server = Tollgate::start(&config, &Backend::Redis(redis.url()), &[]);
+    // Empty mallory's bucket; the next requests are denied locally.
+    let answers = hammer(&server, 8).await;
+    assert_eq!(answers.iter().filter(|a| a.0 == OK).count(), 5);
+    assert!(sample(&server.metrics(), "tollgate_precheck_answers_total", &[]) >= 2.0);
+
+    // Raise the refill rate: a millisecond now refills the bucket at the new rate, which the
+    // observation made under the old rate would rule out.
+    std::fs::write(&config, CONFIG.replace("refill_per_second: 0.01", "refill_per_second: 100000")).unwrap();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while sample(&server.metrics(), "tollgate_config_reloads_total", &[("result", "success")]) < 1.0 {
+        assert!(std::time::Instant::now() < deadline, "the config was never reloaded");
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    let r = ask(&server.addr(), req("abuse", &["tenant=mallory"], 1)).await.unwrap();
+    assert_eq!(r.overall_code, OK, "the new rate applies at once");
+    drop(dir);
+}
