@@ -26,7 +26,7 @@
 
 use std::collections::HashMap;
 use std::hash::{BuildHasher, RandomState};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use futures::future::BoxFuture;
@@ -48,10 +48,18 @@ const SHARDS: usize = 16;
 pub struct Precheck {
     inner: Arc<dyn Store>,
     clock: Arc<dyn Clock>,
-    shards: Vec<Mutex<HashMap<String, Observation>>>,
+    shards: Vec<Shard>,
     shard_capacity: usize,
     hasher: RandomState,
     answered: AtomicU64,
+}
+
+// One lock's worth of the map. `len` mirrors the map's size so that the common case, a bucket
+// with room and nothing remembered, costs no lock.
+#[derive(Default)]
+struct Shard {
+    map: Mutex<HashMap<String, Observation>>,
+    len: AtomicUsize,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -82,7 +90,7 @@ impl Precheck {
         Precheck {
             inner,
             clock,
-            shards: (0..SHARDS).map(|_| Mutex::default()).collect(),
+            shards: (0..SHARDS).map(|_| Shard::default()).collect(),
             shard_capacity: max_buckets.div_ceil(SHARDS),
             hasher: RandomState::new(),
             answered: AtomicU64::new(0),
@@ -94,13 +102,16 @@ impl Precheck {
         self.answered.load(Ordering::Relaxed)
     }
 
-    fn shard(&self, key: &str) -> std::sync::MutexGuard<'_, HashMap<String, Observation>> {
-        let index = self.hasher.hash_one(key) as usize % SHARDS;
-        self.shards[index].lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+    fn shard(&self, key: &str) -> &Shard {
+        &self.shards[self.hasher.hash_one(key) as usize % SHARDS]
     }
 
     fn observation(&self, op: &BucketOp, now: u64) -> Option<Observation> {
-        let found = *self.shard(&op.key).get(&op.key)?;
+        let shard = self.shard(&op.key);
+        if shard.len.load(Ordering::Relaxed) == 0 {
+            return None;
+        }
+        let found = *shard.lock().get(&op.key)?;
         (found.spec == op.spec && now.saturating_sub(found.local_ms) <= MAX_AGE_MS).then_some(found)
     }
 
@@ -128,17 +139,26 @@ impl Precheck {
     // Remembers what the store reported for the buckets the next equal request would find short.
     fn observe(&self, group: &Group, outcome: &GroupOutcome, call_start: u64) {
         for (op, verdict) in group.iter().zip(&outcome.verdicts) {
-            let mut shard = self.shard(&op.key);
-            if op.need <= 0.0 || verdict.tokens >= op.need {
-                shard.remove(&op.key);
+            let short = op.need > 0.0 && verdict.tokens < op.need;
+            let shard = self.shard(&op.key);
+            // Skipping the removal of a stale observation is safe (it is still an upper bound);
+            // a credit's never is, so credits always take the lock.
+            if !short && op.need >= 0.0 && shard.len.load(Ordering::Relaxed) == 0 {
                 continue;
             }
-            if shard.len() >= self.shard_capacity && !shard.contains_key(&op.key) {
+            let mut map = shard.lock();
+            if !short {
+                map.remove(&op.key);
+                shard.len.store(map.len(), Ordering::Relaxed);
+                continue;
+            }
+            if map.len() >= self.shard_capacity && !map.contains_key(&op.key) {
                 let now = self.clock.now_ms();
-                shard.retain(|_, o| {
+                map.retain(|_, o| {
                     now.saturating_sub(o.local_ms) <= MAX_AGE_MS && o.tokens_at(now, true) < o.need
                 });
-                if shard.len() >= self.shard_capacity {
+                shard.len.store(map.len(), Ordering::Relaxed);
+                if map.len() >= self.shard_capacity {
                     continue;
                 }
             }
@@ -149,14 +169,22 @@ impl Precheck {
                 local_ms: call_start,
                 spec: op.spec,
             };
-            shard.insert(op.key.clone(), seen);
+            map.insert(op.key.clone(), seen);
+            shard.len.store(map.len(), Ordering::Relaxed);
         }
     }
 
     fn forget_everything(&self) {
         for shard in &self.shards {
-            shard.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).clear();
+            shard.lock().clear();
+            shard.len.store(0, Ordering::Relaxed);
         }
+    }
+}
+
+impl Shard {
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, Observation>> {
+        self.map.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 }
 

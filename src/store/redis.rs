@@ -291,14 +291,25 @@ impl Store for RedisStore {
                     None => partitions.push((slot, vec![i])),
                 }
             }
-            let calls = partitions.iter().map(|(slot, members)| async move {
-                match &self.coalescer {
-                    Some(c) => c.submit(*slot, members.iter().map(|&i| batch[i].clone()).collect()).await,
-                    None => self.shared.run(&members.iter().map(|&i| &batch[i]).collect::<Vec<_>>()).await,
+            let call = |(slot, members): &(u16, Vec<usize>)| {
+                let (slot, members) = (*slot, members.clone());
+                async move {
+                    match &self.coalescer {
+                        Some(c) => c.submit(slot, members.iter().map(|&i| batch[i].clone()).collect()).await,
+                        None => {
+                            self.shared.run(&members.iter().map(|&i| &batch[i]).collect::<Vec<_>>()).await
+                        }
+                    }
                 }
-            });
+            };
+            // The common case, one slot, needs no join.
+            let answers = if let [only] = partitions.as_slice() {
+                vec![call(only).await]
+            } else {
+                join_all(partitions.iter().map(call)).await
+            };
             let mut results: Vec<Option<Result<GroupOutcome, StoreError>>> = vec![None; batch.len()];
-            for ((_, members), result) in partitions.iter().zip(join_all(calls).await) {
+            for ((_, members), result) in partitions.iter().zip(answers) {
                 match result {
                     Ok(outcomes) => {
                         for (&i, outcome) in members.iter().zip(outcomes) {
