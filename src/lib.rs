@@ -10,7 +10,9 @@
 //! * the decision is made in [`limiter`], using [`matcher`] (descriptor → rule), [`quota`]
 //!   (tenant → bucket size), [`keys`] (bucket → storage key) and [`headers`];
 //! * state lives behind [`store::Store`]: in Redis ([`store::RedisStore`], the algorithm in
-//!   `store/token_bucket.lua`) or in process ([`store::MemoryStore`], the algorithm in [`bucket`]);
+//!   `store/token_bucket.lua`, concurrent calls per slot coalesced) or in process
+//!   ([`store::MemoryStore`], the algorithm in [`bucket`]); [`store::Precheck`] in front of
+//!   Redis answers denials that are already certain without a round trip;
 //! * rules come from YAML through [`config`]; [`server`] runs and drains it all.
 
 pub mod bucket;
