@@ -2,7 +2,7 @@
 //!
 //! A config path is one YAML file or a directory of `*.yaml`/`*.yml` files, one domain per file
 //! (hidden entries such as a Kubernetes ConfigMap's `..data` are skipped). Files are parsed
-//! ([`raw`]), checked and compiled ([`compile`]) into a [`RuleSet`]: an immutable tree per domain
+//! (`raw.rs`), checked and compiled (`compile.rs`) into a [`RuleSet`]: an immutable tree per domain
 //! that descriptor matching ([`crate::matcher`]) walks without allocating. A [`RuleSet`] is
 //! either wholly valid or not built at all, so a bad edit can never half-apply.
 

@@ -208,7 +208,7 @@ impl RedisStore {
         Ok(RedisStore { shared: Arc::new(shared), coalescer: None })
     }
 
-    /// Turns on hot-tenant coalescing ([`super::coalesce`]): concurrent requests for one slot
+    /// Turns on hot-tenant coalescing (`store/coalesce.rs`): concurrent requests for one slot
     /// share a script call, a queued request waiting about `delay` at most.
     pub fn coalescing(mut self, delay: Duration) -> Self {
         let shared = self.shared.clone();
