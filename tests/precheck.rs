@@ -176,3 +176,73 @@ async fn a_reloaded_rule_applies_to_the_next_request_despite_the_precheck() {
     assert_eq!(r.overall_code, OK, "the new rate applies at once");
     drop(dir);
 }
+
+// A memory store whose next answer can be held back after it has been computed, like a Redis
+// reply still on the wire, to order a slow call around a credit.
+struct HeldStore {
+    inner: MemoryStore,
+    hold: std::sync::Mutex<Option<tokio::sync::oneshot::Receiver<()>>>,
+}
+
+impl Store for HeldStore {
+    fn evaluate<'a>(
+        &'a self,
+        batch: &'a tollgate::bucket::Batch,
+    ) -> futures::future::BoxFuture<
+        'a,
+        Vec<Result<tollgate::bucket::GroupOutcome, tollgate::store::StoreError>>,
+    > {
+        Box::pin(async move {
+            let answer = self.inner.evaluate_now(batch);
+            let hold = self.hold.lock().unwrap().take();
+            if let Some(released) = hold {
+                let _ = released.await;
+            }
+            answer.into_iter().map(Ok).collect()
+        })
+    }
+
+    fn ping(&self) -> futures::future::BoxFuture<'_, Result<(), tollgate::store::StoreError>> {
+        Box::pin(async { Ok(()) })
+    }
+
+    fn describe(&self) -> String {
+        "held memory store".into()
+    }
+}
+
+#[tokio::test]
+async fn a_reply_from_before_a_credit_is_not_remembered() {
+    let clock = ManualClock::new(1_700_000_000_000);
+    let held = Arc::new(HeldStore {
+        inner: MemoryStore::with_clock(Arc::new(clock.clone())),
+        hold: std::sync::Mutex::new(None),
+    });
+    let checked = Arc::new(Precheck::new(held.clone(), Arc::new(clock.clone()), 1000));
+    let take = |need| vec![vec![op("rl:{t}:default", 2.0, 0.001, need)]];
+    // Emptied by another replica: this one has observed nothing.
+    assert!(held.inner.evaluate_now(&take(2.0))[0].admitted);
+
+    // A request finds the bucket empty, but its reply is slow to arrive...
+    let (release, released) = tokio::sync::oneshot::channel();
+    *held.hold.lock().unwrap() = Some(released);
+    let slow = tokio::spawn({
+        let checked = checked.clone();
+        async move { checked.evaluate(&take(1.0)).await[0].as_ref().unwrap().admitted }
+    });
+    for _ in 0..10_000 {
+        if held.hold.lock().unwrap().is_none() {
+            break;
+        }
+        tokio::task::yield_now().await;
+    }
+    assert!(held.hold.lock().unwrap().is_none(), "the slow request reached the store");
+    // ...and meanwhile a credit gives the bucket its two tokens back.
+    assert!(checked.evaluate(&take(-2.0)).await[0].as_ref().unwrap().admitted);
+    release.send(()).unwrap();
+    assert!(!slow.await.unwrap(), "the slow request was denied before the credit");
+
+    // Its stale reply must not turn into a local denial: the bucket has tokens.
+    assert!(checked.evaluate(&take(1.0)).await[0].as_ref().unwrap().admitted);
+    assert_eq!(checked.answered_locally(), 0);
+}

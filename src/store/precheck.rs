@@ -15,10 +15,12 @@
 //! * An observation is used only for the exact capacity and rate it was made with: a changed
 //!   rule or quota makes it useless at once.
 //! * Credits (`is_negative_hits`) raise a balance: a credit sent through this replica drops the
-//!   observation, and one sent by another replica is not seen. Turn the pre-check off where
-//!   buckets receive credits.
+//!   observation, and calls that were already running when it completed may not make new ones;
+//!   a credit sent by another replica is not seen. Turn the pre-check off where buckets receive
+//!   credits through several replicas.
 //! * Redis losing state (restart without persistence, failover before replication) refills
-//!   buckets. Any store error drops every observation, and none is used after [`MAX_AGE_MS`].
+//!   buckets. Any store error drops every observation (and voids those of calls running at the
+//!   time), and none is used after [`MAX_AGE_MS`].
 //!
 //! Only buckets that the next equal request would find short are remembered, and each shard of
 //! the map has a fixed capacity; when it is full, new observations are skipped (which is always
@@ -55,11 +57,14 @@ pub struct Precheck {
 }
 
 // One lock's worth of the map. `len` mirrors the map's size so that the common case, a bucket
-// with room and nothing remembered, costs no lock.
+// with room and nothing remembered, costs no lock. `void_until` is the local time of the last
+// credit to one of the shard's buckets or store error: a call that started by then may report a
+// balance from before it, so its observations are not taken.
 #[derive(Default)]
 struct Shard {
     map: Mutex<HashMap<String, Observation>>,
     len: AtomicUsize,
+    void_until: AtomicU64,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -147,7 +152,10 @@ impl Precheck {
                 continue;
             }
             let mut map = shard.lock();
-            if !short {
+            if op.need < 0.0 {
+                shard.void_until.store(self.clock.now_ms(), Ordering::Relaxed);
+            }
+            if !short || call_start <= shard.void_until.load(Ordering::Relaxed) {
                 map.remove(&op.key);
                 shard.len.store(map.len(), Ordering::Relaxed);
                 continue;
@@ -175,8 +183,11 @@ impl Precheck {
     }
 
     fn forget_everything(&self) {
+        let now = self.clock.now_ms();
         for shard in &self.shards {
-            shard.lock().clear();
+            let mut map = shard.lock();
+            shard.void_until.store(now, Ordering::Relaxed);
+            map.clear();
             shard.len.store(0, Ordering::Relaxed);
         }
     }
