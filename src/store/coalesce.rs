@@ -10,7 +10,8 @@
 //!
 //! The wait is bounded twice: a request that finds the slot's latest call older than the delay
 //! starts another call (up to [`MAX_IN_FLIGHT`] per slot) instead of waiting, and a timer does the
-//! same for a queue nobody else arrives to. A request whose caller gave up (deadline passed) is
+//! same for a queue nobody else arrives to (Tokio's timers tick in milliseconds, so that second
+//! bound is the delay rounded up to one). A request whose caller gave up (deadline passed) is
 //! dropped from the queue before it is sent, so no tokens are spent for an answer nobody reads.
 
 use std::collections::HashMap;
