@@ -126,7 +126,10 @@ impl Precheck {
         let mut verdicts = Vec::with_capacity(group.len());
         let mut server_ms = 0;
         for op in group {
-            let seen = self.observation(op, now).filter(|_| op.need > 0.0)?;
+            if op.need <= 0.0 {
+                return None;
+            }
+            let seen = self.observation(op, now)?;
             if seen.tokens_at(now, true) >= op.need {
                 return None;
             }
@@ -226,12 +229,16 @@ impl Store for Precheck {
                 let rest: Vec<Group> = remote.iter().map(|&i| batch[i].clone()).collect();
                 self.inner.evaluate(&rest).await
             };
+            let mut failed = false;
             for (&i, answer) in remote.iter().zip(answers) {
                 match &answer {
                     Ok(outcome) => self.observe(&batch[i], outcome, call_start),
-                    Err(_) => self.forget_everything(),
+                    Err(_) => failed = true,
                 }
                 results[i] = Some(answer);
+            }
+            if failed {
+                self.forget_everything();
             }
             results.into_iter().map(|r| r.expect("every group has a result")).collect()
         })

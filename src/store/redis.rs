@@ -221,6 +221,21 @@ impl RedisStore {
     }
 }
 
+impl RedisStore {
+    // The groups `members` of `batch`, all in `slot`: coalesced with other requests', or alone.
+    async fn call_slot(
+        &self,
+        batch: &Batch,
+        slot: u16,
+        members: &[usize],
+    ) -> Result<Vec<GroupOutcome>, StoreError> {
+        match &self.coalescer {
+            Some(c) => c.submit(slot, members.iter().map(|&i| batch[i].clone()).collect()).await,
+            None => self.shared.run(&members.iter().map(|&i| &batch[i]).collect::<Vec<_>>()).await,
+        }
+    }
+}
+
 impl Shared {
     // One script run for groups that all live in one slot (or on one standalone server).
     async fn run(&self, batch: &[&Group]) -> Result<Vec<GroupOutcome>, StoreError> {
@@ -291,22 +306,11 @@ impl Store for RedisStore {
                     None => partitions.push((slot, vec![i])),
                 }
             }
-            let call = |(slot, members): &(u16, Vec<usize>)| {
-                let (slot, members) = (*slot, members.clone());
-                async move {
-                    match &self.coalescer {
-                        Some(c) => c.submit(slot, members.iter().map(|&i| batch[i].clone()).collect()).await,
-                        None => {
-                            self.shared.run(&members.iter().map(|&i| &batch[i]).collect::<Vec<_>>()).await
-                        }
-                    }
-                }
-            };
             // The common case, one slot, needs no join.
-            let answers = if let [only] = partitions.as_slice() {
-                vec![call(only).await]
+            let answers = if let [(slot, members)] = partitions.as_slice() {
+                vec![self.call_slot(batch, *slot, members).await]
             } else {
-                join_all(partitions.iter().map(call)).await
+                join_all(partitions.iter().map(|(slot, members)| self.call_slot(batch, *slot, members))).await
             };
             let mut results: Vec<Option<Result<GroupOutcome, StoreError>>> = vec![None; batch.len()];
             for ((_, members), result) in partitions.iter().zip(answers) {
