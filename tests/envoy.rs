@@ -33,6 +33,19 @@ struct Wiring {
     grpc_upstream: SocketAddr,
 }
 
+impl Wiring {
+    // Fresh listener and admin ports and fresh upstreams, in front of `tollgate`.
+    async fn new(tollgate: SocketAddr) -> Wiring {
+        Wiring {
+            listener: loopback(),
+            admin: loopback(),
+            tollgate,
+            upstream: http_upstream().await,
+            grpc_upstream: grpc_upstream().await,
+        }
+    }
+}
+
 fn loopback() -> SocketAddr {
     format!("127.0.0.1:{}", free_port()).parse().unwrap()
 }
@@ -107,13 +120,7 @@ fn ietf_remaining(header: &str, name: &str) -> u64 {
 async fn front_proxy_end_to_end() {
     let cluster = RedisCluster::start();
     let tollgate = Tollgate::start(examples(), &Backend::Cluster(cluster.seeds()), &[]);
-    let w = Wiring {
-        listener: loopback(),
-        admin: loopback(),
-        tollgate: tollgate.grpc,
-        upstream: http_upstream().await,
-        grpc_upstream: grpc_upstream().await,
-    };
+    let w = Wiring::new(tollgate.grpc).await;
     let envoy = Envoy::start(&front_proxy(&w), w.admin);
     let get = |path: &str, headers: &[(&str, &str)]| http_request(w.listener, path, headers);
 
@@ -236,13 +243,7 @@ async fn tollgate_down_follows_failure_mode_deny() {
 #[tokio::test(flavor = "multi_thread")]
 async fn what_enable_x_ratelimit_headers_adds() {
     let tollgate = Tollgate::start(examples(), &Backend::Memory, &[]);
-    let w = Wiring {
-        listener: loopback(),
-        admin: loopback(),
-        tollgate: tollgate.grpc,
-        upstream: http_upstream().await,
-        grpc_upstream: grpc_upstream().await,
-    };
+    let w = Wiring::new(tollgate.grpc).await;
     let mut config = front_proxy(&w);
     ratelimit_filter(&mut config)["enable_x_ratelimit_headers"] = json!("DRAFT_VERSION_03");
     let _envoy = Envoy::start(&config, w.admin);
