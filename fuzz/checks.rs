@@ -10,7 +10,8 @@ use std::path::Path;
 use std::sync::OnceLock;
 
 use tollgate::config::RuleSet;
-use tollgate::keys::{cluster_slot, descriptor_key, tenant_key, Class};
+use tollgate::identity::{self, cluster_slot};
+use tollgate::units::{RatePerUnit, Unit};
 use tollgate::matcher::Pattern;
 
 fn fields(data: &[u8]) -> Vec<String> {
@@ -72,28 +73,59 @@ fn reference(pattern: &[u8], value: &[u8]) -> bool {
     matched[value.len()]
 }
 
-/// Tenant keys decode back to their tenant and class (so distinct pairs never share a key),
-/// hold exactly one hash tag, and take their slot from the tenant alone; descriptor keys hold
-/// no brace at all.
+/// Bucket keys decode back to what identifies them (so distinct descriptors never share a key),
+/// a tenant's keys hold exactly one hash tag and take their slot from the tenant alone, and plain
+/// descriptor keys hold no brace at all.
 pub fn keys(data: &[u8]) {
     let f = fields(data);
-    let (tenant, class, other) =
-        (f[0].as_str(), f.get(1).map_or("c", String::as_str), f.get(2).map_or("d", String::as_str));
-    let key = tenant_key(tenant, &Class::Named(class));
-    assert_eq!(key.matches('{').count(), 1, "{key:?}");
-    assert_eq!(key.matches('}').count(), 1, "{key:?}");
-    let (t, c) = decode(&key);
-    assert_eq!((t.as_str(), c.as_str()), (tenant, class), "{key:?}");
-    assert_eq!(cluster_slot(&key), cluster_slot(&tenant_key(tenant, &Class::Named(other))));
-    let d = descriptor_key(tenant, &[(class, other)]);
-    assert!(!d.contains(['{', '}']), "{d:?}");
+    let (tenant, value) = (f[0].as_str(), f.get(1).map_or("v", String::as_str));
+    static RULES: OnceLock<RuleSet> = OnceLock::new();
+    let rules = RULES.get_or_init(|| {
+        let yaml = "domain: d\ndescriptors:\n- key: tenant\n  token_bucket: {capacity: 1, refill_per_second: 1}\n  descriptors:\n  - key: k\n    token_bucket: {capacity: 1, refill_per_second: 1}\n  - key: c\n    class: shared\n    token_bucket: {capacity: 1, refill_per_second: 1}\n- key: k\n  token_bucket: {capacity: 1, refill_per_second: 1}\n";
+        RuleSet::from_yaml(Path::new("fuzz.yaml"), yaml).expect("fixture")
+    });
+    let domain = rules.domain("d").expect("fixture domain");
+    let bucket = |entries: &[(&str, &str)]| {
+        let rule = domain.lookup(entries).expect("fixture rule");
+        identity::rule_bucket(domain, rule, entries).key
+    };
+    let per_value = bucket(&[("tenant", tenant), ("k", value)]);
+    let class = bucket(&[("tenant", tenant), ("c", value)]);
+    for key in [&per_value, &class] {
+        assert_eq!(key.matches('{').count(), 1, "{key:?}");
+        assert_eq!(key.matches('}').count(), 1, "{key:?}");
+    }
+    let (t, rest) = decode(&per_value);
+    assert_eq!((t.as_str(), rest.as_str()), (tenant, format!("d:tenant={}:k={}", identity::escape(tenant), identity::escape(value)).as_str()));
+    assert_eq!(unescape_entries(&rest), vec![("tenant".to_owned(), tenant.to_owned()), ("k".to_owned(), value.to_owned())]);
+    assert_eq!(decode(&class), (tenant.to_owned(), "d:shared".to_owned()), "every value shares the class bucket");
+    assert_eq!(cluster_slot(&per_value), cluster_slot(&class));
+    let plain = bucket(&[("k", value)]);
+    assert!(!plain.contains(['{', '}']), "{plain:?}");
+    let limit = RatePerUnit { requests_per_unit: 1, unit: Unit::Second };
+    let overridden = identity::override_bucket(domain, limit, &[("tenant", tenant), ("k", value)]).key;
+    assert_ne!(overridden, per_value, "an override never shares the rule's bucket");
+    assert_eq!(cluster_slot(&overridden), cluster_slot(&per_value));
 }
 
+// (tenant, the rest after the hash tag), the tenant unescaped.
 fn decode(key: &str) -> (String, String) {
     let rest = key.strip_prefix("rl:{").expect("prefix");
-    let (tenant, class) = rest.split_once("}:").expect("tag end");
+    let (tenant, rest) = rest.split_once("}:").expect("tag end");
     let tenant = if tenant == "%" { String::new() } else { unescape(tenant) };
-    (tenant, unescape(class))
+    (tenant, rest.to_owned())
+}
+
+// The `k=v` entries after the domain.
+fn unescape_entries(rest: &str) -> Vec<(String, String)> {
+    let (_, entries) = rest.split_once(':').expect("domain");
+    entries
+        .split(':')
+        .map(|e| {
+            let (k, v) = e.split_once('=').expect("k=v");
+            (unescape(k), unescape(v))
+        })
+        .collect()
 }
 
 fn unescape(s: &str) -> String {

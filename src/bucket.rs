@@ -4,84 +4,186 @@
 //! evaluation first adds `elapsed × rate` tokens, capped at the capacity, then compares the
 //! balance with the request's need. Missing state means a full bucket, so idle buckets may expire.
 //!
-//! Requests arrive as a [`Batch`] of [`Group`]s. A group is all-or-nothing: if any non-shadow
-//! operation in it lacks tokens, none of the group's operations is debited. Groups are evaluated
-//! in order, and an operation sees the debits of earlier operations on the same key, so one
-//! request that names the same bucket twice is charged twice.
+//! Requests arrive as a [`Batch`] of [`Group`]s, one group per request. A group is
+//! all-or-nothing: if it is denied, none of its [`Charge::Admitted`] operations is debited. An
+//! operation's [`Role`] says how its shortage counts: an enforced operation that is short denies
+//! the group, a shadow one never does, and quota-mode operations deny it only when every one of
+//! them is short (envoyproxy/ratelimit's `quota_mode`). [`Charge::Always`] operations are debited
+//! whatever the verdict, down to a floor of `-max_debt` (a cost known only after the response).
+//! Groups are evaluated in order, and an operation sees the debits of earlier operations on the
+//! same key, so one request that names the same bucket twice is charged twice.
 //!
-//! This module is the memory backend's algorithm. The Redis backend runs the same algorithm as a
+//! Every number that leaves this module is bounded: waits and TTLs are capped at [`MAX_WAIT_MS`],
+//! so a bucket with a huge capacity and a tiny rate keeps its state instead of overflowing an
+//! expiry time.
+//!
+//! This module is the memory backend's algorithm, and the one Rust home of the bucket arithmetic:
+//! the pre-check and the response headers call it. The Redis backend runs the same algorithm as a
 //! Lua script (`src/store/token_bucket.lua`), operation for operation and in the same floating
 //! point order; `tests/equivalence.rs` replays random operation sequences against both and
-//! requires identical decisions and balances. Change one, change the other.
+//! requires identical verdicts, balances, refill times and TTLs. Change one, change the other.
 
 use std::collections::HashMap;
 
 use serde::Serialize;
 
 /// Capacity (largest burst) and sustained refill rate of one bucket.
+///
+/// Only [`BucketSpec::new`] makes one, so every spec in the program is finite and sane.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize)]
 pub struct BucketSpec {
-    /// Most tokens the bucket can hold; a new bucket starts full.
-    pub capacity: f64,
-    /// Tokens added per second while the bucket is below capacity.
-    pub refill_per_second: f64,
+    capacity: f64,
+    refill_per_second: f64,
 }
 
 /// Largest accepted capacity: beyond 2^53 a balance is no longer exact in an f64.
 pub const MAX_CAPACITY: f64 = 1e15;
 
+/// Longest wait, reset or TTL reported or stored, in milliseconds (2^52 ms, about 142,000
+/// years). An expiry time (now + TTL) then stays below 2^53, exact in an f64 and in Lua's
+/// numbers and far inside what Redis's `PEXPIREAT` accepts, so a bucket that would take longer
+/// to fill keeps its state for good instead of overflowing.
+pub const MAX_WAIT_MS: u64 = 1 << 52;
+
+/// Why a capacity and rate make no bucket.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum SpecError {
+    /// The capacity is negative, not finite, or above [`MAX_CAPACITY`].
+    #[error("capacity must be between 0 and {MAX_CAPACITY:e}, got {0}")]
+    Capacity(f64),
+    /// The rate is negative or not finite.
+    #[error("refill_per_second must be a non-negative number, got {0}")]
+    Rate(f64),
+    /// A bucket with tokens that never refills.
+    #[error("refill_per_second must be above 0 (a bucket that never refills is a quota, not a rate limit)")]
+    NeverRefills,
+}
+
 impl BucketSpec {
     /// A checked bucket: finite, non-negative, and refilling unless it is empty for good.
-    /// Every bucket from outside (config, database, command line) comes through here.
-    pub fn new(capacity: f64, refill_per_second: f64) -> Result<BucketSpec, String> {
+    pub fn new(capacity: f64, refill_per_second: f64) -> Result<BucketSpec, SpecError> {
         if !capacity.is_finite() || !(0.0..=MAX_CAPACITY).contains(&capacity) {
-            return Err(format!("capacity must be between 0 and {MAX_CAPACITY:e}, got {capacity}"));
+            return Err(SpecError::Capacity(capacity));
         }
         if !refill_per_second.is_finite() || refill_per_second < 0.0 {
-            return Err(format!("refill_per_second must be a non-negative number, got {refill_per_second}"));
+            return Err(SpecError::Rate(refill_per_second));
         }
         if refill_per_second == 0.0 && capacity > 0.0 {
-            return Err("refill_per_second must be above 0 (a bucket that never refills is a quota, not a rate limit)".into());
+            return Err(SpecError::NeverRefills);
         }
         Ok(BucketSpec { capacity, refill_per_second })
     }
 
+    /// Most tokens the bucket can hold; a new bucket starts full.
+    pub fn capacity(&self) -> f64 {
+        self.capacity
+    }
+
+    /// Tokens added per second while the bucket is below capacity.
+    pub fn refill_per_second(&self) -> f64 {
+        self.refill_per_second
+    }
+
     /// Tokens per millisecond, the unit the algorithm works in.
-    fn rate_per_ms(&self) -> f64 {
+    pub fn rate_per_ms(&self) -> f64 {
         self.refill_per_second / 1000.0
     }
 
+    /// Milliseconds until a balance of `from` tokens has grown to `to` (0 if it already has);
+    /// `None` if it never will (`to` above the capacity, or no refill).
+    pub fn wait_ms(&self, from: f64, to: f64) -> Option<u64> {
+        if from >= to {
+            return Some(0);
+        }
+        if to > self.capacity || self.refill_per_second <= 0.0 {
+            return None;
+        }
+        Some(wait(to - from, self.rate_per_ms()))
+    }
+
+    /// Milliseconds until a balance of `from` tokens is full again.
+    pub fn reset_ms(&self, from: f64) -> u64 {
+        self.wait_ms(from, self.capacity).unwrap_or(0)
+    }
+
     /// How long an untouched bucket must live: past this it is full, and a missing bucket is
-    /// treated as full, so expiring it changes nothing.
-    pub fn idle_ttl_ms(&self) -> u64 {
-        ((self.capacity / self.rate_per_ms()).ceil() + 1000.0) as u64
+    /// treated as full, so expiring it changes nothing. `floor` is the lowest balance the
+    /// bucket can hold (0, or `-max_debt` for buckets charged always).
+    pub fn idle_ttl_ms(&self, floor: f64) -> u64 {
+        wait(self.capacity - floor, self.rate_per_ms()).saturating_add(1000).min(MAX_WAIT_MS)
+    }
+}
+
+// ceil(deficit / rate) in whole milliseconds, capped; the Lua script computes the same.
+fn wait(deficit: f64, rate_per_ms: f64) -> u64 {
+    let ms = (deficit / rate_per_ms).ceil();
+    if ms >= MAX_WAIT_MS as f64 {
+        MAX_WAIT_MS
+    } else {
+        ms as u64
     }
 }
 
 /// The stored state of one bucket.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct BucketState {
-    /// Balance as of `last_refill_ms`; never negative.
+    /// Balance as of `last_refill_ms`; negative only for buckets charged always (debt).
     pub tokens: f64,
     /// When the balance was last brought up to date, in clock milliseconds.
     pub last_refill_ms: u64,
 }
 
+/// How an operation's shortage counts toward its group's admission.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Role {
+    /// Short denies the group.
+    Enforced,
+    /// Evaluated and debited when it has the tokens, but never denies.
+    Shadow,
+    /// Denies only if every quota-mode operation of the group is short.
+    Quota,
+}
+
+/// When an operation's tokens are taken.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+#[serde(rename_all = "snake_case", tag = "charge")]
+pub enum Charge {
+    /// Only if the operation had its tokens and its group was admitted (the default).
+    Admitted,
+    /// Always, even past zero, down to `-max_debt`; whatever lies beyond the floor is forgiven.
+    Always {
+        /// Most debt the bucket may carry, in tokens.
+        max_debt: f64,
+    },
+}
+
+impl Charge {
+    /// The lowest balance a bucket charged this way can hold.
+    pub fn floor(&self) -> f64 {
+        match self {
+            Charge::Admitted => 0.0,
+            Charge::Always { max_debt } => -max_debt,
+        }
+    }
+}
+
 /// One debit (or credit) against one bucket.
 #[derive(Debug, Clone, PartialEq)]
 pub struct BucketOp {
-    /// The storage key of the bucket (see [`crate::keys`]).
+    /// The storage key of the bucket (see [`crate::identity`]).
     pub key: String,
     /// Capacity and rate, sent with every operation so a quota change applies at once.
     pub spec: BucketSpec,
     /// Tokens to take. Zero checks without taking; negative gives tokens back (capped).
     pub need: f64,
-    /// A shadow operation is evaluated and debited like any other, but its lack of tokens never
-    /// denies its group.
-    pub shadow: bool,
+    /// How a shortage counts.
+    pub role: Role,
+    /// When the tokens are taken.
+    pub charge: Charge,
 }
 
-/// The operations evaluated all-or-nothing together.
+/// The operations of one request, evaluated all-or-nothing together.
 pub type Group = Vec<BucketOp>;
 
 /// Groups evaluated together in one atomic step of a store, each group independently.
@@ -90,26 +192,32 @@ pub type Batch = [Group];
 /// What one operation found.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Verdict {
-    /// The bucket had the tokens this operation needed (regardless of the rest of its group).
+    /// The bucket covered this operation's need (regardless of the rest of its group).
     pub allowed: bool,
-    /// Balance after the group: debited if the group was admitted, otherwise only refilled.
+    /// Balance after the group: debited if charged, otherwise only refilled.
     pub tokens: f64,
-    /// For a denied operation, how long until the bucket holds `need` tokens; `None` if it
-    /// never will (need above capacity). Zero for allowed operations.
+    /// For a denied operation, how long until the bucket covers `need` (0 for a check); `None`
+    /// if it never will (need above capacity). Zero for allowed operations.
     pub retry_after_ms: Option<u64>,
     /// How long until the bucket is full again.
     pub reset_ms: u64,
+    /// Tokens of this debit that fell below the debt floor and were forgiven.
+    pub forgiven: f64,
 }
 
 /// What one group found.
 #[derive(Debug, Clone, PartialEq)]
 pub struct GroupOutcome {
-    /// Every non-shadow operation had its tokens, so the group's debits were applied.
+    /// No enforced operation was short and, if there were quota-mode operations, one of them
+    /// had its tokens: the group's debits were applied.
     pub admitted: bool,
     /// The store's clock at evaluation, in milliseconds since the epoch.
     pub now_ms: u64,
     /// One verdict per operation, in the group's order.
     pub verdicts: Vec<Verdict>,
+    /// Debits were taken and then given back (a store that evaluates a group in several steps
+    /// credits the steps that succeeded when another one denies): balances rose meanwhile.
+    pub compensated: bool,
 }
 
 /// A bucket whose state a batch changed and that must be written back.
@@ -150,6 +258,23 @@ pub fn refill(state: Option<BucketState>, spec: &BucketSpec, now_ms: u64) -> Buc
     }
 }
 
+/// Whether a balance of `tokens` covers `need`: credits always do; a check (0) needs a
+/// balance that is not in debt.
+pub fn covers(tokens: f64, need: f64) -> bool {
+    need < 0.0 || tokens >= need
+}
+
+// Takes `op.need` from `tokens` as its charge mode says; (new balance, forgiven).
+fn debit(tokens: f64, op: &BucketOp) -> (f64, f64) {
+    let after = op.spec.capacity.min(tokens - op.need);
+    let floor = op.charge.floor();
+    if after < floor {
+        (floor, floor - after)
+    } else {
+        (after, 0.0)
+    }
+}
+
 /// Evaluates `batch` at `now_ms` against the states `load` returns (`None` = no stored bucket).
 ///
 /// `load` is called at most once per distinct key.
@@ -164,7 +289,7 @@ pub fn evaluate(batch: &Batch, now_ms: u64, mut load: impl FnMut(&str) -> Option
         // Tentative state: this group's debits, visible to its later operations only.
         let mut tentative: HashMap<&str, BucketState> = HashMap::new();
         let mut verdicts = Vec::with_capacity(group.len());
-        let mut admitted = true;
+        let (mut enforced_short, mut quota_ops, mut quota_allowed) = (false, 0, 0);
 
         for op in group {
             let key = op.key.as_str();
@@ -173,37 +298,54 @@ pub fn evaluate(batch: &Batch, now_ms: u64, mut load: impl FnMut(&str) -> Option
                 None => *running.entry(key).or_insert_with(|| load(key)),
             };
             let mut state = refill(before, &op.spec, now_ms);
-            let allowed = state.tokens >= op.need;
-            let retry_after_ms = if allowed {
-                state.tokens = op.spec.capacity.min(state.tokens - op.need);
-                Some(0)
-            } else if op.need > op.spec.capacity {
-                None
-            } else {
-                Some(((op.need - state.tokens) / op.spec.rate_per_ms()).ceil() as u64)
-            };
+            let allowed = covers(state.tokens, op.need);
+            let retry_after_ms = if allowed { Some(0) } else { op.spec.wait_ms(state.tokens, op.need.max(0.0)) };
+            let mut forgiven = 0.0;
+            if allowed || matches!(op.charge, Charge::Always { .. }) {
+                (state.tokens, forgiven) = debit(state.tokens, op);
+            }
             tentative.insert(key, state);
-            admitted &= allowed || op.shadow;
-            verdicts.push(Verdict { allowed, tokens: state.tokens, retry_after_ms, reset_ms: 0 });
+            match op.role {
+                Role::Enforced => enforced_short |= !allowed,
+                Role::Shadow => {}
+                Role::Quota => {
+                    quota_ops += 1;
+                    quota_allowed += usize::from(allowed);
+                }
+            }
+            verdicts.push(Verdict { allowed, tokens: state.tokens, retry_after_ms, reset_ms: 0, forgiven });
         }
+        let admitted = !enforced_short && (quota_ops == 0 || quota_allowed > 0);
 
         for (op, verdict) in group.iter().zip(verdicts.iter_mut()) {
             let key = op.key.as_str();
-            if admitted {
+            let always = matches!(op.charge, Charge::Always { .. });
+            let charged = if admitted {
                 running.insert(key, tentative.get(key).copied());
-                let debited = verdict.allowed && op.need != 0.0 && op.spec.refill_per_second > 0.0;
-                if debited && dirty.insert(key, op.spec.idle_ttl_ms()).is_none() {
-                    dirty_order.push(key);
-                }
+                verdict.allowed || always
             } else {
-                verdict.tokens = refill(running[key], &op.spec, now_ms).tokens;
+                // A denied group takes only what is charged always, replayed on the committed
+                // state in the group's order.
+                let mut state = refill(running[key], &op.spec, now_ms);
+                verdict.forgiven = 0.0;
+                if always {
+                    (state.tokens, verdict.forgiven) = debit(state.tokens, op);
+                    running.insert(key, Some(state));
+                }
+                verdict.tokens = state.tokens;
+                always
+            };
+            if charged && op.need != 0.0 && op.spec.refill_per_second > 0.0 {
+                let ttl = op.spec.idle_ttl_ms(op.charge.floor());
+                let slot = dirty.entry(key).or_insert_with(|| {
+                    dirty_order.push(key);
+                    0
+                });
+                *slot = (*slot).max(ttl);
             }
-            if verdict.tokens < op.spec.capacity {
-                verdict.reset_ms =
-                    ((op.spec.capacity - verdict.tokens) / op.spec.rate_per_ms()).ceil() as u64;
-            }
+            verdict.reset_ms = op.spec.reset_ms(verdict.tokens);
         }
-        groups.push(GroupOutcome { admitted, now_ms, verdicts });
+        groups.push(GroupOutcome { admitted, now_ms, verdicts, compensated: false });
     }
 
     let writes = dirty_order
@@ -222,11 +364,15 @@ mod tests {
     use super::*;
 
     fn spec(capacity: f64, refill_per_second: f64) -> BucketSpec {
-        BucketSpec { capacity, refill_per_second }
+        BucketSpec::new(capacity, refill_per_second).unwrap()
     }
 
     fn op(key: &str, spec: BucketSpec, need: f64) -> BucketOp {
-        BucketOp { key: key.into(), spec, need, shadow: false }
+        BucketOp { key: key.into(), spec, need, role: Role::Enforced, charge: Charge::Admitted }
+    }
+
+    fn always(key: &str, spec: BucketSpec, need: f64, max_debt: f64) -> BucketOp {
+        BucketOp { charge: Charge::Always { max_debt }, ..op(key, spec, need) }
     }
 
     #[test]
@@ -288,12 +434,27 @@ mod tests {
 
     #[test]
     fn shadow_denial_does_not_deny_the_group() {
-        let mut shadow = op("s", spec(1.0, 1.0), 2.0);
-        shadow.shadow = true;
+        let shadow = BucketOp { role: Role::Shadow, ..op("s", spec(1.0, 1.0), 2.0) };
         let e = evaluate(&[vec![op("a", spec(5.0, 1.0), 1.0), shadow]], 0, |_| None);
         assert!(e.groups[0].admitted);
         assert!(!e.groups[0].verdicts[1].allowed);
         assert_eq!(e.writes.len(), 1);
+    }
+
+    #[test]
+    fn quota_mode_denies_only_when_every_quota_bucket_is_short() {
+        let empty = BucketState { tokens: 0.0, last_refill_ms: 0 };
+        let quota = |key: &str| BucketOp { role: Role::Quota, ..op(key, spec(5.0, 1.0), 1.0) };
+        let load = |k: &str| (k == "q1").then_some(empty);
+        let e = evaluate(&[vec![quota("q1"), quota("q2")]], 0, load);
+        assert!(e.groups[0].admitted, "q2 has tokens");
+        assert_eq!((e.groups[0].verdicts[0].allowed, e.groups[0].verdicts[1].tokens), (false, 4.0));
+        let e = evaluate(&[vec![quota("q1")]], 0, load);
+        assert!(!e.groups[0].admitted, "the only quota bucket is short");
+        let short_enforced = op("q1", spec(5.0, 1.0), 1.0);
+        let e = evaluate(&[vec![quota("q2"), short_enforced]], 0, load);
+        assert!(!e.groups[0].admitted, "an enforced bucket still denies");
+        assert_eq!(e.groups[0].verdicts[0].tokens, 5.0);
     }
 
     #[test]
@@ -328,8 +489,63 @@ mod tests {
 
     #[test]
     fn zero_capacity_denies_forever_without_dividing_by_zero() {
-        let e = evaluate(&[vec![op("a", spec(0.0, 0.0), 1.0)]], 0, |_| None);
+        let e = evaluate(&[vec![op("a", BucketSpec::new(0.0, 0.0).unwrap(), 1.0)]], 0, |_| None);
         let v = e.groups[0].verdicts[0];
         assert_eq!((v.allowed, v.retry_after_ms, v.reset_ms), (false, None, 0));
+    }
+
+    #[test]
+    fn charge_always_goes_into_debt_down_to_the_floor() {
+        let s = spec(1_000.0, 10.0);
+        // Check, charge 600, check, charge 600: the second charge goes into debt.
+        let start = BucketState { tokens: 1_000.0, last_refill_ms: 0 };
+        let e = evaluate(&[vec![always("a", s, 600.0, 1_000.0)]], 0, |_| Some(start));
+        assert_eq!(e.groups[0].verdicts[0].tokens, 400.0);
+        let at = BucketState { tokens: 400.0, last_refill_ms: 0 };
+        let e = evaluate(&[vec![always("a", s, 600.0, 1_000.0)]], 0, |_| Some(at));
+        let v = e.groups[0].verdicts[0];
+        assert!(!v.allowed && !e.groups[0].admitted, "600 > 400: denied, yet charged");
+        assert_eq!((v.tokens, v.forgiven), (-200.0, 0.0));
+        assert_eq!(e.writes[0].state.tokens, -200.0);
+        assert_eq!(e.writes[0].ttl_ms, 201_000, "lives until full from the floor");
+        // A check while in debt is denied until the balance is back to zero.
+        let debt = BucketState { tokens: -200.0, last_refill_ms: 0 };
+        let e = evaluate(&[vec![always("a", s, 0.0, 1_000.0)]], 0, |_| Some(debt));
+        let v = e.groups[0].verdicts[0];
+        assert_eq!((v.allowed, v.retry_after_ms), (false, Some(20_000)));
+        assert!(e.writes.is_empty());
+        // Past the floor the rest is forgiven.
+        let e = evaluate(&[vec![always("a", s, 5_000.0, 1_000.0)]], 0, |_| Some(debt));
+        let v = e.groups[0].verdicts[0];
+        assert_eq!((v.tokens, v.forgiven, v.retry_after_ms), (-1_000.0, 4_200.0, None));
+    }
+
+    #[test]
+    fn a_denied_group_still_takes_what_is_charged_always() {
+        let s = spec(10.0, 1.0);
+        let empty = BucketState { tokens: 0.0, last_refill_ms: 0 };
+        let e = evaluate(
+            &[vec![op("plain", s, 1.0), always("metered", s, 3.0, 10.0), op("short", s, 1.0)]],
+            0,
+            |k| (k == "short").then_some(empty),
+        );
+        let g = &e.groups[0];
+        assert!(!g.admitted);
+        assert_eq!(g.verdicts[0].tokens, 10.0, "admitted-charge bucket untouched");
+        assert_eq!(g.verdicts[1].tokens, 7.0, "always-charge bucket debited");
+        assert_eq!(e.writes.len(), 1);
+        assert_eq!(e.writes[0].key, "metered");
+    }
+
+    #[test]
+    fn extreme_specs_keep_state_and_bounded_numbers() {
+        let s = spec(1e12, 0.0001);
+        assert_eq!(s.idle_ttl_ms(0.0), MAX_WAIT_MS);
+        let e = evaluate(&[vec![op("a", s, 6e11)]], 0, |_| None);
+        assert_eq!(e.writes[0].ttl_ms, MAX_WAIT_MS);
+        assert_eq!(e.groups[0].verdicts[0].reset_ms, MAX_WAIT_MS);
+        let at = e.writes[0].state;
+        let e = evaluate(&[vec![op("a", s, 6e11)]], 5, |_| Some(at));
+        assert_eq!(e.groups[0].verdicts[0].retry_after_ms, Some(MAX_WAIT_MS));
     }
 }

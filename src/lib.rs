@@ -6,9 +6,9 @@
 //!
 //! Where things are:
 //!
-//! * a request enters at [`grpc`] (Envoy's `RateLimitService`), side endpoints at [`http`];
+//! * a request enters at [`edge::rls`] (Envoy's `RateLimitService`), side endpoints at [`http`];
 //! * the decision is made in [`limiter`], using [`matcher`] (descriptor → rule), [`quota`]
-//!   (tenant → bucket size), [`keys`] (bucket → storage key) and [`headers`];
+//!   (tenant → bucket size), [`identity`] (rule and descriptor → bucket and storage key);
 //! * state lives behind [`store::Store`]: in Redis ([`store::RedisStore`], the algorithm in
 //!   `store/token_bucket.lua`, concurrent calls per slot coalesced) or in process
 //!   ([`store::MemoryStore`], the algorithm in [`bucket`]); [`store::Precheck`] in front of
@@ -19,10 +19,9 @@ pub mod bucket;
 pub mod client;
 pub mod clock;
 pub mod config;
-pub mod grpc;
-pub mod headers;
+pub mod edge;
 pub mod http;
-pub mod keys;
+pub mod identity;
 pub mod limiter;
 pub mod matcher;
 pub mod quota;

@@ -1,73 +1,100 @@
-//! The decision: from a `RateLimitRequest` to a verdict per descriptor.
+//! The decision: from a [`Query`] to a verdict per descriptor.
 //!
-//! This is where every request's answer is made, in five steps:
+//! This is where every request's answer is made, whatever protocol it came in by, in five steps
+//! ([`Limiter::decide`]):
 //!
-//! 1. [`validate`] rejects malformed requests before anything is looked up.
-//! 2. Each descriptor is matched against its domain ([`crate::matcher`]) and becomes a plan: no
-//!    limit, unlimited, or a bucket operation with key, capacity, rate and need. A request-level
-//!    `limit` override replaces the configured limit; `replaces` drops superseded rules.
-//! 3. Tenant quotas are resolved through the [`QuotaSource`].
-//! 4. Operations are grouped: all operations on one tenant's buckets form one all-or-nothing group
-//!    (one Lua call on one Cluster slot); other buckets are grouped per key. The [`Store`]
-//!    evaluates all groups, different slots concurrently.
-//! 5. Store failures become the domain's failure mode; shadow rules never deny.
+//! 1. [`Limiter::plan`]: each descriptor is matched against its domain ([`crate::matcher`]) and
+//!    becomes a plan: no limit, unlimited, or a bucket operation whose key comes from
+//!    [`crate::identity`]. A request-level override replaces the matched rule entirely.
+//! 2. [`drop_replaced`]: rules named in another matched rule's `replaces` apply no limit.
+//! 3. [`Limiter::resolve_quotas`]: tenant quotas are resolved through the [`QuotaSource`].
+//! 4. [`Limiter::evaluate`]: every bucket operation of the request forms one all-or-nothing group,
+//!    which the [`Store`] evaluates (one script call per Cluster slot involved).
+//! 5. [`Limiter::verdicts`]: store failures become the domain's failure mode; shadow rules never
+//!    deny; quota-mode descriptors deny only together; the decision is counted.
 //!
-//! The result is a [`Decision`]; turning it into protobuf and headers is the protocol edge's job.
+//! Protocol edges (the RLS gRPC service, `POST /json`) translate their requests into a [`Query`]
+//! and the [`Decision`] back; nothing here knows a wire format.
 
-use std::collections::HashMap;
 use std::sync::Arc;
 
 use arc_swap::ArcSwap;
-use envoy_types::pb::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor;
-use envoy_types::pb::envoy::r#type::v3::RateLimitUnit;
-use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::rate_limit::Unit;
-use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::Code;
-use envoy_types::pb::envoy::service::ratelimit::v3::RateLimitRequest;
 use futures::future::join_all;
+use serde::Serialize;
 
-use crate::bucket::{BucketOp, BucketSpec, Group, Verdict};
+use crate::bucket::{BucketOp, BucketSpec, Charge, Group, GroupOutcome, Role, Verdict};
 use crate::config::{Domain, FailureMode, Limit, Rule, RuleSet};
-use crate::keys::{self, Class};
-use crate::matcher::DescriptorEntry;
-use crate::quota::{QuotaSource, DEFAULT_CLASS};
+use crate::identity::{self, BucketKey};
+use crate::quota::QuotaSource;
 use crate::store::{Store, StoreError};
-use crate::units;
+use crate::telemetry::Telemetry;
+use crate::units::RatePerUnit;
 
-/// Most descriptors one request may carry.
-pub const MAX_DESCRIPTORS: usize = 64;
-/// Most entries one descriptor may carry.
-pub const MAX_ENTRIES: usize = 64;
-/// Longest descriptor entry key or value, in bytes.
-pub const MAX_ENTRY_BYTES: usize = 1024;
+/// A rate-limit question, in no protocol's terms.
+#[derive(Debug, Clone)]
+pub struct Query<'q> {
+    /// The domain whose rules apply.
+    pub domain: &'q str,
+    /// The descriptors, each decided and answered in order.
+    pub descriptors: Vec<QueryDescriptor<'q>>,
+}
+
+/// One descriptor of a [`Query`].
+#[derive(Debug, Clone)]
+pub struct QueryDescriptor<'q> {
+    /// `(key, value)` entries, matched level by level against the domain's tree.
+    pub entries: Vec<(&'q str, &'q str)>,
+    /// Hits to take (each costs the rule's `cost` in tokens); 0 only checks.
+    pub hits: u64,
+    /// Give the hits back instead of taking them.
+    pub credit: bool,
+    /// A request-level limit that replaces whatever rule matches.
+    pub limit: Option<RatePerUnit>,
+}
+
+/// The verdict on a whole request or one descriptor.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "SCREAMING_SNAKE_CASE")]
+pub enum Code {
+    /// Within the limit.
+    Ok,
+    /// Over the limit.
+    OverLimit,
+}
 
 /// Makes rate-limit decisions against the current rules and a store.
 pub struct Limiter {
     rules: Arc<ArcSwap<RuleSet>>,
     store: Arc<dyn Store>,
     quotas: Arc<dyn QuotaSource>,
+    telemetry: Arc<Telemetry>,
     global_shadow: bool,
 }
 
-/// Why a request got no decision.
-#[derive(Debug, thiserror::Error)]
+/// Why a query got no decision.
+#[derive(Debug, Clone, thiserror::Error)]
 pub enum DecideError {
-    /// The request is malformed; the message says how.
-    #[error("{0}")]
-    InvalidArgument(String),
+    /// The store failed in a domain whose failure mode is `error`: the caller answers that it
+    /// is unavailable and lets its client's own failure policy decide.
+    #[error("rate limit store unavailable for domain '{domain}': {source}")]
+    Unavailable {
+        /// The domain asked.
+        domain: String,
+        /// What failed.
+        #[source]
+        source: StoreError,
+    },
 }
 
-/// The answer to one request.
+/// The answer to one query.
 #[derive(Debug, Clone)]
 pub struct Decision {
-    /// OVER_LIMIT if any descriptor is, else OK.
+    /// OVER_LIMIT if any enforced descriptor is, or every quota-mode descriptor is; else OK.
     pub overall: Code,
-    /// One verdict per request descriptor, in request order.
+    /// One verdict per query descriptor, in query order.
     pub descriptors: Vec<DescriptorVerdict>,
     /// The domain that decided, if it is configured.
     pub domain: Option<Arc<Domain>>,
-    /// Set when the store failed in a domain whose failure mode is `error`: the caller must
-    /// answer UNAVAILABLE instead of this decision.
-    pub unavailable: Option<StoreError>,
 }
 
 /// The answer for one descriptor.
@@ -102,12 +129,17 @@ pub enum Outcome {
 /// The limit a descriptor was held to.
 #[derive(Debug, Clone)]
 pub struct LimitInfo {
-    /// The rule, or `None` for a request-level limit override without a matching rule.
+    /// The rule, or `None` for a request-level limit override (which ignores the rule).
     pub rule: Option<Arc<Rule>>,
     /// A name for the limit in responses: the rule's name, else its class, else empty.
     pub name: String,
     /// The bucket's capacity and rate.
     pub spec: BucketSpec,
+    /// The limit as "N per unit": as configured for `rate_limit` rules and overrides, the
+    /// sustained rate otherwise (see [`RatePerUnit::of_rate`]).
+    pub current_limit: RatePerUnit,
+    /// The bucket's storage key.
+    pub key: String,
 }
 
 /// A bucket's state after a decision.
@@ -119,46 +151,62 @@ pub struct BucketReport {
     pub verdict: Verdict,
     /// The rule is in shadow mode (or the service is): a denial was not enforced.
     pub shadow: bool,
+    /// The rule is in quota mode: a denial counts only if every quota-mode descriptor is denied.
+    pub quota_mode: bool,
 }
 
 impl BucketReport {
-    /// Whole tokens left, as reported to clients.
+    /// Whole tokens left, as reported to clients: never negative (0 while in debt).
     pub fn remaining(&self) -> u32 {
         self.verdict.tokens.max(0.0).floor().min(f64::from(u32::MAX)) as u32
     }
 
-    /// Whether this bucket denied the request (shadow denials included).
+    /// Whether this bucket lacked the tokens (shadow denials included).
     pub fn denied(&self) -> bool {
         !self.verdict.allowed
     }
 }
 
-// A descriptor's plan before the store is asked.
-enum Plan<'r> {
-    Free,
-    Unlimited,
-    Bucket(BucketPlan<'r>),
+impl DescriptorVerdict {
+    /// The limit this descriptor was held to, if any.
+    pub fn limit(&self) -> Option<&LimitInfo> {
+        match &self.outcome {
+            Outcome::Bucket(b) => Some(&b.limit),
+            Outcome::StoreFailed { limit, .. } => Some(limit),
+            Outcome::NoLimit | Outcome::Unlimited => None,
+        }
+    }
 }
 
-struct BucketPlan<'r> {
+// A descriptor's plan before the store is asked.
+enum Plan<'r, 'q> {
+    Free,
+    Unlimited(&'r Arc<Rule>),
+    Bucket(BucketPlan<'r, 'q>),
+}
+
+struct BucketPlan<'r, 'q> {
     rule: Option<&'r Arc<Rule>>,
-    key: String,
-    group: String,
+    bucket: BucketKey<'q>,
+    // `None` until the tenant's quota is resolved.
     spec: Option<BucketSpec>,
-    quota: Option<(&'r str, String)>,
+    current_limit: Option<RatePerUnit>,
     need: f64,
-    shadow: bool,
+    role: Role,
+    charge: Charge,
 }
 
 impl Limiter {
-    /// A limiter reading rules from `rules` (swappable at any time) and state from `store`.
+    /// A limiter reading rules from `rules` (swappable at any time) and state from `store`,
+    /// counting its decisions into `telemetry`.
     pub fn new(
         rules: Arc<ArcSwap<RuleSet>>,
         store: Arc<dyn Store>,
         quotas: Arc<dyn QuotaSource>,
+        telemetry: Arc<Telemetry>,
         global_shadow: bool,
     ) -> Self {
-        Limiter { rules, store, quotas, global_shadow }
+        Limiter { rules, store, quotas, telemetry, global_shadow }
     }
 
     /// The store this limiter uses.
@@ -166,153 +214,79 @@ impl Limiter {
         &self.store
     }
 
-    /// Decides `request`.
-    pub async fn decide(&self, request: &RateLimitRequest) -> Result<Decision, DecideError> {
-        validate(request)?;
-        let rules = self.rules.load_full();
-        let Some(domain) = rules.domain(&request.domain) else {
-            return Ok(Decision::all_ok(request));
-        };
-
-        let mut plans: Vec<Plan<'_>> =
-            request.descriptors.iter().map(|d| self.plan(domain, d, request.hits_addend)).collect();
-        drop_replaced(&mut plans);
-        self.resolve_quotas(domain, &mut plans).await;
-
-        // Group the bucket operations; remember where each descriptor's operation went.
-        let mut batch: Vec<Group> = Vec::new();
-        let mut group_of: HashMap<&str, usize> = HashMap::new();
-        let mut slot: Vec<Option<(usize, usize)>> = Vec::with_capacity(plans.len());
-        for plan in &plans {
-            let Plan::Bucket(p) = plan else {
-                slot.push(None);
-                continue;
-            };
-            let g = *group_of.entry(p.group.as_str()).or_insert_with(|| {
-                batch.push(Vec::new());
-                batch.len() - 1
-            });
-            let spec = p.spec.expect("quotas resolved");
-            batch[g].push(BucketOp { key: p.key.clone(), spec, need: p.need, shadow: p.shadow });
-            slot.push(Some((g, batch[g].len() - 1)));
-        }
-        let results = if batch.is_empty() { Vec::new() } else { self.store.evaluate(&batch).await };
-        let mut unavailable = None;
-        for error in results.iter().filter_map(|r| r.as_ref().err()) {
-            let kind = if matches!(error, StoreError::Timeout(_)) { "timeout" } else { "error" };
-            let mode = domain.failure_mode;
-            metrics::counter!("tollgate_store_errors_total", "domain" => domain.name.clone(), "kind" => kind, "failure_mode" => mode.to_string()).increment(1);
-            tracing::warn!(domain = %domain.name, %error, failure_mode = %mode, "store failed; applying the failure mode");
-            if mode == FailureMode::Error {
-                unavailable = Some(error.clone());
-            }
-        }
-
-        let mut descriptors = Vec::with_capacity(plans.len());
-        for ((plan, slot), d) in plans.iter().zip(&slot).zip(&request.descriptors) {
-            let hits = hits(d, request.hits_addend);
-            let (code, outcome) = match (plan, slot) {
-                (Plan::Bucket(p), Some((g, i))) => {
-                    let limit = LimitInfo {
-                        rule: p.rule.cloned(),
-                        name: p.rule.map(|r| limit_name(r)).unwrap_or_default(),
-                        spec: batch[*g][*i].spec,
-                    };
-                    match &results[*g] {
-                        Ok(outcome) => {
-                            let report =
-                                BucketReport { limit, verdict: outcome.verdicts[*i], shadow: p.shadow };
-                            let code =
-                                if report.denied() && !report.shadow { Code::OverLimit } else { Code::Ok };
-                            (code, Outcome::Bucket(report))
-                        }
-                        Err(_) => {
-                            let mode = domain.failure_mode;
-                            let code = if mode == FailureMode::Allow { Code::Ok } else { Code::OverLimit };
-                            (code, Outcome::StoreFailed { limit, mode })
-                        }
-                    }
-                }
-                (Plan::Unlimited, _) => (Code::Ok, Outcome::Unlimited),
-                _ => (Code::Ok, Outcome::NoLimit),
-            };
-            descriptors.push(DescriptorVerdict { code, outcome, hits });
-        }
-        let overall =
-            if descriptors.iter().any(|d| d.code == Code::OverLimit) { Code::OverLimit } else { Code::Ok };
-        Ok(Decision { overall, descriptors, domain: Some(domain.clone()), unavailable })
+    /// The rules in force.
+    pub fn rules(&self) -> Arc<RuleSet> {
+        self.rules.load_full()
     }
 
-    fn plan<'r>(&self, domain: &'r Domain, d: &'r RateLimitDescriptor, request_hits: u32) -> Plan<'r> {
-        let rule = domain.lookup(&d.entries);
-        // `validate` has checked the override's unit.
-        let override_spec =
-            d.limit.and_then(|o| Some(units::bucket(o.requests_per_unit, override_unit(o.unit)?)));
-        let spec = match (override_spec, rule.map(|r| r.limit)) {
-            (Some(spec), _) | (None, Some(Limit::Bucket(spec))) => Some(spec),
-            (None, Some(Limit::TenantQuota)) => None,
-            (None, Some(Limit::Unlimited)) => return Plan::Unlimited,
-            (None, None) => return Plan::Free,
+    /// Decides `query`, debiting the buckets of an admitted request.
+    pub async fn decide(&self, query: &Query<'_>) -> Result<Decision, DecideError> {
+        let rules = self.rules.load_full();
+        let Some(domain) = rules.domain(query.domain) else {
+            let decision = Decision::all_ok(query);
+            self.telemetry.record(query, &decision);
+            return Ok(decision);
         };
-
-        // The values that identify the bucket: the request's, or a shared wildcard's pattern.
-        let values: Vec<(&str, &str)> = d
-            .entries
-            .iter()
-            .enumerate()
-            .map(|(i, e)| {
-                let shared = rule.and_then(|r| r.shared_values.get(i)?.as_deref());
-                (e.key(), shared.unwrap_or(e.value()))
-            })
-            .collect();
-        let tenant_depth = match rule {
-            Some(r) => r.tenant_depth,
-            None => values.iter().position(|(k, _)| *k == domain.tenant_key),
-        };
-        let (key, group, quota) = match tenant_depth {
-            Some(t) => {
-                let tenant = values[t].1;
-                let others: Vec<(&str, &str)> =
-                    values.iter().enumerate().filter(|(i, _)| *i != t).map(|(_, e)| *e).collect();
-                let class = match rule.and_then(|r| r.class.as_deref()) {
-                    Some(name) => Class::Named(name),
-                    None if others.is_empty() => Class::Named(DEFAULT_CLASS),
-                    None => Class::Path(&others),
-                };
-                let quota_class = match class {
-                    Class::Named(name) => name.to_owned(),
-                    Class::Path(_) => class.render(),
-                };
-                // Braces keep tenant groups apart from key groups, which never contain one.
-                (keys::tenant_key(tenant, &class), format!("{{{tenant}}}"), Some((tenant, quota_class)))
+        let mut plans: Vec<Plan<'_, '_>> = query.descriptors.iter().map(|d| self.plan(domain, d)).collect();
+        drop_replaced(&mut plans);
+        self.resolve_quotas(domain, &mut plans).await;
+        let (group, op_of) = group(&plans);
+        let outcome = self.evaluate(domain, group).await;
+        let decision = self.verdicts(domain, query, &plans, &op_of, &outcome);
+        self.telemetry.record(query, &decision);
+        match outcome {
+            Err(source) if domain.failure_mode == FailureMode::Error => {
+                Err(DecideError::Unavailable { domain: domain.name.clone(), source })
             }
-            None => {
-                let key = keys::descriptor_key(&domain.name, &values);
-                (key.clone(), key, None)
-            }
-        };
+            _ => Ok(decision),
+        }
+    }
 
-        let need = hits(d, request_hits).saturating_mul(rule.map_or(1, |r| r.cost)) as f64;
-        // envoyproxy/ratelimit never applies shadow mode to a request-level override.
-        let shadow = self.global_shadow || (override_spec.is_none() && rule.is_some_and(|r| r.shadow_mode));
+    fn plan<'r, 'q>(&self, domain: &'r Domain, d: &QueryDescriptor<'q>) -> Plan<'r, 'q> {
+        // envoyproxy/ratelimit: an override ignores the rule entirely (no name, no replaces, no
+        // shadow, no cost, no quota), and applies even where no rule matches.
+        if let Some(limit) = d.limit {
+            return Plan::Bucket(BucketPlan {
+                rule: None,
+                bucket: identity::override_bucket(domain, limit, &d.entries),
+                spec: Some(limit.bucket()),
+                current_limit: Some(limit),
+                need: signed(d, d.hits),
+                role: if self.global_shadow { Role::Shadow } else { Role::Enforced },
+                charge: Charge::Admitted,
+            });
+        }
+        let Some(rule) = domain.lookup(&d.entries) else { return Plan::Free };
+        let spec = match rule.limit {
+            Limit::Bucket(spec) => Some(spec),
+            Limit::TenantQuota => None,
+            Limit::Unlimited => return Plan::Unlimited(rule),
+        };
+        let role = if self.global_shadow || rule.shadow_mode {
+            Role::Shadow
+        } else if rule.quota_mode {
+            Role::Quota
+        } else {
+            Role::Enforced
+        };
         Plan::Bucket(BucketPlan {
-            rule,
-            key,
-            group,
+            rule: Some(rule),
+            bucket: identity::rule_bucket(domain, rule, &d.entries),
             spec,
-            quota,
-            need: if d.is_negative_hits { -need } else { need },
-            shadow,
+            current_limit: rule.rate,
+            need: signed(d, d.hits.saturating_mul(rule.cost)),
+            role,
+            charge: rule.charge,
         })
     }
 
     // One lookup per distinct tenant, all at once.
-    async fn resolve_quotas(&self, domain: &Domain, plans: &mut [Plan<'_>]) {
+    async fn resolve_quotas(&self, domain: &Domain, plans: &mut [Plan<'_, '_>]) {
         let mut tenants: Vec<&str> = Vec::new();
         for plan in plans.iter() {
-            if let Plan::Bucket(BucketPlan { spec: None, quota: Some((tenant, _)), .. }) = plan {
-                if !tenants.contains(tenant) {
-                    tenants.push(tenant);
+            if let Plan::Bucket(BucketPlan { spec: None, bucket: BucketKey { tenant: Some(t), .. }, .. }) = plan {
+                if !tenants.contains(t) {
+                    tenants.push(t);
                 }
             }
         }
@@ -323,112 +297,164 @@ impl Limiter {
         for plan in plans.iter_mut() {
             if let Plan::Bucket(p @ BucketPlan { spec: None, .. }) = plan {
                 // Validation puts every quota rule under a tenant node.
-                let (tenant, class) = p.quota.as_ref().expect("a quota rule has a tenant");
-                let record = &records[tenants.iter().position(|t| t == tenant).expect("collected above")];
+                let tenant = p.bucket.tenant.expect("a quota rule has a tenant");
+                let rule = p.rule.expect("only rules have quotas");
+                let record = &records[tenants.iter().position(|t| *t == tenant).expect("collected above")];
                 // Validation guarantees a default tier with a default bucket.
-                p.spec = domain.quotas.resolve(record.as_deref(), class);
+                p.spec = domain.quotas.resolve(record.as_deref(), identity::quota_class(rule));
             }
         }
+    }
+
+    // The request's one group, evaluated by the store; a failure is counted and logged here.
+    async fn evaluate(&self, domain: &Domain, group: Group) -> Result<Option<GroupOutcome>, StoreError> {
+        if group.is_empty() {
+            return Ok(None);
+        }
+        let result = self.store.evaluate(std::slice::from_ref(&group)).await.pop().expect("one result per group");
+        match result {
+            Ok(outcome) => {
+                let forgiven: f64 = outcome.verdicts.iter().map(|v| v.forgiven).sum();
+                if forgiven > 0.0 {
+                    metrics::counter!("tollgate_debt_forgiven_tokens_total", "domain" => domain.name.clone())
+                        .increment(forgiven.ceil() as u64);
+                }
+                Ok(Some(outcome))
+            }
+            Err(error) => {
+                let kind = if matches!(error, StoreError::Timeout(_)) { "timeout" } else { "error" };
+                let mode = domain.failure_mode;
+                metrics::counter!("tollgate_store_errors_total", "domain" => domain.name.clone(), "kind" => kind, "failure_mode" => mode.to_string()).increment(1);
+                tracing::warn!(domain = %domain.name, %error, failure_mode = %mode, "store failed; applying the failure mode");
+                Err(error)
+            }
+        }
+    }
+
+    fn verdicts(
+        &self,
+        domain: &Arc<Domain>,
+        query: &Query<'_>,
+        plans: &[Plan<'_, '_>],
+        op_of: &[Option<usize>],
+        outcome: &Result<Option<GroupOutcome>, StoreError>,
+    ) -> Decision {
+        let mut descriptors = Vec::with_capacity(plans.len());
+        for ((plan, op), d) in plans.iter().zip(op_of).zip(&query.descriptors) {
+            let (code, outcome) = match (plan, op, outcome) {
+                (Plan::Bucket(p), Some(i), Ok(Some(group))) => {
+                    let report = BucketReport {
+                        limit: limit_info(p),
+                        verdict: group.verdicts[*i],
+                        shadow: p.role == Role::Shadow,
+                        quota_mode: p.role == Role::Quota,
+                    };
+                    let code = if report.denied() && !report.shadow { Code::OverLimit } else { Code::Ok };
+                    (code, Outcome::Bucket(report))
+                }
+                (Plan::Bucket(p), _, _) => {
+                    let mode = domain.failure_mode;
+                    let code = if mode == FailureMode::Allow { Code::Ok } else { Code::OverLimit };
+                    (code, Outcome::StoreFailed { limit: limit_info(p), mode })
+                }
+                (Plan::Unlimited(_), _, _) => (Code::Ok, Outcome::Unlimited),
+                (Plan::Free, _, _) => (Code::Ok, Outcome::NoLimit),
+            };
+            descriptors.push(DescriptorVerdict { code, outcome, hits: d.hits });
+        }
+        Decision { overall: overall(&descriptors), descriptors, domain: Some(domain.clone()) }
+    }
+}
+
+// envoyproxy/ratelimit's rule: OVER_LIMIT iff a descriptor not in quota mode is over the limit,
+// or every quota-mode descriptor is.
+fn overall(descriptors: &[DescriptorVerdict]) -> Code {
+    let quota_mode = |d: &DescriptorVerdict| matches!(&d.outcome, Outcome::Bucket(b) if b.quota_mode);
+    let over = |d: &DescriptorVerdict| d.code == Code::OverLimit;
+    let quota: Vec<&DescriptorVerdict> = descriptors.iter().filter(|d| quota_mode(d)).collect();
+    let enforced_over = descriptors.iter().any(|d| over(d) && !quota_mode(d));
+    if enforced_over || (!quota.is_empty() && quota.iter().all(|d| over(d))) {
+        Code::OverLimit
+    } else {
+        Code::Ok
+    }
+}
+
+// Every bucket operation of the request in one group, and where each descriptor's went.
+fn group(plans: &[Plan<'_, '_>]) -> (Group, Vec<Option<usize>>) {
+    let mut group = Group::new();
+    let op_of = plans
+        .iter()
+        .map(|plan| {
+            let Plan::Bucket(p) = plan else { return None };
+            group.push(BucketOp {
+                key: p.bucket.key.clone(),
+                spec: p.spec.expect("quotas resolved"),
+                need: p.need,
+                role: p.role,
+                charge: p.charge,
+            });
+            Some(group.len() - 1)
+        })
+        .collect();
+    (group, op_of)
+}
+
+fn limit_info(p: &BucketPlan<'_, '_>) -> LimitInfo {
+    let spec = p.spec.expect("quotas resolved");
+    LimitInfo {
+        rule: p.rule.cloned(),
+        name: p.rule.map(|r| r.name.clone().or_else(|| r.class.clone()).unwrap_or_default()).unwrap_or_default(),
+        spec,
+        current_limit: p.current_limit.unwrap_or_else(|| RatePerUnit::of_rate(spec.refill_per_second())),
+        key: p.bucket.key.clone(),
+    }
+}
+
+// Tokens to take, negative for a credit.
+fn signed(d: &QueryDescriptor<'_>, tokens: u64) -> f64 {
+    if d.credit {
+        -(tokens as f64)
+    } else {
+        tokens as f64
     }
 }
 
 impl Decision {
-    fn all_ok(request: &RateLimitRequest) -> Decision {
-        let descriptors = request
+    fn all_ok(query: &Query<'_>) -> Decision {
+        let descriptors = query
             .descriptors
             .iter()
-            .map(|d| DescriptorVerdict {
-                code: Code::Ok,
-                outcome: Outcome::NoLimit,
-                hits: hits(d, request.hits_addend),
-            })
+            .map(|d| DescriptorVerdict { code: Code::Ok, outcome: Outcome::NoLimit, hits: d.hits })
             .collect();
-        Decision { overall: Code::Ok, descriptors, domain: None, unavailable: None }
+        Decision { overall: Code::Ok, descriptors, domain: None }
     }
 }
 
-/// Hits a descriptor asks for: its own `hits_addend` if set (0 = only check), else the
-/// request's, at least 1.
-fn hits(d: &RateLimitDescriptor, request_hits: u32) -> u64 {
-    match &d.hits_addend {
-        Some(h) => h.value,
-        None => u64::from(request_hits.max(1)),
-    }
-}
-
-/// The name a limit goes by in responses.
-fn limit_name(rule: &Rule) -> String {
-    rule.name.clone().or_else(|| rule.class.clone()).unwrap_or_default()
-}
-
-/// The unit of a request-level limit override; `None` if unknown.
-fn override_unit(unit: i32) -> Option<Unit> {
-    units::parse(RateLimitUnit::try_from(unit).ok()?.as_str_name())
-}
-
-// When a matched rule names others in `replaces`, those others apply no limit to this request.
-fn drop_replaced(plans: &mut [Plan<'_>]) {
-    let replaced: Vec<&str> = plans
-        .iter()
-        .filter_map(|p| match p {
-            Plan::Bucket(b) => b.rule,
-            _ => None,
-        })
-        .flat_map(|r| r.replaces.iter().map(String::as_str))
-        .collect();
+/// When a matched rule names others in `replaces`, those others apply no limit to this request.
+/// As in envoyproxy/ratelimit, an unlimited rule replaces too but is never replaced, and
+/// overrides have no rule: they neither replace nor are replaced.
+fn drop_replaced<'r>(plans: &mut [Plan<'r, '_>]) {
+    let replaced: Vec<&'r str> =
+        plans.iter().filter_map(Plan::rule).flat_map(|r| r.replaces.iter().map(String::as_str)).collect();
     if replaced.is_empty() {
         return;
     }
-    let replaced: Vec<String> = replaced.into_iter().map(str::to_owned).collect();
     for plan in plans.iter_mut() {
-        if let Plan::Bucket(b) = plan {
-            if b.rule.and_then(|r| r.name.as_deref()).is_some_and(|n| replaced.iter().any(|x| x == n)) {
+        if let Plan::Bucket(BucketPlan { rule: Some(rule), .. }) = plan {
+            if rule.name.as_deref().is_some_and(|n| replaced.contains(&n)) {
                 *plan = Plan::Free;
             }
         }
     }
 }
 
-/// Rejects requests tollgate will not evaluate, with a message for the caller.
-pub fn validate(request: &RateLimitRequest) -> Result<(), DecideError> {
-    let invalid = |m: String| Err(DecideError::InvalidArgument(m));
-    if request.domain.is_empty() {
-        return invalid("domain must not be empty".into());
-    }
-    if request.descriptors.is_empty() {
-        return invalid("at least one descriptor is required".into());
-    }
-    if request.descriptors.len() > MAX_DESCRIPTORS {
-        return invalid(format!(
-            "at most {MAX_DESCRIPTORS} descriptors per request, got {}",
-            request.descriptors.len()
-        ));
-    }
-    for (i, d) in request.descriptors.iter().enumerate() {
-        if d.entries.is_empty() {
-            return invalid(format!("descriptor {i} has no entries"));
-        }
-        if d.entries.len() > MAX_ENTRIES {
-            return invalid(format!(
-                "descriptor {i} has {} entries, at most {MAX_ENTRIES} allowed",
-                d.entries.len()
-            ));
-        }
-        for (j, e) in d.entries.iter().enumerate() {
-            if e.key.is_empty() {
-                return invalid(format!("descriptor {i} entry {j} has an empty key"));
-            }
-            if e.key.len() > MAX_ENTRY_BYTES || e.value.len() > MAX_ENTRY_BYTES {
-                return invalid(format!(
-                    "descriptor {i} entry {j}: keys and values are limited to {MAX_ENTRY_BYTES} bytes"
-                ));
-            }
-        }
-        if let Some(o) = &d.limit {
-            if override_unit(o.unit).is_none() {
-                return invalid(format!("descriptor {i}: the limit override has no valid unit ({})", o.unit));
-            }
+impl<'r> Plan<'r, '_> {
+    fn rule(&self) -> Option<&'r Arc<Rule>> {
+        match self {
+            Plan::Bucket(b) => b.rule,
+            Plan::Unlimited(rule) => Some(rule),
+            Plan::Free => None,
         }
     }
-    Ok(())
 }

@@ -180,6 +180,10 @@ struct ServeArgs {
     /// Evaluate and count every limit, but never answer OVER_LIMIT.
     #[arg(long, env = "TOLLGATE_SHADOW_MODE")]
     shadow_mode: bool,
+    /// Add envoyproxy/ratelimit's dynamic metadata to every answer: domain, descriptors and the
+    /// `metadata:` of the rules that passed.
+    #[arg(long, env = "TOLLGATE_RESPONSE_DYNAMIC_METADATA")]
+    response_dynamic_metadata: bool,
     /// On SIGTERM, how long to stay up unready before draining (lets load balancers notice).
     #[arg(long, env = "TOLLGATE_DRAIN_DELAY", default_value = "5s", value_parser = humantime::parse_duration)]
     drain_delay: Duration,
@@ -356,7 +360,8 @@ fn serve(args: ServeArgs) -> Result<()> {
         };
         let rules = Arc::new(ArcSwap::from_pointee(rules));
         let _reloader = Reloader::new(&args.config, rules.clone()).spawn().context("watching the config")?;
-        let limiter = Arc::new(Limiter::new(rules.clone(), store, quotas, args.shadow_mode));
+        let telemetry = Arc::new(telemetry);
+        let limiter = Arc::new(Limiter::new(rules.clone(), store, quotas, telemetry.clone(), args.shadow_mode));
         let tls = match (&args.tls_cert, &args.tls_key) {
             (Some(cert), Some(key)) => {
                 let files = TlsFiles { cert: cert.clone(), key: key.clone(), client_ca: args.tls_client_ca.clone() };
@@ -367,7 +372,13 @@ fn serve(args: ServeArgs) -> Result<()> {
             _ => None,
         };
         let _tls_watch = tls.as_ref().map(|t| t.watch()).transpose().context("watching the TLS files")?;
-        let service = Service { rules, limiter, telemetry: Arc::new(telemetry), max_inflight: args.max_inflight };
+        let service = Service {
+            rules,
+            limiter,
+            telemetry,
+            max_inflight: args.max_inflight,
+            dynamic_metadata: args.response_dynamic_metadata,
+        };
         let listen = Listen { grpc: args.grpc_addr, tls, http: args.http_addr };
         server::run(listen, service, shutdown_signal(args.drain_delay)).await?;
         Ok(())
@@ -441,7 +452,7 @@ fn quota(args: QuotaArgs) -> Result<()> {
                     db.set_tier(&tenant, tier).await?;
                 }
                 if let (Some(class), Some(capacity), Some(refill)) = (&class, capacity, refill_per_second) {
-                    let spec = BucketSpec::new(capacity, refill).map_err(anyhow::Error::msg)?;
+                    let spec = BucketSpec::new(capacity, refill)?;
                     let expires_at = expires_in.map(|d| SystemTime::now() + d);
                     db.set_override(&tenant, class, spec, expires_at).await?;
                 }

@@ -23,7 +23,7 @@ use tokio::sync::watch;
 use tonic::transport::server::TcpIncoming;
 
 use crate::config::RuleSet;
-use crate::grpc::RateLimitGrpc;
+use crate::edge::rls::RateLimitGrpc;
 use crate::http::{self, HttpState};
 use crate::limiter::Limiter;
 use crate::telemetry::Telemetry;
@@ -80,6 +80,8 @@ pub struct Service {
     pub limiter: Arc<Limiter>,
     /// Metrics.
     pub telemetry: Arc<Telemetry>,
+    /// Send envoyproxy/ratelimit's response dynamic metadata.
+    pub dynamic_metadata: bool,
 }
 
 /// Serves until `shutdown` resolves, then drains and returns.
@@ -106,7 +108,7 @@ pub async fn run(
         let _ = rx.wait_for(|stop| *stop).await;
     };
 
-    let Service { rules, limiter, telemetry, max_inflight } = service;
+    let Service { rules, limiter, telemetry, max_inflight, dynamic_metadata } = service;
     let state = HttpState {
         rules,
         store: limiter.store().clone(),
@@ -116,7 +118,7 @@ pub async fn run(
     let http_server =
         axum::serve(http_listener, http::router(state)).with_graceful_shutdown(stopped(stop_rx.clone()));
     let routes = tonic::transport::Server::builder().add_service(health_service).add_service(
-        RateLimitServiceServer::from_arc(Arc::new(RateLimitGrpc::new(limiter, telemetry, max_inflight))),
+        RateLimitServiceServer::from_arc(Arc::new(RateLimitGrpc::new(limiter, max_inflight, dynamic_metadata))),
     );
     let grpc_server: Pin<Box<dyn Future<Output = Result<(), tonic::transport::Error>> + Send>> =
         match &listen.tls {

@@ -1,8 +1,9 @@
 //! Properties of the bucket arithmetic for all finite inputs: balances stay within
-//! [0, capacity], spending never raises the balance, and time never lowers it.
+//! [floor, capacity] (floor 0, or -max_debt for buckets charged always), spending never raises
+//! the balance, time never lowers it, and waits and TTLs stay within the bound Redis accepts.
 
 use proptest::prelude::*;
-use tollgate::bucket::{evaluate, refill, BucketOp, BucketSpec, BucketState};
+use tollgate::bucket::{evaluate, refill, BucketOp, BucketSpec, BucketState, Charge, Role, MAX_WAIT_MS};
 
 fn spec() -> impl Strategy<Value = BucketSpec> {
     prop_oneof![
@@ -15,8 +16,20 @@ fn spec() -> impl Strategy<Value = BucketSpec> {
 fn state(spec: BucketSpec) -> impl Strategy<Value = Option<BucketState>> {
     proptest::option::of(
         (0.0..=1.0f64, 0u64..u64::MAX / 2)
-            .prop_map(move |(f, last)| BucketState { tokens: f * spec.capacity, last_refill_ms: last }),
+            .prop_map(move |(f, last)| BucketState { tokens: f * spec.capacity(), last_refill_ms: last }),
     )
+}
+
+fn charge() -> impl Strategy<Value = Charge> {
+    prop_oneof![
+        Just(Charge::Admitted),
+        (0.0f64..1e12).prop_map(|max_debt| Charge::Always { max_debt }),
+        Just(Charge::Always { max_debt: 0.0 }),
+    ]
+}
+
+fn op(spec: BucketSpec, need: f64, charge: Charge) -> BucketOp {
+    BucketOp { key: "k".into(), spec, need, role: Role::Enforced, charge }
 }
 
 fn need() -> impl Strategy<Value = f64> {
@@ -27,22 +40,25 @@ proptest! {
     #![proptest_config(ProptestConfig::with_cases(2_000))]
 
     #[test]
-    fn balances_stay_between_zero_and_capacity(
+    fn balances_stay_between_the_floor_and_capacity(
         (spec, st) in spec().prop_flat_map(|s| (Just(s), state(s))),
+        charge in charge(),
         steps in proptest::collection::vec((need(), 0u64..10_000_000), 1..20),
         start in 0u64..u64::MAX / 2,
     ) {
         let mut stored = st;
         let mut now = start;
+        let floor = charge.floor();
         for (need, dt) in steps {
             now = now.saturating_add(dt);
-            let op = BucketOp { key: "k".into(), spec, need, shadow: false };
-            let e = evaluate(&[vec![op]], now, |_| stored);
+            let e = evaluate(&[vec![op(spec, need, charge)]], now, |_| stored);
             let v = e.groups[0].verdicts[0];
-            prop_assert!(v.tokens >= 0.0 && v.tokens <= spec.capacity, "{v:?} outside [0, {}]", spec.capacity);
-            prop_assert!(v.tokens.is_finite());
+            prop_assert!(v.tokens >= floor && v.tokens <= spec.capacity(), "{v:?} outside [{floor}, {}]", spec.capacity());
+            prop_assert!(v.tokens.is_finite() && v.forgiven >= 0.0);
+            prop_assert!(v.reset_ms <= MAX_WAIT_MS && v.retry_after_ms.is_none_or(|r| r <= MAX_WAIT_MS));
             if let Some(w) = e.writes.first() {
-                prop_assert!(w.state.tokens >= 0.0 && w.state.tokens <= spec.capacity);
+                prop_assert!(w.state.tokens >= floor && w.state.tokens <= spec.capacity());
+                prop_assert!(w.ttl_ms > 0 && w.ttl_ms <= MAX_WAIT_MS);
                 stored = Some(w.state);
             }
         }
@@ -55,10 +71,9 @@ proptest! {
         now in 0u64..u64::MAX / 2,
     ) {
         let mut stored: Option<BucketState> = None;
-        let mut previous = spec.capacity;
+        let mut previous = spec.capacity();
         for need in needs {
-            let op = BucketOp { key: "k".into(), spec, need, shadow: false };
-            let e = evaluate(&[vec![op]], now, |_| stored);
+            let e = evaluate(&[vec![op(spec, need, Charge::Admitted)]], now, |_| stored);
             let tokens = e.groups[0].verdicts[0].tokens;
             prop_assert!(tokens <= previous, "{tokens} > {previous}");
             previous = tokens;
@@ -78,7 +93,7 @@ proptest! {
         let a = refill(st, &spec, t1);
         let b = refill(st, &spec, t2);
         prop_assert!(a.tokens <= b.tokens, "{a:?} then {b:?}");
-        prop_assert!(b.tokens <= spec.capacity.max(st.map_or(0.0, |s| s.tokens)));
+        prop_assert!(b.tokens <= spec.capacity().max(st.map_or(0.0, |s| s.tokens)));
         prop_assert!(a.last_refill_ms <= b.last_refill_ms);
     }
 }

@@ -10,7 +10,7 @@ use std::time::Instant;
 
 use common::*;
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_client::RateLimitServiceClient;
-use tollgate::keys::{cluster_slot, tenant_key, Class};
+use tollgate::identity::cluster_slot;
 
 // Fail closed: a store error must never count as an admission in the concurrency test.
 const CONFIG: &str = r#"
@@ -52,8 +52,7 @@ async fn tenant_keys_share_a_slot_and_tenants_spread_over_all_primaries() {
     .await
     .unwrap();
     assert_eq!(r.overall_code, OK);
-    let keys: Vec<String> =
-        ["default", "export", "search"].iter().map(|c| tenant_key("acme", &Class::Named(c))).collect();
+    let keys = ["rl:{acme}:c:tenant=acme", "rl:{acme}:c:export", "rl:{acme}:c:search"];
     let slots: HashSet<i64> = keys
         .iter()
         .map(|k| node_query::<i64>(cluster.ports[0], &["CLUSTER", "KEYSLOT", k]).unwrap())

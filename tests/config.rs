@@ -186,7 +186,7 @@ fn envoyproxy_ratelimit_files_load_unchanged_from_a_directory() {
     );
     let blocked =
         rules.domain("edge_proxy_per_ip").unwrap().lookup(&[("remote_address", "50.0.0.5")]).unwrap();
-    assert_eq!(blocked.limit, Limit::Bucket(BucketSpec { capacity: 0.0, refill_per_second: 0.0 }));
+    assert_eq!(blocked.limit, Limit::Bucket(BucketSpec::new(0.0, 0.0).unwrap()));
     // Example 4: a limit applies only at the depth of the descriptor's last entry.
     assert_eq!(matched(&rules, "example4", &[("key", "value")]), "-");
     assert_eq!(matched(&rules, "example4", &[("key", "value"), ("subkey", "x")]), "key_value.subkey");
@@ -214,11 +214,11 @@ fn rate_limit_becomes_a_token_bucket() {
     let d = rules.domain("d").unwrap();
     assert_eq!(
         d.lookup(&[("a", "x")]).unwrap().limit,
-        Limit::Bucket(BucketSpec { capacity: 20.0, refill_per_second: 20.0 / 60.0 })
+        Limit::Bucket(BucketSpec::new(20.0, 20.0 / 60.0).unwrap())
     );
     assert_eq!(
         d.lookup(&[("b", "x")]).unwrap().limit,
-        Limit::Bucket(BucketSpec { capacity: 86400.0, refill_per_second: 1.0 })
+        Limit::Bucket(BucketSpec::new(86400.0, 1.0).unwrap())
     );
 }
 
@@ -307,7 +307,7 @@ descriptors:
     assert_eq!((d.tenant_key.as_str(), d.failure_mode), ("org", FailureMode::Deny));
     assert!(d.headers.ietf && !d.headers.x_ratelimit && !d.headers.retry_after);
     let org = d.lookup(&[("org", "t1")]).unwrap();
-    assert_eq!(org.limit, Limit::Bucket(BucketSpec { capacity: 100.0, refill_per_second: 50.0 }));
+    assert_eq!(org.limit, Limit::Bucket(BucketSpec::new(100.0, 50.0).unwrap()));
     assert_eq!((org.tenant_depth, org.cost, org.class.as_deref()), (Some(0), 1, None));
     let export = d.lookup(&[("org", "t1"), ("path", "/export")]).unwrap();
     assert_eq!(
@@ -315,12 +315,13 @@ descriptors:
         (Limit::TenantQuota, 25, Some("export"))
     );
     let versioned = d.lookup(&[("org", "t1"), ("path", "/v2/items")]).unwrap();
-    assert_eq!(versioned.class.as_deref(), Some("versioned"), "a rule's name names its class");
+    assert_eq!(versioned.class.as_deref(), None, "a rule's name is not a class");
+    assert_eq!(versioned.name.as_deref(), Some("versioned"));
     assert_eq!(versioned.shared_values, vec![None, Some("/v*".to_string())]);
 
     // Quota resolution through the embedded records.
     let t42 = d.tenants.get("t42").map(|r| r.as_ref());
-    let spec = |capacity, refill_per_second| Some(BucketSpec { capacity, refill_per_second });
+    let spec = |capacity, refill_per_second| Some(BucketSpec::new(capacity, refill_per_second).unwrap());
     assert_eq!(d.quotas.resolve(t42, "export"), spec(1000.0, 10.0));
     assert_eq!(d.quotas.resolve(t42, "search"), spec(200.0, 50.0));
     assert_eq!(d.quotas.resolve(None, "export"), spec(100.0, 1.0));

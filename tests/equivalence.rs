@@ -1,6 +1,10 @@
 //! The two implementations of the bucket algorithm, `src/bucket.rs` (memory store) and
 //! `src/store/token_bucket.lua` (Redis), replay the same random operation sequences and must
-//! agree exactly: admissions, per-operation verdicts, balances to the last bit, waits.
+//! agree exactly: admissions, per-operation verdicts (forgiven debt included), and for every
+//! bucket a step wrote, the stored balance to the last bit, the refill time and the expiry.
+//! The sequences cover every role (enforced, shadow, quota mode), both charge modes with debt and
+//! its floor, credits, checks, zero-capacity buckets and extreme specs (a capacity of 1e12
+//! refilling 0.0001 per second, whose TTL would overflow without the cap).
 //!
 //! Redis's clock cannot be set, so the memory store follows it: each script run returns the
 //! server time it used, and the memory store's manual clock is set to that time. Long idle
@@ -15,58 +19,58 @@ use std::time::Duration;
 
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
-use tollgate::bucket::{BucketOp, BucketSpec, Group};
+use tollgate::bucket::{BucketOp, BucketSpec, Charge, Group, Role, MAX_WAIT_MS};
 use tollgate::clock::ManualClock;
-use tollgate::keys::{tenant_key, Class};
 use tollgate::store::{MemoryStore, RedisStore, RedisTarget, RedisTls, Store};
 
 struct Bucket {
     key: String,
-    group: usize,
     spec: BucketSpec,
+    charge: Charge,
 }
 
 fn buckets(rng: &mut StdRng) -> Vec<Bucket> {
     let capacities = [1.0, 3.0, 10.0, 37.5, 1000.0];
     let rates = [0.001, 0.5, 2.0, 7.3, 1000.0, 1.0 / 3.0];
     let mut all = Vec::new();
-    // Three tenants with three classes each (one group per tenant), plus a bucket that is
-    // empty for good (capacity 0), alone in its group.
-    for tenant in 0..3 {
-        for class in ["default", "export", "search"] {
-            let spec = BucketSpec {
-                capacity: capacities[rng.random_range(0..capacities.len())],
-                refill_per_second: rates[rng.random_range(0..rates.len())],
-            };
-            all.push(Bucket {
-                key: tenant_key(&format!("t{tenant}"), &Class::Named(class)),
-                group: tenant,
-                spec,
-            });
-        }
+    for i in 0..9 {
+        let capacity = capacities[rng.random_range(0..capacities.len())];
+        let charge = match i % 3 {
+            0 => Charge::Always { max_debt: capacity },
+            1 if rng.random_bool(0.5) => Charge::Always { max_debt: [0.0, 5.0][rng.random_range(0..2)] },
+            _ => Charge::Admitted,
+        };
+        all.push(Bucket {
+            key: format!("rl:{{t{}}}:d:k={i}", i % 3),
+            spec: BucketSpec::new(capacity, rates[rng.random_range(0..rates.len())]).unwrap(),
+            charge,
+        });
     }
+    // Empty for good, and huge and slow.
+    all.push(Bucket { key: "rl:d:blocked=1".into(), spec: BucketSpec::new(0.0, 0.0).unwrap(), charge: Charge::Admitted });
+    all.push(Bucket { key: "rl:d:huge=1".into(), spec: BucketSpec::new(1e12, 0.0001).unwrap(), charge: Charge::Admitted });
     all.push(Bucket {
-        key: "rl:d:blocked=1".into(),
-        group: 3,
-        spec: BucketSpec { capacity: 0.0, refill_per_second: 0.0 },
+        key: "rl:d:huge=2".into(),
+        spec: BucketSpec::new(1e12, 0.0001).unwrap(),
+        charge: Charge::Always { max_debt: 1e12 },
     });
     all
 }
 
 fn random_batch(rng: &mut StdRng, buckets: &[Bucket]) -> Vec<Group> {
-    let needs = [0.0, 1.0, 1.0, 1.0, 2.0, 3.0, 7.0, 25.0, -2.0, 1e6];
+    let needs = [0.0, 1.0, 1.0, 1.0, 2.0, 3.0, 7.0, 25.0, 600.0, -2.0, 1e6, 6e11];
+    let roles = [Role::Enforced, Role::Enforced, Role::Enforced, Role::Shadow, Role::Quota];
     (0..rng.random_range(1..=3))
         .map(|_| {
-            let group = rng.random_range(0..=3);
-            let members: Vec<&Bucket> = buckets.iter().filter(|b| b.group == group).collect();
             (0..rng.random_range(1..=4))
                 .map(|_| {
-                    let b = members[rng.random_range(0..members.len())];
+                    let b = &buckets[rng.random_range(0..buckets.len())];
                     BucketOp {
                         key: b.key.clone(),
                         spec: b.spec,
                         need: needs[rng.random_range(0..needs.len())],
-                        shadow: rng.random_bool(0.15),
+                        role: roles[rng.random_range(0..roles.len())],
+                        charge: b.charge,
                     }
                 })
                 .collect()
@@ -74,7 +78,7 @@ fn random_batch(rng: &mut StdRng, buckets: &[Bucket]) -> Vec<Group> {
         .collect()
 }
 
-async fn replay(seed: u64, redis: &common::Redis) {
+async fn replay(seed: u64, redis: &common::Redis) -> usize {
     let mut rng = StdRng::seed_from_u64(seed);
     let buckets = buckets(&mut rng);
     let store = RedisStore::connect(
@@ -89,7 +93,8 @@ async fn replay(seed: u64, redis: &common::Redis) {
     let _: () = redis::cmd("FLUSHALL").query(&mut con).unwrap();
     let mut shift = 0u64;
     let mut compared = 0usize;
-    let mut admitted = HashMap::from([(true, 0usize), (false, 0usize)]);
+    let mut writes = 0usize;
+    let mut seen = HashMap::from([("admitted", 0usize), ("denied", 0), ("debt", 0), ("forgiven", 0), ("capped", 0)]);
 
     for step in 0..400 {
         if rng.random_bool(0.1) {
@@ -108,17 +113,39 @@ async fn replay(seed: u64, redis: &common::Redis) {
         let batch = random_batch(&mut rng, &buckets);
         let from_redis: Vec<_> =
             store.evaluate(&batch).await.into_iter().map(|r| r.expect("redis answers")).collect();
-        clock.set(from_redis[0].now_ms + shift);
+        let redis_now = from_redis[0].now_ms;
+        clock.set(redis_now + shift);
         let from_memory = memory.evaluate_now(&batch);
         for (g, (r, m)) in from_redis.iter().zip(&from_memory).enumerate() {
             assert_eq!(r.admitted, m.admitted, "seed {seed} step {step} group {g}: {batch:?}");
             assert_eq!(r.verdicts, m.verdicts, "seed {seed} step {step} group {g}: {batch:?}");
-            *admitted.get_mut(&r.admitted).unwrap() += 1;
+            *seen.get_mut(if r.admitted { "admitted" } else { "denied" }).unwrap() += 1;
+            for v in &r.verdicts {
+                *seen.get_mut("debt").unwrap() += usize::from(v.tokens < 0.0);
+                *seen.get_mut("forgiven").unwrap() += usize::from(v.forgiven > 0.0);
+                *seen.get_mut("capped").unwrap() += usize::from(v.reset_ms == MAX_WAIT_MS);
+            }
             compared += r.verdicts.len();
         }
+        // Every bucket either store wrote in this step: same balance, refill time and expiry.
+        for b in &buckets {
+            let (t, l): (Option<String>, Option<u64>) =
+                redis::cmd("HMGET").arg(&b.key).arg("t").arg("l").query(&mut con).unwrap();
+            let expires: i64 = redis::cmd("PEXPIRETIME").arg(&b.key).query(&mut con).unwrap();
+            let in_redis = (l == Some(redis_now)).then(|| (t.unwrap().parse::<f64>().unwrap(), expires));
+            let in_memory = memory
+                .stored(&b.key)
+                .filter(|(s, _)| s.last_refill_ms == redis_now + shift)
+                .map(|(s, expires_at)| (s.tokens, (expires_at - shift) as i64));
+            assert_eq!(in_redis, in_memory, "seed {seed} step {step} key {}: {batch:?}", b.key);
+            writes += usize::from(in_redis.is_some());
+        }
     }
-    println!("seed {seed}: {compared} operations identical; groups admitted/denied {:?}", admitted);
-    assert!(admitted[&true] > 20 && admitted[&false] > 20, "both outcomes exercised: {admitted:?}");
+    println!("seed {seed}: {compared} operations and {writes} writes identical; {seen:?}");
+    for (what, n) in &seen {
+        assert!(*n > 5, "seed {seed}: {what} exercised only {n} times: {seen:?}");
+    }
+    compared
 }
 
 #[tokio::test(flavor = "multi_thread")]

@@ -9,7 +9,6 @@ use std::time::{Duration, Instant};
 
 use common::load::{max_gap, rate, Answer, Kind, Load};
 use common::*;
-use tollgate::keys::{cluster_slot, tenant_key, Class};
 
 /// Tenants get 50 tokens that practically never refill, so over-admission is countable.
 const CONFIG: &str = r#"
@@ -46,7 +45,7 @@ async fn primary_failover_under_load() {
     let names = tenants(60, "fo-");
     let primary_of: Vec<u16> = names
         .iter()
-        .map(|t| cluster.primary_for_slot(cluster_slot(&tenant_key(t, &Class::Named("default")))))
+        .map(|t| cluster.primary_for_slot(tenant_slot(t)))
         .collect();
     let victim = primary_of[0];
     let on_victim = |t: usize| primary_of[t] == victim;
@@ -234,7 +233,7 @@ async fn slots_migrate_to_a_new_node_during_traffic() {
     let answers = load.stop().await;
     let moved = names
         .iter()
-        .filter(|t| cluster.primary_for_slot(cluster_slot(&tenant_key(t, &Class::Named("default")))) == new)
+        .filter(|t| cluster.primary_for_slot(tenant_slot(t)) == new)
         .count();
     let failed = count(&answers, |a| a.kind == Kind::FailureMode);
     let errors = count(&answers, |a| matches!(a.kind, Kind::Error(_)));

@@ -226,9 +226,9 @@ async fn standalone_redis() {
     all_scenarios(&server.addr()).await;
     // State really lives in Redis, under the documented keys.
     let mut con = redis.connection();
-    let tokens: f64 = redis::cmd("HGET").arg("rl:{aon}:default").arg("t").query(&mut con).unwrap();
+    let tokens: f64 = redis::cmd("HGET").arg("rl:{aon}:test:tenant=aon").arg("t").query(&mut con).unwrap();
     assert_eq!(tokens.floor(), 4.0);
-    let ttl: i64 = redis::cmd("PTTL").arg("rl:{aon}:default").query(&mut con).unwrap();
+    let ttl: i64 = redis::cmd("PTTL").arg("rl:{aon}:test:tenant=aon").query(&mut con).unwrap();
     assert!(ttl > 0, "idle buckets expire");
 }
 

@@ -54,7 +54,7 @@ async fn every_bad_request_gets_a_defined_answer_and_harms_no_one() {
     ask(&addr, req("h", &["tenant=bystander"], 3)).await.unwrap();
     let mut con = redis.connection();
     let bystander = |con: &mut redis::Connection| -> Vec<String> {
-        redis::cmd("HGETALL").arg("rl:{bystander}:default").query(con).unwrap()
+        redis::cmd("HGETALL").arg("rl:{bystander}:h:tenant=bystander").query(con).unwrap()
     };
     let before = bystander(&mut con);
 
@@ -122,5 +122,5 @@ async fn every_bad_request_gets_a_defined_answer_and_harms_no_one() {
             "{key:?}"
         );
     }
-    assert!(keys.contains(&"rl:{%7Bbystander%7D%3Adefault%25}:default".to_string()), "{keys:?}");
+    assert!(keys.contains(&"rl:{%7Bbystander%7D%3Adefault%25}:h:tenant=%7Bbystander%7D%3Adefault%25".to_string()), "{keys:?}");
 }

@@ -11,42 +11,59 @@ use common::*;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use redis::Commands as _;
-use tollgate::bucket::{BucketOp, BucketSpec, Group};
+use tollgate::bucket::{BucketOp, BucketSpec, Charge, Group, Role};
 use tollgate::clock::ManualClock;
 use tollgate::store::{MemoryStore, Precheck, Store};
 
 fn op(key: &str, capacity: f64, refill_per_second: f64, need: f64) -> BucketOp {
-    BucketOp { key: key.into(), spec: BucketSpec { capacity, refill_per_second }, need, shadow: false }
+    BucketOp {
+        key: key.into(),
+        spec: BucketSpec::new(capacity, refill_per_second).unwrap(),
+        need,
+        role: Role::Enforced,
+        charge: Charge::Admitted,
+    }
 }
 
-// Small, slowly refilling buckets hammered often, so that most requests find them short.
-fn random_group(rng: &mut StdRng) -> Group {
+// Small, slowly refilling buckets hammered often, so that most requests find them short. With
+// `debt`, a sixth bucket is charged always (it goes into debt): the pre-check must leave its
+// debits to the store, and may use its debt to deny checks early.
+fn random_group(rng: &mut StdRng, debt: bool) -> Group {
     let specs = [(1.0, 0.5), (3.0, 2.0), (10.0, 1.0 / 3.0), (5.0, 40.0), (0.0, 0.0)];
     let needs = [1.0, 1.0, 1.0, 2.0, 4.0, 0.0, -1.0, 11.0];
     (0..rng.random_range(1..=3))
         .map(|_| {
-            let b = rng.random_range(0..specs.len());
+            let b = rng.random_range(0..specs.len() + usize::from(debt));
+            if b == specs.len() {
+                let mut o = op("rl:{t}:metered", 10.0, 1.0 / 3.0, [0.0, 0.0, 6.0][rng.random_range(0..3)]);
+                o.charge = Charge::Always { max_debt: 10.0 };
+                return o;
+            }
             // One bucket changes its capacity now and then, as after a quota change.
             let (capacity, rate) = if b == 1 && rng.random_bool(0.05) { (6.0, 2.0) } else { specs[b] };
             let mut o =
                 op(&format!("rl:{{t}}:b{b}"), capacity, rate, needs[rng.random_range(0..needs.len())]);
-            o.shadow = rng.random_bool(0.1);
+            o.role = match rng.random_range(0..10) {
+                0 => Role::Shadow,
+                1 => Role::Quota,
+                _ => Role::Enforced,
+            };
             o
         })
         .collect()
 }
 
-#[tokio::test]
-async fn decisions_are_identical_with_and_without_the_precheck() {
+// Replays `seeds` with and without the pre-check; returns the groups it answered locally.
+async fn replay(seeds: std::ops::Range<u64>, debt: bool) -> u64 {
     let mut local_answers = 0;
-    for seed in 0..20u64 {
+    for seed in seeds {
         let clock = ManualClock::new(1_700_000_000_000);
         let plain = MemoryStore::with_clock(Arc::new(clock.clone()));
         let inner: Arc<dyn Store> = Arc::new(MemoryStore::with_clock(Arc::new(clock.clone())));
         let checked = Precheck::new(inner, Arc::new(clock.clone()), 1000);
         let mut rng = StdRng::seed_from_u64(seed);
         for step in 0..2000 {
-            let batch: Vec<Group> = (0..rng.random_range(1..=2)).map(|_| random_group(&mut rng)).collect();
+            let batch: Vec<Group> = (0..rng.random_range(1..=2)).map(|_| random_group(&mut rng, debt)).collect();
             let expected = plain.evaluate(&batch).await;
             let got = checked.evaluate(&batch).await;
             for (g, (e, o)) in expected.iter().zip(&got).enumerate() {
@@ -67,8 +84,43 @@ async fn decisions_are_identical_with_and_without_the_precheck() {
         }
         local_answers += checked.answered_locally();
     }
+    local_answers
+}
+
+#[tokio::test]
+async fn decisions_are_identical_with_and_without_the_precheck() {
+    let local_answers = replay(0..20, false).await;
     println!("pre-check answered {local_answers} of the groups locally");
     assert!(local_answers > 5_000, "the pre-check answered only {local_answers} groups");
+}
+
+#[tokio::test]
+async fn debt_keeps_decisions_identical_and_denies_checks_early() {
+    let local_answers = replay(100..110, true).await;
+    println!("with a bucket in debt, the pre-check answered {local_answers} of the groups locally");
+    assert!(local_answers > 1_000, "the pre-check answered only {local_answers} groups");
+}
+
+#[tokio::test]
+async fn a_check_on_a_bucket_in_debt_is_denied_locally() {
+    let clock = ManualClock::new(1_700_000_000_000);
+    let inner: Arc<dyn Store> = Arc::new(MemoryStore::with_clock(Arc::new(clock.clone())));
+    let checked = Precheck::new(inner, Arc::new(clock.clone()), 1000);
+    let metered = |need| {
+        let mut o = op("rl:{t}:tokens", 1_000.0, 10.0, need);
+        o.charge = Charge::Always { max_debt: 1_000.0 };
+        vec![vec![o]]
+    };
+    for _ in 0..2 {
+        let charged = checked.evaluate(&metered(600.0)).await;
+        assert!(charged[0].is_ok());
+    }
+    assert_eq!(checked.answered_locally(), 0, "charges always reach the store");
+    let check = checked.evaluate(&metered(0.0)).await;
+    let v = check[0].as_ref().unwrap().verdicts[0];
+    assert!(!v.allowed && v.tokens < 0.0, "{v:?}");
+    assert_eq!(checked.answered_locally(), 1, "the check was denied without the store");
+    assert_eq!(v.retry_after_ms, Some(20_000), "back to zero after 200 tokens at 10/s");
 }
 
 #[tokio::test]
@@ -130,7 +182,7 @@ async fn an_abusive_tenant_is_denied_locally_with_the_same_answers() {
     let (_dir, config) = config_file(CONFIG);
     let mut runs = Vec::new();
     for flags in [&["--no-precheck"][..], &[]] {
-        redis.connection().del::<_, ()>("rl:{mallory}:default").unwrap();
+        redis.connection().del::<_, ()>("rl:{mallory}:abuse:tenant=mallory").unwrap();
         let server = Tollgate::start(&config, &Backend::Redis(redis.url()), flags);
         let answers = hammer(&server, 200).await;
         let scrape = server.metrics();

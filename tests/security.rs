@@ -168,7 +168,7 @@ async fn envoy_reaches_tollgate_over_mtls() {
 }
 
 /// The ACL tollgate needs: its scripts' commands on `rl:*` keys, nothing else.
-const TOLLGATE_ACL: &str = "user tollgate on >tollgate-secret resetkeys ~rl:* resetchannels -@all +evalsha +eval +script|load +ping +time +hmget +hset +pexpire";
+const TOLLGATE_ACL: &str = "user tollgate on >tollgate-secret resetkeys ~rl:* resetchannels -@all +evalsha +eval +script|load +ping +time +hmget +hset +pexpireat";
 
 #[tokio::test(flavor = "multi_thread")]
 async fn redis_over_tls_as_a_least_privilege_acl_user() {

@@ -1,16 +1,16 @@
 //! From a parsed file to a [`Domain`]: every semantic check, with the file, line and tree path
 //! of what is wrong.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::path::Path;
 use std::sync::Arc;
 
 use super::raw;
-use super::{ConfigError, Domain, FailureMode, HeaderSets, Limit, Rule};
-use crate::bucket::BucketSpec;
+use super::{ClassDef, ConfigError, Domain, FailureMode, HeaderSets, Limit, Rule};
+use crate::bucket::{BucketSpec, Charge};
 use crate::matcher::{Level, Node, ValueMatch};
 use crate::quota::{Quotas, TenantRecord, DEFAULT_CLASS};
-use crate::units;
+use crate::units::{RatePerUnit, Unit};
 
 /// Compiles the domain file `file` with contents `text`.
 pub(super) fn domain(file: &Path, text: &str) -> Result<Domain, ConfigError> {
@@ -31,96 +31,24 @@ pub(super) fn domain(file: &Path, text: &str) -> Result<Domain, ConfigError> {
     if tenant_key.is_empty() {
         return Err(invalid("tenant_key", "must not be empty".into()));
     }
-    let failure_mode = match raw.failure_mode.as_deref() {
-        None | Some("allow") => FailureMode::Allow,
-        Some("deny") => FailureMode::Deny,
-        Some("error") => FailureMode::Error,
-        Some(other) => {
-            return Err(invalid(
-                "failure_mode",
-                format!("unknown failure mode '{other}' (expected allow, deny or error)"),
-            ))
-        }
-    };
-    let headers = match raw.response_headers {
-        None => HeaderSets::default(),
-        Some(sets) => {
-            let mut h = HeaderSets {
-                x_ratelimit: false,
-                retry_after: false,
-                ietf: false,
-                grpc_status_details: false,
-            };
-            for (i, set) in sets.iter().enumerate() {
-                match set.as_str() {
-                    "x-ratelimit" => h.x_ratelimit = true,
-                    "retry-after" => h.retry_after = true,
-                    "ietf" => h.ietf = true,
-                    "grpc-status-details" => h.grpc_status_details = true,
-                    other => {
-                        return Err(invalid(
-                            &format!("response_headers[{i}]"),
-                            format!(
-                                "unknown header set '{other}' (expected x-ratelimit, retry-after, ietf or grpc-status-details)"
-                            ),
-                        ))
-                    }
-                }
-            }
-            h
-        }
-    };
+    let class_scope = raw.class_scope.unwrap_or_else(|| name.clone());
+    if class_scope.is_empty() {
+        return Err(invalid("class_scope", "must not be empty".into()));
+    }
+    let failure_mode = failure_mode(raw.failure_mode.as_deref()).map_err(|m| invalid("failure_mode", m))?;
+    let headers = header_sets(raw.response_headers.as_deref()).map_err(|(at, m)| invalid(&at, m))?;
+    let quotas = quotas(&raw.tiers, raw.default_tier).map_err(|(at, m)| invalid(&at, m))?;
+    let tenants = tenants(raw.tenants, &quotas).map_err(|(at, m)| invalid(&at, m))?;
 
-    let mut tiers = HashMap::new();
-    for (tier, classes) in &raw.tiers {
-        let mut specs = HashMap::new();
-        for (class, bucket) in classes {
-            let spec = token_bucket(bucket).map_err(|m| invalid(&format!("tiers.{tier}.{class}"), m))?;
-            specs.insert(class.clone(), spec);
-        }
-        tiers.insert(tier.clone(), specs);
-    }
-    let default_tier = raw.default_tier;
-    match &default_tier {
-        None if !tiers.is_empty() => {
-            return Err(invalid("default_tier", "required when tiers are defined".into()))
-        }
-        Some(t) => match tiers.get(t) {
-            None => return Err(invalid("default_tier", format!("unknown tier '{t}'"))),
-            Some(classes) if !classes.contains_key(DEFAULT_CLASS) => {
-                return Err(invalid(
-                    &format!("tiers.{t}"),
-                    format!("the default tier needs a '{DEFAULT_CLASS}' bucket"),
-                ))
-            }
-            Some(_) => {}
-        },
-        None => {}
-    }
-    let mut tenants = HashMap::new();
-    for (tenant, record) in raw.tenants {
-        if let Some(tier) = &record.tier {
-            if !tiers.contains_key(tier) {
-                return Err(invalid(&format!("tenants.{tenant}.tier"), format!("unknown tier '{tier}'")));
-            }
-        }
-        let mut overrides = HashMap::new();
-        for (class, bucket) in &record.overrides {
-            let spec = token_bucket(bucket)
-                .map_err(|m| invalid(&format!("tenants.{tenant}.overrides.{class}"), m))?;
-            overrides.insert(class.clone(), spec);
-        }
-        tenants.insert(tenant, Arc::new(TenantRecord { tier: record.tier, overrides }));
-    }
-    let quotas = Quotas { tiers, default_tier };
-
-    let mut tree = Tree { file, tenant_key: &tenant_key, quotas: &quotas, rules: Vec::new() };
+    let mut tree = Tree { file, tenant_key: &tenant_key, quotas: &quotas, rules: Vec::new(), classes: BTreeMap::new() };
     let root = tree.level(raw.descriptors.as_deref().unwrap_or_default(), &Place::root())?;
-    let rules = tree.rules;
+    let (rules, classes) = (tree.rules, tree.classes);
     Ok(Domain {
         name,
         file: file.to_owned(),
         tenant_key,
+        class_scope,
+        classes,
         failure_mode,
         headers,
         quotas,
@@ -130,19 +58,134 @@ pub(super) fn domain(file: &Path, text: &str) -> Result<Domain, ConfigError> {
     })
 }
 
+fn failure_mode(text: Option<&str>) -> Result<FailureMode, String> {
+    match text {
+        None | Some("allow") => Ok(FailureMode::Allow),
+        Some("deny") => Ok(FailureMode::Deny),
+        Some("error") => Ok(FailureMode::Error),
+        Some(other) => Err(format!("unknown failure mode '{other}' (expected allow, deny or error)")),
+    }
+}
+
+fn header_sets(sets: Option<&[String]>) -> Result<HeaderSets, (String, String)> {
+    let Some(sets) = sets else { return Ok(HeaderSets::default()) };
+    let mut h = HeaderSets { x_ratelimit: false, retry_after: false, ietf: false, grpc_status_details: false };
+    for (i, set) in sets.iter().enumerate() {
+        match set.as_str() {
+            "x-ratelimit" => h.x_ratelimit = true,
+            "retry-after" => h.retry_after = true,
+            "ietf" => h.ietf = true,
+            "grpc-status-details" => h.grpc_status_details = true,
+            other => {
+                return Err((
+                    format!("response_headers[{i}]"),
+                    format!(
+                        "unknown header set '{other}' (expected x-ratelimit, retry-after, ietf or grpc-status-details)"
+                    ),
+                ))
+            }
+        }
+    }
+    Ok(h)
+}
+
+fn quotas(
+    raw: &BTreeMap<String, BTreeMap<String, raw::TokenBucket>>,
+    default_tier: Option<String>,
+) -> Result<Quotas, (String, String)> {
+    let mut tiers = HashMap::new();
+    for (tier, classes) in raw {
+        let mut specs = HashMap::new();
+        for (class, bucket) in classes {
+            let spec = token_bucket(bucket).map_err(|m| (format!("tiers.{tier}.{class}"), m))?;
+            specs.insert(class.clone(), spec);
+        }
+        tiers.insert(tier.clone(), specs);
+    }
+    match &default_tier {
+        None if !tiers.is_empty() => {
+            return Err(("default_tier".into(), "required when tiers are defined".into()))
+        }
+        Some(t) => match tiers.get(t) {
+            None => return Err(("default_tier".into(), format!("unknown tier '{t}'"))),
+            Some(classes) if !classes.contains_key(DEFAULT_CLASS) => {
+                return Err((format!("tiers.{t}"), format!("the default tier needs a '{DEFAULT_CLASS}' bucket")))
+            }
+            Some(_) => {}
+        },
+        None => {}
+    }
+    Ok(Quotas { tiers, default_tier })
+}
+
+fn tenants(
+    raw: BTreeMap<String, raw::Tenant>,
+    quotas: &Quotas,
+) -> Result<HashMap<String, Arc<TenantRecord>>, (String, String)> {
+    let mut tenants = HashMap::new();
+    for (tenant, record) in raw {
+        if let Some(tier) = &record.tier {
+            if !quotas.tiers.contains_key(tier) {
+                return Err((format!("tenants.{tenant}.tier"), format!("unknown tier '{tier}'")));
+            }
+        }
+        let mut overrides = HashMap::new();
+        for (class, bucket) in &record.overrides {
+            let spec = token_bucket(bucket).map_err(|m| (format!("tenants.{tenant}.overrides.{class}"), m))?;
+            overrides.insert(class.clone(), spec);
+        }
+        tenants.insert(tenant, Arc::new(TenantRecord { tier: record.tier, overrides }));
+    }
+    Ok(tenants)
+}
+
 /// Where a node sits: what its rule and its errors need to know about its ancestors.
 #[derive(Clone)]
 struct Place {
     at: String,
     path: String,
     depth: usize,
+    position: (usize, usize),
     tenant_depth: Option<usize>,
     shared_values: Vec<Option<String>>,
 }
 
 impl Place {
     fn root() -> Place {
-        Place { at: String::new(), path: String::new(), depth: 0, tenant_depth: None, shared_values: vec![] }
+        Place {
+            at: String::new(),
+            path: String::new(),
+            depth: 0,
+            position: (0, 0),
+            tenant_depth: None,
+            shared_values: vec![],
+        }
+    }
+
+    // The place of `d`, the `index`th node under `self`.
+    fn child(&self, d: &raw::Descriptor, index: usize, tenant_key: &str) -> Place {
+        let key = d.key.value.as_str();
+        let value = d.value.as_deref().filter(|v| !v.is_empty());
+        let label = match value {
+            Some(v) => format!("{key}={v}"),
+            None => key.to_owned(),
+        };
+        let sep = if self.at.is_empty() { "" } else { "." };
+        let mut shared_values = self.shared_values.clone();
+        shared_values.push(value.filter(|v| d.share_threshold && v.contains('*')).map(str::to_owned));
+        Place {
+            at: format!("{}{sep}descriptors[{index}]({label})", self.at),
+            path: match (self.path.is_empty(), value) {
+                (true, None) => key.to_owned(),
+                (true, Some(v)) => format!("{key}_{v}"),
+                (false, None) => format!("{}.{key}", self.path),
+                (false, Some(v)) => format!("{}.{key}_{v}", self.path),
+            },
+            depth: self.depth + 1,
+            position: (d.key.referenced.line() as usize, d.key.referenced.column() as usize),
+            tenant_depth: self.tenant_depth.or((key == tenant_key).then_some(self.depth)),
+            shared_values,
+        }
     }
 }
 
@@ -151,46 +194,36 @@ struct Tree<'a> {
     tenant_key: &'a str,
     quotas: &'a Quotas,
     rules: Vec<Arc<Rule>>,
+    classes: BTreeMap<String, ClassDef>,
 }
 
 impl Tree<'_> {
     fn level(&mut self, descriptors: &[raw::Descriptor], parent: &Place) -> Result<Level, ConfigError> {
         let mut level = Level::default();
         for (i, d) in descriptors.iter().enumerate() {
-            let key = d.key.value.as_str();
-            let value = d.value.as_deref().filter(|v| !v.is_empty());
-            let label = match value {
-                Some(v) => format!("{key}={v}"),
-                None => key.to_owned(),
-            };
-            let sep = if parent.at.is_empty() { "" } else { "." };
-            let place = Place {
-                at: format!("{}{sep}descriptors[{i}]({label})", parent.at),
-                path: match (parent.path.is_empty(), value) {
-                    (true, None) => key.to_owned(),
-                    (true, Some(v)) => format!("{key}_{v}"),
-                    (false, None) => format!("{}.{key}", parent.path),
-                    (false, Some(v)) => format!("{}.{key}_{v}", parent.path),
-                },
-                depth: parent.depth + 1,
-                tenant_depth: parent.tenant_depth.or((key == self.tenant_key).then_some(parent.depth)),
-                shared_values: {
-                    let mut s = parent.shared_values.clone();
-                    s.push(value.filter(|v| d.share_threshold && v.contains('*')).map(str::to_owned));
-                    s
-                },
-            };
+            let place = parent.child(d, i, self.tenant_key);
             let invalid = |message: String| ConfigError::Invalid {
                 file: self.file.to_owned(),
-                position: Some((d.key.referenced.line() as usize, d.key.referenced.column() as usize)),
+                position: Some(place.position),
                 at: place.at.clone(),
                 message,
             };
+            let key = d.key.value.as_str();
+            let value = d.value.as_deref().filter(|v| !v.is_empty());
             if key.is_empty() {
                 return Err(invalid("descriptor has empty key".into()));
             }
+            if d.share_threshold && !value.is_some_and(|v| v.contains('*')) {
+                return Err(invalid(format!(
+                    "share_threshold can only be used with wildcard values (containing '*'), but found key '{}'",
+                    place.path
+                )));
+            }
             let rule = self.rule(d, &place).map_err(invalid)?.map(Arc::new);
-            self.rules.extend(rule.clone());
+            if let Some(rule) = &rule {
+                self.share_class(rule).map_err(invalid)?;
+                self.rules.push(rule.clone());
+            }
             let children = self.level(d.descriptors.as_deref().unwrap_or_default(), &place)?;
             let source = d.source.clone();
             check_source(key, value, source.as_ref()).map_err(invalid)?;
@@ -202,6 +235,27 @@ impl Tree<'_> {
         Ok(level)
     }
 
+    // Rules that share a class share its bucket: they must size it the same way.
+    fn share_class(&mut self, rule: &Rule) -> Result<(), String> {
+        let Some(class) = &rule.class else { return Ok(()) };
+        let def = ClassDef {
+            limit: rule.limit,
+            charge: rule.charge,
+            defined_at: (self.file.to_owned(), rule.position.0, rule.position.1),
+        };
+        match self.classes.get(class) {
+            None => {
+                self.classes.insert(class.clone(), def);
+                Ok(())
+            }
+            Some(first) if (first.limit, first.charge) == (def.limit, def.charge) => Ok(()),
+            Some(first) => Err(format!(
+                "class '{class}' is already sized differently at line {}:{}; rules sharing a class share one bucket and must agree on its limit",
+                first.defined_at.1, first.defined_at.2
+            )),
+        }
+    }
+
     fn rule(&mut self, d: &raw::Descriptor, place: &Place) -> Result<Option<Rule>, String> {
         let exclusive = [d.rate_limit.is_some(), d.token_bucket.is_some(), d.quota.is_some()];
         if exclusive.iter().filter(|x| **x).count() > 1 {
@@ -209,44 +263,17 @@ impl Tree<'_> {
         }
         let mut name = None;
         let mut replaces = Vec::new();
+        let mut rate = None;
         let limit = if let Some(rl) = &d.rate_limit {
-            let unit = rl.unit.as_deref().and_then(units::parse);
             name = rl.name.clone().filter(|n| !n.is_empty());
-            for r in &rl.replaces {
-                if r.name.is_empty() {
-                    return Err("should not have an empty replaces entry".into());
-                }
-                if Some(&r.name) == name.as_ref() {
-                    return Err("replaces should not contain name of same descriptor".into());
-                }
-                replaces.push(r.name.clone());
-            }
-            match (rl.unlimited, unit) {
-                (true, Some(_)) => return Err("should not specify rate limit unit when unlimited".into()),
-                (true, None) => Some(Limit::Unlimited),
-                (false, Some(unit)) => Some(Limit::Bucket(units::bucket(rl.requests_per_unit, unit))),
-                (false, None) => {
-                    return Err(format!(
-                    "invalid rate limit unit '{}' (expected second, minute, hour, day, week, month or year)",
-                    rl.unit.as_deref().unwrap_or_default()
-                ))
-                }
-            }
+            replaces = replaces_of(rl, name.as_deref())?;
+            let (limit, configured) = rate_limit(rl)?;
+            rate = configured;
+            Some(limit)
         } else if let Some(tb) = &d.token_bucket {
             Some(Limit::Bucket(token_bucket(tb).map_err(|m| format!("token_bucket: {m}"))?))
         } else if let Some(source) = &d.quota {
-            if source != "tenant" {
-                return Err(format!("unknown quota source '{source}' (expected 'tenant')"));
-            }
-            if place.tenant_depth.is_none() {
-                return Err(format!(
-                    "quota: tenant needs a '{}' descriptor at or above this node",
-                    self.tenant_key
-                ));
-            }
-            if self.quotas.default_tier.is_none() {
-                return Err("quota: tenant needs tiers and a default_tier in this file".into());
-            }
+            self.tenant_quota(source, place)?;
             Some(Limit::TenantQuota)
         } else {
             None
@@ -278,16 +305,67 @@ impl Tree<'_> {
         let Some(limit) = limit else { return Ok(None) };
         Ok(Some(Rule {
             path: place.path.clone(),
-            class: d.class.clone().or_else(|| name.clone()),
+            position: place.position,
             name,
             limit,
+            rate,
             cost: d.cost.unwrap_or(1),
+            class: d.class.clone(),
             shadow_mode: d.shadow_mode,
+            quota_mode: d.quota_mode,
+            charge: Charge::Admitted,
             detailed_metric: d.detailed_metric || d.value_to_metric,
             replaces,
+            metadata: d.metadata.clone(),
             tenant_depth: place.tenant_depth,
             shared_values: place.shared_values.clone(),
         }))
+    }
+
+    fn tenant_quota(&self, source: &str, place: &Place) -> Result<(), String> {
+        if source != "tenant" {
+            return Err(format!("unknown quota source '{source}' (expected 'tenant')"));
+        }
+        if place.tenant_depth.is_none() {
+            return Err(format!("quota: tenant needs a '{}' descriptor at or above this node", self.tenant_key));
+        }
+        if self.quotas.default_tier.is_none() {
+            return Err("quota: tenant needs tiers and a default_tier in this file".into());
+        }
+        Ok(())
+    }
+}
+
+// envoyproxy/ratelimit's `replaces` checks, with its messages.
+fn replaces_of(rl: &raw::RateLimit, name: Option<&str>) -> Result<Vec<String>, String> {
+    let mut replaces = Vec::new();
+    for r in &rl.replaces {
+        let replaced = r.name.as_deref().unwrap_or_default();
+        if replaced.is_empty() {
+            return Err("should not have an empty replaces entry".into());
+        }
+        if Some(replaced) == name {
+            return Err("replaces should not contain name of same descriptor".into());
+        }
+        replaces.push(replaced.to_owned());
+    }
+    Ok(replaces)
+}
+
+// A `rate_limit`: unlimited, or N per unit (a bucket, and the rate to echo in responses).
+fn rate_limit(rl: &raw::RateLimit) -> Result<(Limit, Option<RatePerUnit>), String> {
+    let unit = rl.unit.as_deref().and_then(Unit::parse);
+    match (rl.unlimited, unit) {
+        (true, Some(_)) => Err("should not specify rate limit unit when unlimited".into()),
+        (true, None) => Ok((Limit::Unlimited, None)),
+        (false, Some(unit)) => {
+            let rate = RatePerUnit { requests_per_unit: rl.requests_per_unit, unit };
+            Ok((Limit::Bucket(rate.bucket()), Some(rate)))
+        }
+        (false, None) => Err(format!(
+            "invalid rate limit unit '{}' (expected second, minute, hour, day, week, month or year)",
+            rl.unit.as_deref().unwrap_or_default()
+        )),
     }
 }
 
@@ -312,5 +390,5 @@ fn check_source(key: &str, value: Option<&str>, source: Option<&raw::Source>) ->
 }
 
 fn token_bucket(b: &raw::TokenBucket) -> Result<BucketSpec, String> {
-    BucketSpec::new(b.capacity, b.refill_per_second)
+    BucketSpec::new(b.capacity, b.refill_per_second).map_err(|e| e.to_string())
 }

@@ -19,9 +19,22 @@ use std::sync::Arc;
 
 use serde::Serialize;
 
-use crate::bucket::BucketSpec;
+use crate::bucket::{BucketSpec, Charge};
 use crate::matcher::Level;
 use crate::quota::{Quotas, TenantRecord};
+use crate::units::RatePerUnit;
+
+/// What sizes a shared class bucket; every rule of a class must agree on it.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct ClassDef {
+    /// The limit every rule of the class has (a bucket or the tenant's quota).
+    pub limit: Limit,
+    /// Their charge mode.
+    pub charge: Charge,
+    /// Where the class was first defined: file, line, column.
+    #[serde(skip)]
+    pub defined_at: (PathBuf, usize, usize),
+}
 
 /// Every domain tollgate serves, as loaded from one config path.
 #[derive(Debug, Default)]
@@ -33,35 +46,38 @@ pub struct RuleSet {
 impl RuleSet {
     /// Loads and validates the file or directory at `path`.
     pub fn load(path: &Path) -> Result<RuleSet, ConfigError> {
-        let files = config_files(path)?;
-        let mut domains: BTreeMap<String, Arc<Domain>> = BTreeMap::new();
-        let mut fingerprint = DefaultHasher::new();
-        for file in files {
+        let mut sources = Vec::new();
+        for file in config_files(path)? {
             let text = std::fs::read_to_string(&file)
                 .map_err(|source| ConfigError::Io { path: file.clone(), source })?;
-            (&file, &text).hash(&mut fingerprint);
-            let domain = compile::domain(&file, &text)?;
+            sources.push((file, text));
+        }
+        Self::compile(sources)
+    }
+
+    /// Compiles one domain from YAML text; `file` is only used in error messages.
+    pub fn from_yaml(file: &Path, text: &str) -> Result<RuleSet, ConfigError> {
+        Self::compile(vec![(file.to_owned(), text.to_owned())])
+    }
+
+    // Compiles every file, then checks what spans files: domain names and shared class scopes.
+    fn compile(sources: Vec<(PathBuf, String)>) -> Result<RuleSet, ConfigError> {
+        let mut domains: BTreeMap<String, Arc<Domain>> = BTreeMap::new();
+        let mut fingerprint = DefaultHasher::new();
+        for (file, text) in &sources {
+            (file, text).hash(&mut fingerprint);
+            let domain = compile::domain(file, text)?;
             if let Some(first) = domains.get(&domain.name) {
                 return Err(ConfigError::DuplicateDomain {
-                    file,
+                    file: file.clone(),
                     domain: domain.name,
                     first: first.file.clone(),
                 });
             }
             domains.insert(domain.name.clone(), Arc::new(domain));
         }
+        check_shared_classes(domains.values())?;
         Ok(RuleSet { domains, fingerprint: fingerprint.finish() })
-    }
-
-    /// Compiles one domain from YAML text; `file` is only used in error messages.
-    pub fn from_yaml(file: &Path, text: &str) -> Result<RuleSet, ConfigError> {
-        let domain = compile::domain(file, text)?;
-        let mut fingerprint = DefaultHasher::new();
-        (file, text).hash(&mut fingerprint);
-        Ok(RuleSet {
-            domains: BTreeMap::from([(domain.name.clone(), Arc::new(domain))]),
-            fingerprint: fingerprint.finish(),
-        })
     }
 
     /// A hash of the files this set was loaded from: equal fingerprints, equal configs.
@@ -78,6 +94,38 @@ impl RuleSet {
     pub fn domains(&self) -> impl Iterator<Item = &Arc<Domain>> {
         self.domains.values()
     }
+}
+
+// Domains that name the same class scope share its class buckets: each class must be sized the
+// same way wherever it is used.
+fn check_shared_classes<'a>(domains: impl Iterator<Item = &'a Arc<Domain>>) -> Result<(), ConfigError> {
+    let mut seen: HashMap<(&str, &str), &ClassDef> = HashMap::new();
+    for domain in domains {
+        for (class, def) in &domain.classes {
+            match seen.get(&(domain.class_scope.as_str(), class.as_str())) {
+                Some(first) if (first.limit, first.charge) != (def.limit, def.charge) => {
+                    let (file, line, column) = &def.defined_at;
+                    return Err(ConfigError::Invalid {
+                        file: file.clone(),
+                        position: Some((*line, *column)),
+                        at: format!("class {class}"),
+                        message: format!(
+                            "class '{class}' of class scope '{}' is sized differently at {}:{}:{}; rules sharing a class must agree on its limit",
+                            domain.class_scope,
+                            first.defined_at.0.display(),
+                            first.defined_at.1,
+                            first.defined_at.2
+                        ),
+                    });
+                }
+                Some(_) => {}
+                None => {
+                    seen.insert((domain.class_scope.as_str(), class.as_str()), def);
+                }
+            }
+        }
+    }
+    Ok(())
 }
 
 // The files a config path stands for, in a stable order.
@@ -145,6 +193,11 @@ pub struct Domain {
     pub file: PathBuf,
     /// The descriptor entry key that carries the tenant id.
     pub tenant_key: String,
+    /// Where this domain's class buckets live: its own name unless `class_scope:` says
+    /// otherwise; domains with the same scope share class buckets.
+    pub class_scope: String,
+    /// Every explicit class of the domain's rules, with what sizes it.
+    pub classes: BTreeMap<String, ClassDef>,
     /// What to answer when the store fails.
     pub failure_mode: FailureMode,
     /// Which response headers to send.
@@ -164,20 +217,34 @@ pub struct Domain {
 pub struct Rule {
     /// The node's place in the tree, `key_value.key` as envoyproxy/ratelimit prints it.
     pub path: String,
-    /// `rate_limit.name`, which `replaces` refers to.
+    /// Line and column of the node's `key:` in its file.
+    pub position: (usize, usize),
+    /// `rate_limit.name`, which `replaces` refers to and responses show; never part of a
+    /// bucket's identity.
     pub name: Option<String>,
     /// The bucket, or why there is none.
     pub limit: Limit,
+    /// The `rate_limit` as configured, echoed as `current_limit` in responses.
+    pub rate: Option<RatePerUnit>,
     /// Tokens per hit.
     pub cost: u64,
-    /// The explicit `class`, else `name`: the bucket's name within its tenant.
+    /// The explicit `class`: the tenant bucket this rule shares with every rule of the same
+    /// class in its class scope (see [`crate::identity`]).
     pub class: Option<String>,
     /// Evaluated and counted, never denies.
     pub shadow_mode: bool,
+    /// envoyproxy/ratelimit's `quota_mode`: over the limit, this descriptor denies the request
+    /// only if every quota-mode descriptor of the request is over too.
+    pub quota_mode: bool,
+    /// When the tokens are taken (`charge:`), and how deep into debt a bucket may go.
+    pub charge: Charge,
     /// Per-value metrics requested.
     pub detailed_metric: bool,
     /// Names of rules this one replaces when both match one request.
     pub replaces: Vec<String>,
+    /// `metadata:`, merged into the response's dynamic metadata when this descriptor passes
+    /// (with `--response-dynamic-metadata`).
+    pub metadata: Option<serde_json::Map<String, serde_json::Value>>,
     /// Index of the descriptor entry holding the tenant, if the rule is under a tenant node.
     pub tenant_depth: Option<usize>,
     /// For each depth, the pattern that replaces the request's value in the key when the node is
@@ -194,7 +261,7 @@ pub enum Limit {
     Unlimited,
     /// A fixed bucket from `rate_limit` or `token_bucket`.
     Bucket(BucketSpec),
-    /// The tenant's resolved quota for the rule's class.
+    /// The tenant's resolved quota for the rule's quota class ([`crate::identity::quota_class`]).
     TenantQuota,
 }
 

@@ -25,6 +25,7 @@ pub struct DomainFile {
     pub tenants: BTreeMap<String, Tenant>,
     pub failure_mode: Option<String>,
     pub response_headers: Option<Vec<String>>,
+    pub class_scope: Option<String>,
 }
 
 /// A node of the descriptor tree.
@@ -44,6 +45,9 @@ pub struct Descriptor {
     pub value_to_metric: bool,
     #[serde(default)]
     pub share_threshold: bool,
+    #[serde(default)]
+    pub quota_mode: bool,
+    pub metadata: Option<serde_json::Map<String, serde_json::Value>>,
 
     pub token_bucket: Option<TokenBucket>,
     pub cost: Option<u64>,
@@ -84,11 +88,12 @@ pub struct RateLimit {
     pub replaces: Vec<Replaces>,
 }
 
+/// An entry of `replaces`; `name` is optional in the schema so that an empty entry gets
+/// envoyproxy/ratelimit's own message instead of a schema error.
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Replaces {
-    #[serde(default)]
-    pub name: String,
+    pub name: Option<String>,
 }
 
 /// An explicit bucket: burst capacity and sustained rate.

@@ -88,7 +88,7 @@ mod tests {
     use super::*;
 
     fn b(capacity: f64) -> BucketSpec {
-        BucketSpec { capacity, refill_per_second: 1.0 }
+        BucketSpec::new(capacity, 1.0).unwrap()
     }
 
     fn quotas() -> Quotas {

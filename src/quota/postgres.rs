@@ -197,7 +197,7 @@ impl PostgresQuotas {
                  ON CONFLICT (tenant_id, class) DO UPDATE SET capacity = EXCLUDED.capacity, \
                  refill_per_second = EXCLUDED.refill_per_second, expires_at = EXCLUDED.expires_at, \
                  updated_at = now()",
-                &[&tenant, &class, &spec.capacity, &spec.refill_per_second, &expires_at],
+                &[&tenant, &class, &spec.capacity(), &spec.refill_per_second(), &expires_at],
             )
             .await
             .map_err(db)?;

@@ -61,6 +61,13 @@ impl MemoryStore {
         evaluation.groups
     }
 
+    /// The stored state of `key` and when it expires (clock milliseconds), expired or not: what
+    /// Redis's `HMGET` and `PEXPIRETIME` show for the same bucket (for equivalence tests).
+    pub fn stored(&self, key: &str) -> Option<(BucketState, u64)> {
+        let buckets = self.buckets.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        buckets.map.get(key).map(|e| (e.state, e.expires_at_ms))
+    }
+
     /// Number of buckets held, expired or not (for memory tests).
     pub fn len(&self) -> usize {
         self.buckets.lock().map(|b| b.map.len()).unwrap_or(0)
@@ -96,15 +103,16 @@ impl Store for MemoryStore {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::bucket::{BucketOp, BucketSpec};
+    use crate::bucket::{BucketOp, BucketSpec, Charge, Role};
     use crate::clock::ManualClock;
 
     fn take(store: &MemoryStore, key: &str, need: f64) -> (bool, f64) {
         let op = BucketOp {
             key: key.into(),
-            spec: BucketSpec { capacity: 10.0, refill_per_second: 1.0 },
+            spec: BucketSpec::new(10.0, 1.0).unwrap(),
             need,
-            shadow: false,
+            role: Role::Enforced,
+            charge: Charge::Admitted,
         };
         let outcome = &store.evaluate_now(&[vec![op]])[0];
         (outcome.admitted, outcome.verdicts[0].tokens)

@@ -34,7 +34,7 @@ use std::sync::{Arc, Mutex};
 use futures::future::BoxFuture;
 
 use super::{Store, StoreError};
-use crate::bucket::{Batch, BucketOp, BucketSpec, Group, GroupOutcome, Verdict};
+use crate::bucket::{covers, Batch, BucketOp, BucketSpec, Charge, Group, GroupOutcome, Role, Verdict};
 use crate::clock::Clock;
 
 /// Allowed rate difference between the local clock and the Redis server's clock.
@@ -84,7 +84,7 @@ impl Observation {
     fn tokens_at(&self, now: u64, conservative: bool) -> f64 {
         let elapsed = now.saturating_sub(self.local_ms) as f64;
         let elapsed = if conservative { (elapsed + SLACK_MS as f64) * (1.0 + DRIFT) } else { elapsed };
-        (self.tokens + elapsed * self.spec.refill_per_second / 1000.0).min(self.spec.capacity)
+        (self.tokens + elapsed * self.spec.rate_per_ms()).min(self.spec.capacity())
     }
 }
 
@@ -121,41 +121,49 @@ impl Precheck {
     }
 
     // The group's outcome if every operation is certainly short of tokens, as the store would
-    // report it (nothing debited).
+    // report it (nothing debited). A group that charges always must reach the store, which
+    // takes its tokens even when it denies.
     fn certain_denial(&self, group: &Group, now: u64) -> Option<GroupOutcome> {
         let mut verdicts = Vec::with_capacity(group.len());
         let mut server_ms = 0;
         for op in group {
-            if op.need <= 0.0 {
+            // Credits always pass; a charge that goes in whatever the verdict must reach the
+            // store. A check (need 0) is short while the bucket is certainly in debt.
+            if op.need < 0.0 || (op.need > 0.0 && op.charge != Charge::Admitted) {
                 return None;
             }
             let seen = self.observation(op, now)?;
-            if seen.tokens_at(now, true) >= op.need {
+            if covers(seen.tokens_at(now, true), op.need) {
                 return None;
             }
-            let (tokens, rate_ms) = (seen.tokens_at(now, false), op.spec.refill_per_second / 1000.0);
-            let retry_after_ms =
-                (op.need <= op.spec.capacity).then(|| ((op.need - tokens) / rate_ms).ceil() as u64);
-            let reset_ms = ((op.spec.capacity - tokens) / rate_ms).ceil() as u64;
-            verdicts.push(Verdict { allowed: false, tokens, retry_after_ms, reset_ms });
+            let tokens = seen.tokens_at(now, false);
+            verdicts.push(Verdict {
+                allowed: false,
+                tokens,
+                retry_after_ms: op.spec.wait_ms(tokens, op.need),
+                reset_ms: op.spec.reset_ms(tokens),
+                forgiven: 0.0,
+            });
             server_ms = server_ms.max(seen.server_ms + now.saturating_sub(seen.local_ms));
         }
-        let admitted = group.iter().all(|op| op.shadow);
-        Some(GroupOutcome { admitted, now_ms: server_ms, verdicts })
+        let admitted = group.iter().all(|op| op.role == Role::Shadow);
+        Some(GroupOutcome { admitted, now_ms: server_ms, verdicts, compensated: false })
     }
 
     // Remembers what the store reported for the buckets the next equal request would find short.
     fn observe(&self, group: &Group, outcome: &GroupOutcome, call_start: u64) {
         for (op, verdict) in group.iter().zip(&outcome.verdicts) {
-            let short = op.need > 0.0 && verdict.tokens < op.need;
+            // Debits the store gave back raised balances after they were reported: like credits.
+            let credit = op.need < 0.0 || outcome.compensated;
+            let short = op.need >= 0.0 && !covers(verdict.tokens, op.need);
             let shard = self.shard(&op.key);
             // Skipping the removal of a stale observation is safe (it is still an upper bound);
             // a credit's never is, so credits always take the lock.
-            if !short && op.need >= 0.0 && shard.len.load(Ordering::Relaxed) == 0 {
+            if !short && !credit && shard.len.load(Ordering::Relaxed) == 0 {
                 continue;
             }
             let mut map = shard.lock();
-            if op.need < 0.0 {
+            if credit {
                 shard.void_until.store(self.clock.now_ms(), Ordering::Relaxed);
             }
             if !short || call_start <= shard.void_until.load(Ordering::Relaxed) {

@@ -32,8 +32,8 @@ use redis::{ClientTlsConfig, IntoConnectionInfo, Script, TlsCertificates, Value}
 
 use super::coalesce::{Call, Coalescer};
 use super::{Store, StoreError};
-use crate::bucket::{Batch, Group, GroupOutcome, Verdict};
-use crate::keys::cluster_slot;
+use crate::bucket::{Batch, BucketOp, Charge, Group, GroupOutcome, Role, Verdict};
+use crate::identity::cluster_slot;
 
 /// The script, loaded once per process.
 const SCRIPT: &str = include_str!("token_bucket.lua");
@@ -222,18 +222,121 @@ impl RedisStore {
 }
 
 impl RedisStore {
-    // The groups `members` of `batch`, all in `slot`: coalesced with other requests', or alone.
-    async fn call_slot(
-        &self,
-        batch: &Batch,
-        slot: u16,
-        members: &[usize],
-    ) -> Result<Vec<GroupOutcome>, StoreError> {
+    // Groups that all live in `slot`: coalesced with other requests', or sent alone.
+    async fn call_slot(&self, slot: u16, groups: Vec<Group>) -> Result<Vec<GroupOutcome>, StoreError> {
         match &self.coalescer {
-            Some(c) => c.submit(slot, members.iter().map(|&i| batch[i].clone()).collect()).await,
-            None => self.shared.run(&members.iter().map(|&i| &batch[i]).collect::<Vec<_>>()).await,
+            Some(c) => c.submit(slot, groups).await,
+            None => self.shared.run(&groups.iter().collect::<Vec<_>>()).await,
         }
     }
+
+    fn slot_of(&self, op: &BucketOp) -> u16 {
+        match &self.shared.connection {
+            Connection::Cluster(_) => cluster_slot(&op.key),
+            Connection::Standalone(_) => 0,
+        }
+    }
+
+    // Gives back what the admitted parts of a group that was denied as a whole took.
+    async fn compensate(&self, group: &Group, parts: &[Part], answers: &[Result<GroupOutcome, StoreError>], combined: &mut GroupOutcome) {
+        let mut calls: Vec<(u16, Group, Vec<usize>)> = Vec::new();
+        for (part, answer) in parts.iter().zip(answers) {
+            let Ok(outcome) = answer else { continue };
+            if !outcome.admitted {
+                continue;
+            }
+            let mut undo = Group::new();
+            let mut positions = Vec::new();
+            for (&i, verdict) in part.ops.iter().zip(&outcome.verdicts) {
+                let op = &group[i];
+                if !verdict.allowed || op.need == 0.0 || op.charge != Charge::Admitted {
+                    continue;
+                }
+                // A debit comes back as a credit (capped at capacity); a credit is taken back
+                // down to zero at most.
+                let charge = if op.need < 0.0 { Charge::Always { max_debt: 0.0 } } else { Charge::Admitted };
+                undo.push(BucketOp { key: op.key.clone(), spec: op.spec, need: -op.need, role: Role::Shadow, charge });
+                positions.push(i);
+            }
+            if !undo.is_empty() {
+                calls.push((part.slot, undo, positions));
+            }
+        }
+        if calls.is_empty() {
+            return;
+        }
+        let results = join_all(calls.iter().map(|(slot, undo, _)| self.call_slot(*slot, vec![undo.clone()]))).await;
+        combined.compensated = true;
+        metrics::counter!("tollgate_store_compensations_total").increment(1);
+        for ((_, _, positions), result) in calls.iter().zip(results) {
+            match result.map(|mut o| o.pop()) {
+                Ok(Some(outcome)) => {
+                    for (&i, v) in positions.iter().zip(outcome.verdicts) {
+                        combined.verdicts[i].tokens = v.tokens;
+                        combined.verdicts[i].reset_ms = v.reset_ms;
+                    }
+                }
+                Ok(None) | Err(_) => {
+                    metrics::counter!("tollgate_store_compensation_failures_total").increment(1);
+                    tracing::error!(
+                        keys = ?positions.iter().map(|&i| group[i].key.as_str()).collect::<Vec<_>>(),
+                        "could not give back the debits of a request denied in another Cluster slot"
+                    );
+                }
+            }
+        }
+    }
+
+    // One group evaluated slot by slot (it spans several): admitted only if every part is and,
+    // with quota-mode operations, one of them had its tokens; otherwise the admitted parts are
+    // credited back before the answer.
+    async fn evaluate_split(&self, group: &Group, parts: Vec<Part>, answers: Vec<Result<GroupOutcome, StoreError>>) -> Result<GroupOutcome, StoreError> {
+        let mut verdicts = vec![None; group.len()];
+        let mut now_ms = 0;
+        let mut failure = None;
+        let mut parts_admitted = true;
+        for (part, answer) in parts.iter().zip(&answers) {
+            match answer {
+                Ok(outcome) => {
+                    now_ms = now_ms.max(outcome.now_ms);
+                    parts_admitted &= outcome.admitted;
+                    for (&i, v) in part.ops.iter().zip(&outcome.verdicts) {
+                        verdicts[i] = Some(*v);
+                    }
+                }
+                Err(e) => failure = Some(e.clone()),
+            }
+        }
+        let quota: Vec<bool> = group
+            .iter()
+            .zip(&verdicts)
+            .filter(|(op, _)| op.role == Role::Quota)
+            .map(|(_, v)| v.is_some_and(|v| v.allowed))
+            .collect();
+        let admitted = failure.is_none() && parts_admitted && (quota.is_empty() || quota.contains(&true));
+        let mut combined = GroupOutcome {
+            admitted,
+            now_ms,
+            verdicts: verdicts.into_iter().map(|v| v.unwrap_or(FAILED)).collect(),
+            compensated: false,
+        };
+        if !admitted {
+            self.compensate(group, &parts, &answers, &mut combined).await;
+        }
+        match failure {
+            Some(e) => Err(e),
+            None => Ok(combined),
+        }
+    }
+}
+
+// A verdict standing in for an operation whose slot failed; never reported (the group fails).
+const FAILED: Verdict = Verdict { allowed: false, tokens: 0.0, retry_after_ms: None, reset_ms: 0, forgiven: 0.0 };
+
+// The operations of one group that live in one slot.
+struct Part {
+    slot: u16,
+    ops: Vec<usize>,
 }
 
 impl Shared {
@@ -242,7 +345,7 @@ impl Shared {
         let mut invocation = self.script.prepare_invoke();
         let mut key_index: HashMap<&str, usize> = HashMap::new();
         let mut args: Vec<String> =
-            Vec::with_capacity(1 + batch.iter().map(|g| 1 + 5 * g.len()).sum::<usize>());
+            Vec::with_capacity(1 + batch.iter().map(|g| 1 + 6 * g.len()).sum::<usize>());
         args.push(batch.len().to_string());
         for group in batch {
             args.push(group.len().to_string());
@@ -254,10 +357,21 @@ impl Shared {
                 });
                 args.push(index.to_string());
                 // Display of f64 is the shortest text that parses back to the same double.
-                args.push(op.spec.capacity.to_string());
-                args.push(op.spec.refill_per_second.to_string());
+                args.push(op.spec.capacity().to_string());
+                args.push(op.spec.refill_per_second().to_string());
                 args.push(op.need.to_string());
-                args.push(if op.shadow { "1" } else { "0" }.to_owned());
+                args.push(
+                    match op.role {
+                        Role::Enforced => "0",
+                        Role::Shadow => "1",
+                        Role::Quota => "2",
+                    }
+                    .to_owned(),
+                );
+                args.push(match op.charge {
+                    Charge::Admitted => String::new(),
+                    Charge::Always { max_debt } => max_debt.to_string(),
+                });
             }
         }
         invocation.arg(args);
@@ -294,40 +408,82 @@ impl Shared {
 impl Store for RedisStore {
     fn evaluate<'a>(&'a self, batch: &'a Batch) -> BoxFuture<'a, Vec<Result<GroupOutcome, StoreError>>> {
         Box::pin(async move {
-            // Partition by slot; a standalone server takes everything in one call.
-            let mut partitions: Vec<(u16, Vec<usize>)> = Vec::new();
-            for (i, group) in batch.iter().enumerate() {
-                let slot = match (&self.shared.connection, group.first()) {
-                    (Connection::Cluster(_), Some(op)) => cluster_slot(&op.key),
-                    _ => 0,
-                };
-                match partitions.iter_mut().find(|(s, _)| *s == slot) {
-                    Some((_, members)) => members.push(i),
-                    None => partitions.push((slot, vec![i])),
+            // Each group's operations by slot; a standalone server is one slot.
+            let split: Vec<Vec<Part>> = batch
+                .iter()
+                .map(|group| {
+                    let mut parts: Vec<Part> = Vec::new();
+                    for (i, op) in group.iter().enumerate() {
+                        let slot = self.slot_of(op);
+                        match parts.iter_mut().find(|p| p.slot == slot) {
+                            Some(part) => part.ops.push(i),
+                            None => parts.push(Part { slot, ops: vec![i] }),
+                        }
+                    }
+                    parts
+                })
+                .collect();
+            // One call per slot, all groups' parts in it. In a part of a split group, quota-mode
+            // operations cannot see each other, so they only report; the split group decides.
+            let mut calls: Vec<(u16, Vec<Group>, Vec<(usize, usize)>)> = Vec::new();
+            for (g, parts) in split.iter().enumerate() {
+                for (p, part) in parts.iter().enumerate() {
+                    let sub: Group = if parts.len() == 1 {
+                        batch[g].clone()
+                    } else {
+                        part.ops
+                            .iter()
+                            .map(|&i| {
+                                let op = &batch[g][i];
+                                let role = if op.role == Role::Quota { Role::Shadow } else { op.role };
+                                BucketOp { role, ..op.clone() }
+                            })
+                            .collect()
+                    };
+                    match calls.iter_mut().find(|(slot, _, _)| *slot == part.slot) {
+                        Some((_, groups, owners)) => {
+                            groups.push(sub);
+                            owners.push((g, p));
+                        }
+                        None => calls.push((part.slot, vec![sub], vec![(g, p)])),
+                    }
                 }
             }
+            let owners: Vec<Vec<(usize, usize)>> = calls.iter().map(|(_, _, o)| o.clone()).collect();
             // The common case, one slot, needs no join.
-            let answers = if let [(slot, members)] = partitions.as_slice() {
-                vec![self.call_slot(batch, *slot, members).await]
+            let answers = if calls.len() == 1 {
+                let (slot, groups, _) = calls.pop().expect("one call");
+                vec![self.call_slot(slot, groups).await]
             } else {
-                join_all(partitions.iter().map(|(slot, members)| self.call_slot(batch, *slot, members))).await
+                join_all(calls.into_iter().map(|(slot, groups, _)| self.call_slot(slot, groups))).await
             };
-            let mut results: Vec<Option<Result<GroupOutcome, StoreError>>> = vec![None; batch.len()];
-            for ((_, members), result) in partitions.iter().zip(answers) {
-                match result {
+            let mut part_answers: Vec<Vec<Option<Result<GroupOutcome, StoreError>>>> =
+                split.iter().map(|parts| parts.iter().map(|_| None).collect()).collect();
+            for (owners, answer) in owners.iter().zip(answers) {
+                match answer {
                     Ok(outcomes) => {
-                        for (&i, outcome) in members.iter().zip(outcomes) {
-                            results[i] = Some(Ok(outcome));
+                        for (&(g, p), outcome) in owners.iter().zip(outcomes) {
+                            part_answers[g][p] = Some(Ok(outcome));
                         }
                     }
                     Err(e) => {
-                        for &i in members {
-                            results[i] = Some(Err(e.clone()));
+                        for &(g, p) in owners {
+                            part_answers[g][p] = Some(Err(e.clone()));
                         }
                     }
                 }
             }
-            results.into_iter().map(|r| r.expect("every group has a result")).collect()
+            let mut results = Vec::with_capacity(batch.len());
+            for ((group, parts), answers) in batch.iter().zip(split).zip(part_answers) {
+                let mut answers: Vec<Result<GroupOutcome, StoreError>> =
+                    answers.into_iter().map(|a| a.expect("every part has an answer")).collect();
+                results.push(if parts.len() == 1 {
+                    answers.pop().expect("one part")
+                } else {
+                    self.evaluate_split(group, parts, answers).await
+                });
+            }
+            results
         })
     }
 
@@ -358,7 +514,7 @@ fn parse_reply(reply: Value, batch: &[&Group]) -> Result<Vec<GroupOutcome>, Stor
     let Value::Array(items) = reply else {
         return Err(StoreError::Protocol(format!("expected an array, got {reply:?}")));
     };
-    let expected = 1 + batch.iter().map(|g| 1 + 4 * g.len()).sum::<usize>();
+    let expected = 1 + batch.iter().map(|g| 1 + 5 * g.len()).sum::<usize>();
     if items.len() != expected {
         return Err(StoreError::Protocol(format!("expected {expected} values, got {}", items.len())));
     }
@@ -373,14 +529,16 @@ fn parse_reply(reply: Value, batch: &[&Group]) -> Result<Vec<GroupOutcome>, Stor
             let tokens = float(&mut items)?;
             let retry = int(&mut items)?;
             let reset = int(&mut items)?;
+            let forgiven = float(&mut items)?;
             verdicts.push(Verdict {
                 allowed,
                 tokens,
                 retry_after_ms: u64::try_from(retry).ok(),
                 reset_ms: u64::try_from(reset).unwrap_or(0),
+                forgiven,
             });
         }
-        outcomes.push(GroupOutcome { admitted, now_ms, verdicts });
+        outcomes.push(GroupOutcome { admitted, now_ms, verdicts, compensated: false });
     }
     Ok(outcomes)
 }

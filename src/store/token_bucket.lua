@@ -1,18 +1,22 @@
 -- tollgate token buckets: the Redis twin of src/bucket.rs. Same algorithm, same floating point
--- order of operations; tests/equivalence.rs requires both to give identical answers. Change
--- one, change the other.
+-- order of operations; tests/equivalence.rs requires both to give identical verdicts, balances,
+-- refill times and TTLs. Change one, change the other.
 --
 -- KEYS: the distinct bucket keys of the batch (one Cluster slot).
--- ARGV: group count, then per group its op count, then per op five values:
---       key index (into KEYS), capacity, refill per second, need, shadow (1/0).
--- Reply: now_ms, then per group: admitted (1/0), then per op:
---        allowed (1/0), tokens (exact, as %.17g), retry_after_ms (-1 = never), reset_ms.
+-- ARGV: group count, then per group its op count, then per op six values:
+--       key index (into KEYS), capacity, refill per second, need, role (0 enforced, 1 shadow,
+--       2 quota mode), max debt ('' = charged only when admitted, else charged always).
+-- Reply: now_ms, then per group: admitted (1/0), then per op: allowed (1/0), tokens (exact, as
+--        %.17g), retry_after_ms (-1 = never), reset_ms, forgiven tokens (%.17g).
 -- Bucket hash fields: t = tokens (%.17g), l = last refill (ms since epoch, server clock).
 
 -- TIME makes the script non-deterministic; Redis < 5 needs effects replication for that.
 if redis.replicate_commands then pcall(redis.replicate_commands) end
 local time = redis.call('TIME')
 local now = tonumber(time[1]) * 1000 + math.floor(tonumber(time[2]) / 1000)
+
+-- Waits and TTLs are capped at 2^52 ms (bucket.rs MAX_WAIT_MS): now + TTL stays exact.
+local MAX_WAIT = 4503599627370496
 
 -- Committed state per key index: {tokens, last} or false when no bucket is stored.
 local running = {}
@@ -33,6 +37,32 @@ local function refill(s, cap, rate)
   return math.min(cap, s[1] + math.max(0, now - s[2]) * rate), math.max(s[2], now)
 end
 
+local function wait(deficit, rate)
+  local ms = math.ceil(deficit / rate)
+  if ms >= MAX_WAIT then return MAX_WAIT end
+  return ms
+end
+
+-- Milliseconds until a balance grows from `from` to `to`; -1 if it never will.
+local function wait_ms(cap, rate, from, to)
+  if from >= to then return 0 end
+  if to > cap or rate <= 0 then return -1 end
+  return wait(to - from, rate)
+end
+
+local function floor_of(debt)
+  if debt then return -debt end
+  return 0
+end
+
+-- Takes need from tokens; below the floor the rest is forgiven. Returns balance, forgiven.
+local function debit(tokens, cap, need, debt)
+  local after = math.min(cap, tokens - need)
+  local floor = floor_of(debt)
+  if after < floor then return floor, floor - after end
+  return after, 0
+end
+
 local out = {now}
 local dirty = {}
 local a = 2
@@ -40,53 +70,72 @@ for _ = 1, tonumber(ARGV[1]) do
   local n = tonumber(ARGV[a]); a = a + 1
   local tentative = {}
   local ops = {}
-  local admitted = true
+  local enforced_short, quota_ops, quota_allowed = false, 0, 0
   for i = 1, n do
     local k = tonumber(ARGV[a])
     local cap = tonumber(ARGV[a + 1])
     local rate = tonumber(ARGV[a + 2]) / 1000
     local need = tonumber(ARGV[a + 3])
-    local shadow = ARGV[a + 4] == '1'
-    a = a + 5
+    local role = ARGV[a + 4]
+    local debt = tonumber(ARGV[a + 5])
+    a = a + 6
     local s = tentative[k]
     if s == nil then s = load(k) end
     local tokens, last = refill(s, cap, rate)
-    local allowed = tokens >= need
+    local allowed = need < 0 or tokens >= need
     local retry = 0
-    if allowed then
-      tokens = math.min(cap, tokens - need)
-    elseif need > cap then
-      retry = -1
-    else
-      retry = math.ceil((need - tokens) / rate)
-    end
+    if not allowed then retry = wait_ms(cap, rate, tokens, math.max(need, 0)) end
+    local forgiven = 0
+    if allowed or debt then tokens, forgiven = debit(tokens, cap, need, debt) end
     tentative[k] = {tokens, last}
-    if not (allowed or shadow) then admitted = false end
-    ops[i] = {k, cap, rate, need, allowed, tokens, retry}
+    if role == '0' then
+      if not allowed then enforced_short = true end
+    elseif role == '2' then
+      quota_ops = quota_ops + 1
+      if allowed then quota_allowed = quota_allowed + 1 end
+    end
+    ops[i] = {k, cap, rate, need, debt, allowed, tokens, retry, forgiven}
   end
+  local admitted = (not enforced_short) and (quota_ops == 0 or quota_allowed > 0)
 
   out[#out + 1] = admitted and 1 or 0
   for i = 1, n do
-    local k, cap, rate, need, allowed, tokens, retry = unpack(ops[i])
+    local k, cap, rate, need, debt, allowed, tokens, retry, forgiven = unpack(ops[i])
+    local charged
     if admitted then
       running[k] = tentative[k]
-      if allowed and need ~= 0 and rate > 0 then dirty[k] = math.ceil(cap / rate) + 1000 end
+      charged = allowed or debt ~= nil
     else
-      tokens = refill(load(k), cap, rate)
+      -- A denied group takes only what is charged always, replayed on the committed state.
+      local t, l = refill(load(k), cap, rate)
+      forgiven = 0
+      if debt then
+        t, forgiven = debit(t, cap, need, debt)
+        running[k] = {t, l}
+      end
+      tokens = t
+      charged = debt ~= nil
     end
-    local reset = 0
-    if tokens < cap then reset = math.ceil((cap - tokens) / rate) end
+    if charged and need ~= 0 and rate > 0 then
+      local ttl = wait(cap - floor_of(debt), rate) + 1000
+      if ttl > MAX_WAIT then ttl = MAX_WAIT end
+      if dirty[k] == nil or dirty[k] < ttl then dirty[k] = ttl end
+    end
+    local reset = wait_ms(cap, rate, tokens, cap)
+    if reset < 0 then reset = 0 end
     out[#out + 1] = allowed and 1 or 0
     out[#out + 1] = string.format('%.17g', tokens)
     out[#out + 1] = retry
     out[#out + 1] = reset
+    out[#out + 1] = string.format('%.17g', forgiven)
   end
 end
 
--- Only debited buckets are written; an idle bucket is full by the time it expires.
+-- Only charged buckets are written; an idle bucket is full by the time it expires. The expiry
+-- is absolute on the clock the balance was computed with, so it is exactly now + TTL.
 for k, ttl in pairs(dirty) do
   local s = running[k]
   redis.call('HSET', KEYS[k], 't', string.format('%.17g', s[1]), 'l', string.format('%d', s[2]))
-  redis.call('PEXPIRE', KEYS[k], string.format('%d', ttl))
+  redis.call('PEXPIREAT', KEYS[k], string.format('%d', now + ttl))
 end
 return out

@@ -14,13 +14,12 @@ use std::fmt::Write as _;
 use std::sync::Mutex;
 use std::time::Duration;
 
-use envoy_types::pb::envoy::service::ratelimit::v3::RateLimitRequest;
 use metrics::{counter, describe_counter, describe_gauge, describe_histogram, gauge, Unit};
 use metrics_exporter_prometheus::{BuildError, PrometheusBuilder, PrometheusHandle};
 
 use super::top_denied::TopDenied;
 use crate::config::FailureMode;
-use crate::limiter::{Decision, Outcome};
+use crate::limiter::{Decision, Outcome, Query};
 
 /// Histogram buckets in seconds: fine enough for p50/p99 from 50 µs to 100 ms, then coarse.
 pub const LATENCY_BUCKETS: [f64; 24] = [
@@ -91,10 +90,10 @@ impl Telemetry {
         }
     }
 
-    /// Counts the decision on `request`, per descriptor and in hits.
-    pub fn record(&self, request: &RateLimitRequest, decision: &Decision) {
+    /// Counts the decision on `query`, per descriptor and in hits.
+    pub fn record(&self, query: &Query<'_>, decision: &Decision) {
         let domain = decision.domain.as_ref().map_or(UNKNOWN_DOMAIN, |d| d.name.as_str());
-        for (descriptor, verdict) in request.descriptors.iter().zip(&decision.descriptors) {
+        for (descriptor, verdict) in query.descriptors.iter().zip(&decision.descriptors) {
             let (rule, outcome) = match &verdict.outcome {
                 Outcome::NoLimit => (None, "ok"),
                 Outcome::Unlimited => (None, "ok"),
@@ -125,7 +124,7 @@ impl Telemetry {
                 Some(depth) => descriptor.entries.get(depth),
                 None => descriptor.entries.last(),
             }
-            .map(|e| e.value.as_str());
+            .map(|(_, value)| *value);
             let Some(subject) = subject else { continue };
             if rule.detailed_metric {
                 let tenant = self.detailed_label(domain, rule_path, subject);

@@ -358,6 +358,11 @@ pub fn node_query<T: redis::FromRedisValue>(port: u16, args: &[&str]) -> Option<
     cmd.query(&mut con).ok()
 }
 
+/// The Cluster slot of every bucket of `tenant` (keys `rl:{<tenant>}:...`; plain tenant ids).
+pub fn tenant_slot(tenant: &str) -> u16 {
+    tollgate::identity::cluster_slot(&format!("rl:{{{tenant}}}:"))
+}
+
 /// Path of the tollgate binary Cargo built for these tests.
 pub fn tollgate_bin() -> &'static str {
     env!("CARGO_BIN_EXE_tollgate")

@@ -21,10 +21,9 @@ use std::time::Duration;
 
 use base64::engine::general_purpose::STANDARD_NO_PAD;
 use base64::Engine;
-use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::Code;
 use tonic_types::{ErrorDetails, StatusExt};
 
-use crate::limiter::{BucketReport, Decision, Outcome};
+use crate::limiter::{BucketReport, Code, Decision, Outcome};
 
 /// The headers for `decision`, as (name, value) pairs.
 pub fn response_headers(decision: &Decision) -> Vec<(&'static str, String)> {
@@ -38,21 +37,25 @@ pub fn response_headers(decision: &Decision) -> Vec<(&'static str, String)> {
             _ => None,
         })
         .collect();
-    let denying: Vec<&BucketReport> = buckets.iter().copied().filter(|b| b.denied() && !b.shadow).collect();
+    // The buckets that made the request OVER_LIMIT (none when it is OK).
+    let denying: Vec<&BucketReport> = match decision.overall {
+        Code::OverLimit => buckets.iter().copied().filter(|b| b.denied() && !b.shadow).collect(),
+        Code::Ok => Vec::new(),
+    };
     let mut headers = Vec::new();
 
     let candidates = if denying.is_empty() { &buckets } else { &denying };
     let most_constrained = candidates.iter().min_by(|a, b| {
-        (a.remaining(), a.limit.spec.capacity)
-            .partial_cmp(&(b.remaining(), b.limit.spec.capacity))
+        (a.remaining(), a.limit.spec.capacity())
+            .partial_cmp(&(b.remaining(), b.limit.spec.capacity()))
             .unwrap_or(std::cmp::Ordering::Equal)
     });
     if let (true, Some(b)) = (sets.x_ratelimit, most_constrained) {
-        headers.push(("X-RateLimit-Limit", whole(b.limit.spec.capacity).to_string()));
+        headers.push(("X-RateLimit-Limit", whole(b.limit.spec.capacity()).to_string()));
         headers.push(("X-RateLimit-Remaining", b.remaining().to_string()));
     }
 
-    if decision.overall == Code::OverLimit && !denying.is_empty() {
+    if !denying.is_empty() {
         // The longest wait in whole seconds, or none if a denying bucket can never admit.
         let waits: Option<Vec<u64>> = denying.iter().map(|b| b.verdict.retry_after_ms).collect();
         let retry_after = waits.and_then(|w| w.into_iter().max()).map(|ms| ms.div_ceil(1000).max(1));
@@ -70,12 +73,8 @@ pub fn response_headers(decision: &Decision) -> Vec<(&'static str, String)> {
         for (i, b) in buckets.iter().enumerate() {
             let id = policy_id(b, i);
             let spec = b.limit.spec;
-            let window = if spec.refill_per_second > 0.0 {
-                (spec.capacity / spec.refill_per_second).ceil().max(1.0) as u64
-            } else {
-                1
-            };
-            policies.push(format!("{id};q={};w={window}", whole(spec.capacity)));
+            let window = spec.reset_ms(0.0).div_ceil(1000).max(1);
+            policies.push(format!("{id};q={};w={window}", whole(spec.capacity())));
             states.push(format!("{id};r={};t={}", b.remaining(), b.verdict.reset_ms.div_ceil(1000)));
         }
         headers.push(("RateLimit-Policy", policies.join(", ")));

@@ -1,0 +1,11 @@
+//! The protocol edges: where requests enter and answers leave, each in its own protocol's terms.
+//!
+//! An edge validates what arrives, translates it into the neutral [`crate::limiter::Query`],
+//! asks the [`crate::limiter::Limiter`], and encodes the [`crate::limiter::Decision`]. No edge
+//! touches a store or a rule tree itself, so every protocol reaches a rule, and a bucket, in
+//! exactly one way.
+//!
+//! * [`rls`]: Envoy's `envoy.service.ratelimit.v3.RateLimitService` (gRPC), the API of the
+//!   `envoy.filters.http.ratelimit` filter.
+
+pub mod rls;

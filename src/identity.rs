@@ -1,0 +1,193 @@
+//! Bucket identity: which requests share a bucket, and the storage key that says so.
+//!
+//! This is the one place where a matched rule and a request's descriptor entries become a
+//! bucket. The rules are envoyproxy/ratelimit's, where a counter is identified by the domain
+//! and the descriptor's entries, and tollgate adds one explicit way to share:
+//!
+//! * **Per rule and values.** Two descriptors share a bucket only if they are in the same domain,
+//!   select the same rule (the same config node) and carry the same values. Because matching is
+//!   deterministic, the domain and the entries (keys and values, in order) identify both the rule
+//!   and the values. A rule's `name` plays no part: it is for `replaces` and responses.
+//! * **`share_threshold`.** Under a wildcard node with `share_threshold: true`, every value the
+//!   wildcard matches counts as the pattern itself, so they share one bucket.
+//! * **Explicit classes.** Rules under a tenant entry that set the same `class:` share that
+//!   tenant's class bucket, within the domain's class scope: the domain itself, unless its file
+//!   says `class_scope: NAME`, which lets domains naming the same scope share their class buckets.
+//!   Load-time checks (in [`crate::config`]) refuse a class whose rules disagree on its size.
+//! * **Request-level overrides** (`limit` in the descriptor) ignore the matched rule, as in
+//!   envoyproxy/ratelimit, and get a bucket per domain, entries and overriding limit.
+//!
+//! Keys (every user-supplied part percent-encoded by [`escape`]):
+//!
+//! | bucket | key |
+//! |---|---|
+//! | rule, no tenant entry | `rl:<domain>:<k>=<v>:<k>=<v>...` |
+//! | rule under a tenant entry | `rl:{<tenant>}:<domain>:<k>=<v>:...` (the tenant's entry included) |
+//! | explicit class | `rl:{<tenant>}:<scope>:<class>` |
+//! | override | as the rule keys, with `=<n>/<unit>` as the first segment after the domain |
+//!
+//! The braces are a Redis Cluster hash tag: only the tenant is hashed, so all buckets of one
+//! tenant share a slot and one Lua call checks and debits them atomically. Other keys contain no
+//! brace and spread over all slots. The shapes cannot collide: escaping leaves no raw `%`-less
+//! `{`, `}`, `:` or `=` in any part, every entry segment holds exactly one raw `=` and never starts
+//! with one, a class segment holds none, and an override segment starts with one. An empty tenant
+//! id, which Redis would not treat as a hash tag, is written as a lone `%` (never the output of
+//! escaping anything).
+
+use std::fmt::Write as _;
+
+use crate::config::{Domain, Rule};
+use crate::quota::DEFAULT_CLASS;
+use crate::units::RatePerUnit;
+
+/// A bucket's storage key and what placed it there.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BucketKey<'q> {
+    /// The Redis key.
+    pub key: String,
+    /// The tenant whose hash slot holds it, if any.
+    pub tenant: Option<&'q str>,
+}
+
+/// What a bucket is, in the words of the identity rules above (for `explain` and tests).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Sharing {
+    /// One bucket per rule and descriptor values.
+    PerValues,
+    /// All descriptors reaching the rule with values matched by its `share_threshold`
+    /// wildcards share the bucket.
+    SharedWildcard,
+    /// The tenant's class bucket, shared by every rule with this class in the scope.
+    Class,
+    /// A request-level override's bucket.
+    Override,
+}
+
+/// The bucket `rule` selects for `entries` (the descriptor that matched it) in `domain`.
+pub fn rule_bucket<'q>(domain: &Domain, rule: &Rule, entries: &[(&'q str, &'q str)]) -> BucketKey<'q> {
+    let tenant = rule.tenant_depth.and_then(|t| entries.get(t)).map(|(_, v)| *v);
+    let mut key = prefix(tenant);
+    match (&rule.class, tenant) {
+        (Some(class), Some(_)) => {
+            escape_into(&mut key, &domain.class_scope);
+            key.push(':');
+            escape_into(&mut key, class);
+        }
+        _ => {
+            escape_into(&mut key, &domain.name);
+            key.push(':');
+            write_entries(&mut key, entries, &rule.shared_values);
+        }
+    }
+    BucketKey { key, tenant }
+}
+
+/// How `rule`'s buckets are shared.
+pub fn sharing(rule: &Rule) -> Sharing {
+    match (&rule.class, rule.tenant_depth) {
+        (Some(_), Some(_)) => Sharing::Class,
+        _ if rule.shared_values.iter().any(Option::is_some) => Sharing::SharedWildcard,
+        _ => Sharing::PerValues,
+    }
+}
+
+/// The quota class a `quota: tenant` rule is sized by: its `class`, else `default`.
+pub fn quota_class(rule: &Rule) -> &str {
+    rule.class.as_deref().unwrap_or(DEFAULT_CLASS)
+}
+
+/// The bucket of a request-level override `limit` on `entries` in `domain`: the rule, if any,
+/// plays no part; a tenant entry only places the bucket in the tenant's slot.
+pub fn override_bucket<'q>(domain: &Domain, limit: RatePerUnit, entries: &[(&'q str, &'q str)]) -> BucketKey<'q> {
+    let tenant = entries.iter().find(|(k, _)| *k == domain.tenant_key).map(|(_, v)| *v);
+    let mut key = prefix(tenant);
+    escape_into(&mut key, &domain.name);
+    let _ = write!(key, ":={}/{}:", limit.requests_per_unit, limit.unit.name());
+    write_entries(&mut key, entries, &[]);
+    BucketKey { key, tenant }
+}
+
+// `rl:` and, for a tenant's bucket, its hash tag.
+fn prefix(tenant: Option<&str>) -> String {
+    let mut key = String::with_capacity(64);
+    key.push_str("rl:");
+    if let Some(tenant) = tenant {
+        key.push('{');
+        if tenant.is_empty() {
+            key.push('%');
+        } else {
+            escape_into(&mut key, tenant);
+        }
+        key.push_str("}:");
+    }
+    key
+}
+
+/// The Redis Cluster slot of `key`, honouring hash tags exactly as Redis does.
+pub fn cluster_slot(key: &str) -> u16 {
+    let bytes = key.as_bytes();
+    let hashed = bytes
+        .iter()
+        .position(|&b| b == b'{')
+        .and_then(|open| {
+            let close = bytes[open + 1..].iter().position(|&b| b == b'}')?;
+            (close > 0).then(|| &bytes[open + 1..open + 1 + close])
+        })
+        .unwrap_or(bytes);
+    crc16::State::<crc16::XMODEM>::calculate(hashed) % 16384
+}
+
+/// Percent-encodes `%`, `{`, `}`, `:`, `=` and control characters of `s`.
+pub fn escape(s: &str) -> String {
+    let mut out = String::with_capacity(s.len());
+    escape_into(&mut out, s);
+    out
+}
+
+fn escape_into(out: &mut String, s: &str) {
+    for c in s.chars() {
+        match c {
+            '%' | '{' | '}' | ':' | '=' | '\u{0}'..='\u{1f}' | '\u{7f}' => {
+                let _ = write!(out, "%{:02X}", c as u32);
+            }
+            _ => out.push(c),
+        }
+    }
+}
+
+// `k=v` pairs joined by `:`; a value under a `share_threshold` wildcard is written as the pattern.
+// Escaped parts never contain a raw `=` or `:`, so this parses back unambiguously. A literal value
+// equal to a pattern's text can only reach that pattern's node: a wildcard earlier in config order
+// that matched the text would match every value the pattern does, leaving the pattern unreachable.
+fn write_entries(out: &mut String, entries: &[(&str, &str)], shared: &[Option<String>]) {
+    for (i, (k, v)) in entries.iter().enumerate() {
+        if i > 0 {
+            out.push(':');
+        }
+        escape_into(out, k);
+        out.push('=');
+        escape_into(out, shared.get(i).and_then(Option::as_deref).unwrap_or(v));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn escaping() {
+        assert_eq!(escape("a\nb%"), "a%0Ab%25");
+        assert_eq!(escape("a}b{:="), "a%7Db%7B%3A%3D");
+        assert_eq!(prefix(Some("")), "rl:{%}:");
+    }
+
+    #[test]
+    fn slots_follow_redis_hash_tag_rules() {
+        // Reference values from `CLUSTER KEYSLOT`.
+        assert_eq!(cluster_slot("foo"), 12182);
+        assert_eq!(cluster_slot("{foo}bar"), 12182);
+        assert_eq!(cluster_slot("{}foo"), cluster_slot("{}foo"));
+        assert_ne!(cluster_slot("{}foo"), cluster_slot("foo"));
+        assert_eq!(cluster_slot("rl:{t42}:a"), cluster_slot("rl:{t42}:b"));
+    }
+}
