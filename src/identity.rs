@@ -28,9 +28,9 @@
 //!
 //! The braces are a Redis Cluster hash tag: only the tenant is hashed, so all buckets of one
 //! tenant share a slot and one Lua call checks and debits them atomically. Other keys contain no
-//! brace and spread over all slots. The shapes cannot collide: escaping leaves no raw `%`-less
-//! `{`, `}`, `:` or `=` in any part, every entry segment holds exactly one raw `=` and never starts
-//! with one, a class segment holds none, and an override segment starts with one. An empty tenant
+//! brace and spread over all slots. The shapes cannot collide: escaping leaves no raw `{`, `}`,
+//! `:` or `=` in any part, every entry segment holds exactly one raw `=` and never starts with
+//! one, a class segment holds none, and an override segment starts with one. An empty tenant
 //! id, which Redis would not treat as a hash tag, is written as a lone `%` (never the output of
 //! escaping anything).
 
@@ -42,11 +42,11 @@ use crate::units::RatePerUnit;
 
 /// A bucket's storage key and what placed it there.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct BucketKey<'q> {
+pub struct BucketKey<'a> {
     /// The Redis key.
     pub key: String,
     /// The tenant whose hash slot holds it, if any.
-    pub tenant: Option<&'q str>,
+    pub tenant: Option<&'a str>,
 }
 
 /// What a bucket is, in the words of the identity rules above (for `explain` and tests).
@@ -64,8 +64,12 @@ pub enum Sharing {
 }
 
 /// The bucket `rule` selects for `entries` (the descriptor that matched it) in `domain`.
-pub fn rule_bucket<'q>(domain: &Domain, rule: &Rule, entries: &[(&'q str, &'q str)]) -> BucketKey<'q> {
-    let tenant = rule.tenant_depth.and_then(|t| entries.get(t)).map(|(_, v)| *v);
+pub fn rule_bucket<'a>(domain: &Domain, rule: &'a Rule, entries: &[(&'a str, &'a str)]) -> BucketKey<'a> {
+    // A tenant entry under a `share_threshold` wildcard is the pattern, like any shared value.
+    let tenant = rule.tenant_depth.and_then(|t| {
+        let shared = rule.shared_values.get(t).and_then(Option::as_deref);
+        Some(shared.unwrap_or(entries.get(t)?.1))
+    });
     let mut key = prefix(tenant);
     match (&rule.class, tenant) {
         (Some(class), Some(_)) => {
@@ -98,7 +102,7 @@ pub fn quota_class(rule: &Rule) -> &str {
 
 /// The bucket of a request-level override `limit` on `entries` in `domain`: the rule, if any,
 /// plays no part; a tenant entry only places the bucket in the tenant's slot.
-pub fn override_bucket<'q>(domain: &Domain, limit: RatePerUnit, entries: &[(&'q str, &'q str)]) -> BucketKey<'q> {
+pub fn override_bucket<'a>(domain: &Domain, limit: RatePerUnit, entries: &[(&'a str, &'a str)]) -> BucketKey<'a> {
     let tenant = entries.iter().find(|(k, _)| *k == domain.tenant_key).map(|(_, v)| *v);
     let mut key = prefix(tenant);
     escape_into(&mut key, &domain.name);

@@ -179,15 +179,15 @@ impl DescriptorVerdict {
 }
 
 // A descriptor's plan before the store is asked.
-enum Plan<'r, 'q> {
+enum Plan<'a> {
     Free,
-    Unlimited(&'r Arc<Rule>),
-    Bucket(BucketPlan<'r, 'q>),
+    Unlimited(&'a Arc<Rule>),
+    Bucket(BucketPlan<'a>),
 }
 
-struct BucketPlan<'r, 'q> {
-    rule: Option<&'r Arc<Rule>>,
-    bucket: BucketKey<'q>,
+struct BucketPlan<'a> {
+    rule: Option<&'a Arc<Rule>>,
+    bucket: BucketKey<'a>,
     // `None` until the tenant's quota is resolved.
     spec: Option<BucketSpec>,
     current_limit: Option<RatePerUnit>,
@@ -227,7 +227,7 @@ impl Limiter {
             self.telemetry.record(query, &decision);
             return Ok(decision);
         };
-        let mut plans: Vec<Plan<'_, '_>> = query.descriptors.iter().map(|d| self.plan(domain, d)).collect();
+        let mut plans: Vec<Plan<'_>> = query.descriptors.iter().map(|d| self.plan(domain, d)).collect();
         drop_replaced(&mut plans);
         self.resolve_quotas(domain, &mut plans).await;
         let (group, op_of) = group(&plans);
@@ -242,7 +242,7 @@ impl Limiter {
         }
     }
 
-    fn plan<'r, 'q>(&self, domain: &'r Domain, d: &QueryDescriptor<'q>) -> Plan<'r, 'q> {
+    fn plan<'a>(&self, domain: &'a Domain, d: &'a QueryDescriptor<'a>) -> Plan<'a> {
         // envoyproxy/ratelimit: an override ignores the rule entirely (no name, no replaces, no
         // shadow, no cost, no quota), and applies even where no rule matches.
         if let Some(limit) = d.limit {
@@ -281,7 +281,7 @@ impl Limiter {
     }
 
     // One lookup per distinct tenant, all at once.
-    async fn resolve_quotas(&self, domain: &Domain, plans: &mut [Plan<'_, '_>]) {
+    async fn resolve_quotas(&self, domain: &Domain, plans: &mut [Plan<'_>]) {
         let mut tenants: Vec<&str> = Vec::new();
         for plan in plans.iter() {
             if let Plan::Bucket(BucketPlan { spec: None, bucket: BucketKey { tenant: Some(t), .. }, .. }) = plan {
@@ -335,7 +335,7 @@ impl Limiter {
         &self,
         domain: &Arc<Domain>,
         query: &Query<'_>,
-        plans: &[Plan<'_, '_>],
+        plans: &[Plan<'_>],
         op_of: &[Option<usize>],
         outcome: &Result<Option<GroupOutcome>, StoreError>,
     ) -> Decision {
@@ -381,7 +381,7 @@ fn overall(descriptors: &[DescriptorVerdict]) -> Code {
 }
 
 // Every bucket operation of the request in one group, and where each descriptor's went.
-fn group(plans: &[Plan<'_, '_>]) -> (Group, Vec<Option<usize>>) {
+fn group(plans: &[Plan<'_>]) -> (Group, Vec<Option<usize>>) {
     let mut group = Group::new();
     let op_of = plans
         .iter()
@@ -400,7 +400,7 @@ fn group(plans: &[Plan<'_, '_>]) -> (Group, Vec<Option<usize>>) {
     (group, op_of)
 }
 
-fn limit_info(p: &BucketPlan<'_, '_>) -> LimitInfo {
+fn limit_info(p: &BucketPlan<'_>) -> LimitInfo {
     let spec = p.spec.expect("quotas resolved");
     LimitInfo {
         rule: p.rule.cloned(),
@@ -434,8 +434,8 @@ impl Decision {
 /// When a matched rule names others in `replaces`, those others apply no limit to this request.
 /// As in envoyproxy/ratelimit, an unlimited rule replaces too but is never replaced, and
 /// overrides have no rule: they neither replace nor are replaced.
-fn drop_replaced<'r>(plans: &mut [Plan<'r, '_>]) {
-    let replaced: Vec<&'r str> =
+fn drop_replaced<'a>(plans: &mut [Plan<'a>]) {
+    let replaced: Vec<&'a str> =
         plans.iter().filter_map(Plan::rule).flat_map(|r| r.replaces.iter().map(String::as_str)).collect();
     if replaced.is_empty() {
         return;
@@ -449,8 +449,8 @@ fn drop_replaced<'r>(plans: &mut [Plan<'r, '_>]) {
     }
 }
 
-impl<'r> Plan<'r, '_> {
-    fn rule(&self) -> Option<&'r Arc<Rule>> {
+impl<'a> Plan<'a> {
+    fn rule(&self) -> Option<&'a Arc<Rule>> {
         match self {
             Plan::Bucket(b) => b.rule,
             Plan::Unlimited(rule) => Some(rule),

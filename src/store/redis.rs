@@ -333,6 +333,14 @@ impl RedisStore {
 // A verdict standing in for an operation whose slot failed; never reported (the group fails).
 const FAILED: Verdict = Verdict { allowed: false, tokens: 0.0, retry_after_ms: None, reset_ms: 0, forgiven: 0.0 };
 
+// One script call: the groups (whole, or parts of split ones) of one slot, and which (group,
+// part) each of them answers.
+struct SlotCall {
+    slot: u16,
+    groups: Vec<Group>,
+    parts: Vec<(usize, usize)>,
+}
+
 // The operations of one group that live in one slot.
 struct Part {
     slot: u16,
@@ -425,7 +433,7 @@ impl Store for RedisStore {
                 .collect();
             // One call per slot, all groups' parts in it. In a part of a split group, quota-mode
             // operations cannot see each other, so they only report; the split group decides.
-            let mut calls: Vec<(u16, Vec<Group>, Vec<(usize, usize)>)> = Vec::new();
+            let mut calls: Vec<SlotCall> = Vec::new();
             for (g, parts) in split.iter().enumerate() {
                 for (p, part) in parts.iter().enumerate() {
                     let sub: Group = if parts.len() == 1 {
@@ -440,22 +448,24 @@ impl Store for RedisStore {
                             })
                             .collect()
                     };
-                    match calls.iter_mut().find(|(slot, _, _)| *slot == part.slot) {
-                        Some((_, groups, owners)) => {
-                            groups.push(sub);
-                            owners.push((g, p));
+                    let at = match calls.iter().position(|c| c.slot == part.slot) {
+                        Some(at) => at,
+                        None => {
+                            calls.push(SlotCall { slot: part.slot, groups: Vec::new(), parts: Vec::new() });
+                            calls.len() - 1
                         }
-                        None => calls.push((part.slot, vec![sub], vec![(g, p)])),
-                    }
+                    };
+                    calls[at].groups.push(sub);
+                    calls[at].parts.push((g, p));
                 }
             }
-            let owners: Vec<Vec<(usize, usize)>> = calls.iter().map(|(_, _, o)| o.clone()).collect();
+            let owners: Vec<Vec<(usize, usize)>> = calls.iter().map(|c| c.parts.clone()).collect();
             // The common case, one slot, needs no join.
             let answers = if calls.len() == 1 {
-                let (slot, groups, _) = calls.pop().expect("one call");
-                vec![self.call_slot(slot, groups).await]
+                let call = calls.pop().expect("one call");
+                vec![self.call_slot(call.slot, call.groups).await]
             } else {
-                join_all(calls.into_iter().map(|(slot, groups, _)| self.call_slot(slot, groups))).await
+                join_all(calls.into_iter().map(|c| self.call_slot(c.slot, c.groups))).await
             };
             let mut part_answers: Vec<Vec<Option<Result<GroupOutcome, StoreError>>>> =
                 split.iter().map(|parts| parts.iter().map(|_| None).collect()).collect();
