@@ -379,6 +379,37 @@ fn node_errors_carry_line_column_and_tree_path() {
 }
 
 #[test]
+fn a_shared_class_must_have_one_limit() {
+    // Within a domain: the second rule of class `export` sizes it differently.
+    let message = error(
+        "domain: d\ndescriptors:\n  - key: tenant\n    descriptors:\n      - key: route\n        value: a\n        class: export\n        rate_limit: {unit: minute, requests_per_unit: 2}\n      - key: route\n        value: b\n        class: export\n        rate_limit: {unit: minute, requests_per_unit: 3}\n",
+    );
+    assert_eq!(
+        message,
+        "test.yaml:9:14: descriptors[0](tenant).descriptors[1](route=b): class 'export' is already sized differently at line 5:14; rules sharing a class share one bucket and must agree on its limit"
+    );
+    let message = error(
+        "domain: d\ndefault_tier: f\ntiers: {f: {default: {capacity: 1, refill_per_second: 1}}}\ndescriptors:\n  - key: tenant\n    descriptors:\n      - key: a\n        class: x\n        quota: tenant\n      - key: b\n        class: x\n        token_bucket: {capacity: 1, refill_per_second: 1}\n",
+    );
+    assert!(message.contains("class 'x' is already sized differently"), "quota and bucket: {message}");
+    // Same limit twice is sharing, not an error.
+    load("domain: d\ndescriptors:\n  - key: tenant\n    descriptors:\n      - key: a\n        class: x\n        rate_limit: {unit: minute, requests_per_unit: 2}\n      - key: b\n        class: x\n        rate_limit: {unit: minute, requests_per_unit: 2}\n");
+
+    // Across domains that name the same class scope.
+    let dir = tempfile::tempdir().unwrap();
+    let file = |limit: u32| {
+        format!("class_scope: shared\ndescriptors:\n  - key: tenant\n    descriptors:\n      - key: k\n        class: x\n        rate_limit: {{unit: minute, requests_per_unit: {limit}}}\n")
+    };
+    std::fs::write(dir.path().join("a.yaml"), format!("domain: a\n{}", file(2))).unwrap();
+    std::fs::write(dir.path().join("b.yaml"), format!("domain: b\n{}", file(2))).unwrap();
+    assert_eq!(RuleSet::load(dir.path()).unwrap().domains().count(), 2);
+    std::fs::write(dir.path().join("b.yaml"), format!("domain: b\n{}", file(5))).unwrap();
+    let message = RuleSet::load(dir.path()).unwrap_err().to_string();
+    assert!(message.contains("b.yaml:6:14: class x: class 'x' of class scope 'shared' is sized differently at"), "{message}");
+    assert!(message.contains("a.yaml:6:14"), "{message}");
+}
+
+#[test]
 fn directory_errors() {
     let dir = tempfile::tempdir().unwrap();
     let err = RuleSet::load(dir.path()).unwrap_err();
