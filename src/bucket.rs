@@ -125,12 +125,16 @@ fn wait(deficit: f64, rate_per_ms: f64) -> u64 {
 }
 
 /// The stored state of one bucket.
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
 pub struct BucketState {
     /// Balance as of `last_refill_ms`; negative only for buckets charged always (debt).
     pub tokens: f64,
     /// When the balance was last brought up to date, in clock milliseconds.
     pub last_refill_ms: u64,
+    /// The fastest refill rate (per second) any charge of this bucket used, 0 if unknown. Every
+    /// caller sends its own spec, and replicas can briefly disagree (a quota change still cached
+    /// elsewhere): a bound on the balance that other replicas may raise must use this rate.
+    pub fastest_refill: f64,
 }
 
 /// How an operation's shortage counts toward its group's admission.
@@ -203,6 +207,8 @@ pub struct Verdict {
     pub reset_ms: u64,
     /// Tokens of this debit that fell below the debt floor and were forgiven.
     pub forgiven: f64,
+    /// The bucket's [`BucketState::fastest_refill`] after this operation.
+    pub fastest_refill: f64,
 }
 
 /// What one group found.
@@ -215,9 +221,10 @@ pub struct GroupOutcome {
     pub now_ms: u64,
     /// One verdict per operation, in the group's order.
     pub verdicts: Vec<Verdict>,
-    /// Debits were taken and then given back (a store that evaluates a group in several steps
-    /// credits the steps that succeeded when another one denies): balances rose meanwhile.
-    pub compensated: bool,
+    /// Debits were taken and then given back ([`refund`]: a store that evaluates a group in
+    /// several steps refunds the steps that succeeded when another one denies): balances rose
+    /// after they were reported.
+    pub refunded: bool,
 }
 
 /// A bucket whose state a batch changed and that must be written back.
@@ -247,12 +254,13 @@ pub struct Evaluation {
 /// interval is never refilled twice.
 pub fn refill(state: Option<BucketState>, spec: &BucketSpec, now_ms: u64) -> BucketState {
     match state {
-        None => BucketState { tokens: spec.capacity, last_refill_ms: now_ms },
+        None => BucketState { tokens: spec.capacity, last_refill_ms: now_ms, fastest_refill: 0.0, ..Default::default() },
         Some(s) => {
             let elapsed = now_ms.saturating_sub(s.last_refill_ms) as f64;
             BucketState {
                 tokens: spec.capacity.min(s.tokens + elapsed * spec.rate_per_ms()),
                 last_refill_ms: s.last_refill_ms.max(now_ms),
+                fastest_refill: s.fastest_refill,
             }
         }
     }
@@ -264,15 +272,39 @@ pub fn covers(tokens: f64, need: f64) -> bool {
     need < 0.0 || tokens >= need
 }
 
-// Takes `op.need` from `tokens` as its charge mode says; (new balance, forgiven).
-fn debit(tokens: f64, op: &BucketOp) -> (f64, f64) {
-    let after = op.spec.capacity.min(tokens - op.need);
+// Takes `op.need` from `state` as its charge mode says, and remembers the op's refill rate if it
+// is the fastest yet; returns the tokens forgiven below the floor.
+fn debit(state: &mut BucketState, op: &BucketOp) -> f64 {
+    state.fastest_refill = state.fastest_refill.max(op.spec.refill_per_second);
+    let after = op.spec.capacity.min(state.tokens - op.need);
     let floor = op.charge.floor();
     if after < floor {
-        (floor, floor - after)
+        state.tokens = floor;
+        floor - after
     } else {
-        (after, 0.0)
+        state.tokens = after;
+        0.0
     }
+}
+
+/// The operations that give back what `outcome` took for `group`, each with the index of the
+/// operation it undoes: every debit charged because the group was admitted comes back as a
+/// credit (capped at capacity), every credit is taken back (down to zero at most). What is
+/// charged always stays charged.
+pub fn refund(group: &Group, outcome: &GroupOutcome) -> Vec<(usize, BucketOp)> {
+    if !outcome.admitted {
+        return Vec::new();
+    }
+    group
+        .iter()
+        .zip(&outcome.verdicts)
+        .enumerate()
+        .filter(|(_, (op, v))| v.allowed && op.need != 0.0 && op.charge == Charge::Admitted)
+        .map(|(i, (op, _))| {
+            let charge = if op.need < 0.0 { Charge::Always { max_debt: 0.0 } } else { Charge::Admitted };
+            (i, BucketOp { key: op.key.clone(), spec: op.spec, need: -op.need, role: Role::Shadow, charge })
+        })
+        .collect()
 }
 
 /// Evaluates `batch` at `now_ms` against the states `load` returns (`None` = no stored bucket).
@@ -302,7 +334,7 @@ pub fn evaluate(batch: &Batch, now_ms: u64, mut load: impl FnMut(&str) -> Option
             let retry_after_ms = if allowed { Some(0) } else { op.spec.wait_ms(state.tokens, op.need.max(0.0)) };
             let mut forgiven = 0.0;
             if allowed || matches!(op.charge, Charge::Always { .. }) {
-                (state.tokens, forgiven) = debit(state.tokens, op);
+                forgiven = debit(&mut state, op);
             }
             tentative.insert(key, state);
             match op.role {
@@ -313,7 +345,14 @@ pub fn evaluate(batch: &Batch, now_ms: u64, mut load: impl FnMut(&str) -> Option
                     quota_allowed += usize::from(allowed);
                 }
             }
-            verdicts.push(Verdict { allowed, tokens: state.tokens, retry_after_ms, reset_ms: 0, forgiven });
+            verdicts.push(Verdict {
+                allowed,
+                tokens: state.tokens,
+                retry_after_ms,
+                reset_ms: 0,
+                forgiven,
+                fastest_refill: state.fastest_refill,
+            });
         }
         let admitted = !enforced_short && (quota_ops == 0 || quota_allowed > 0);
 
@@ -329,10 +368,11 @@ pub fn evaluate(batch: &Batch, now_ms: u64, mut load: impl FnMut(&str) -> Option
                 let mut state = refill(running[key], &op.spec, now_ms);
                 verdict.forgiven = 0.0;
                 if always {
-                    (state.tokens, verdict.forgiven) = debit(state.tokens, op);
+                    verdict.forgiven = debit(&mut state, op);
                     running.insert(key, Some(state));
                 }
                 verdict.tokens = state.tokens;
+                verdict.fastest_refill = state.fastest_refill;
                 always
             };
             if charged && op.need != 0.0 && op.spec.refill_per_second > 0.0 {
@@ -345,7 +385,7 @@ pub fn evaluate(batch: &Batch, now_ms: u64, mut load: impl FnMut(&str) -> Option
             }
             verdict.reset_ms = op.spec.reset_ms(verdict.tokens);
         }
-        groups.push(GroupOutcome { admitted, now_ms, verdicts, compensated: false });
+        groups.push(GroupOutcome { admitted, now_ms, verdicts, refunded: false });
     }
 
     let writes = dirty_order
@@ -386,7 +426,7 @@ mod tests {
             e.writes,
             vec![Write {
                 key: "a".into(),
-                state: BucketState { tokens: 7.0, last_refill_ms: 1_000 },
+                state: BucketState { tokens: 7.0, last_refill_ms: 1_000, fastest_refill: 1.0 },
                 ttl_ms: 11_000,
             }]
         );
@@ -394,16 +434,16 @@ mod tests {
 
     #[test]
     fn refill_is_lazy_capped_and_ignores_clock_steps_back() {
-        let s = BucketState { tokens: 2.0, last_refill_ms: 10_000 };
+        let s = BucketState { tokens: 2.0, last_refill_ms: 10_000, ..Default::default() };
         assert_eq!(refill(Some(s), &spec(10.0, 2.0), 12_000).tokens, 6.0);
         assert_eq!(refill(Some(s), &spec(10.0, 2.0), 60_000).tokens, 10.0);
         let back = refill(Some(s), &spec(10.0, 2.0), 5_000);
-        assert_eq!(back, BucketState { tokens: 2.0, last_refill_ms: 10_000 });
+        assert_eq!(back, BucketState { tokens: 2.0, last_refill_ms: 10_000, ..Default::default() });
     }
 
     #[test]
     fn denial_reports_wait_and_writes_nothing() {
-        let s = BucketState { tokens: 1.0, last_refill_ms: 0 };
+        let s = BucketState { tokens: 1.0, last_refill_ms: 0, ..Default::default() };
         let e = evaluate(&[vec![op("a", spec(10.0, 2.0), 4.0)]], 0, |_| Some(s));
         let v = e.groups[0].verdicts[0];
         assert!(!e.groups[0].admitted && !v.allowed);
@@ -420,7 +460,7 @@ mod tests {
 
     #[test]
     fn group_is_all_or_nothing() {
-        let empty = BucketState { tokens: 0.0, last_refill_ms: 0 };
+        let empty = BucketState { tokens: 0.0, last_refill_ms: 0, ..Default::default() };
         let e = evaluate(
             &[vec![op("tenant", spec(10.0, 1.0), 1.0), op("export", spec(5.0, 1.0), 5.0)]],
             0,
@@ -443,7 +483,7 @@ mod tests {
 
     #[test]
     fn quota_mode_denies_only_when_every_quota_bucket_is_short() {
-        let empty = BucketState { tokens: 0.0, last_refill_ms: 0 };
+        let empty = BucketState { tokens: 0.0, last_refill_ms: 0, ..Default::default() };
         let quota = |key: &str| BucketOp { role: Role::Quota, ..op(key, spec(5.0, 1.0), 1.0) };
         let load = |k: &str| (k == "q1").then_some(empty);
         let e = evaluate(&[vec![quota("q1"), quota("q2")]], 0, load);
@@ -479,7 +519,7 @@ mod tests {
 
     #[test]
     fn credit_and_check_only() {
-        let s = BucketState { tokens: 1.0, last_refill_ms: 0 };
+        let s = BucketState { tokens: 1.0, last_refill_ms: 0, ..Default::default() };
         let e = evaluate(&[vec![op("a", spec(5.0, 1.0), -10.0)]], 0, |_| Some(s));
         assert_eq!(e.groups[0].verdicts[0].tokens, 5.0, "credit is capped at capacity");
         let e = evaluate(&[vec![op("a", spec(5.0, 1.0), 0.0)]], 0, |_| Some(s));
@@ -498,10 +538,10 @@ mod tests {
     fn charge_always_goes_into_debt_down_to_the_floor() {
         let s = spec(1_000.0, 10.0);
         // Check, charge 600, check, charge 600: the second charge goes into debt.
-        let start = BucketState { tokens: 1_000.0, last_refill_ms: 0 };
+        let start = BucketState { tokens: 1_000.0, last_refill_ms: 0, ..Default::default() };
         let e = evaluate(&[vec![always("a", s, 600.0, 1_000.0)]], 0, |_| Some(start));
         assert_eq!(e.groups[0].verdicts[0].tokens, 400.0);
-        let at = BucketState { tokens: 400.0, last_refill_ms: 0 };
+        let at = BucketState { tokens: 400.0, last_refill_ms: 0, ..Default::default() };
         let e = evaluate(&[vec![always("a", s, 600.0, 1_000.0)]], 0, |_| Some(at));
         let v = e.groups[0].verdicts[0];
         assert!(!v.allowed && !e.groups[0].admitted, "600 > 400: denied, yet charged");
@@ -509,7 +549,7 @@ mod tests {
         assert_eq!(e.writes[0].state.tokens, -200.0);
         assert_eq!(e.writes[0].ttl_ms, 201_000, "lives until full from the floor");
         // A check while in debt is denied until the balance is back to zero.
-        let debt = BucketState { tokens: -200.0, last_refill_ms: 0 };
+        let debt = BucketState { tokens: -200.0, last_refill_ms: 0, ..Default::default() };
         let e = evaluate(&[vec![always("a", s, 0.0, 1_000.0)]], 0, |_| Some(debt));
         let v = e.groups[0].verdicts[0];
         assert_eq!((v.allowed, v.retry_after_ms), (false, Some(20_000)));
@@ -523,7 +563,7 @@ mod tests {
     #[test]
     fn a_denied_group_still_takes_what_is_charged_always() {
         let s = spec(10.0, 1.0);
-        let empty = BucketState { tokens: 0.0, last_refill_ms: 0 };
+        let empty = BucketState { tokens: 0.0, last_refill_ms: 0, ..Default::default() };
         let e = evaluate(
             &[vec![op("plain", s, 1.0), always("metered", s, 3.0, 10.0), op("short", s, 1.0)]],
             0,
@@ -535,6 +575,19 @@ mod tests {
         assert_eq!(g.verdicts[1].tokens, 7.0, "always-charge bucket debited");
         assert_eq!(e.writes.len(), 1);
         assert_eq!(e.writes[0].key, "metered");
+    }
+
+    #[test]
+    fn a_refund_gives_back_what_admission_took() {
+        let s = spec(10.0, 1.0);
+        let group = vec![op("a", s, 3.0), always("m", s, 2.0, 10.0), op("c", s, -1.0), op("z", s, 0.0)];
+        let e = evaluate(std::slice::from_ref(&group), 0, |_| None);
+        let back: Group = refund(&group, &e.groups[0]).into_iter().map(|(_, op)| op).collect();
+        assert_eq!(back.iter().map(|o| (o.key.as_str(), o.need)).collect::<Vec<_>>(), vec![("a", -3.0), ("c", 1.0)]);
+        let after = evaluate(&[back], 0, |k| e.writes.iter().find(|w| w.key == k).map(|w| w.state));
+        assert_eq!(after.groups[0].verdicts[0].tokens, 10.0);
+        let denied = GroupOutcome { admitted: false, ..e.groups[0].clone() };
+        assert!(refund(&group, &denied).is_empty(), "a denied group took nothing");
     }
 
     #[test]

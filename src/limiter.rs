@@ -26,7 +26,7 @@ use crate::bucket::{BucketOp, BucketSpec, Charge, Group, GroupOutcome, Role, Ver
 use crate::config::{Domain, FailureMode, Limit, Rule, RuleSet};
 use crate::identity::{self, BucketKey};
 use crate::quota::QuotaSource;
-use crate::store::{Store, StoreError};
+use crate::store::{LateReply, Store, StoreError};
 use crate::telemetry::Telemetry;
 use crate::units::RatePerUnit;
 
@@ -311,7 +311,10 @@ impl Limiter {
         if group.is_empty() {
             return Ok(None);
         }
-        let result = self.store.evaluate(std::slice::from_ref(&group)).await.pop().expect("one result per group");
+        // A request answered by a denial or an error must take nothing, even if the store's reply
+        // comes after the deadline; one admitted by `allow` keeps what it took.
+        let late = if domain.failure_mode == FailureMode::Allow { LateReply::Keep } else { LateReply::GiveBack };
+        let result = self.store.evaluate(std::slice::from_ref(&group), late).await.pop().expect("one result per group");
         match result {
             Ok(outcome) => {
                 let forgiven: f64 = outcome.verdicts.iter().map(|v| v.forgiven).sum();

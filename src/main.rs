@@ -329,10 +329,7 @@ fn serve(args: ServeArgs) -> Result<()> {
         };
         let store: Arc<dyn Store> = match redis_target {
             Some(target) => {
-                let mut redis = RedisStore::connect(&target, args.redis_timeout, &redis_tls)?;
-                if !args.coalesce_delay.is_zero() {
-                    redis = redis.coalescing(args.coalesce_delay);
-                }
+                let redis = RedisStore::connect(&target, args.redis_timeout, args.coalesce_delay, &redis_tls)?;
                 if args.no_precheck {
                     Arc::new(redis)
                 } else {

@@ -1,15 +1,17 @@
 //! The two implementations of the bucket algorithm, `src/bucket.rs` (memory store) and
 //! `src/store/token_bucket.lua` (Redis), replay the same random operation sequences and must
 //! agree exactly: admissions, per-operation verdicts (forgiven debt included), and for every
-//! bucket a step wrote, the stored balance to the last bit, the refill time and the expiry.
+//! bucket a step wrote, the stored balance to the last bit, the refill time, the fastest refill
+//! rate recorded and the expiry.
 //! The sequences cover every role (enforced, shadow, quota mode), both charge modes with debt and
 //! its floor, credits, checks, zero-capacity buckets and extreme specs (a capacity of 1e12
 //! refilling 0.0001 per second, whose TTL would overflow without the cap).
 //!
 //! Redis's clock cannot be set, so the memory store follows it: each script run returns the
 //! server time it used, and the memory store's manual clock is set to that time. Long idle
-//! periods are simulated by moving every stored `last_refill` back in Redis by the same amount
-//! the memory clock is moved forward, which gives both stores the same elapsed times.
+//! periods are simulated by moving every stored `last_refill` and expiry back in Redis by the
+//! same amount the memory clock is moved forward, which gives both stores the same elapsed times
+//! and the same expired buckets.
 
 mod common;
 
@@ -21,7 +23,7 @@ use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use tollgate::bucket::{BucketOp, BucketSpec, Charge, Group, Role, MAX_WAIT_MS};
 use tollgate::clock::ManualClock;
-use tollgate::store::{MemoryStore, RedisStore, RedisTarget, RedisTls, Store};
+use tollgate::store::{LateReply, MemoryStore, RedisStore, RedisTarget, RedisTls, Store};
 
 struct Bucket {
     key: String,
@@ -84,6 +86,7 @@ async fn replay(seed: u64, redis: &common::Redis) -> usize {
     let store = RedisStore::connect(
         &RedisTarget::Standalone(redis.url()),
         Duration::from_secs(2),
+        Duration::ZERO,
         &RedisTls::default(),
     )
     .unwrap();
@@ -100,11 +103,19 @@ async fn replay(seed: u64, redis: &common::Redis) -> usize {
         if rng.random_bool(0.1) {
             // Let time pass: up to twice the slowest refill of the small buckets.
             let delta = rng.random_range(1..200_000u64);
+            // Expiry moves back too, so a bucket expires in Redis exactly when the memory store
+            // (whose clock jumps) drops it.
             for b in &buckets {
                 let last: Option<u64> = redis::cmd("HGET").arg(&b.key).arg("l").query(&mut con).unwrap();
                 if let Some(last) = last {
                     let _: () =
                         redis::cmd("HSET").arg(&b.key).arg("l").arg(last - delta).query(&mut con).unwrap();
+                    let expires: i64 = redis::cmd("PEXPIRETIME").arg(&b.key).query(&mut con).unwrap();
+                    let _: () = redis::cmd("PEXPIREAT")
+                        .arg(&b.key)
+                        .arg(expires - delta as i64)
+                        .query(&mut con)
+                        .unwrap();
                 }
             }
             shift += delta;
@@ -112,7 +123,7 @@ async fn replay(seed: u64, redis: &common::Redis) -> usize {
         }
         let batch = random_batch(&mut rng, &buckets);
         let from_redis: Vec<_> =
-            store.evaluate(&batch).await.into_iter().map(|r| r.expect("redis answers")).collect();
+            store.evaluate(&batch, LateReply::Keep).await.into_iter().map(|r| r.expect("redis answers")).collect();
         let redis_now = from_redis[0].now_ms;
         clock.set(redis_now + shift);
         let from_memory = memory.evaluate_now(&batch);
@@ -129,14 +140,15 @@ async fn replay(seed: u64, redis: &common::Redis) -> usize {
         }
         // Every bucket either store wrote in this step: same balance, refill time and expiry.
         for b in &buckets {
-            let (t, l): (Option<String>, Option<u64>) =
-                redis::cmd("HMGET").arg(&b.key).arg("t").arg("l").query(&mut con).unwrap();
+            let (t, l, r): (Option<String>, Option<u64>, Option<String>) =
+                redis::cmd("HMGET").arg(&b.key).arg("t").arg("l").arg("r").query(&mut con).unwrap();
             let expires: i64 = redis::cmd("PEXPIRETIME").arg(&b.key).query(&mut con).unwrap();
-            let in_redis = (l == Some(redis_now)).then(|| (t.unwrap().parse::<f64>().unwrap(), expires));
+            let number = |text: Option<String>| text.unwrap().parse::<f64>().unwrap();
+            let in_redis = (l == Some(redis_now)).then(|| (number(t), number(r), expires));
             let in_memory = memory
                 .stored(&b.key)
                 .filter(|(s, _)| s.last_refill_ms == redis_now + shift)
-                .map(|(s, expires_at)| (s.tokens, (expires_at - shift) as i64));
+                .map(|(s, expires_at)| (s.tokens, s.fastest_refill, (expires_at - shift) as i64));
             assert_eq!(in_redis, in_memory, "seed {seed} step {step} key {}: {batch:?}", b.key);
             writes += usize::from(in_redis.is_some());
         }

@@ -13,7 +13,9 @@ use rand::{Rng, SeedableRng};
 use redis::Commands as _;
 use tollgate::bucket::{BucketOp, BucketSpec, Charge, Group, Role};
 use tollgate::clock::ManualClock;
-use tollgate::store::{MemoryStore, Precheck, Store};
+use tollgate::store::{LateReply, MemoryStore, Precheck, Store};
+
+const GIVE_BACK: LateReply = LateReply::GiveBack;
 
 fn op(key: &str, capacity: f64, refill_per_second: f64, need: f64) -> BucketOp {
     BucketOp {
@@ -64,8 +66,8 @@ async fn replay(seeds: std::ops::Range<u64>, debt: bool) -> u64 {
         let mut rng = StdRng::seed_from_u64(seed);
         for step in 0..2000 {
             let batch: Vec<Group> = (0..rng.random_range(1..=2)).map(|_| random_group(&mut rng, debt)).collect();
-            let expected = plain.evaluate(&batch).await;
-            let got = checked.evaluate(&batch).await;
+            let expected = plain.evaluate(&batch, GIVE_BACK).await;
+            let got = checked.evaluate(&batch, GIVE_BACK).await;
             for (g, (e, o)) in expected.iter().zip(&got).enumerate() {
                 let (e, o) = (e.as_ref().unwrap(), o.as_ref().unwrap());
                 let what = format!("seed {seed} step {step} group {g}: {:?}", batch[g]);
@@ -91,7 +93,10 @@ async fn replay(seeds: std::ops::Range<u64>, debt: bool) -> u64 {
 async fn decisions_are_identical_with_and_without_the_precheck() {
     let local_answers = replay(0..20, false).await;
     println!("pre-check answered {local_answers} of the groups locally");
-    assert!(local_answers > 5_000, "the pre-check answered only {local_answers} groups");
+    // Only buckets the observing call wrote are remembered (a bucket read but not written may
+    // expire and come back full at a larger capacity), which leaves some 3,300 of these 40,000
+    // groups to answer locally.
+    assert!(local_answers > 3_000, "the pre-check answered only {local_answers} groups");
 }
 
 #[tokio::test]
@@ -112,11 +117,11 @@ async fn a_check_on_a_bucket_in_debt_is_denied_locally() {
         vec![vec![o]]
     };
     for _ in 0..2 {
-        let charged = checked.evaluate(&metered(600.0)).await;
+        let charged = checked.evaluate(&metered(600.0), GIVE_BACK).await;
         assert!(charged[0].is_ok());
     }
     assert_eq!(checked.answered_locally(), 0, "charges always reach the store");
-    let check = checked.evaluate(&metered(0.0)).await;
+    let check = checked.evaluate(&metered(0.0), GIVE_BACK).await;
     let v = check[0].as_ref().unwrap().verdicts[0];
     assert!(!v.allowed && v.tokens < 0.0, "{v:?}");
     assert_eq!(checked.answered_locally(), 1, "the check was denied without the store");
@@ -129,14 +134,14 @@ async fn a_changed_quota_is_never_held_to_the_old_observation() {
     let inner: Arc<dyn Store> = Arc::new(MemoryStore::with_clock(Arc::new(clock.clone())));
     let checked = Precheck::new(inner, Arc::new(clock.clone()), 1000);
     let spend = |rate| vec![vec![op("rl:{t}:default", 1.0, rate, 1.0)]];
-    assert!(checked.evaluate(&spend(0.001)).await[0].as_ref().unwrap().admitted);
-    assert!(!checked.evaluate(&spend(0.001)).await[0].as_ref().unwrap().admitted);
-    assert!(!checked.evaluate(&spend(0.001)).await[0].as_ref().unwrap().admitted);
+    assert!(checked.evaluate(&spend(0.001), GIVE_BACK).await[0].as_ref().unwrap().admitted);
+    assert!(!checked.evaluate(&spend(0.001), GIVE_BACK).await[0].as_ref().unwrap().admitted);
+    assert!(!checked.evaluate(&spend(0.001), GIVE_BACK).await[0].as_ref().unwrap().admitted);
     assert_eq!(checked.answered_locally(), 2, "the empty bucket is denied locally");
     // The quota's rate grows: half a second refills the bucket at the new rate, though the old
     // observation's rate would bound it to 0.0005 tokens. The pre-check must ask the store.
     clock.advance(500);
-    assert!(checked.evaluate(&spend(10.0)).await[0].as_ref().unwrap().admitted);
+    assert!(checked.evaluate(&spend(10.0), GIVE_BACK).await[0].as_ref().unwrap().admitted);
     assert_eq!(checked.answered_locally(), 2);
 }
 
@@ -148,11 +153,11 @@ async fn memory_stays_bounded_under_many_empty_buckets() {
     // 10,000 empty buckets; only 160 can be remembered, the rest still get correct answers.
     for t in 0..10_000 {
         let key = format!("rl:{{t{t}}}:default");
-        assert!(!checked.evaluate(&[vec![op(&key, 0.0, 0.0, 1.0)]]).await[0].as_ref().unwrap().admitted);
+        assert!(!checked.evaluate(&[vec![op(&key, 0.0, 0.0, 1.0)]], GIVE_BACK).await[0].as_ref().unwrap().admitted);
     }
     for t in 0..10_000 {
         let key = format!("rl:{{t{t}}}:default");
-        assert!(!checked.evaluate(&[vec![op(&key, 0.0, 0.0, 1.0)]]).await[0].as_ref().unwrap().admitted);
+        assert!(!checked.evaluate(&[vec![op(&key, 0.0, 0.0, 1.0)]], GIVE_BACK).await[0].as_ref().unwrap().admitted);
     }
     let answered = checked.answered_locally();
     println!("answered locally: {answered} of 10000 repeats");
@@ -240,6 +245,7 @@ impl Store for HeldStore {
     fn evaluate<'a>(
         &'a self,
         batch: &'a tollgate::bucket::Batch,
+        _late: LateReply,
     ) -> futures::future::BoxFuture<
         'a,
         Vec<Result<tollgate::bucket::GroupOutcome, tollgate::store::StoreError>>,
@@ -280,7 +286,7 @@ async fn a_reply_from_before_a_credit_is_not_remembered() {
     *held.hold.lock().unwrap() = Some(released);
     let slow = tokio::spawn({
         let checked = checked.clone();
-        async move { checked.evaluate(&take(1.0)).await[0].as_ref().unwrap().admitted }
+        async move { checked.evaluate(&take(1.0), GIVE_BACK).await[0].as_ref().unwrap().admitted }
     });
     for _ in 0..10_000 {
         if held.hold.lock().unwrap().is_none() {
@@ -290,11 +296,11 @@ async fn a_reply_from_before_a_credit_is_not_remembered() {
     }
     assert!(held.hold.lock().unwrap().is_none(), "the slow request reached the store");
     // ...and meanwhile a credit gives the bucket its two tokens back.
-    assert!(checked.evaluate(&take(-2.0)).await[0].as_ref().unwrap().admitted);
+    assert!(checked.evaluate(&take(-2.0), GIVE_BACK).await[0].as_ref().unwrap().admitted);
     release.send(()).unwrap();
     assert!(!slow.await.unwrap(), "the slow request was denied before the credit");
 
     // Its stale reply must not turn into a local denial: the bucket has tokens.
-    assert!(checked.evaluate(&take(1.0)).await[0].as_ref().unwrap().admitted);
+    assert!(checked.evaluate(&take(1.0), GIVE_BACK).await[0].as_ref().unwrap().admitted);
     assert_eq!(checked.answered_locally(), 0);
 }

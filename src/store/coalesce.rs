@@ -1,18 +1,25 @@
-//! Hot-tenant coalescing: many concurrent requests for one Cluster slot, one script call.
+//! Every script call goes through here: hot-tenant coalescing, a bound on the calls in flight per
+//! slot, and refunds of replies that come after their caller gave up.
 //!
-//! Without it every request is its own EVALSHA, and a hot tenant (all of whose buckets share one
-//! slot, hence one shard) is capped by the single-key script rate of that shard. The coalescer
-//! keeps one queue per slot. A request for an idle slot goes out at once, so light load pays
-//! nothing; requests that arrive while a call for their slot is in flight wait for it and then
-//! leave together, as one call whose groups the script evaluates in arrival order with running
-//! state, exactly as the same calls one after another would. Decisions stay exact: only the
-//! number of round trips changes.
+//! **Coalescing.** Without it every request is its own EVALSHA, and a hot tenant (all of whose
+//! buckets share one slot, hence one shard) is capped by the single-key script rate of that shard.
+//! The coalescer keeps one queue per slot. A request for an idle slot goes out at once, so light
+//! load pays nothing; requests that arrive while a call for their slot is in flight wait for it
+//! and then leave together, as one call whose groups the script evaluates in arrival order with
+//! running state, exactly as the same calls one after another would. Decisions stay exact: only
+//! the number of round trips changes. The wait is bounded twice: a request that finds the slot's
+//! latest call older than the delay starts another call (up to [`MAX_IN_FLIGHT`] per slot)
+//! instead of waiting, and a timer does the same for a queue nobody else arrives to (Tokio's
+//! timers tick in milliseconds, so that second bound is the delay rounded up to one). With a delay
+//! of zero nothing is held back to batch it; calls queue only beyond [`MAX_IN_FLIGHT_UNCOALESCED`]
+//! per slot, which bounds what a hung server can accumulate.
 //!
-//! The wait is bounded twice: a request that finds the slot's latest call older than the delay
-//! starts another call (up to [`MAX_IN_FLIGHT`] per slot) instead of waiting, and a timer does the
-//! same for a queue nobody else arrives to (Tokio's timers tick in milliseconds, so that second
-//! bound is the delay rounded up to one). A request whose caller gave up (deadline passed) is
-//! dropped from the queue before it is sent, so no tokens are spent for an answer nobody reads.
+//! **Deadlines and late replies.** A caller waits at most its deadline; a request whose caller
+//! gave up before it was sent is dropped from the queue unsent, so it takes no tokens. A call that
+//! was sent runs on in its own task until its reply comes (or the connection's longer response
+//! timeout passes). When the reply shows that a group's script run took tokens for a caller that
+//! has already answered, the group's [`LateReply`] decides: `GiveBack` sends the refund at once,
+//! `Keep` leaves the tokens taken. Both are counted in `tollgate_store_late_replies_total`.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -21,17 +28,19 @@ use std::time::{Duration, Instant};
 use futures::future::BoxFuture;
 use tokio::sync::oneshot;
 
-use super::StoreError;
-use crate::bucket::{Group, GroupOutcome};
+use super::{LateReply, StoreError};
+use crate::bucket::{refund, Group, GroupOutcome};
 
-/// Most concurrent calls per slot; beyond, requests queue for the next call.
+/// Most concurrent calls per slot when coalescing; beyond, requests queue for the next call.
 pub const MAX_IN_FLIGHT: usize = 4;
+/// Most concurrent calls per slot with coalescing off.
+pub const MAX_IN_FLIGHT_UNCOALESCED: usize = 64;
 /// Most groups in one call, which bounds the script's run time (Redis runs nothing else meanwhile).
 pub const MAX_GROUPS_PER_CALL: usize = 256;
 
 /// One script call for a list of groups of one slot, answering one outcome per group in order.
 pub type Call =
-    Arc<dyn Fn(Vec<Group>) -> BoxFuture<'static, Result<Vec<GroupOutcome>, StoreError>> + Send + Sync>;
+    Arc<dyn Fn(u16, Vec<Group>) -> BoxFuture<'static, Result<Vec<GroupOutcome>, StoreError>> + Send + Sync>;
 
 type Reply = Result<Vec<GroupOutcome>, StoreError>;
 
@@ -39,7 +48,8 @@ type Reply = Result<Vec<GroupOutcome>, StoreError>;
 pub struct Coalescer {
     call: Call,
     delay: Duration,
-    timeout: Duration,
+    max_in_flight: usize,
+    deadline: Duration,
     slots: Mutex<HashMap<u16, Queue>>,
 }
 
@@ -52,25 +62,27 @@ struct Queue {
 
 struct Waiter {
     groups: Vec<Group>,
+    late: LateReply,
     reply: oneshot::Sender<Reply>,
 }
 
 impl Coalescer {
-    /// Coalesces calls to `call`; a queued request waits about `delay` at most before a call of
-    /// its own goes out, and gets [`StoreError::Timeout`] after `timeout` in all.
-    pub fn new(call: Call, delay: Duration, timeout: Duration) -> Arc<Coalescer> {
-        Arc::new(Coalescer { call, delay, timeout, slots: Mutex::default() })
+    /// Dispatches calls to `call`; a queued request waits about `delay` at most before a call of
+    /// its own goes out (zero: no coalescing), and gets [`StoreError::Timeout`] after `deadline`.
+    pub fn new(call: Call, delay: Duration, deadline: Duration) -> Arc<Coalescer> {
+        let max_in_flight = if delay.is_zero() { MAX_IN_FLIGHT_UNCOALESCED } else { MAX_IN_FLIGHT };
+        Arc::new(Coalescer { call, delay, max_in_flight, deadline, slots: Mutex::default() })
     }
 
     /// Evaluates `groups` (all of slot `slot`) in the next call for that slot.
-    pub async fn submit(self: &Arc<Self>, slot: u16, groups: Vec<Group>) -> Reply {
+    pub async fn submit(self: &Arc<Self>, slot: u16, groups: Vec<Group>, late: LateReply) -> Reply {
         let (reply, answer) = oneshot::channel();
         {
             let mut slots = self.lock();
             let queue = slots.entry(slot).or_default();
-            queue.waiting.push(Waiter { groups, reply });
+            queue.waiting.push(Waiter { groups, late, reply });
             let latest_is_slow = queue.last_sent.is_none_or(|t| t.elapsed() >= self.delay);
-            if queue.in_flight == 0 || (queue.in_flight < MAX_IN_FLIGHT && latest_is_slow) {
+            if queue.in_flight == 0 || (queue.in_flight < self.max_in_flight && latest_is_slow) {
                 self.send(slot, queue);
             } else if queue.waiting.len() == 1 {
                 let me = self.clone();
@@ -80,10 +92,10 @@ impl Coalescer {
                 });
             }
         }
-        match tokio::time::timeout(self.timeout, answer).await {
+        match tokio::time::timeout(self.deadline, answer).await {
             Ok(Ok(reply)) => reply,
-            Ok(Err(_)) => Err(StoreError::Redis("the coalesced call was abandoned".into())),
-            Err(_) => Err(StoreError::Timeout(self.timeout)),
+            Ok(Err(_)) => Err(StoreError::Protocol("the call was abandoned".into())),
+            Err(_) => Err(StoreError::Timeout(self.deadline)),
         }
     }
 
@@ -95,7 +107,7 @@ impl Coalescer {
     fn flush(self: &Arc<Self>, slot: u16) {
         let mut slots = self.lock();
         if let Some(queue) = slots.get_mut(&slot) {
-            if !queue.waiting.is_empty() && queue.in_flight < MAX_IN_FLIGHT {
+            if !queue.waiting.is_empty() && queue.in_flight < self.max_in_flight {
                 self.send(slot, queue);
             }
         }
@@ -107,10 +119,12 @@ impl Coalescer {
         if queue.waiting.is_empty() {
             return;
         }
+        // Without coalescing, one request per call.
         let mut taken = 0;
         let mut groups = 0;
         for waiter in &queue.waiting {
-            if taken > 0 && groups + waiter.groups.len() > MAX_GROUPS_PER_CALL {
+            let full = groups + waiter.groups.len() > MAX_GROUPS_PER_CALL || self.delay.is_zero();
+            if taken > 0 && full {
                 break;
             }
             taken += 1;
@@ -121,23 +135,9 @@ impl Coalescer {
         queue.last_sent = Some(Instant::now());
         let me = self.clone();
         tokio::spawn(async move {
-            let sizes: Vec<usize> = waiters.iter().map(|w| w.groups.len()).collect();
-            let (all, replies): (Vec<Vec<Group>>, Vec<_>) =
-                waiters.into_iter().map(|w| (w.groups, w.reply)).unzip();
-            let result = (me.call)(all.into_iter().flatten().collect()).await;
-            match result {
-                Ok(outcomes) => {
-                    let mut outcomes = outcomes.into_iter();
-                    for (reply, size) in replies.into_iter().zip(sizes) {
-                        let _ = reply.send(Ok(outcomes.by_ref().take(size).collect()));
-                    }
-                }
-                Err(error) => {
-                    for reply in replies {
-                        let _ = reply.send(Err(error.clone()));
-                    }
-                }
-            }
+            let all: Vec<Group> = waiters.iter().flat_map(|w| w.groups.iter().cloned()).collect();
+            let result = (me.call)(slot, all).await;
+            me.answer(slot, waiters, result).await;
             let mut slots = me.lock();
             if let Some(queue) = slots.get_mut(&slot) {
                 queue.in_flight -= 1;
@@ -147,5 +147,46 @@ impl Coalescer {
                 }
             }
         });
+    }
+
+    // Hands each waiter its outcomes; refunds what was taken for waiters that gave up and asked
+    // for their tokens back.
+    async fn answer(&self, slot: u16, waiters: Vec<Waiter>, result: Reply) {
+        let mut late_refund = Group::new();
+        match result {
+            Ok(outcomes) => {
+                let mut outcomes = outcomes.into_iter();
+                for waiter in waiters {
+                    let mine: Vec<GroupOutcome> = outcomes.by_ref().take(waiter.groups.len()).collect();
+                    let Err(Ok(mine)) = waiter.reply.send(Ok(mine)) else { continue };
+                    let taken: Vec<_> =
+                        waiter.groups.iter().zip(&mine).flat_map(|(g, o)| refund(g, o)).map(|(_, op)| op).collect();
+                    if taken.is_empty() {
+                        continue;
+                    }
+                    let action = match waiter.late {
+                        LateReply::GiveBack => {
+                            late_refund.extend(taken);
+                            "refunded"
+                        }
+                        LateReply::Keep => "kept",
+                    };
+                    metrics::counter!("tollgate_store_late_replies_total", "action" => action).increment(1);
+                }
+            }
+            Err(error) => {
+                for waiter in waiters {
+                    let _ = waiter.reply.send(Err(error.clone()));
+                }
+            }
+        }
+        if late_refund.is_empty() {
+            return;
+        }
+        metrics::counter!("tollgate_store_refunds_total", "reason" => "late").increment(1);
+        if let Err(error) = (self.call)(slot, vec![late_refund]).await {
+            metrics::counter!("tollgate_store_refund_failures_total").increment(1);
+            tracing::error!(%error, slot, "could not refund the tokens of a late reply");
+        }
     }
 }

@@ -10,7 +10,7 @@ use std::sync::{Arc, Mutex};
 
 use futures::future::BoxFuture;
 
-use super::{Store, StoreError};
+use super::{LateReply, Store, StoreError};
 use crate::bucket::{self, Batch, BucketState, GroupOutcome};
 use crate::clock::{Clock, SystemClock};
 
@@ -48,14 +48,15 @@ impl MemoryStore {
         let mut buckets = self.buckets.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
         let map = &buckets.map;
         let evaluation = bucket::evaluate(batch, now, |key| {
-            map.get(key).filter(|e| e.expires_at_ms > now).map(|e| e.state)
+            // Alive through its expiry millisecond, as Redis keeps a key until its clock passes it.
+            map.get(key).filter(|e| e.expires_at_ms >= now).map(|e| e.state)
         });
         for write in evaluation.writes {
             let entry = Entry { state: write.state, expires_at_ms: now.saturating_add(write.ttl_ms) };
             buckets.map.insert(write.key, entry);
         }
         if buckets.map.len() >= buckets.sweep_at {
-            buckets.map.retain(|_, e| e.expires_at_ms > now);
+            buckets.map.retain(|_, e| e.expires_at_ms >= now);
             buckets.sweep_at = (buckets.map.len() * 2).max(1024);
         }
         evaluation.groups
@@ -86,7 +87,8 @@ impl Default for MemoryStore {
 }
 
 impl Store for MemoryStore {
-    fn evaluate<'a>(&'a self, batch: &'a Batch) -> BoxFuture<'a, Vec<Result<GroupOutcome, StoreError>>> {
+    // In process, a reply is never late.
+    fn evaluate<'a>(&'a self, batch: &'a Batch, _late: LateReply) -> BoxFuture<'a, Vec<Result<GroupOutcome, StoreError>>> {
         let outcomes = self.evaluate_now(batch).into_iter().map(Ok).collect();
         Box::pin(std::future::ready(outcomes))
     }

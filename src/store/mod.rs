@@ -15,8 +15,10 @@
 //! Results are per group so that a Cluster shard that is down fails only the groups whose keys
 //! live on it.
 
+mod cluster;
 mod coalesce;
 mod memory;
+mod node;
 mod precheck;
 mod redis;
 
@@ -26,19 +28,41 @@ use futures::future::BoxFuture;
 
 pub use self::memory::MemoryStore;
 pub use self::precheck::Precheck;
-pub use self::redis::{RedisStore, RedisTarget, RedisTls};
+pub use self::redis::{ConnectError, RedisStore, RedisTarget, RedisTls};
 use crate::bucket::{Batch, GroupOutcome};
 
 /// A backend holding bucket state.
 pub trait Store: Send + Sync + 'static {
-    /// Evaluates every group of `batch`, returning one result per group in order.
-    fn evaluate<'a>(&'a self, batch: &'a Batch) -> BoxFuture<'a, Vec<Result<GroupOutcome, StoreError>>>;
+    /// Evaluates every group of `batch`, returning one result per group in order. `late` says
+    /// what to do with debits whose reply comes after the caller stopped waiting (it answered
+    /// with its failure mode instead).
+    fn evaluate<'a>(
+        &'a self,
+        batch: &'a Batch,
+        late: LateReply,
+    ) -> BoxFuture<'a, Vec<Result<GroupOutcome, StoreError>>>;
 
     /// Checks that the backend answers, for readiness probes.
     fn ping(&self) -> BoxFuture<'_, Result<(), StoreError>>;
 
     /// A short description for logs, without credentials.
     fn describe(&self) -> String;
+
+    /// A counter that moves whenever the backend's state or clock may have jumped (a failover,
+    /// a reconnection to a restarted server): what was learnt before is not to be trusted.
+    fn epoch(&self) -> u64 {
+        0
+    }
+}
+
+/// What becomes of tokens a script took when its reply arrives after the caller gave up.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LateReply {
+    /// Keep them: the caller admitted the request anyway (`failure_mode: allow`).
+    Keep,
+    /// Give them back: the caller answered with a denial or an error, so the request took
+    /// nothing (`failure_mode: deny` or `error`).
+    GiveBack,
 }
 
 /// Why a store could not answer.
@@ -47,9 +71,13 @@ pub enum StoreError {
     /// No answer within the configured deadline.
     #[error("no answer within {0:?}")]
     Timeout(Duration),
-    /// The Redis client or server reported an error.
-    #[error("redis: {0}")]
-    Redis(String),
+    /// The Redis client or server reported an error; the script did not run or its reply was
+    /// lost (then it may have run, once).
+    #[error("redis")]
+    Redis(#[source] ::redis::RedisError),
+    /// No Redis Cluster node is known to serve the slot.
+    #[error("no Redis Cluster node serves slot {0}")]
+    NoOwner(u16),
     /// Redis answered something the script never returns.
     #[error("unexpected reply from the bucket script: {0}")]
     Protocol(String),

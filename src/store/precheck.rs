@@ -2,22 +2,31 @@
 //! already certain.
 //!
 //! A bucket's balance only grows by refill. So after a script call reports `tokens` at server time
-//! `now`, the balance at any later moment is at most `tokens + elapsed × rate` (capped at the
-//! capacity), whatever other replicas spend meanwhile. When that upper bound is below what a
-//! request needs, Redis would deny it too, and [`Precheck`] answers locally. An abusive tenant
-//! hammering an empty bucket then costs one Redis call per refilled token, not one per request.
+//! `now`, the balance at any later moment is at most `tokens + elapsed × rate`, whatever other
+//! replicas spend meanwhile, where `rate` is the fastest refill anyone applies to the bucket, and
+//! the script evaluating this request caps it at this request's capacity. When that upper bound is
+//! below what a request needs, Redis would deny it too, and [`Precheck`] answers locally. An
+//! abusive tenant hammering an empty bucket then costs one Redis call per refilled token, not one
+//! per request.
 //!
 //! The bound must never be too low, or the pre-check would deny what Redis admits:
 //!
-//! * Elapsed time is measured locally from *before* the call that made the observation (the
-//!   server read its clock later), stretched by [`DRIFT`] for clock-rate differences, plus
-//!   [`SLACK_MS`] for both clocks' millisecond truncation.
-//! * An observation is used only for the exact capacity and rate it was made with: a changed
-//!   rule or quota makes it useless at once.
-//! * Credits (`is_negative_hits`) raise a balance: a credit sent through this replica drops the
-//!   observation, and calls that were already running when it completed may not make new ones;
-//!   a credit sent by another replica is not seen. Turn the pre-check off where buckets receive
-//!   credits through several replicas.
+//! * Rate: replicas can briefly evaluate one bucket under different specs (a quota change still
+//!   cached elsewhere, a rolling config change), and a faster refill through another replica
+//!   raises the balance this one sees. The script records the fastest rate any charge of the
+//!   bucket used ([`crate::bucket::BucketState::fastest_refill`]) and returns it; the bound uses
+//!   the larger of that and this request's own rate. Not covered: a rate faster than any used on
+//!   the bucket before, first used through another replica in the [`MAX_AGE_MS`] after this
+//!   replica's observation.
+//! * Time: elapsed time is measured locally from *before* the call that made the observation
+//!   (the server read its clock later), stretched by [`DRIFT`] for clock-rate differences, plus
+//!   [`SLACK_MS`] for both clocks' millisecond truncation. A clock that steps (a failover to a
+//!   primary whose clock is ahead, a restarted server) comes with a new store epoch
+//!   ([`Store::epoch`]): observations from an older epoch are not used.
+//! * Credits (`is_negative_hits`, and refunds) raise a balance: one sent through this replica
+//!   drops the observation, and calls that were already running when it completed may not make
+//!   new ones; a credit sent by another replica is not seen. Turn the pre-check off where buckets
+//!   receive credits through several replicas.
 //! * Redis losing state (restart without persistence, failover before replication) refills
 //!   buckets. Any store error drops every observation (and voids those of calls running at the
 //!   time), and none is used after [`MAX_AGE_MS`].
@@ -33,7 +42,7 @@ use std::sync::{Arc, Mutex};
 
 use futures::future::BoxFuture;
 
-use super::{Store, StoreError};
+use super::{LateReply, Store, StoreError};
 use crate::bucket::{covers, Batch, BucketOp, BucketSpec, Charge, Group, GroupOutcome, Role, Verdict};
 use crate::clock::Clock;
 
@@ -41,8 +50,9 @@ use crate::clock::Clock;
 pub const DRIFT: f64 = 1e-3;
 /// Milliseconds added to every elapsed time for truncation of both clocks to whole milliseconds.
 pub const SLACK_MS: u64 = 2;
-/// Oldest observation used, in milliseconds.
-pub const MAX_AGE_MS: u64 = 1_000;
+/// Oldest observation used, in milliseconds. Below the second every write keeps a bucket in
+/// Redis (its TTL is time-to-full + 1 s), so an observed bucket cannot expire meanwhile.
+pub const MAX_AGE_MS: u64 = 900;
 
 const SHARDS: usize = 16;
 
@@ -75,16 +85,23 @@ struct Observation {
     need: f64,
     server_ms: u64,
     local_ms: u64,
-    spec: BucketSpec,
+    // The fastest refill per second the bucket is known to get.
+    fastest_refill: f64,
+    epoch: u64,
 }
 
 impl Observation {
-    // Tokens the bucket may hold at local time `now`: an upper bound when `conservative`, the
-    // likely balance (for the answer's headers) otherwise.
-    fn tokens_at(&self, now: u64, conservative: bool) -> f64 {
+    // Tokens the bucket may hold at local time `now` for a request of `spec`: an upper bound.
+    fn bound(&self, now: u64, spec: &BucketSpec) -> f64 {
+        let elapsed = (now.saturating_sub(self.local_ms) + SLACK_MS) as f64 * (1.0 + DRIFT);
+        let rate = self.fastest_refill.max(spec.refill_per_second()) / 1000.0;
+        (self.tokens + elapsed * rate).min(spec.capacity())
+    }
+
+    // The likely balance at `now` if only `spec` refills it (for the answer's headers).
+    fn likely(&self, now: u64, spec: &BucketSpec) -> f64 {
         let elapsed = now.saturating_sub(self.local_ms) as f64;
-        let elapsed = if conservative { (elapsed + SLACK_MS as f64) * (1.0 + DRIFT) } else { elapsed };
-        (self.tokens + elapsed * self.spec.rate_per_ms()).min(self.spec.capacity())
+        (self.tokens + elapsed * spec.rate_per_ms()).min(spec.capacity())
     }
 }
 
@@ -111,19 +128,19 @@ impl Precheck {
         &self.shards[self.hasher.hash_one(key) as usize % SHARDS]
     }
 
-    fn observation(&self, op: &BucketOp, now: u64) -> Option<Observation> {
+    fn observation(&self, op: &BucketOp, now: u64, epoch: u64) -> Option<Observation> {
         let shard = self.shard(&op.key);
         if shard.len.load(Ordering::Relaxed) == 0 {
             return None;
         }
         let found = *shard.lock().get(&op.key)?;
-        (found.spec == op.spec && now.saturating_sub(found.local_ms) <= MAX_AGE_MS).then_some(found)
+        (found.epoch == epoch && now.saturating_sub(found.local_ms) <= MAX_AGE_MS).then_some(found)
     }
 
     // The group's outcome if every operation is certainly short of tokens, as the store would
     // report it (nothing debited). A group that charges always must reach the store, which
     // takes its tokens even when it denies.
-    fn certain_denial(&self, group: &Group, now: u64) -> Option<GroupOutcome> {
+    fn certain_denial(&self, group: &Group, now: u64, epoch: u64) -> Option<GroupOutcome> {
         let mut verdicts = Vec::with_capacity(group.len());
         let mut server_ms = 0;
         for op in group {
@@ -132,29 +149,30 @@ impl Precheck {
             if op.need < 0.0 || (op.need > 0.0 && op.charge != Charge::Admitted) {
                 return None;
             }
-            let seen = self.observation(op, now)?;
-            if covers(seen.tokens_at(now, true), op.need) {
+            let seen = self.observation(op, now, epoch)?;
+            if covers(seen.bound(now, &op.spec), op.need) {
                 return None;
             }
-            let tokens = seen.tokens_at(now, false);
+            let tokens = seen.likely(now, &op.spec);
             verdicts.push(Verdict {
                 allowed: false,
                 tokens,
                 retry_after_ms: op.spec.wait_ms(tokens, op.need),
                 reset_ms: op.spec.reset_ms(tokens),
                 forgiven: 0.0,
+                fastest_refill: seen.fastest_refill,
             });
             server_ms = server_ms.max(seen.server_ms + now.saturating_sub(seen.local_ms));
         }
         let admitted = group.iter().all(|op| op.role == Role::Shadow);
-        Some(GroupOutcome { admitted, now_ms: server_ms, verdicts, compensated: false })
+        Some(GroupOutcome { admitted, now_ms: server_ms, verdicts, refunded: false })
     }
 
     // Remembers what the store reported for the buckets the next equal request would find short.
-    fn observe(&self, group: &Group, outcome: &GroupOutcome, call_start: u64) {
+    fn observe(&self, group: &Group, outcome: &GroupOutcome, call_start: u64, epoch: u64) {
         for (op, verdict) in group.iter().zip(&outcome.verdicts) {
             // Debits the store gave back raised balances after they were reported: like credits.
-            let credit = op.need < 0.0 || outcome.compensated;
+            let credit = op.need < 0.0 || outcome.refunded;
             let short = op.need >= 0.0 && !covers(verdict.tokens, op.need);
             let shard = self.shard(&op.key);
             // Skipping the removal of a stale observation is safe (it is still an upper bound);
@@ -174,19 +192,31 @@ impl Precheck {
             if map.len() >= self.shard_capacity && !map.contains_key(&op.key) {
                 let now = self.clock.now_ms();
                 map.retain(|_, o| {
-                    now.saturating_sub(o.local_ms) <= MAX_AGE_MS && o.tokens_at(now, true) < o.need
+                    let fastest = o.fastest_refill / 1000.0;
+                    let bound = o.tokens + now.saturating_sub(o.local_ms) as f64 * fastest;
+                    now.saturating_sub(o.local_ms) <= MAX_AGE_MS && bound < o.need
                 });
                 shard.len.store(map.len(), Ordering::Relaxed);
                 if map.len() >= self.shard_capacity {
                     continue;
                 }
             }
+            // A missing bucket is full at the asker's capacity, which may be larger than the one
+            // it was last written with: only a bucket this call wrote is certain to exist (every
+            // write keeps it for more than MAX_AGE_MS) for as long as the observation is used.
+            // A bucket of capacity 0 is never written, and missing it is exact.
+            let always = matches!(op.charge, Charge::Always { .. });
+            let wrote = op.need != 0.0 && (always || (outcome.admitted && verdict.allowed));
+            if !wrote && op.spec.capacity() > 0.0 {
+                continue;
+            }
             let seen = Observation {
                 tokens: verdict.tokens,
                 need: op.need,
                 server_ms: outcome.now_ms,
                 local_ms: call_start,
-                spec: op.spec,
+                fastest_refill: verdict.fastest_refill.max(op.spec.refill_per_second()),
+                epoch,
             };
             map.insert(op.key.clone(), seen);
             shard.len.store(map.len(), Ordering::Relaxed);
@@ -211,15 +241,17 @@ impl Shard {
 }
 
 impl Store for Precheck {
-    fn evaluate<'a>(&'a self, batch: &'a Batch) -> BoxFuture<'a, Vec<Result<GroupOutcome, StoreError>>> {
+    fn evaluate<'a>(&'a self, batch: &'a Batch, late: LateReply) -> BoxFuture<'a, Vec<Result<GroupOutcome, StoreError>>> {
         Box::pin(async move {
             let call_start = self.clock.now_ms();
+            // Read before the call: an epoch that moves during it voids what it reports.
+            let epoch = self.inner.epoch();
             // A credit in one group could lift a later group's bucket: such batches go to the
             // store whole.
             let credits = batch.iter().flatten().any(|op| op.need < 0.0);
             let mut results: Vec<Option<Result<GroupOutcome, StoreError>>> = batch
                 .iter()
-                .map(|g| if credits { None } else { self.certain_denial(g, call_start).map(Ok) })
+                .map(|g| if credits { None } else { self.certain_denial(g, call_start, epoch).map(Ok) })
                 .collect();
             let local = results.iter().filter(|r| r.is_some()).count();
             self.answered.fetch_add(local as u64, Ordering::Relaxed);
@@ -232,15 +264,15 @@ impl Store for Precheck {
             // A denied group debits nothing, so leaving it out does not change the others.
             let remote: Vec<usize> = (0..batch.len()).filter(|&i| results[i].is_none()).collect();
             let answers = if local == 0 {
-                self.inner.evaluate(batch).await
+                self.inner.evaluate(batch, late).await
             } else {
                 let rest: Vec<Group> = remote.iter().map(|&i| batch[i].clone()).collect();
-                self.inner.evaluate(&rest).await
+                self.inner.evaluate(&rest, late).await
             };
             let mut failed = false;
             for (&i, answer) in remote.iter().zip(answers) {
                 match &answer {
-                    Ok(outcome) => self.observe(&batch[i], outcome, call_start),
+                    Ok(outcome) => self.observe(&batch[i], outcome, call_start, epoch),
                     Err(_) => failed = true,
                 }
                 results[i] = Some(answer);
@@ -258,5 +290,9 @@ impl Store for Precheck {
 
     fn describe(&self) -> String {
         format!("{} with the local pre-check", self.inner.describe())
+    }
+
+    fn epoch(&self) -> u64 {
+        self.inner.epoch()
     }
 }

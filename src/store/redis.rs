@@ -1,45 +1,49 @@
 //! The shared store: bucket state in Redis, standalone or Cluster.
 //!
 //! Every evaluation is one run of `token_bucket.lua` per Cluster slot involved, so the read, the
-//! check and the write of a group happen as one step on the server: no other replica can spend
-//! the same token in between. Groups of different slots go out concurrently; against a
-//! standalone server the whole batch is one call. Capacity and rate travel as ARGV on every call,
-//! so a changed quota applies to the next request, and the script's clock is the server's `TIME`.
+//! check and the write of a request's buckets in one slot happen as one step on the server: no
+//! other replica can spend the same token in between. Capacity and rate travel as ARGV on every
+//! call, so a changed quota applies to the next request, and the script's clock is the server's
+//! `TIME`.
 //!
-//! The script is sent with EVALSHA and loaded on NOSCRIPT (after a restart or `SCRIPT FLUSH`).
-//! Connections are established lazily and re-established by the client, so tollgate starts and
-//! keeps answering (with its failure mode) while Redis is away.
+//! **At most once.** A script call goes out once per attempt: the connections ([`Node`], and
+//! [`Cluster`] for a Cluster) resend only what the server said it did not run (redirects,
+//! `TRYAGAIN`, `NOSCRIPT`), never after a lost reply.
 //!
-//! A Cluster client follows MOVED and ASK by itself, but when a primary dies it keeps dialling
-//! the dead address: the slot map it holds is only refreshed by redirections, and the dead node
-//! sends none. So after connection errors or timeouts a new Cluster connection is built from the
-//! seed nodes in the background, at most every [`REBUILD_INTERVAL`]; it reads the topology again
-//! (finding the promoted replica) and replaces the old one once it is ready. Calls to healthy
-//! shards keep using the old connection meanwhile, and calls already running finish on it.
+//! **A failure answer costs nothing.** A caller stops waiting at its deadline and answers with
+//! its failure mode, but the call goes on for up to [`late_window`]: if the reply then shows the
+//! script ran, the coalescer gives the tokens back ([`LateReply::GiveBack`], for `deny` and
+//! `error`) or leaves them ([`LateReply::Keep`], for `allow`, where the request was admitted).
+//! A request whose buckets span several slots is evaluated in each concurrently; when one slot
+//! denies or fails, what the others took is given back before the answer, unless the request is
+//! admitted by `failure_mode: allow`.
+//!
+//! Calls go through the coalescer (`coalesce.rs`), which also bounds the calls in flight per
+//! slot; with coalescing off it never holds a call back to batch it.
 
 use std::collections::HashMap;
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use arc_swap::ArcSwap;
 use futures::future::{join_all, BoxFuture};
-use redis::aio::{ConnectionManager, ConnectionManagerConfig};
-use redis::cluster::{ClusterClient, ClusterClientBuilder};
-use redis::cluster_async::ClusterConnection;
-use redis::{ClientTlsConfig, IntoConnectionInfo, Script, TlsCertificates, Value};
+use redis::aio::ConnectionManagerConfig;
+use redis::{ClientTlsConfig, IntoConnectionInfo, TlsCertificates, Value};
 
+use super::cluster::{Cluster, ClusterError};
 use super::coalesce::{Call, Coalescer};
-use super::{Store, StoreError};
-use crate::bucket::{Batch, BucketOp, Charge, Group, GroupOutcome, Role, Verdict};
+use super::node::{self, Node, Script};
+use super::{LateReply, Store, StoreError};
+use crate::bucket::{refund, Batch, BucketOp, Charge, Group, GroupOutcome, Role, Verdict};
 use crate::identity::cluster_slot;
 
 /// The script, loaded once per process.
 const SCRIPT: &str = include_str!("token_bucket.lua");
 
-/// Least time between two rebuilds of a failing Cluster connection.
-pub const REBUILD_INTERVAL: Duration = Duration::from_millis(500);
+/// How long a call may go on after its caller's deadline, so that a late reply can still be
+/// refunded: twice the deadline, and at least a second.
+pub fn late_window(deadline: Duration) -> Duration {
+    (deadline * 2).max(Duration::from_secs(1))
+}
 
 /// Which Redis deployment to use.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -59,13 +63,29 @@ pub struct RedisTls {
     pub client: Option<(PathBuf, PathBuf)>,
 }
 
+/// Why a store could not be set up.
+#[derive(Debug, thiserror::Error)]
+pub enum ConnectError {
+    /// A certificate or key file could not be read.
+    #[error("{}", path.display())]
+    File {
+        /// The file.
+        path: PathBuf,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The address or URL is not one the Redis client accepts.
+    #[error("{0}")]
+    Address(#[source] redis::RedisError),
+}
+
 impl RedisTls {
-    fn certificates(&self) -> Result<Option<TlsCertificates>, StoreError> {
+    fn certificates(&self) -> Result<Option<TlsCertificates>, ConnectError> {
         if self.ca.is_none() && self.client.is_none() {
             return Ok(None);
         }
-        let read =
-            |p: &PathBuf| std::fs::read(p).map_err(|e| StoreError::Redis(format!("{}: {e}", p.display())));
+        let read = |p: &PathBuf| std::fs::read(p).map_err(|source| ConnectError::File { path: p.clone(), source });
         let root_cert = self.ca.as_ref().map(read).transpose()?;
         let client_tls = match &self.client {
             Some((cert, key)) => Some(ClientTlsConfig { client_cert: read(cert)?, client_key: read(key)? }),
@@ -77,157 +97,72 @@ impl RedisTls {
 
 /// Bucket state in Redis.
 pub struct RedisStore {
-    shared: Arc<Shared>,
-    coalescer: Option<Arc<Coalescer>>,
+    shared: std::sync::Arc<Shared>,
+    coalescer: std::sync::Arc<Coalescer>,
 }
 
 // What a script call needs, shared with the coalescer's call tasks.
 struct Shared {
     connection: Connection,
     script: Script,
-    timeout: Duration,
+    deadline: Duration,
     description: String,
 }
 
 enum Connection {
-    Standalone(ConnectionManager),
-    Cluster(Box<ClusterHandle>),
-}
-
-// A Cluster connection that can be replaced by a fresh one.
-struct ClusterHandle {
-    client: ClusterClient,
-    current: Arc<ArcSwap<ClusterConnection>>,
-    last_rebuild: Arc<Mutex<Instant>>,
-    rebuilding: Arc<AtomicBool>,
-}
-
-impl ClusterHandle {
-    fn connection(&self) -> ClusterConnection {
-        (**self.current.load()).clone()
-    }
-
-    // After a connection-level failure: a new connection re-reads the topology from the seeds.
-    fn rebuild_after(&self, error: &redis::RedisError) {
-        let connection_trouble = error.is_io_error()
-            || error.is_timeout()
-            || error.is_connection_refusal()
-            || error.is_connection_dropped()
-            || error.is_cluster_error()
-            || matches!(error.kind(), redis::ErrorKind::ClusterConnectionNotFound);
-        if connection_trouble {
-            self.rebuild();
-        }
-    }
-
-    // Builds the new connection in the background and swaps it in only once it has connected
-    // and read the slot map, so calls to healthy shards never wait for it.
-    fn rebuild(&self) {
-        {
-            let mut last = self.last_rebuild.lock().unwrap_or_else(|p| p.into_inner());
-            if last.elapsed() < REBUILD_INTERVAL || self.rebuilding.swap(true, Ordering::SeqCst) {
-                return;
-            }
-            *last = Instant::now();
-        }
-        let (client, current, rebuilding) =
-            (self.client.clone(), self.current.clone(), self.rebuilding.clone());
-        tokio::spawn(async move {
-            let built = tokio::time::timeout(
-                Duration::from_secs(5),
-                client.get_async_connection_with_config(Default::default()),
-            )
-            .await;
-            match built {
-                Ok(Ok(connection)) => {
-                    current.store(Arc::new(connection));
-                    metrics::counter!("tollgate_store_reconnects_total").increment(1);
-                    tracing::info!("rebuilt the Redis Cluster connection to re-read the topology");
-                }
-                Ok(Err(error)) => tracing::warn!(%error, "could not rebuild the Redis Cluster connection"),
-                Err(_) => tracing::warn!("rebuilding the Redis Cluster connection timed out"),
-            }
-            rebuilding.store(false, Ordering::SeqCst);
-        });
-    }
+    Standalone(Node),
+    Cluster(Cluster),
 }
 
 impl RedisStore {
-    /// Prepares a store for `target` without waiting for Redis to be up; every call is bounded
-    /// by `timeout`. `tls` adds a CA and client certificates for `rediss://` targets.
+    /// Prepares a store for `target` without waiting for Redis to be up. A caller waits at most
+    /// `deadline` for an answer; with `coalesce_delay` above zero, concurrent requests for one
+    /// slot share script calls, a queued one waiting about that long at most. `tls` adds a CA and
+    /// client certificates for `rediss://` targets. Must be called inside a Tokio runtime.
     pub fn connect(
         target: &RedisTarget,
-        timeout: Duration,
+        deadline: Duration,
+        coalesce_delay: Duration,
         tls: &RedisTls,
-    ) -> Result<RedisStore, StoreError> {
-        let redis_err = |e: redis::RedisError| StoreError::Redis(e.to_string());
+    ) -> Result<RedisStore, ConnectError> {
         let certificates = tls.certificates()?;
+        let config = ConnectionManagerConfig::new()
+            .set_connection_timeout(Some(deadline))
+            .set_response_timeout(Some(late_window(deadline)))
+            .set_number_of_retries(1)
+            .set_max_delay(Duration::from_millis(500));
         let (connection, description) = match target {
             RedisTarget::Standalone(url) => {
-                let info = url.as_str().into_connection_info().map_err(redis_err)?;
+                let info = url.as_str().into_connection_info().map_err(ConnectError::Address)?;
                 let description = format!("redis at {}", info.addr());
+                let addr = info.addr().to_string();
                 let client = match certificates {
                     Some(certs) => redis::Client::build_with_tls(info, certs),
                     None => redis::Client::open(info),
                 }
-                .map_err(redis_err)?;
-                let config = ConnectionManagerConfig::new()
-                    .set_connection_timeout(Some(timeout))
-                    .set_response_timeout(Some(timeout))
-                    .set_number_of_retries(1)
-                    .set_max_delay(Duration::from_millis(500));
-                let manager = ConnectionManager::new_lazy_with_config(client, config).map_err(redis_err)?;
-                (Connection::Standalone(manager), description)
+                .map_err(ConnectError::Address)?;
+                let node = Node::new(addr, client, config, Default::default()).map_err(ConnectError::Address)?;
+                (Connection::Standalone(node), description)
             }
             RedisTarget::Cluster(seeds) => {
-                let urls: Vec<String> = seeds
-                    .iter()
-                    .map(|s| if s.contains("://") { s.clone() } else { format!("redis://{s}") })
-                    .collect();
-                let mut addrs = Vec::with_capacity(urls.len());
-                for url in &urls {
-                    addrs.push(url.as_str().into_connection_info().map_err(redis_err)?.addr().to_string());
+                let mut infos = Vec::with_capacity(seeds.len());
+                for seed in seeds {
+                    let url = if seed.contains("://") { seed.clone() } else { format!("redis://{seed}") };
+                    infos.push(url.as_str().into_connection_info().map_err(ConnectError::Address)?);
                 }
-                let mut builder =
-                    ClusterClientBuilder::new(urls).connection_timeout(timeout).response_timeout(timeout);
-                if let Some(certs) = certificates {
-                    builder = builder.certs(certs);
-                }
-                let client = builder.build().map_err(redis_err)?;
-                let connection = client.get_pending_async_connection_with_config(Default::default());
-                let handle = ClusterHandle {
-                    client,
-                    current: Arc::new(ArcSwap::from_pointee(connection)),
-                    last_rebuild: Arc::new(Mutex::new(Instant::now())),
-                    rebuilding: Arc::default(),
-                };
-                (Connection::Cluster(Box::new(handle)), format!("redis cluster via {}", addrs.join(",")))
+                let addrs: Vec<String> = infos.iter().map(|i| i.addr().to_string()).collect();
+                let cluster = Cluster::new(infos, certificates, config);
+                (Connection::Cluster(cluster), format!("redis cluster via {}", addrs.join(",")))
             }
         };
-        let shared = Shared { connection, script: Script::new(SCRIPT), timeout, description };
-        Ok(RedisStore { shared: Arc::new(shared), coalescer: None })
-    }
-
-    /// Turns on hot-tenant coalescing (`store/coalesce.rs`): concurrent requests for one slot
-    /// share a script call, a queued request waiting about `delay` at most.
-    pub fn coalescing(mut self, delay: Duration) -> Self {
-        let shared = self.shared.clone();
-        let call: Call = Arc::new(move |groups: Vec<Group>| {
-            let shared = shared.clone();
-            Box::pin(async move { shared.run(&groups.iter().collect::<Vec<_>>()).await })
+        let shared = std::sync::Arc::new(Shared { connection, script: Script::new(SCRIPT), deadline, description });
+        let call_shared = shared.clone();
+        let call: Call = std::sync::Arc::new(move |slot: u16, groups: Vec<Group>| {
+            let shared = call_shared.clone();
+            Box::pin(async move { shared.run(slot, &groups.iter().collect::<Vec<_>>()).await })
         });
-        self.coalescer = Some(Coalescer::new(call, delay, self.shared.timeout));
-        self
-    }
-}
-
-impl RedisStore {
-    // Groups that all live in `slot`: coalesced with other requests', or sent alone.
-    async fn call_slot(&self, slot: u16, groups: Vec<Group>) -> Result<Vec<GroupOutcome>, StoreError> {
-        match &self.coalescer {
-            Some(c) => c.submit(slot, groups).await,
-            None => self.shared.run(&groups.iter().collect::<Vec<_>>()).await,
-        }
+        let coalescer = Coalescer::new(call, coalesce_delay, deadline);
+        Ok(RedisStore { shared, coalescer })
     }
 
     fn slot_of(&self, op: &BucketOp) -> u16 {
@@ -237,37 +172,33 @@ impl RedisStore {
         }
     }
 
-    // Gives back what the admitted parts of a group that was denied as a whole took.
-    async fn compensate(&self, group: &Group, parts: &[Part], answers: &[Result<GroupOutcome, StoreError>], combined: &mut GroupOutcome) {
+    // Gives back what the admitted parts of a group took, before its caller is answered.
+    async fn refund_parts(
+        &self,
+        group: &Group,
+        parts: &[Part],
+        answers: &[Result<GroupOutcome, StoreError>],
+        combined: &mut GroupOutcome,
+    ) {
         let mut calls: Vec<(u16, Group, Vec<usize>)> = Vec::new();
         for (part, answer) in parts.iter().zip(answers) {
             let Ok(outcome) = answer else { continue };
-            if !outcome.admitted {
-                continue;
-            }
-            let mut undo = Group::new();
-            let mut positions = Vec::new();
-            for (&i, verdict) in part.ops.iter().zip(&outcome.verdicts) {
-                let op = &group[i];
-                if !verdict.allowed || op.need == 0.0 || op.charge != Charge::Admitted {
-                    continue;
-                }
-                // A debit comes back as a credit (capped at capacity); a credit is taken back
-                // down to zero at most.
-                let charge = if op.need < 0.0 { Charge::Always { max_debt: 0.0 } } else { Charge::Admitted };
-                undo.push(BucketOp { key: op.key.clone(), spec: op.spec, need: -op.need, role: Role::Shadow, charge });
-                positions.push(i);
-            }
-            if !undo.is_empty() {
-                calls.push((part.slot, undo, positions));
+            let sub: Group = part.ops.iter().map(|&i| group[i].clone()).collect();
+            let (positions, back): (Vec<usize>, Group) =
+                refund(&sub, outcome).into_iter().map(|(i, op)| (part.ops[i], op)).unzip();
+            if !back.is_empty() {
+                calls.push((part.slot, back, positions));
             }
         }
         if calls.is_empty() {
             return;
         }
-        let results = join_all(calls.iter().map(|(slot, undo, _)| self.call_slot(*slot, vec![undo.clone()]))).await;
-        combined.compensated = true;
-        metrics::counter!("tollgate_store_compensations_total").increment(1);
+        let results = join_all(calls.iter().map(|(slot, back, _)| {
+            self.coalescer.submit(*slot, vec![back.clone()], LateReply::Keep)
+        }))
+        .await;
+        combined.refunded = true;
+        metrics::counter!("tollgate_store_refunds_total", "reason" => "split").increment(1);
         for ((_, _, positions), result) in calls.iter().zip(results) {
             match result.map(|mut o| o.pop()) {
                 Ok(Some(outcome)) => {
@@ -277,10 +208,10 @@ impl RedisStore {
                     }
                 }
                 Ok(None) | Err(_) => {
-                    metrics::counter!("tollgate_store_compensation_failures_total").increment(1);
+                    metrics::counter!("tollgate_store_refund_failures_total").increment(1);
                     tracing::error!(
                         keys = ?positions.iter().map(|&i| group[i].key.as_str()).collect::<Vec<_>>(),
-                        "could not give back the debits of a request denied in another Cluster slot"
+                        "could not refund the debits of a request denied in another Cluster slot"
                     );
                 }
             }
@@ -288,9 +219,15 @@ impl RedisStore {
     }
 
     // One group evaluated slot by slot (it spans several): admitted only if every part is and,
-    // with quota-mode operations, one of them had its tokens; otherwise the admitted parts are
-    // credited back before the answer.
-    async fn evaluate_split(&self, group: &Group, parts: Vec<Part>, answers: Vec<Result<GroupOutcome, StoreError>>) -> Result<GroupOutcome, StoreError> {
+    // with quota-mode operations, one of them had its tokens. Otherwise what the admitted parts
+    // took is refunded before the answer, unless a failed part's request is admitted anyway.
+    async fn evaluate_split(
+        &self,
+        group: &Group,
+        parts: Vec<Part>,
+        answers: Vec<Result<GroupOutcome, StoreError>>,
+        late: LateReply,
+    ) -> Result<GroupOutcome, StoreError> {
         let mut verdicts = vec![None; group.len()];
         let mut now_ms = 0;
         let mut failure = None;
@@ -318,10 +255,10 @@ impl RedisStore {
             admitted,
             now_ms,
             verdicts: verdicts.into_iter().map(|v| v.unwrap_or(FAILED)).collect(),
-            compensated: false,
+            refunded: false,
         };
-        if !admitted {
-            self.compensate(group, &parts, &answers, &mut combined).await;
+        if !admitted && (failure.is_none() || late == LateReply::GiveBack) {
+            self.refund_parts(group, &parts, &answers, &mut combined).await;
         }
         match failure {
             Some(e) => Err(e),
@@ -331,7 +268,14 @@ impl RedisStore {
 }
 
 // A verdict standing in for an operation whose slot failed; never reported (the group fails).
-const FAILED: Verdict = Verdict { allowed: false, tokens: 0.0, retry_after_ms: None, reset_ms: 0, forgiven: 0.0 };
+const FAILED: Verdict =
+    Verdict { allowed: false, tokens: 0.0, retry_after_ms: None, reset_ms: 0, forgiven: 0.0, fastest_refill: 0.0 };
+
+// The operations of one group that live in one slot.
+struct Part {
+    slot: u16,
+    ops: Vec<usize>,
+}
 
 // One script call: the groups (whole, or parts of split ones) of one slot, and which (group,
 // part) each of them answers.
@@ -341,27 +285,19 @@ struct SlotCall {
     parts: Vec<(usize, usize)>,
 }
 
-// The operations of one group that live in one slot.
-struct Part {
-    slot: u16,
-    ops: Vec<usize>,
-}
-
 impl Shared {
-    // One script run for groups that all live in one slot (or on one standalone server).
-    async fn run(&self, batch: &[&Group]) -> Result<Vec<GroupOutcome>, StoreError> {
-        let mut invocation = self.script.prepare_invoke();
+    // One script run for groups that all live in `slot` (or on one standalone server).
+    async fn run(&self, slot: u16, batch: &[&Group]) -> Result<Vec<GroupOutcome>, StoreError> {
+        let mut keys: Vec<&str> = Vec::new();
         let mut key_index: HashMap<&str, usize> = HashMap::new();
-        let mut args: Vec<String> =
-            Vec::with_capacity(1 + batch.iter().map(|g| 1 + 6 * g.len()).sum::<usize>());
+        let mut args: Vec<String> = Vec::with_capacity(1 + batch.iter().map(|g| 1 + 6 * g.len()).sum::<usize>());
         args.push(batch.len().to_string());
         for group in batch {
             args.push(group.len().to_string());
             for op in group.iter() {
-                let next = key_index.len() + 1;
                 let index = *key_index.entry(op.key.as_str()).or_insert_with(|| {
-                    invocation.key(op.key.as_str());
-                    next
+                    keys.push(op.key.as_str());
+                    keys.len()
                 });
                 args.push(index.to_string());
                 // Display of f64 is the shortest text that parses back to the same double.
@@ -382,39 +318,28 @@ impl Shared {
                 });
             }
         }
-        invocation.arg(args);
-
+        let call = node::Call { keys: &keys, args: &args };
         let start = Instant::now();
         let reply = match &self.connection {
-            Connection::Standalone(c) => {
-                tokio::time::timeout(self.timeout, invocation.invoke_async::<Value>(&mut c.clone())).await
-            }
-            Connection::Cluster(handle) => {
-                let reply = tokio::time::timeout(
-                    self.timeout,
-                    invocation.invoke_async::<Value>(&mut handle.connection()),
-                )
-                .await;
-                match &reply {
-                    Err(_) => handle.rebuild(),
-                    Ok(Err(e)) => handle.rebuild_after(e),
-                    Ok(Ok(_)) => {}
-                }
-                reply
-            }
+            Connection::Standalone(node) => node.eval(&self.script, &call, false).await.map_err(StoreError::Redis),
+            Connection::Cluster(cluster) => cluster.eval(&self.script, slot, &call).await.map_err(|e| match e {
+                ClusterError::NoOwner(slot) => StoreError::NoOwner(slot),
+                ClusterError::Redis(e) => StoreError::Redis(e),
+            }),
         };
         metrics::histogram!("tollgate_store_duration_seconds").record(start.elapsed());
         metrics::counter!("tollgate_store_calls_total").increment(1);
         metrics::counter!("tollgate_store_call_groups_total").increment(batch.len() as u64);
-        let reply = reply
-            .map_err(|_| StoreError::Timeout(self.timeout))?
-            .map_err(|e| StoreError::Redis(e.to_string()))?;
-        parse_reply(reply, batch)
+        parse_reply(reply?, batch)
     }
 }
 
 impl Store for RedisStore {
-    fn evaluate<'a>(&'a self, batch: &'a Batch) -> BoxFuture<'a, Vec<Result<GroupOutcome, StoreError>>> {
+    fn evaluate<'a>(
+        &'a self,
+        batch: &'a Batch,
+        late: LateReply,
+    ) -> BoxFuture<'a, Vec<Result<GroupOutcome, StoreError>>> {
         Box::pin(async move {
             // Each group's operations by slot; a standalone server is one slot.
             let split: Vec<Vec<Part>> = batch
@@ -463,9 +388,9 @@ impl Store for RedisStore {
             // The common case, one slot, needs no join.
             let answers = if calls.len() == 1 {
                 let call = calls.pop().expect("one call");
-                vec![self.call_slot(call.slot, call.groups).await]
+                vec![self.coalescer.submit(call.slot, call.groups, late).await]
             } else {
-                join_all(calls.into_iter().map(|c| self.call_slot(c.slot, c.groups))).await
+                join_all(calls.into_iter().map(|c| self.coalescer.submit(c.slot, c.groups, late))).await
             };
             let mut part_answers: Vec<Vec<Option<Result<GroupOutcome, StoreError>>>> =
                 split.iter().map(|parts| parts.iter().map(|_| None).collect()).collect();
@@ -490,7 +415,7 @@ impl Store for RedisStore {
                 results.push(if parts.len() == 1 {
                     answers.pop().expect("one part")
                 } else {
-                    self.evaluate_split(group, parts, answers).await
+                    self.evaluate_split(group, parts, answers, late).await
                 });
             }
             results
@@ -499,23 +424,31 @@ impl Store for RedisStore {
 
     fn ping(&self) -> BoxFuture<'_, Result<(), StoreError>> {
         Box::pin(async move {
-            let ping = redis::cmd("PING");
-            let call = async {
+            let ping = async {
                 match &self.shared.connection {
-                    Connection::Standalone(c) => ping.query_async::<()>(&mut c.clone()).await,
-                    Connection::Cluster(handle) => ping.query_async::<()>(&mut handle.connection()).await,
+                    Connection::Standalone(node) => {
+                        node.query::<String>(&mut redis::cmd("PING")).await.map(drop).map_err(StoreError::Redis)
+                    }
+                    Connection::Cluster(cluster) => cluster.ping().await.map_err(|e| match e {
+                        ClusterError::NoOwner(slot) => StoreError::NoOwner(slot),
+                        ClusterError::Redis(e) => StoreError::Redis(e),
+                    }),
                 }
             };
-            let timeout = self.shared.timeout;
-            tokio::time::timeout(timeout, call)
-                .await
-                .map_err(|_| StoreError::Timeout(timeout))?
-                .map_err(|e| StoreError::Redis(e.to_string()))
+            let deadline = self.shared.deadline;
+            tokio::time::timeout(deadline, ping).await.map_err(|_| StoreError::Timeout(deadline))?
         })
     }
 
     fn describe(&self) -> String {
         self.shared.description.clone()
+    }
+
+    fn epoch(&self) -> u64 {
+        match &self.shared.connection {
+            Connection::Standalone(node) => node.epoch(),
+            Connection::Cluster(cluster) => cluster.epoch(),
+        }
     }
 }
 
@@ -524,7 +457,7 @@ fn parse_reply(reply: Value, batch: &[&Group]) -> Result<Vec<GroupOutcome>, Stor
     let Value::Array(items) = reply else {
         return Err(StoreError::Protocol(format!("expected an array, got {reply:?}")));
     };
-    let expected = 1 + batch.iter().map(|g| 1 + 5 * g.len()).sum::<usize>();
+    let expected = 1 + batch.iter().map(|g| 1 + 6 * g.len()).sum::<usize>();
     if items.len() != expected {
         return Err(StoreError::Protocol(format!("expected {expected} values, got {}", items.len())));
     }
@@ -540,15 +473,17 @@ fn parse_reply(reply: Value, batch: &[&Group]) -> Result<Vec<GroupOutcome>, Stor
             let retry = int(&mut items)?;
             let reset = int(&mut items)?;
             let forgiven = float(&mut items)?;
+            let fastest_refill = float(&mut items)?;
             verdicts.push(Verdict {
                 allowed,
                 tokens,
                 retry_after_ms: u64::try_from(retry).ok(),
                 reset_ms: u64::try_from(reset).unwrap_or(0),
                 forgiven,
+                fastest_refill,
             });
         }
-        outcomes.push(GroupOutcome { admitted, now_ms, verdicts, compensated: false });
+        outcomes.push(GroupOutcome { admitted, now_ms, verdicts, refunded: false });
     }
     Ok(outcomes)
 }

@@ -7,8 +7,10 @@
 --       key index (into KEYS), capacity, refill per second, need, role (0 enforced, 1 shadow,
 --       2 quota mode), max debt ('' = charged only when admitted, else charged always).
 -- Reply: now_ms, then per group: admitted (1/0), then per op: allowed (1/0), tokens (exact, as
---        %.17g), retry_after_ms (-1 = never), reset_ms, forgiven tokens (%.17g).
--- Bucket hash fields: t = tokens (%.17g), l = last refill (ms since epoch, server clock).
+--        %.17g), retry_after_ms (-1 = never), reset_ms, forgiven tokens (%.17g), fastest refill
+--        per second any charge of the bucket used (%.17g).
+-- Bucket hash fields: t = tokens (%.17g), l = last refill (ms since epoch, server clock),
+--        r = fastest refill per second of any charge (%.17g).
 
 -- TIME makes the script non-deterministic; Redis < 5 needs effects replication for that.
 if redis.replicate_commands then pcall(redis.replicate_commands) end
@@ -18,14 +20,14 @@ local now = tonumber(time[1]) * 1000 + math.floor(tonumber(time[2]) / 1000)
 -- Waits and TTLs are capped at 2^52 ms (bucket.rs MAX_WAIT_MS): now + TTL stays exact.
 local MAX_WAIT = 4503599627370496
 
--- Committed state per key index: {tokens, last} or false when no bucket is stored.
+-- Committed state per key index: {tokens, last, fastest} or false when no bucket is stored.
 local running = {}
 local function load(k)
   local s = running[k]
   if s == nil then
-    local v = redis.call('HMGET', KEYS[k], 't', 'l')
+    local v = redis.call('HMGET', KEYS[k], 't', 'l', 'r')
     local tokens, last = tonumber(v[1]), tonumber(v[2])
-    if tokens and last then s = {tokens, last} else s = false end
+    if tokens and last then s = {tokens, last, tonumber(v[3]) or 0} else s = false end
     running[k] = s
   end
   return s
@@ -33,8 +35,8 @@ end
 
 -- A missing bucket is full; a clock step back refills nothing and keeps the later timestamp.
 local function refill(s, cap, rate)
-  if not s then return cap, now end
-  return math.min(cap, s[1] + math.max(0, now - s[2]) * rate), math.max(s[2], now)
+  if not s then return {cap, now, 0} end
+  return {math.min(cap, s[1] + math.max(0, now - s[2]) * rate), math.max(s[2], now), s[3]}
 end
 
 local function wait(deficit, rate)
@@ -55,12 +57,18 @@ local function floor_of(debt)
   return 0
 end
 
--- Takes need from tokens; below the floor the rest is forgiven. Returns balance, forgiven.
-local function debit(tokens, cap, need, debt)
-  local after = math.min(cap, tokens - need)
+-- Takes need from the state {tokens, last, fastest}, remembering the fastest refill rate; below
+-- the floor the rest is forgiven. Returns the tokens forgiven.
+local function debit(st, cap, rps, need, debt)
+  st[3] = math.max(st[3], rps)
+  local after = math.min(cap, st[1] - need)
   local floor = floor_of(debt)
-  if after < floor then return floor, floor - after end
-  return after, 0
+  if after < floor then
+    st[1] = floor
+    return floor - after
+  end
+  st[1] = after
+  return 0
 end
 
 local out = {now}
@@ -74,46 +82,47 @@ for _ = 1, tonumber(ARGV[1]) do
   for i = 1, n do
     local k = tonumber(ARGV[a])
     local cap = tonumber(ARGV[a + 1])
-    local rate = tonumber(ARGV[a + 2]) / 1000
+    local rps = tonumber(ARGV[a + 2])
+    local rate = rps / 1000
     local need = tonumber(ARGV[a + 3])
     local role = ARGV[a + 4]
     local debt = tonumber(ARGV[a + 5])
     a = a + 6
     local s = tentative[k]
     if s == nil then s = load(k) end
-    local tokens, last = refill(s, cap, rate)
-    local allowed = need < 0 or tokens >= need
+    local st = refill(s, cap, rate)
+    local allowed = need < 0 or st[1] >= need
     local retry = 0
-    if not allowed then retry = wait_ms(cap, rate, tokens, math.max(need, 0)) end
+    if not allowed then retry = wait_ms(cap, rate, st[1], math.max(need, 0)) end
     local forgiven = 0
-    if allowed or debt then tokens, forgiven = debit(tokens, cap, need, debt) end
-    tentative[k] = {tokens, last}
+    if allowed or debt then forgiven = debit(st, cap, rps, need, debt) end
+    tentative[k] = st
     if role == '0' then
       if not allowed then enforced_short = true end
     elseif role == '2' then
       quota_ops = quota_ops + 1
       if allowed then quota_allowed = quota_allowed + 1 end
     end
-    ops[i] = {k, cap, rate, need, debt, allowed, tokens, retry, forgiven}
+    ops[i] = {k, cap, rps, rate, need, debt, allowed, st[1], retry, forgiven, st[3]}
   end
   local admitted = (not enforced_short) and (quota_ops == 0 or quota_allowed > 0)
 
   out[#out + 1] = admitted and 1 or 0
   for i = 1, n do
-    local k, cap, rate, need, debt, allowed, tokens, retry, forgiven = unpack(ops[i])
+    local k, cap, rps, rate, need, debt, allowed, tokens, retry, forgiven, fastest = unpack(ops[i])
     local charged
     if admitted then
       running[k] = tentative[k]
       charged = allowed or debt ~= nil
     else
       -- A denied group takes only what is charged always, replayed on the committed state.
-      local t, l = refill(load(k), cap, rate)
+      local st = refill(load(k), cap, rate)
       forgiven = 0
       if debt then
-        t, forgiven = debit(t, cap, need, debt)
-        running[k] = {t, l}
+        forgiven = debit(st, cap, rps, need, debt)
+        running[k] = st
       end
-      tokens = t
+      tokens, fastest = st[1], st[3]
       charged = debt ~= nil
     end
     if charged and need ~= 0 and rate > 0 then
@@ -128,6 +137,7 @@ for _ = 1, tonumber(ARGV[1]) do
     out[#out + 1] = retry
     out[#out + 1] = reset
     out[#out + 1] = string.format('%.17g', forgiven)
+    out[#out + 1] = string.format('%.17g', fastest)
   end
 end
 
@@ -135,7 +145,8 @@ end
 -- is absolute on the clock the balance was computed with, so it is exactly now + TTL.
 for k, ttl in pairs(dirty) do
   local s = running[k]
-  redis.call('HSET', KEYS[k], 't', string.format('%.17g', s[1]), 'l', string.format('%d', s[2]))
+  redis.call('HSET', KEYS[k], 't', string.format('%.17g', s[1]), 'l', string.format('%d', s[2]),
+    'r', string.format('%.17g', s[3]))
   redis.call('PEXPIREAT', KEYS[k], string.format('%d', now + ttl))
 end
 return out
