@@ -254,7 +254,7 @@ pub struct Evaluation {
 /// interval is never refilled twice.
 pub fn refill(state: Option<BucketState>, spec: &BucketSpec, now_ms: u64) -> BucketState {
     match state {
-        None => BucketState { tokens: spec.capacity, last_refill_ms: now_ms, fastest_refill: 0.0, ..Default::default() },
+        None => BucketState { tokens: spec.capacity, last_refill_ms: now_ms, fastest_refill: 0.0 },
         Some(s) => {
             let elapsed = now_ms.saturating_sub(s.last_refill_ms) as f64;
             BucketState {

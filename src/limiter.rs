@@ -27,6 +27,7 @@ use crate::config::{Domain, FailureMode, Limit, Rule, RuleSet};
 use crate::identity::{self, BucketKey};
 use crate::quota::QuotaSource;
 use crate::store::{LateReply, Store, StoreError};
+use crate::telemetry::logs::{self, ErrorChain};
 use crate::telemetry::Telemetry;
 use crate::units::RatePerUnit;
 
@@ -328,7 +329,9 @@ impl Limiter {
                 let kind = if matches!(error, StoreError::Timeout(_)) { "timeout" } else { "error" };
                 let mode = domain.failure_mode;
                 metrics::counter!("tollgate_store_errors_total", "domain" => domain.name.clone(), "kind" => kind, "failure_mode" => mode.to_string()).increment(1);
-                tracing::warn!(domain = %domain.name, %error, failure_mode = %mode, "store failed; applying the failure mode");
+                if let Some(held_back) = logs::throttled("store_failed") {
+                    tracing::warn!(domain = %domain.name, error = %ErrorChain(&error), failure_mode = %mode, held_back, "store failed; applying the failure mode");
+                }
                 Err(error)
             }
         }

@@ -219,7 +219,7 @@ impl Inner {
         let mut failures = Vec::new();
         for addr in candidates {
             let Ok(node) = self.node(&addr) else { continue };
-            match node.query::<Value>(&mut redis::cmd("CLUSTER").arg("SLOTS")).await {
+            match node.query::<Value>(redis::cmd("CLUSTER").arg("SLOTS")).await {
                 Ok(reply) => match parse_slots(reply, &addr) {
                     Some(map) => return self.install(map),
                     None => failures.push(format!("{addr}: unexpected CLUSTER SLOTS reply")),

@@ -30,13 +30,15 @@ use tokio::sync::oneshot;
 
 use super::{LateReply, StoreError};
 use crate::bucket::{refund, Group, GroupOutcome};
+use crate::telemetry::logs::{self, ErrorChain};
 
 /// Most concurrent calls per slot when coalescing; beyond, requests queue for the next call.
 pub const MAX_IN_FLIGHT: usize = 4;
 /// Most concurrent calls per slot with coalescing off.
 pub const MAX_IN_FLIGHT_UNCOALESCED: usize = 64;
-/// Most groups in one call, which bounds the script's run time (Redis runs nothing else meanwhile).
-pub const MAX_GROUPS_PER_CALL: usize = 256;
+/// Most bucket operations in one call, which bounds the script's run time (Redis runs nothing
+/// else meanwhile) and the size of its arguments; a larger request still goes out, alone.
+pub const MAX_OPS_PER_CALL: usize = 256;
 
 /// One script call for a list of groups of one slot, answering one outcome per group in order.
 pub type Call =
@@ -121,14 +123,15 @@ impl Coalescer {
         }
         // Without coalescing, one request per call.
         let mut taken = 0;
-        let mut groups = 0;
+        let mut ops = 0;
         for waiter in &queue.waiting {
-            let full = groups + waiter.groups.len() > MAX_GROUPS_PER_CALL || self.delay.is_zero();
+            let size: usize = waiter.groups.iter().map(Vec::len).sum();
+            let full = ops + size > MAX_OPS_PER_CALL || self.delay.is_zero();
             if taken > 0 && full {
                 break;
             }
             taken += 1;
-            groups += waiter.groups.len();
+            ops += size;
         }
         let waiters: Vec<Waiter> = queue.waiting.drain(..taken).collect();
         queue.in_flight += 1;
@@ -137,7 +140,7 @@ impl Coalescer {
         tokio::spawn(async move {
             let all: Vec<Group> = waiters.iter().flat_map(|w| w.groups.iter().cloned()).collect();
             let result = (me.call)(slot, all).await;
-            me.answer(slot, waiters, result).await;
+            me.answer(slot, waiters, result);
             let mut slots = me.lock();
             if let Some(queue) = slots.get_mut(&slot) {
                 queue.in_flight -= 1;
@@ -150,8 +153,8 @@ impl Coalescer {
     }
 
     // Hands each waiter its outcomes; refunds what was taken for waiters that gave up and asked
-    // for their tokens back.
-    async fn answer(&self, slot: u16, waiters: Vec<Waiter>, result: Reply) {
+    // for their tokens back, in a task of its own so that the slot's next calls need not wait.
+    fn answer(&self, slot: u16, waiters: Vec<Waiter>, result: Reply) {
         let mut late_refund = Group::new();
         match result {
             Ok(outcomes) => {
@@ -184,9 +187,14 @@ impl Coalescer {
             return;
         }
         metrics::counter!("tollgate_store_refunds_total", "reason" => "late").increment(1);
-        if let Err(error) = (self.call)(slot, vec![late_refund]).await {
-            metrics::counter!("tollgate_store_refund_failures_total").increment(1);
-            tracing::error!(%error, slot, "could not refund the tokens of a late reply");
-        }
+        let call = self.call.clone();
+        tokio::spawn(async move {
+            if let Err(error) = call(slot, vec![late_refund]).await {
+                metrics::counter!("tollgate_store_refund_failures_total").increment(1);
+                if let Some(held_back) = logs::throttled("late_refund_failed") {
+                    tracing::error!(error = %ErrorChain(&error), slot, held_back, "could not refund the tokens of a late reply");
+                }
+            }
+        });
     }
 }

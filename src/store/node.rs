@@ -17,6 +17,8 @@ use std::time::{Duration, Instant};
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::{Cmd, RedisError, Value};
 
+use crate::telemetry::logs::ErrorChain;
+
 /// The bucket script, as `EVALSHA` needs it.
 pub(crate) struct Script {
     source: &'static str,
@@ -68,7 +70,7 @@ impl Node {
         let result = match self.send(script, call, asking).await {
             Err(e) if e.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::NoScript) => {
                 // Not run: load the script (after a restart, failover or SCRIPT FLUSH) and send again.
-                self.query::<String>(&mut redis::cmd("SCRIPT").arg("LOAD").arg(script.source)).await?;
+                self.query::<String>(redis::cmd("SCRIPT").arg("LOAD").arg(script.source)).await?;
                 self.send(script, call, asking).await
             }
             other => other,
@@ -112,7 +114,7 @@ impl Node {
             (true, None) => {
                 *down = Some(Instant::now());
                 if let Err(error) = result {
-                    tracing::warn!(node = %self.addr, %error, "Redis node stopped answering");
+                    tracing::warn!(node = %self.addr, error = %ErrorChain(error), "Redis node stopped answering");
                 }
             }
             (false, Some(since)) => {

@@ -35,6 +35,7 @@ use super::node::{self, Node, Script};
 use super::{LateReply, Store, StoreError};
 use crate::bucket::{refund, Batch, BucketOp, Charge, Group, GroupOutcome, Role, Verdict};
 use crate::identity::cluster_slot;
+use crate::telemetry::logs;
 
 /// The script, loaded once per process.
 const SCRIPT: &str = include_str!("token_bucket.lua");
@@ -209,10 +210,13 @@ impl RedisStore {
                 }
                 Ok(None) | Err(_) => {
                     metrics::counter!("tollgate_store_refund_failures_total").increment(1);
-                    tracing::error!(
-                        keys = ?positions.iter().map(|&i| group[i].key.as_str()).collect::<Vec<_>>(),
-                        "could not refund the debits of a request denied in another Cluster slot"
-                    );
+                    if let Some(held_back) = logs::throttled("split_refund_failed") {
+                        tracing::error!(
+                            keys = ?positions.iter().map(|&i| group[i].key.as_str()).collect::<Vec<_>>(),
+                            held_back,
+                            "could not refund the debits of a request denied in another Cluster slot"
+                        );
+                    }
                 }
             }
         }

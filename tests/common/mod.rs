@@ -9,6 +9,7 @@
 #![allow(dead_code)]
 
 pub mod load;
+pub mod proxy;
 
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
@@ -209,6 +210,8 @@ impl Redis {
 /// A Redis Cluster of 3 primaries and 3 replicas made with `redis-cli --cluster create`.
 pub struct RedisCluster {
     pub ports: Vec<u16>,
+    /// The nodes' own ports, which stay direct when `ports` are proxies (`behind_proxies`).
+    pub direct: Vec<u16>,
     nodes: Vec<Proc>,
     _dir: tempfile::TempDir,
 }
@@ -232,7 +235,7 @@ impl RedisCluster {
                 )
             })
             .collect();
-        let cluster = RedisCluster { ports, nodes, _dir: dir };
+        let cluster = RedisCluster { direct: ports.clone(), ports, nodes, _dir: dir };
         for port in &cluster.ports {
             wait_until("cluster node to answer PING", 250, Duration::from_millis(20), || {
                 node_query::<String>(*port, &["PING"]).is_some()
@@ -321,6 +324,7 @@ impl RedisCluster {
             .unwrap();
         assert!(out.status.success(), "add-node: {}", String::from_utf8_lossy(&out.stdout));
         self.ports.push(port);
+        self.direct.push(port);
         wait_until(
             "every node to know the new one, and the new one the slots",
             500,
@@ -334,6 +338,34 @@ impl RedisCluster {
             },
         );
         port
+    }
+
+    /// Puts a [`proxy::FaultProxy`] in front of every node and makes the nodes announce the
+    /// proxies' ports, so that every client (tollgate, and this harness's own connections) goes
+    /// through them; the Cluster bus stays direct. Returns the proxies, in `ports` order.
+    pub fn behind_proxies(&mut self) -> Vec<proxy::FaultProxy> {
+        let proxies: Vec<proxy::FaultProxy> = self.ports.iter().map(|p| proxy::FaultProxy::start(*p)).collect();
+        for (port, proxy) in self.ports.iter().zip(&proxies) {
+            let bus = (port + 10_000).to_string();
+            let announce = proxy.port.to_string();
+            node_query::<String>(*port, &["CONFIG", "SET", "cluster-announce-bus-port", &bus]).expect("bus port");
+            node_query::<String>(*port, &["CONFIG", "SET", "cluster-announce-port", &announce]).expect("announce");
+        }
+        let proxied: Vec<u16> = proxies.iter().map(|p| p.port).collect();
+        wait_until("every node to announce its proxy", 500, Duration::from_millis(20), || {
+            self.ports.iter().all(|p| {
+                let slots: Option<redis::Value> = node_query(*p, &["CLUSTER", "SLOTS"]);
+                let Some(redis::Value::Array(ranges)) = slots else { return false };
+                ranges.iter().all(|range| {
+                    let redis::Value::Array(parts) = range else { return false };
+                    parts[2..].iter().all(|node| {
+                        matches!(node, redis::Value::Array(n) if matches!(n[1], redis::Value::Int(port) if proxied.contains(&(port as u16))))
+                    })
+                })
+            })
+        });
+        self.ports = proxied;
+        proxies
     }
 
     /// The node id of the node on `port`.
@@ -396,6 +428,11 @@ impl Tollgate {
     /// Starts `tollgate serve --config config` on `backend` and waits for `/readyz`.
     pub fn start(config: &Path, backend: &Backend, extra: &[&str]) -> Tollgate {
         Self::spawn(config, backend, extra).wait_for("/readyz")
+    }
+
+    /// Starts it with extra environment variables (e.g. `RUST_LOG`) and waits for `/readyz`.
+    pub fn start_with_env(config: &Path, backend: &Backend, extra: &[&str], env: &[(&str, &str)]) -> Tollgate {
+        Self::spawn_with_env(config, backend, extra, env).wait_for("/readyz")
     }
 
     /// Starts it and waits only for `/healthz` (for tests whose store is meant to be down).

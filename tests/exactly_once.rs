@@ -1,0 +1,232 @@
+//! Exactly-once accounting at the edges, through a fault-injecting proxy in front of real Redis
+//! (standalone, and every node of a real Cluster). After each fault clears, the buckets are read
+//! back from Redis and must hold exactly what the admitted requests took:
+//!
+//! * a reply lost after the script ran is never resent: the tokens are taken once, not twice;
+//! * a reply that comes after the deadline is refunded when the request was answered by
+//!   `failure_mode: deny`, and kept when `allow` admitted it;
+//! * two replicas with different specs for one bucket: the faster one's refills never make the
+//!   slower one's pre-check deny what Redis admits;
+//! * a capacity of 1e12 refilling 0.0001/s keeps its state in Redis.
+//!
+//! Every test prints what it measured; the README's "Failure behaviour" table quotes them.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::proxy::{Fault, FaultProxy};
+use common::*;
+use envoy_types::pb::google::protobuf::UInt64Value;
+
+/// 1000 tokens that practically never refill, so every debit is countable; one domain per
+/// failure mode.
+const CONFIG: &str = r#"
+domain: deny
+failure_mode: deny
+descriptors:
+  - key: tenant
+    token_bucket: {capacity: 1000, refill_per_second: 0.00001}
+"#;
+const ALLOW: &str = r#"
+domain: allow
+failure_mode: allow
+descriptors:
+  - key: tenant
+    token_bucket: {capacity: 1000, refill_per_second: 0.00001}
+"#;
+
+fn configs() -> tempfile::TempDir {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("deny.yaml"), CONFIG).unwrap();
+    std::fs::write(dir.path().join("allow.yaml"), ALLOW).unwrap();
+    dir
+}
+
+fn hits(domain: &str, tenant: &str, n: u64) -> envoy_types::pb::envoy::service::ratelimit::v3::RateLimitRequest {
+    let mut r = req(domain, &[&format!("tenant={tenant}")], 1);
+    r.descriptors[0].hits_addend = Some(UInt64Value { value: n });
+    r
+}
+
+/// The balance of `tenant` in `domain`, read on `port` (a direct connection, never the proxy).
+fn tokens(port: u16, domain: &str, tenant: &str) -> f64 {
+    let key = format!("rl:{{{tenant}}}:{domain}:tenant={tenant}");
+    let t: Option<String> = node_query(port, &["HGET", &key, "t"]);
+    t.expect("the bucket exists").parse().unwrap()
+}
+
+/// A backend behind proxies: where tollgate connects, and how to read a tenant's bucket directly.
+struct Setup {
+    backend: Backend,
+    proxies: Vec<FaultProxy>,
+    // (proxy port, direct port) per node; standalone has one.
+    nodes: Vec<(u16, u16)>,
+    _redis: Option<Redis>,
+    _cluster: Option<RedisCluster>,
+    cluster: bool,
+}
+
+impl Setup {
+    fn standalone() -> Setup {
+        let redis = Redis::start();
+        let proxy = FaultProxy::start(redis.port);
+        Setup {
+            backend: Backend::Redis(format!("redis://127.0.0.1:{}", proxy.port)),
+            nodes: vec![(proxy.port, redis.port)],
+            proxies: vec![proxy],
+            _redis: Some(redis),
+            _cluster: None,
+            cluster: false,
+        }
+    }
+
+    fn cluster() -> Setup {
+        let mut cluster = RedisCluster::start();
+        let proxies = cluster.behind_proxies();
+        let nodes = cluster.ports.iter().copied().zip(cluster.direct.iter().copied()).collect();
+        Setup { backend: Backend::Cluster(cluster.seeds()), proxies, nodes, _redis: None, _cluster: Some(cluster), cluster: true }
+    }
+
+    // The proxy and the direct port of the primary holding `tenant`'s buckets.
+    fn node_of(&self, tenant: &str) -> (&FaultProxy, u16) {
+        let proxy_port = match &self._cluster {
+            Some(c) => c.primary_for_slot(tenant_slot(tenant)),
+            None => self.nodes[0].0,
+        };
+        let i = self.nodes.iter().position(|(p, _)| *p == proxy_port).expect("a proxied node");
+        (&self.proxies[i], self.nodes[i].1)
+    }
+
+    fn name(&self) -> &'static str {
+        if self.cluster { "cluster" } else { "standalone" }
+    }
+}
+
+async fn a_lost_reply_is_never_resent(setup: &Setup) {
+    let dir = configs();
+    let server = Tollgate::start(dir.path(), &setup.backend, &["--redis-timeout", "200ms"]);
+    let tenant = "lost";
+    let (proxy, direct) = setup.node_of(tenant);
+    assert_eq!(ask(&server.addr(), hits("deny", tenant, 1)).await.unwrap().overall_code, OK);
+    proxy.set(Fault::DropReplies);
+    let r = ask(&server.addr(), hits("deny", tenant, 100)).await.unwrap();
+    proxy.set(Fault::Pass);
+    let after = tokens(direct, "deny", tenant);
+    println!("{}: reply lost after the script ran: answered {} (failure mode), bucket 1000 -> {after:.3}", setup.name(), r.overall_code);
+    assert_eq!(r.overall_code, OVER_LIMIT, "failure_mode deny answered");
+    assert!((after - 899.0).abs() < 0.01, "taken once (899 left), not twice: {after}");
+    // And the connection comes back for the next request.
+    let mut answers = Vec::new();
+    for _ in 0..100 {
+        answers.push(ask(&server.addr(), hits("deny", "other", 1)).await.unwrap().overall_code);
+        if answers.last() == Some(&OK) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(answers.last(), Some(&OK), "real answers again: {answers:?}");
+}
+
+// Waits until requests get real answers again (nothing still queued behind delayed replies).
+async fn settle(server: &Tollgate) {
+    for _ in 0..100 {
+        let r = ask(&server.addr(), hits("deny", "probe", 1)).await.unwrap();
+        if r.overall_code == OK {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    panic!("no real answers");
+}
+
+async fn late_replies(setup: &Setup) {
+    let dir = configs();
+    let server = Tollgate::start(dir.path(), &setup.backend, &["--redis-timeout", "100ms"]);
+    let mut figures = Vec::new();
+    for (domain, code, left) in [("deny", OVER_LIMIT, 999.0), ("allow", OK, 969.0)] {
+        let tenant = format!("late-{domain}");
+        let action = if domain == "deny" { "refunded" } else { "kept" };
+        settle(&server).await;
+        let (proxy, direct) = setup.node_of(&tenant);
+        assert_eq!(ask(&server.addr(), hits(domain, &tenant, 1)).await.unwrap().overall_code, OK);
+        assert!((tokens(direct, domain, &tenant) - 999.0).abs() < 0.01, "warmed up");
+        let before = sample(&server.metrics(), "tollgate_store_late_replies_total", &[("action", action)]);
+        proxy.set(Fault::DelayReplies(Duration::from_millis(300)));
+        for _ in 0..3 {
+            let r = ask(&server.addr(), hits(domain, &tenant, 10)).await.unwrap();
+            assert_eq!(r.overall_code, code, "{domain}: the failure mode answered");
+        }
+        // The script ran three times; its replies come 300 ms late.
+        let start = Instant::now();
+        for _ in 0..200 {
+            let late = sample(&server.metrics(), "tollgate_store_late_replies_total", &[("action", action)]);
+            if late - before >= 3.0 && (tokens(direct, domain, &tenant) - left).abs() < 0.01 {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        let late = sample(&server.metrics(), "tollgate_store_late_replies_total", &[("action", action)]);
+        assert_eq!(late - before, 3.0, "{domain}: three late replies {action}; bucket {}\n{}", tokens(direct, domain, &tenant), server.log());
+        proxy.set(Fault::Pass);
+        let after = tokens(direct, domain, &tenant);
+        figures.push(format!("{domain}: 3 x 10 tokens answered by the failure mode, bucket 999 -> {after:.3} ({action}, settled {:?} after the last answer)", start.elapsed()));
+        assert!((after - left).abs() < 0.01, "{domain}: {after}, expected {left}");
+    }
+    println!("{}: replies 300 ms late, deadline 100 ms: {}", setup.name(), figures.join("; "));
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn standalone_at_most_once_and_late_refunds() {
+    let setup = Setup::standalone();
+    a_lost_reply_is_never_resent(&setup).await;
+    late_replies(&setup).await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn cluster_at_most_once_and_late_refunds() {
+    let setup = Setup::cluster();
+    a_lost_reply_is_never_resent(&setup).await;
+    late_replies(&setup).await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_faster_spec_on_another_replica_never_makes_the_precheck_deny() {
+    let redis = Redis::start();
+    let spec = |rate: &str| format!("domain: spec\ndescriptors:\n  - key: tenant\n    token_bucket: {{capacity: 5, refill_per_second: {rate}}}\n");
+    let (_slow_dir, slow_config) = config_file(&spec("0.01"));
+    let (_fast_dir, fast_config) = config_file(&spec("100"));
+    let slow = Tollgate::start(&slow_config, &Backend::Redis(redis.url()), &[]);
+    let fast = Tollgate::start(&fast_config, &Backend::Redis(redis.url()), &[]);
+    let one = || req("spec", &["tenant=shared"], 1);
+    // Both replicas serve the bucket; the slow one empties it and remembers it empty.
+    assert_eq!(ask(&fast.addr(), one()).await.unwrap().overall_code, OK);
+    let mut admitted = 0;
+    while ask(&slow.addr(), one()).await.unwrap().overall_code == OK {
+        admitted += 1;
+        assert!(admitted <= 10, "the bucket empties");
+    }
+    // The fast replica's refill puts tokens back...
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert_eq!(ask(&fast.addr(), one()).await.unwrap().overall_code, OK);
+    // ...so Redis admits the slow replica's next request, and its pre-check must not deny it.
+    let r = ask(&slow.addr(), one()).await.unwrap();
+    let local = sample(&slow.metrics(), "tollgate_precheck_answers_total", &[]);
+    println!("two replicas, 0.01/s and 100/s on one bucket: the slow one's request after the fast one's refill: {} ({local} local answers so far)", r.overall_code);
+    assert_eq!(r.overall_code, OK, "Redis holds tokens; the pre-check must pass the request on");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn extreme_specs_keep_their_state_in_redis() {
+    let redis = Redis::start();
+    let (_dir, config) = config_file("domain: x\ndescriptors:\n  - key: tenant\n    token_bucket: {capacity: 1e12, refill_per_second: 0.0001}\n");
+    let server = Tollgate::start(&config, &Backend::Redis(redis.url()), &[]);
+    let mut codes = Vec::new();
+    for _ in 0..3 {
+        codes.push(ask(&server.addr(), hits("x", "huge", 600_000_000_000)).await.unwrap().overall_code);
+    }
+    let ttl: i64 = redis::cmd("PTTL").arg("rl:{huge}:x:tenant=huge").query(&mut redis.connection()).unwrap();
+    println!("capacity 1e12 at 0.0001/s, three requests of 6e11: {codes:?}; TTL {ttl} ms");
+    assert_eq!(codes, vec![OK, OVER_LIMIT, OVER_LIMIT], "only one fits");
+    assert!(ttl > 1_000_000_000_000, "the state is kept (TTL capped, not overflowed): {ttl}");
+}
