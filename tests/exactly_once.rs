@@ -4,7 +4,8 @@
 //!
 //! * a reply lost after the script ran is never resent: the tokens are taken once, not twice;
 //! * a reply that comes after the deadline is refunded when the request was answered by
-//!   `failure_mode: deny`, and kept when `allow` admitted it;
+//!   `failure_mode: deny`, and kept when `allow` admitted it; a reply that never comes leaves
+//!   what the script took (the documented limit);
 //! * two replicas with different specs for one bucket: the faster one's refills never make the
 //!   slower one's pre-check deny what Redis admits;
 //! * a capacity of 1e12 refilling 0.0001/s keeps its state in Redis.
@@ -176,11 +177,32 @@ async fn late_replies(setup: &Setup) {
     println!("{}: replies 300 ms late, deadline 100 ms: {}", setup.name(), figures.join("; "));
 }
 
+async fn replies_that_never_come(setup: &Setup) {
+    let dir = configs();
+    let server = Tollgate::start(dir.path(), &setup.backend, &["--redis-timeout", "100ms"]);
+    settle(&server).await;
+    let tenant = "silent";
+    let (proxy, direct) = setup.node_of(tenant);
+    assert_eq!(ask(&server.addr(), hits("deny", tenant, 1)).await.unwrap().overall_code, OK);
+    proxy.set(Fault::SwallowReplies);
+    let r = ask(&server.addr(), hits("deny", tenant, 50)).await.unwrap();
+    // The call waits for a refundable reply for twice the deadline, at least 1 s.
+    tokio::time::sleep(Duration::from_millis(1_500)).await;
+    proxy.set(Fault::Pass);
+    let after = tokens(direct, "deny", tenant);
+    let late = sample(&server.metrics(), "tollgate_store_late_replies_total", &[]);
+    println!("{}: the script ran, its reply never came: answered {} (failure mode deny), bucket 999 -> {after:.3}, {late} late replies", setup.name(), r.overall_code);
+    assert_eq!(r.overall_code, OVER_LIMIT);
+    assert!((after - 949.0).abs() < 0.01, "no reply, nothing to refund: the 50 tokens stay taken ({after})");
+    assert_eq!(late, 0.0);
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn standalone_at_most_once_and_late_refunds() {
     let setup = Setup::standalone();
     a_lost_reply_is_never_resent(&setup).await;
     late_replies(&setup).await;
+    replies_that_never_come(&setup).await;
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -188,6 +210,7 @@ async fn cluster_at_most_once_and_late_refunds() {
     let setup = Setup::cluster();
     a_lost_reply_is_never_resent(&setup).await;
     late_replies(&setup).await;
+    replies_that_never_come(&setup).await;
 }
 
 #[tokio::test(flavor = "multi_thread")]

@@ -24,6 +24,8 @@ pub enum Fault {
     /// Forward requests; when a reply comes, close the client's connection instead (the command
     /// ran, its reply is lost).
     DropReplies,
+    /// Forward requests, never the replies: the commands run, the replies never come.
+    SwallowReplies,
     /// Accept and read, forward nothing either way.
     Blackhole,
 }
@@ -120,7 +122,7 @@ async fn relay(client: TcpStream, target: SocketAddr, fault: Arc<Mutex<Fault>>, 
                 Fault::Pass => tokio::time::Instant::now(),
                 Fault::DelayReplies(d) => tokio::time::Instant::now() + d,
                 Fault::DropReplies => return,
-                Fault::Blackhole => continue,
+                Fault::SwallowReplies | Fault::Blackhole => continue,
             };
             if chunks.send((due, buf[..n].to_vec())).is_err() {
                 return;
