@@ -194,7 +194,6 @@ struct BucketPlan<'a> {
     current_limit: Option<RatePerUnit>,
     need: f64,
     role: Role,
-    charge: Charge,
 }
 
 impl Limiter {
@@ -254,7 +253,6 @@ impl Limiter {
                 current_limit: Some(limit),
                 need: signed(d, d.hits),
                 role: if self.global_shadow { Role::Shadow } else { Role::Enforced },
-                charge: Charge::Admitted,
             });
         }
         let Some(rule) = domain.lookup(&d.entries) else { return Plan::Free };
@@ -277,7 +275,6 @@ impl Limiter {
             current_limit: rule.rate,
             need: signed(d, d.hits.saturating_mul(rule.cost)),
             role,
-            charge: rule.charge,
         })
     }
 
@@ -393,13 +390,10 @@ fn group(plans: &[Plan<'_>]) -> (Group, Vec<Option<usize>>) {
         .iter()
         .map(|plan| {
             let Plan::Bucket(p) = plan else { return None };
-            group.push(BucketOp {
-                key: p.bucket.key.clone(),
-                spec: p.spec.expect("quotas resolved"),
-                need: p.need,
-                role: p.role,
-                charge: p.charge,
-            });
+            let spec = p.spec.expect("quotas resolved");
+            // The debt floor of `charge: always` follows the bucket's (resolved) capacity.
+            let charge = p.rule.map_or(Charge::Admitted, |r| r.charge.for_bucket(&spec));
+            group.push(BucketOp { key: p.bucket.key.clone(), spec, need: p.need, role: p.role, charge });
             Some(group.len() - 1)
         })
         .collect();

@@ -6,8 +6,8 @@ use std::path::Path;
 use std::sync::Arc;
 
 use super::raw;
-use super::{ClassDef, ConfigError, Domain, FailureMode, HeaderSets, Limit, Rule};
-use crate::bucket::{BucketSpec, Charge};
+use super::{ChargeRule, ClassDef, ConfigError, Domain, FailureMode, HeaderSets, Limit, Rule};
+use crate::bucket::{BucketSpec, MAX_CAPACITY};
 use crate::matcher::{Level, Node, ValueMatch};
 use crate::quota::{Quotas, TenantRecord, DEFAULT_CLASS};
 use crate::units::{RatePerUnit, Unit};
@@ -240,7 +240,7 @@ impl Tree<'_> {
         let Some(class) = &rule.class else { return Ok(()) };
         let def = ClassDef {
             limit: rule.limit,
-            charge: rule.charge,
+            charge: rule.charge.clone(),
             defined_at: (self.file.to_owned(), rule.position.0, rule.position.1),
         };
         match self.classes.get(class) {
@@ -248,7 +248,7 @@ impl Tree<'_> {
                 self.classes.insert(class.clone(), def);
                 Ok(())
             }
-            Some(first) if (first.limit, first.charge) == (def.limit, def.charge) => Ok(()),
+            Some(first) if first.same_bucket(&def) => Ok(()),
             Some(first) => Err(format!(
                 "class '{class}' is already sized differently at line {}:{}; rules sharing a class share one bucket and must agree on its limit",
                 first.defined_at.1, first.defined_at.2
@@ -302,6 +302,7 @@ impl Tree<'_> {
                 ));
             }
         }
+        let charge = charge(d, limited)?;
         let Some(limit) = limit else { return Ok(None) };
         Ok(Some(Rule {
             path: place.path.clone(),
@@ -313,7 +314,7 @@ impl Tree<'_> {
             class: d.class.clone(),
             shadow_mode: d.shadow_mode,
             quota_mode: d.quota_mode,
-            charge: Charge::Admitted,
+            charge,
             detailed_metric: d.detailed_metric || d.value_to_metric,
             replaces,
             metadata: d.metadata.clone(),
@@ -333,6 +334,30 @@ impl Tree<'_> {
             return Err("quota: tenant needs tiers and a default_tier in this file".into());
         }
         Ok(())
+    }
+}
+
+// `charge:`, `max_debt:` and `hits_from:` of a node.
+fn charge(d: &raw::Descriptor, limited: bool) -> Result<ChargeRule, String> {
+    match d.charge.as_deref() {
+        None | Some("admitted") => {
+            if d.max_debt.is_some() || d.hits_from.is_some() {
+                return Err("max_debt and hits_from need charge: always".into());
+            }
+            Ok(ChargeRule::Admitted)
+        }
+        Some("always") => {
+            if !limited {
+                return Err("charge needs a limit on the same node".into());
+            }
+            if let Some(debt) = d.max_debt {
+                if !debt.is_finite() || !(0.0..=MAX_CAPACITY).contains(&debt) {
+                    return Err(format!("max_debt must be between 0 and {MAX_CAPACITY:e} tokens, got {debt}"));
+                }
+            }
+            Ok(ChargeRule::Always { max_debt: d.max_debt, hits_from: d.hits_from.clone() })
+        }
+        Some(other) => Err(format!("unknown charge '{other}' (expected admitted or always)")),
     }
 }
 

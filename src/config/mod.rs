@@ -24,13 +24,49 @@ use crate::matcher::Level;
 use crate::quota::{Quotas, TenantRecord};
 use crate::units::RatePerUnit;
 
+/// When a rule's tokens are taken.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+#[serde(rename_all = "snake_case", tag = "charge")]
+pub enum ChargeRule {
+    /// `charge: admitted` (the default): only when the whole request is admitted.
+    Admitted,
+    /// `charge: always`: every debit, even past zero, down to `-max_debt`.
+    Always {
+        /// `max_debt`; `None` means the bucket's capacity.
+        max_debt: Option<f64>,
+        /// Where Envoy reads the hits of the charge after the response (`hits_from`), for
+        /// `tollgate render`.
+        hits_from: Option<HitsFrom>,
+    },
+}
+
+impl ChargeRule {
+    /// The bucket arithmetic's charge for a bucket of `spec`.
+    pub fn for_bucket(&self, spec: &BucketSpec) -> Charge {
+        match self {
+            ChargeRule::Admitted => Charge::Admitted,
+            ChargeRule::Always { max_debt, .. } => Charge::Always { max_debt: max_debt.unwrap_or(spec.capacity()) },
+        }
+    }
+
+    // What two rules sharing a bucket must agree on (where Envoy reads the hits need not).
+    fn sizing(&self) -> (bool, Option<f64>) {
+        match self {
+            ChargeRule::Admitted => (false, None),
+            ChargeRule::Always { max_debt, .. } => (true, *max_debt),
+        }
+    }
+}
+
+pub use self::raw::HitsFrom;
+
 /// What sizes a shared class bucket; every rule of a class must agree on it.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct ClassDef {
     /// The limit every rule of the class has (a bucket or the tenant's quota).
     pub limit: Limit,
     /// Their charge mode.
-    pub charge: Charge,
+    pub charge: ChargeRule,
     /// Where the class was first defined: file, line, column.
     #[serde(skip)]
     pub defined_at: (PathBuf, usize, usize),
@@ -96,6 +132,13 @@ impl RuleSet {
     }
 }
 
+impl ClassDef {
+    /// Whether `other` sizes the class's bucket the same way.
+    pub fn same_bucket(&self, other: &ClassDef) -> bool {
+        self.limit == other.limit && self.charge.sizing() == other.charge.sizing()
+    }
+}
+
 // Domains that name the same class scope share its class buckets: each class must be sized the
 // same way wherever it is used.
 fn check_shared_classes<'a>(domains: impl Iterator<Item = &'a Arc<Domain>>) -> Result<(), ConfigError> {
@@ -103,7 +146,7 @@ fn check_shared_classes<'a>(domains: impl Iterator<Item = &'a Arc<Domain>>) -> R
     for domain in domains {
         for (class, def) in &domain.classes {
             match seen.get(&(domain.class_scope.as_str(), class.as_str())) {
-                Some(first) if (first.limit, first.charge) != (def.limit, def.charge) => {
+                Some(first) if !first.same_bucket(def) => {
                     let (file, line, column) = &def.defined_at;
                     return Err(ConfigError::Invalid {
                         file: file.clone(),
@@ -237,7 +280,7 @@ pub struct Rule {
     /// only if every quota-mode descriptor of the request is over too.
     pub quota_mode: bool,
     /// When the tokens are taken (`charge:`), and how deep into debt a bucket may go.
-    pub charge: Charge,
+    pub charge: ChargeRule,
     /// Per-value metrics requested.
     pub detailed_metric: bool,
     /// Names of rules this one replaces when both match one request.

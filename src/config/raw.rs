@@ -53,7 +53,20 @@ pub struct Descriptor {
     pub cost: Option<u64>,
     pub class: Option<String>,
     pub quota: Option<String>,
+    pub charge: Option<String>,
+    pub max_debt: Option<f64>,
+    pub hits_from: Option<HitsFrom>,
     pub source: Option<Source>,
+}
+
+/// Where Envoy reads the hits of a charge made after the response; used only by `tollgate render`.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize, serde::Serialize)]
+#[serde(rename_all = "snake_case", deny_unknown_fields)]
+pub enum HitsFrom {
+    /// A response header (`%RESP(name)%`).
+    ResponseHeader(String),
+    /// A response trailer (`%TRAILER(name)%`).
+    ResponseTrailer(String),
 }
 
 /// Where Envoy takes an entry's value from; used only by `tollgate render`.
