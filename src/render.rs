@@ -10,13 +10,20 @@
 //! out the ones they limit. An entry with a `generic_key` marks a route, so it goes to the routes
 //! that should be charged to it, grouped by its constant values; a route with its own
 //! `rate_limits` replaces the virtual host's, so each route group repeats them.
+//!
+//! A domain with `charge: always` rules is rendered at the filter level instead: Envoy sends
+//! per-descriptor hits, and charges after the response (`apply_on_stream_done`), only for the
+//! ratelimit filter's own `rate_limits`, which replace every route's. Such a rule becomes a check
+//! before the request (hits 0) and a charge when the response is done, with the hits read from
+//! its `hits_from` response header, or from that trailer, which a small Lua filter copies into
+//! dynamic metadata (Envoy 1.40 cannot read trailers there).
 
 use std::collections::BTreeMap;
 use std::time::Duration;
 
 use serde_json::{json, Value};
 
-use crate::config::{Domain, Limit, RuleSet, Source};
+use crate::config::{ChargeRule, Domain, Limit, Rule, RuleSet, Source};
 use crate::matcher::Level;
 
 /// Where the verified JWT payload sits in Envoy's dynamic metadata.
@@ -50,6 +57,9 @@ pub enum RenderError {
     /// A node on the path of a rule has no `source`.
     #[error("domain '{domain}': descriptor '{path}' has no source: add `source:` (jwt_claim, request_header, path, method, remote_address or generic_key)")]
     NoSource { domain: String, path: String },
+    /// A `charge: always` rule does not say where Envoy reads the charge.
+    #[error("domain '{domain}': descriptor '{path}' charges always but has no hits_from: name the response header (or trailer) that carries the cost")]
+    NoHitsFrom { domain: String, path: String },
 }
 
 /// The `rate_limits` entries for one domain.
@@ -60,6 +70,11 @@ pub struct RateLimits {
     /// For routes, by group (`key=value` of their generic keys); each repeats the virtual
     /// host's entries.
     pub routes: BTreeMap<String, Vec<Value>>,
+    /// For the ratelimit filter itself (domains with `charge: always` rules; then the two above
+    /// are empty).
+    pub filter: Vec<Value>,
+    /// The response trailers whose value a charge reads (through the Lua filter).
+    pub trailers: Vec<String>,
 }
 
 /// The domain `options` selects.
@@ -79,8 +94,9 @@ pub fn select<'a>(rules: &'a RuleSet, options: &RenderOptions) -> Result<&'a Dom
 
 /// The `rate_limits` entries that produce the descriptors `domain`'s rules expect.
 pub fn rate_limits(domain: &Domain, jwt: &JwtPayload) -> Result<RateLimits, RenderError> {
-    let mut out = RateLimits { virtual_host: Vec::new(), routes: BTreeMap::new() };
-    walk(domain, &domain.root, jwt, &[], &[], &mut out)?;
+    let mut out = RateLimits { virtual_host: Vec::new(), routes: BTreeMap::new(), filter: Vec::new(), trailers: Vec::new() };
+    let filter_level = domain.rules.iter().any(|r| matches!(r.charge, ChargeRule::Always { .. }));
+    walk(domain, &domain.root, jwt, &[], &[], filter_level, &mut out)?;
     for entries in out.routes.values_mut() {
         let mut all = out.virtual_host.clone();
         all.append(entries);
@@ -95,6 +111,7 @@ fn walk(
     jwt: &JwtPayload,
     actions: &[Option<Value>],
     groups: &[String],
+    filter_level: bool,
     out: &mut RateLimits,
 ) -> Result<(), RenderError> {
     for node in level.nodes() {
@@ -110,21 +127,64 @@ fn walk(
                 domain: domain.name.clone(),
                 path: rule.path.clone(),
             })?;
-            let entry = json!({ "actions": actions });
-            let list = if groups.is_empty() {
+            let entries = entries(domain, rule, actions, out)?;
+            let list = if filter_level {
+                &mut out.filter
+            } else if groups.is_empty() {
                 &mut out.virtual_host
             } else {
                 out.routes.entry(groups.join(",")).or_default()
             };
             // Rules for different values of one key (e.g. every remote_address rule) share one
             // entry; a second one would make Envoy send the descriptor, and charge it, twice.
-            if !list.contains(&entry) {
-                list.push(entry);
+            for entry in entries {
+                if !list.contains(&entry) {
+                    list.push(entry);
+                }
             }
         }
-        walk(domain, &node.children, jwt, &path, &groups, out)?;
+        walk(domain, &node.children, jwt, &path, &groups, filter_level, out)?;
     }
     Ok(())
+}
+
+// The entries of one rule: one per request; for `charge: always`, a check before the request and
+// the charges after it (from the header, or from the trailer the Lua filter copied).
+fn entries(domain: &Domain, rule: &Rule, actions: Vec<Value>, out: &mut RateLimits) -> Result<Vec<Value>, RenderError> {
+    let ChargeRule::Always { hits_from, .. } = &rule.charge else {
+        return Ok(vec![json!({ "actions": actions })]);
+    };
+    let name = hits_from
+        .as_ref()
+        .ok_or_else(|| RenderError::NoHitsFrom { domain: domain.name.clone(), path: rule.path.clone() })?;
+    if !out.trailers.contains(name) {
+        out.trailers.push(name.clone());
+    }
+    Ok(vec![
+        json!({ "actions": actions, "hits_addend": { "number": 0 } }),
+        json!({ "actions": actions, "apply_on_stream_done": true, "hits_addend": { "format": format!("%RESP({name})%") } }),
+        json!({ "actions": actions, "apply_on_stream_done": true, "hits_addend": { "format": format!("%DYNAMIC_METADATA(tollgate:{name})%") } }),
+    ])
+}
+
+/// The Lua filter that copies response trailers `names` into dynamic metadata (`tollgate:<name>`)
+/// as a response ends, for charges after the response; it passes the body through chunk by
+/// chunk, never buffering it.
+pub fn trailer_filter(names: &[String]) -> Value {
+    let mut script = String::from("function envoy_on_response(handle)\n  for _ in handle:bodyChunks() do end\n  local trailers = handle:trailers()\n");
+    for name in names {
+        script.push_str(&format!(
+            "  local used = trailers and trailers:get(\"{name}\")\n  if used then\n    handle:streamInfo():dynamicMetadata():set(\"tollgate\", \"{name}\", used)\n  end\n"
+        ));
+    }
+    script.push_str("end\n");
+    json!({
+        "name": "envoy.filters.http.lua",
+        "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.filters.http.lua.v3.Lua",
+            "default_source_code": { "inline_string": script },
+        },
+    })
 }
 
 /// The Envoy action that produces entry `key` from `source`.
@@ -160,9 +220,10 @@ fn header_action(key: &str, header: &str) -> Value {
     json!({ "request_headers": { "header_name": header, "descriptor_key": key } })
 }
 
-/// The ratelimit HTTP filter for `domain`, calling tollgate through `cluster`.
-pub fn http_filter(domain: &Domain, cluster: &str, options: &RenderOptions) -> Value {
-    json!({
+/// The ratelimit HTTP filter for `domain`, calling tollgate through `cluster`, with the
+/// filter-level `rate_limits` if there are any.
+pub fn http_filter(domain: &Domain, cluster: &str, options: &RenderOptions, rate_limits: &[Value]) -> Value {
+    let mut filter = json!({
         "name": "envoy.filters.http.ratelimit",
         "typed_config": {
             "@type": "type.googleapis.com/envoy.extensions.filters.http.ratelimit.v3.RateLimit",
@@ -175,7 +236,11 @@ pub fn http_filter(domain: &Domain, cluster: &str, options: &RenderOptions) -> V
                 "grpc_service": { "envoy_grpc": { "cluster_name": cluster } },
             },
         },
-    })
+    });
+    if !rate_limits.is_empty() {
+        filter["typed_config"]["rate_limits"] = json!(rate_limits);
+    }
+    filter
 }
 
 /// `tollgate render envoy`: the filter, the tollgate cluster (at `address`, `host:port`) and
@@ -190,9 +255,9 @@ pub fn envoy(rules: &RuleSet, options: &RenderOptions, address: &str) -> Result<
         .into_iter()
         .map(|(group, entries)| (group, json!({ "rate_limits": entries })))
         .collect();
-    Ok(json!({
+    let mut out = json!({
         "domain": domain.name,
-        "http_filter": http_filter(domain, "tollgate", options),
+        "http_filter": http_filter(domain, "tollgate", options, &limits.filter),
         "cluster": {
             "name": "tollgate",
             "type": "STRICT_DNS",
@@ -210,9 +275,15 @@ pub fn envoy(rules: &RuleSet, options: &RenderOptions, address: &str) -> Result<
                 }}}]}],
             },
         },
-        "virtual_host": { "rate_limits": limits.virtual_host },
-        "routes": routes,
-    }))
+    });
+    if limits.filter.is_empty() {
+        out["virtual_host"] = json!({ "rate_limits": limits.virtual_host });
+        out["routes"] = Value::Object(routes);
+    }
+    if !limits.trailers.is_empty() {
+        out["lua_filter"] = trailer_filter(&limits.trailers);
+    }
+    Ok(out)
 }
 
 /// Which Istio proxies to configure.
@@ -260,14 +331,26 @@ pub fn istio(
                 "name": "envoy.filters.network.http_connection_manager",
                 "subFilter": { "name": "envoy.filters.http.router" },
             }}}},
-            "patch": { "operation": "INSERT_BEFORE", "value": http_filter(domain, &cluster, options) },
+            "patch": { "operation": "INSERT_BEFORE", "value": http_filter(domain, &cluster, options, &limits.filter) },
         }),
-        json!({
+    ];
+    if !limits.trailers.is_empty() {
+        patches.push(json!({
+            "applyTo": "HTTP_FILTER",
+            "match": { "context": context, "listener": { "filterChain": { "filter": {
+                "name": "envoy.filters.network.http_connection_manager",
+                "subFilter": { "name": "envoy.filters.http.router" },
+            }}}},
+            "patch": { "operation": "INSERT_BEFORE", "value": trailer_filter(&limits.trailers) },
+        }));
+    }
+    if limits.filter.is_empty() {
+        patches.push(json!({
             "applyTo": "VIRTUAL_HOST",
             "match": { "context": context },
             "patch": { "operation": "MERGE", "value": { "rate_limits": limits.virtual_host } },
-        }),
-    ];
+        }));
+    }
     for (group, entries) in limits.routes {
         patches.push(json!({
             "applyTo": "HTTP_ROUTE",

@@ -67,20 +67,48 @@ fn rendering_the_examples_reproduces_the_shipped_front_proxy() {
     assert_eq!(cluster["load_assignment"], rendered["cluster"]["load_assignment"]);
 }
 
+#[test]
+fn rendering_the_llm_example_reproduces_the_shipped_llm_gateway() {
+    let rendered = render(&["envoy", "--config", &examples(), "--domain", "llm-gateway"]).unwrap();
+    let shipped = repo_yaml("envoy/llm-gateway.yaml");
+    let hcm = &shipped["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"];
+    let filter = |name: &str| {
+        hcm["http_filters"].as_array().unwrap().iter().find(|f| f["name"] == name).unwrap().clone()
+    };
+    let mut shipped_filter = filter("envoy.filters.http.ratelimit");
+    let mut rendered_filter = rendered["http_filter"].clone();
+    assert_same_entries(
+        &shipped_filter["typed_config"]["rate_limits"],
+        &rendered_filter["typed_config"]["rate_limits"],
+        "filter-level rate_limits",
+    );
+    shipped_filter["typed_config"].as_object_mut().unwrap().remove("rate_limits");
+    rendered_filter["typed_config"].as_object_mut().unwrap().remove("rate_limits");
+    assert_eq!(shipped_filter, rendered_filter);
+    assert_eq!(filter("envoy.filters.http.lua"), rendered["lua_filter"]);
+    assert!(rendered["virtual_host"].is_null() && rendered["routes"].is_null(), "all at the filter level");
+}
+
 /// A bootstrap around a rendered filter, cluster and rate_limits.
 fn bootstrap(rendered: &Value) -> Value {
     let mut cluster = rendered["cluster"].clone();
     cluster["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]["address"]["socket_address"]
         ["address"] = json!("127.0.0.1");
+    let empty = serde_json::Map::new();
     let mut routes: Vec<Value> = rendered["routes"]
         .as_object()
-        .unwrap()
+        .unwrap_or(&empty)
         .iter()
         .map(|(group, r)| {
             json!({"name": group, "match": {"prefix": "/some-route"}, "route": {"cluster": "upstream", "rate_limits": r["rate_limits"]}})
         })
         .collect();
     routes.push(json!({"match": {"prefix": "/"}, "route": {"cluster": "upstream"}}));
+    let mut filters = vec![rendered["http_filter"].clone()];
+    if !rendered["lua_filter"].is_null() {
+        filters.push(rendered["lua_filter"].clone());
+    }
+    filters.push(json!({"name": "envoy.filters.http.router", "typed_config": {"@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"}}));
     json!({
         "static_resources": {
             "listeners": [{
@@ -93,10 +121,10 @@ fn bootstrap(rendered: &Value) -> Value {
                         "stat_prefix": "test",
                         "route_config": {"virtual_hosts": [{
                             "name": "all", "domains": ["*"],
-                            "rate_limits": rendered["virtual_host"]["rate_limits"],
+                            "rate_limits": rendered["virtual_host"]["rate_limits"].as_array().cloned().unwrap_or_default(),
                             "routes": routes,
                         }]},
-                        "http_filters": [rendered["http_filter"], {"name": "envoy.filters.http.router", "typed_config": {"@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"}}],
+                        "http_filters": filters,
                     },
                 }]}],
             }],
@@ -110,7 +138,7 @@ fn bootstrap(rendered: &Value) -> Value {
 
 #[test]
 fn rendered_envoy_config_loads_in_envoy() {
-    for domain in ["api-gateway", "grpc-api"] {
+    for domain in ["api-gateway", "grpc-api", "llm-gateway"] {
         let rendered =
             render(&["envoy", "--config", &examples(), "--domain", domain, "--failure-mode-deny"]).unwrap();
         assert_eq!(rendered["http_filter"]["typed_config"]["failure_mode_deny"], true);
@@ -127,7 +155,12 @@ fn rendered_envoy_config_loads_in_envoy() {
 #[test]
 fn render_explains_what_it_cannot_do() {
     let err = render(&["envoy", "--config", &examples()]).unwrap_err();
-    assert!(err.contains("several domains (api-gateway, grpc-api): choose one with --domain"), "{err}");
+    assert!(err.contains("several domains (api-gateway, grpc-api, llm-gateway): choose one with --domain"), "{err}");
+    let (_dir, config) = config_file(
+        "domain: d\ndescriptors:\n  - key: user\n    source: {request_header: x-user}\n    charge: always\n    rate_limit: {unit: second, requests_per_unit: 1}\n",
+    );
+    let err = render(&["envoy", "--config", config.to_str().unwrap()]).unwrap_err();
+    assert!(err.contains("descriptor 'user' charges always but has no hits_from"), "{err}");
     let (_dir, config) = config_file(
         "domain: d\ndescriptors:\n  - key: user\n    rate_limit: {unit: second, requests_per_unit: 1}\n",
     );

@@ -34,9 +34,9 @@ pub enum ChargeRule {
     Always {
         /// `max_debt`; `None` means the bucket's capacity.
         max_debt: Option<f64>,
-        /// Where Envoy reads the hits of the charge after the response (`hits_from`), for
-        /// `tollgate render`.
-        hits_from: Option<HitsFrom>,
+        /// The response header or trailer in which the upstream reports the cost
+        /// (`hits_from`), for `tollgate render`.
+        hits_from: Option<String>,
     },
 }
 
@@ -57,8 +57,6 @@ impl ChargeRule {
         }
     }
 }
-
-pub use self::raw::HitsFrom;
 
 /// What sizes a shared class bucket; every rule of a class must agree on it.
 #[derive(Debug, Clone, PartialEq, Serialize)]

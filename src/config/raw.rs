@@ -55,19 +55,11 @@ pub struct Descriptor {
     pub quota: Option<String>,
     pub charge: Option<String>,
     pub max_debt: Option<f64>,
-    pub hits_from: Option<HitsFrom>,
+    /// The response header or trailer with a charge's hits, for `tollgate render`.
+    pub hits_from: Option<String>,
     pub source: Option<Source>,
 }
 
-/// Where Envoy reads the hits of a charge made after the response; used only by `tollgate render`.
-#[derive(Debug, Clone, PartialEq, Eq, Deserialize, serde::Serialize)]
-#[serde(rename_all = "snake_case", deny_unknown_fields)]
-pub enum HitsFrom {
-    /// A response header (`%RESP(name)%`).
-    ResponseHeader(String),
-    /// A response trailer (`%TRAILER(name)%`).
-    ResponseTrailer(String),
-}
 
 /// Where Envoy takes an entry's value from; used only by `tollgate render`.
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize, serde::Serialize)]
