@@ -273,18 +273,14 @@ pub fn covers(tokens: f64, need: f64) -> bool {
 }
 
 // Takes `op.need` from `state` as its charge mode says, and remembers the op's refill rate if it
-// is the fastest yet; returns the tokens forgiven below the floor.
+// is the fastest yet; returns the tokens forgiven below the floor. A balance already below this
+// op's floor (left by a deeper one) is not raised to it.
 fn debit(state: &mut BucketState, op: &BucketOp) -> f64 {
     state.fastest_refill = state.fastest_refill.max(op.spec.refill_per_second);
     let after = op.spec.capacity.min(state.tokens - op.need);
-    let floor = op.charge.floor();
-    if after < floor {
-        state.tokens = floor;
-        floor - after
-    } else {
-        state.tokens = after;
-        0.0
-    }
+    let kept = after.max(state.tokens.min(op.charge.floor()));
+    state.tokens = kept;
+    kept - after
 }
 
 /// The operations that give back what `outcome` took for `group`, each with the index of the
@@ -558,6 +554,14 @@ mod tests {
         let e = evaluate(&[vec![always("a", s, 5_000.0, 1_000.0)]], 0, |_| Some(debt));
         let v = e.groups[0].verdicts[0];
         assert_eq!((v.tokens, v.forgiven, v.retry_after_ms), (-1_000.0, 4_200.0, None));
+    }
+
+    #[test]
+    fn a_shallow_floor_never_lifts_a_deeper_debt() {
+        let debt = BucketState { tokens: -50.0, last_refill_ms: 0, ..Default::default() };
+        let e = evaluate(&[vec![always("a", spec(100.0, 1.0), 10.0, 0.0)]], 0, |_| Some(debt));
+        let v = e.groups[0].verdicts[0];
+        assert_eq!((v.tokens, v.forgiven), (-50.0, 10.0));
     }
 
     #[test]

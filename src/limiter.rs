@@ -14,7 +14,12 @@
 //!    deny; quota-mode descriptors deny only together; the decision is counted.
 //!
 //! Protocol edges (the RLS gRPC service, `POST /json`) translate their requests into a [`Query`]
-//! and the [`Decision`] back; nothing here knows a wire format.
+//! and the [`Decision`] back; nothing here knows a wire format. Clients that enforce limits
+//! themselves (Envoy's Rate Limit Quota Service) lease shares of the same buckets ([`lease`]).
+
+mod lease;
+
+pub use self::lease::{Leasable, QuotaBucket, DEMAND_TTL_MS};
 
 use std::sync::Arc;
 

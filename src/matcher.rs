@@ -11,6 +11,12 @@
 //! A rule applies only if it sits on the node of the descriptor's last entry. A descriptor that
 //! is longer than the tree, or that stops at a node without a limit (whitelisted), gets no rule.
 //! Lookups allocate nothing: levels index their nodes by key, then by value.
+//!
+//! Envoy's Rate Limit Quota filter names a bucket by an unordered map instead of a descriptor.
+//! [`Domain::bucket_entries`] turns it into one by walking the same tree: at each level, the
+//! map entry whose key names a node there (the first such node in config order) is consumed, and
+//! the walk goes on below the node that entry's value selects. The consumed entries, in order, are
+//! the descriptor, matched as any RLS descriptor is; entries left over mean no rule applies.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -54,6 +60,29 @@ impl Domain {
             level = &level.find(entry.key(), entry.value())?.children;
         }
         level.find(last.key(), last.value())?.rule.as_ref()
+    }
+}
+
+impl Domain {
+    /// The descriptor entries the bucket id `bucket` stands for, in tree order; `None` if some
+    /// of its entries name no node on the walk.
+    pub fn bucket_entries<'b>(&self, bucket: &'b HashMap<String, String>) -> Option<Vec<(&'b str, &'b str)>> {
+        let mut entries: Vec<(&'b str, &'b str)> = Vec::with_capacity(bucket.len());
+        let mut level = &self.root;
+        while entries.len() < bucket.len() {
+            let Some((key, value)) = level.nodes.iter().find_map(|n| {
+                let (k, v) = bucket.get_key_value(&n.key)?;
+                (!entries.iter().any(|(done, _)| *done == k)).then_some((k.as_str(), v.as_str()))
+            }) else {
+                break;
+            };
+            entries.push((key, value));
+            match level.find(key, value) {
+                Some(node) => level = &node.children,
+                None => break,
+            }
+        }
+        (entries.len() == bucket.len()).then_some(entries)
     }
 }
 

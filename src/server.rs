@@ -17,20 +17,21 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use arc_swap::ArcSwap;
+use envoy_types::pb::envoy::service::rate_limit_quota::v3::rate_limit_quota_service_server::RateLimitQuotaServiceServer;
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_server::RateLimitServiceServer;
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 use tonic::transport::server::TcpIncoming;
 
 use crate::config::RuleSet;
+use crate::clock::MonotonicClock;
+use crate::edge::rlqs::RateLimitQuotaGrpc;
 use crate::edge::rls::RateLimitGrpc;
 use crate::http::{self, HttpState};
 use crate::limiter::Limiter;
 use crate::telemetry::Telemetry;
 use crate::tls::ReloadingTls;
 
-/// The gRPC service name Envoy health-checks.
-pub const SERVICE_NAME: &str = "envoy.service.ratelimit.v3.RateLimitService";
 
 /// Where to listen.
 #[derive(Clone)]
@@ -84,6 +85,17 @@ pub struct Service {
     pub dynamic_metadata: bool,
 }
 
+// This process's name in the store's RLQS demand registries: unique among replicas.
+fn replica_name() -> String {
+    let host = std::env::var("HOSTNAME")
+        .ok()
+        .or_else(|| std::fs::read_to_string("/etc/hostname").ok())
+        .map(|h| h.trim().to_owned())
+        .unwrap_or_default();
+    let started = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos());
+    format!("{host}/{}/{started:x}", std::process::id())
+}
+
 /// Serves until `shutdown` resolves, then drains and returns.
 pub async fn run(
     listen: Listen,
@@ -100,7 +112,8 @@ pub async fn run(
 
     let (health, health_service) = tonic_health::server::health_reporter();
     health.set_service_status("", tonic_health::ServingStatus::Serving).await;
-    health.set_service_status(SERVICE_NAME, tonic_health::ServingStatus::Serving).await;
+    health.set_serving::<RateLimitServiceServer<RateLimitGrpc>>().await;
+    health.set_serving::<RateLimitQuotaServiceServer<RateLimitQuotaGrpc>>().await;
 
     let draining = Arc::new(AtomicBool::new(false));
     let (stop_tx, stop_rx) = watch::channel(false);
@@ -117,9 +130,12 @@ pub async fn run(
     };
     let http_server =
         axum::serve(http_listener, http::router(state)).with_graceful_shutdown(stopped(stop_rx.clone()));
-    let routes = tonic::transport::Server::builder().add_service(health_service).add_service(
-        RateLimitServiceServer::from_arc(Arc::new(RateLimitGrpc::new(limiter, max_inflight, dynamic_metadata))),
-    );
+    // RLQS streams never end by themselves: they close when the servers stop.
+    let rlqs = RateLimitQuotaGrpc::new(limiter.clone(), replica_name(), Arc::new(MonotonicClock::new()), stop_rx.clone());
+    let routes = tonic::transport::Server::builder()
+        .add_service(health_service)
+        .add_service(RateLimitServiceServer::from_arc(Arc::new(RateLimitGrpc::new(limiter, max_inflight, dynamic_metadata))))
+        .add_service(RateLimitQuotaServiceServer::new(rlqs));
     let grpc_server: Pin<Box<dyn Future<Output = Result<(), tonic::transport::Error>> + Send>> =
         match &listen.tls {
             Some(tls) => {
@@ -135,7 +151,8 @@ pub async fn run(
         let how = shutdown.await;
         draining.store(true, Ordering::SeqCst);
         health.set_service_status("", tonic_health::ServingStatus::NotServing).await;
-        health.set_service_status(SERVICE_NAME, tonic_health::ServingStatus::NotServing).await;
+        health.set_not_serving::<RateLimitServiceServer<RateLimitGrpc>>().await;
+        health.set_not_serving::<RateLimitQuotaServiceServer<RateLimitQuotaGrpc>>().await;
         if let Shutdown::Drain(delay) = how {
             tracing::info!(?delay, "shutting down: unready now, draining after the delay");
             tokio::time::sleep(delay).await;

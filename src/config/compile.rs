@@ -6,7 +6,7 @@ use std::path::Path;
 use std::sync::Arc;
 
 use super::raw;
-use super::{ChargeRule, ClassDef, ConfigError, Domain, FailureMode, HeaderSets, Limit, Rule};
+use super::{Blanket, ChargeRule, ClassDef, ConfigError, Domain, FailureMode, HeaderSets, Limit, Rule};
 use crate::bucket::{BucketSpec, MAX_CAPACITY};
 use crate::matcher::{Level, Node, ValueMatch};
 use crate::quota::{Quotas, TenantRecord, DEFAULT_CLASS};
@@ -36,6 +36,11 @@ pub(super) fn domain(file: &Path, text: &str) -> Result<Domain, ConfigError> {
         return Err(invalid("class_scope", "must not be empty".into()));
     }
     let failure_mode = failure_mode(raw.failure_mode.as_deref()).map_err(|m| invalid("failure_mode", m))?;
+    let rlqs_unknown = match raw.rlqs_unknown.as_deref() {
+        None | Some("allow") => Blanket::AllowAll,
+        Some("deny") => Blanket::DenyAll,
+        Some(other) => return Err(invalid("rlqs_unknown", format!("unknown answer '{other}' (expected allow or deny)"))),
+    };
     let headers = header_sets(raw.response_headers.as_deref()).map_err(|(at, m)| invalid(&at, m))?;
     let quotas = quotas(&raw.tiers, raw.default_tier).map_err(|(at, m)| invalid(&at, m))?;
     let tenants = tenants(raw.tenants, &quotas).map_err(|(at, m)| invalid(&at, m))?;
@@ -50,6 +55,7 @@ pub(super) fn domain(file: &Path, text: &str) -> Result<Domain, ConfigError> {
         class_scope,
         classes,
         failure_mode,
+        rlqs_unknown,
         headers,
         quotas,
         tenants,

@@ -241,6 +241,8 @@ pub struct Domain {
     pub classes: BTreeMap<String, ClassDef>,
     /// What to answer when the store fails.
     pub failure_mode: FailureMode,
+    /// What a Rate Limit Quota bucket that no rule limits gets (`rlqs_unknown:`).
+    pub rlqs_unknown: Blanket,
     /// Which response headers to send.
     pub headers: HeaderSets,
     /// Tiers for `quota: tenant` rules.
@@ -327,6 +329,17 @@ impl fmt::Display for FailureMode {
             FailureMode::Error => "error",
         })
     }
+}
+
+/// A Rate Limit Quota answer for every request of a bucket.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Blanket {
+    /// Every request is admitted.
+    #[default]
+    AllowAll,
+    /// Every request is refused.
+    DenyAll,
 }
 
 /// Which groups of response headers a domain sends.

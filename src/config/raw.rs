@@ -26,6 +26,7 @@ pub struct DomainFile {
     pub failure_mode: Option<String>,
     pub response_headers: Option<Vec<String>>,
     pub class_scope: Option<String>,
+    pub rlqs_unknown: Option<String>,
 }
 
 /// A node of the descriptor tree.

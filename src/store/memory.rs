@@ -18,6 +18,8 @@ use crate::clock::{Clock, SystemClock};
 pub struct MemoryStore {
     clock: Arc<dyn Clock>,
     buckets: Mutex<Buckets>,
+    // RLQS demand registries: bucket key -> member -> (demand, expires at).
+    demand: Mutex<HashMap<String, HashMap<String, (f64, u64)>>>,
 }
 
 #[derive(Default)]
@@ -39,7 +41,11 @@ impl MemoryStore {
 
     /// A store on `clock`, for deterministic tests.
     pub fn with_clock(clock: Arc<dyn Clock>) -> Self {
-        MemoryStore { clock, buckets: Mutex::new(Buckets { map: HashMap::new(), sweep_at: 1024 }) }
+        MemoryStore {
+            clock,
+            buckets: Mutex::new(Buckets { map: HashMap::new(), sweep_at: 1024 }),
+            demand: Mutex::default(),
+        }
     }
 
     /// Evaluates `batch` now; the synchronous core of [`Store::evaluate`].
@@ -91,6 +97,23 @@ impl Store for MemoryStore {
     fn evaluate<'a>(&'a self, batch: &'a Batch, _late: LateReply) -> BoxFuture<'a, Vec<Result<GroupOutcome, StoreError>>> {
         let outcomes = self.evaluate_now(batch).into_iter().map(Ok).collect();
         Box::pin(std::future::ready(outcomes))
+    }
+
+    fn share_demand<'a>(
+        &'a self,
+        key: &'a str,
+        member: &'a str,
+        demand: f64,
+        ttl_ms: u64,
+    ) -> BoxFuture<'a, Result<f64, StoreError>> {
+        let now = self.clock.now_ms();
+        let mut registries = self.demand.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        registries.retain(|_, members| members.values().any(|(_, expires)| *expires > now));
+        let members = registries.entry(key.to_owned()).or_default();
+        members.insert(member.to_owned(), (demand, now.saturating_add(ttl_ms)));
+        members.retain(|_, (_, expires)| *expires > now);
+        let total = members.values().map(|(d, _)| d).sum();
+        Box::pin(std::future::ready(Ok(total)))
     }
 
     fn ping(&self) -> BoxFuture<'_, Result<(), StoreError>> {

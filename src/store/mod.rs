@@ -42,6 +42,18 @@ pub trait Store: Send + Sync + 'static {
         late: LateReply,
     ) -> BoxFuture<'a, Vec<Result<GroupOutcome, StoreError>>>;
 
+    /// Records that `member` (a tollgate replica) asks `demand` requests per second of the bucket
+    /// `key`, standing for `ttl_ms`, and returns the sum of every member's standing demand. This
+    /// is how replicas that each see only their own Envoys' Rate Limit Quota streams share a
+    /// bucket in proportion to demand.
+    fn share_demand<'a>(
+        &'a self,
+        key: &'a str,
+        member: &'a str,
+        demand: f64,
+        ttl_ms: u64,
+    ) -> BoxFuture<'a, Result<f64, StoreError>>;
+
     /// Checks that the backend answers, for readiness probes.
     fn ping(&self) -> BoxFuture<'_, Result<(), StoreError>>;
 

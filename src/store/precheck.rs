@@ -284,6 +284,16 @@ impl Store for Precheck {
         })
     }
 
+    fn share_demand<'a>(
+        &'a self,
+        key: &'a str,
+        member: &'a str,
+        demand: f64,
+        ttl_ms: u64,
+    ) -> BoxFuture<'a, Result<f64, StoreError>> {
+        self.inner.share_demand(key, member, demand, ttl_ms)
+    }
+
     fn ping(&self) -> BoxFuture<'_, Result<(), StoreError>> {
         self.inner.ping()
     }

@@ -37,8 +37,10 @@ use crate::bucket::{refund, Batch, BucketOp, Charge, Group, GroupOutcome, Role, 
 use crate::identity::cluster_slot;
 use crate::telemetry::logs;
 
-/// The script, loaded once per process.
+/// The bucket script, loaded once per process.
 const SCRIPT: &str = include_str!("token_bucket.lua");
+/// The RLQS demand registry script.
+const DEMAND_SCRIPT: &str = include_str!("demand.lua");
 
 /// How long a call may go on after its caller's deadline, so that a late reply can still be
 /// refunded: twice the deadline, and at least a second.
@@ -106,6 +108,7 @@ pub struct RedisStore {
 struct Shared {
     connection: Connection,
     script: Script,
+    demand_script: Script,
     deadline: Duration,
     description: String,
 }
@@ -156,7 +159,13 @@ impl RedisStore {
                 (Connection::Cluster(cluster), format!("redis cluster via {}", addrs.join(",")))
             }
         };
-        let shared = std::sync::Arc::new(Shared { connection, script: Script::new(SCRIPT), deadline, description });
+        let shared = std::sync::Arc::new(Shared {
+            connection,
+            script: Script::new(SCRIPT),
+            demand_script: Script::new(DEMAND_SCRIPT),
+            deadline,
+            description,
+        });
         let call_shared = shared.clone();
         let call: Call = std::sync::Arc::new(move |slot: u16, groups: Vec<Group>| {
             let shared = call_shared.clone();
@@ -324,17 +333,24 @@ impl Shared {
         }
         let call = node::Call { keys: &keys, args: &args };
         let start = Instant::now();
-        let reply = match &self.connection {
-            Connection::Standalone(node) => node.eval(&self.script, &call, false).await.map_err(StoreError::Redis),
-            Connection::Cluster(cluster) => cluster.eval(&self.script, slot, &call).await.map_err(|e| match e {
-                ClusterError::NoOwner(slot) => StoreError::NoOwner(slot),
-                ClusterError::Redis(e) => StoreError::Redis(e),
-            }),
-        };
+        let reply = self.eval(&self.script, slot, &call).await;
         metrics::histogram!("tollgate_store_duration_seconds").record(start.elapsed());
         metrics::counter!("tollgate_store_calls_total").increment(1);
         metrics::counter!("tollgate_store_call_groups_total").increment(batch.len() as u64);
         parse_reply(reply?, batch)
+    }
+}
+
+impl Shared {
+    // Runs `script` once on the node of `slot`.
+    async fn eval(&self, script: &Script, slot: u16, call: &node::Call<'_>) -> Result<Value, StoreError> {
+        match &self.connection {
+            Connection::Standalone(node) => node.eval(script, call, false).await.map_err(StoreError::Redis),
+            Connection::Cluster(cluster) => cluster.eval(script, slot, call).await.map_err(|e| match e {
+                ClusterError::NoOwner(slot) => StoreError::NoOwner(slot),
+                ClusterError::Redis(e) => StoreError::Redis(e),
+            }),
+        }
     }
 }
 
@@ -423,6 +439,36 @@ impl Store for RedisStore {
                 });
             }
             results
+        })
+    }
+
+    fn share_demand<'a>(
+        &'a self,
+        key: &'a str,
+        member: &'a str,
+        demand: f64,
+        ttl_ms: u64,
+    ) -> BoxFuture<'a, Result<f64, StoreError>> {
+        Box::pin(async move {
+            let registry = crate::identity::demand_key(key);
+            let keys = [registry.as_str()];
+            let args = [member.to_owned(), demand.to_string(), ttl_ms.to_string()];
+            let call = node::Call { keys: &keys, args: &args };
+            let slot = match &self.shared.connection {
+                Connection::Cluster(_) => cluster_slot(&registry),
+                Connection::Standalone(_) => 0,
+            };
+            let deadline = self.shared.deadline;
+            let reply = tokio::time::timeout(deadline, self.shared.eval(&self.shared.demand_script, slot, &call))
+                .await
+                .map_err(|_| StoreError::Timeout(deadline))??;
+            match reply {
+                Value::BulkString(b) => std::str::from_utf8(&b)
+                    .ok()
+                    .and_then(|s| s.parse().ok())
+                    .ok_or_else(|| StoreError::Protocol(format!("demand registry: {:?}", String::from_utf8_lossy(&b)))),
+                other => Err(StoreError::Protocol(format!("demand registry: {other:?}"))),
+            }
         })
     }
 

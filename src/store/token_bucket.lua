@@ -58,17 +58,13 @@ local function floor_of(debt)
 end
 
 -- Takes need from the state {tokens, last, fastest}, remembering the fastest refill rate; below
--- the floor the rest is forgiven. Returns the tokens forgiven.
+-- the floor the rest is forgiven (a balance already below it stays). Returns the tokens forgiven.
 local function debit(st, cap, rps, need, debt)
   st[3] = math.max(st[3], rps)
   local after = math.min(cap, st[1] - need)
-  local floor = floor_of(debt)
-  if after < floor then
-    st[1] = floor
-    return floor - after
-  end
-  st[1] = after
-  return 0
+  local kept = math.max(after, math.min(st[1], floor_of(debt)))
+  st[1] = kept
+  return kept - after
 end
 
 local out = {now}

@@ -1,0 +1,200 @@
+//! This replica's leases: every bucket some stream of this replica asks for, leased from the
+//! shared store once per [`TICK`] and split among the streams.
+//!
+//! Per bucket and tick: the demand of this replica's streams is registered in the store beside
+//! other replicas' ([`crate::store::Store::share_demand`]); this replica takes its share of what
+//! the bucket holds ([`Limiter::lease`]); the requests taken are split among its streams in
+//! proportion to their demand, each capped at twice its demand ([`assign::split`]), and what no
+//! stream can use is given back at once. A bucket a stream joins is leased at once, not at the
+//! next tick, since its Envoy refuses requests until it has an assignment. When the store fails,
+//! the streams are told so and answer with the domain's failure mode.
+//!
+//! The tick task belongs to the pool and stops with it.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use futures::future::join_all;
+use tokio::sync::mpsc;
+
+use super::assign;
+use crate::config::FailureMode;
+use crate::limiter::{Leasable, Limiter};
+use crate::telemetry::logs::{self, ErrorChain};
+
+/// How often buckets are leased (and Envoys get fresh grants).
+pub const TICK: Duration = Duration::from_secs(1);
+
+/// A stream's bucket: the stream and the bucket id (as its sorted entries) it reported.
+pub type MemberId = (u64, String);
+
+/// What the pool tells a stream about one of its buckets.
+#[derive(Debug, Clone)]
+pub enum Event {
+    /// Admit up to this many requests until the next grant.
+    Grant { bucket: String, requests: u64 },
+    /// The store failed; answer as this failure mode says.
+    StoreFailed { bucket: String, mode: FailureMode },
+}
+
+struct Member {
+    demand: f64,
+    events: mpsc::Sender<Event>,
+}
+
+struct Bucket {
+    target: Leasable,
+    members: HashMap<MemberId, Member>,
+    owed: HashMap<MemberId, f64>,
+}
+
+/// The leased buckets of this replica.
+pub struct Pool {
+    inner: Arc<Inner>,
+    ticker: tokio::task::JoinHandle<()>,
+}
+
+struct Inner {
+    limiter: Arc<Limiter>,
+    // This replica's name in the store's demand registries.
+    replica: String,
+    buckets: Mutex<HashMap<String, Bucket>>,
+}
+
+impl Drop for Pool {
+    fn drop(&mut self) {
+        self.ticker.abort();
+    }
+}
+
+impl Pool {
+    /// A pool leasing through `limiter` as `replica`; starts its tick task.
+    pub fn new(limiter: Arc<Limiter>, replica: String) -> Pool {
+        let inner = Arc::new(Inner { limiter, replica, buckets: Mutex::default() });
+        let ticking = Arc::downgrade(&inner);
+        let ticker = tokio::spawn(async move {
+            let mut every = tokio::time::interval(TICK);
+            every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                every.tick().await;
+                let Some(inner) = ticking.upgrade() else { return };
+                let keys: Vec<String> = inner.lock().keys().cloned().collect();
+                join_all(keys.iter().map(|k| inner.lease_round(k))).await;
+            }
+        });
+        Pool { inner, ticker }
+    }
+
+    /// Makes `member` a lessee of `target` with `demand` requests per second; a new member's
+    /// bucket is leased at once.
+    pub fn join(&self, member: MemberId, target: Leasable, demand: f64, events: mpsc::Sender<Event>) {
+        let key = target.key.clone();
+        let fresh = {
+            let mut buckets = self.inner.lock();
+            let bucket = buckets
+                .entry(key.clone())
+                .or_insert_with(|| Bucket { target, members: HashMap::new(), owed: HashMap::new() });
+            bucket.members.insert(member, Member { demand, events }).is_none()
+        };
+        metrics::gauge!("tollgate_rlqs_buckets").set(self.inner.lock().len() as f64);
+        if fresh {
+            let inner = self.inner.clone();
+            tokio::spawn(async move { inner.lease_round(&key).await });
+        }
+    }
+
+    /// Updates `member`'s demand for the bucket `key`.
+    pub fn set_demand(&self, key: &str, member: &MemberId, demand: f64) {
+        if let Some(m) = self.inner.lock().get_mut(key).and_then(|b| b.members.get_mut(member)) {
+            m.demand = demand;
+        }
+    }
+
+    /// Removes `member` from the bucket `key`; a bucket without members is no longer leased.
+    pub fn leave(&self, key: &str, member: &MemberId) {
+        let mut buckets = self.inner.lock();
+        if let Some(bucket) = buckets.get_mut(key) {
+            bucket.members.remove(member);
+            if bucket.members.is_empty() {
+                buckets.remove(key);
+            }
+        }
+        metrics::gauge!("tollgate_rlqs_buckets").set(buckets.len() as f64);
+    }
+
+    /// Gives `requests` of a member's grants back to the bucket.
+    pub async fn give_back(&self, target: &Leasable, requests: u64) {
+        self.inner.give_back(target, requests).await;
+    }
+}
+
+impl Inner {
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, Bucket>> {
+        self.buckets.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    // One lease of the bucket `key` for all its members.
+    async fn lease_round(&self, key: &str) {
+        let (target, members) = {
+            let buckets = self.lock();
+            let Some(bucket) = buckets.get(key) else { return };
+            let tick_ms = TICK.as_millis() as u64;
+            let members: Vec<(MemberId, f64, u64)> = bucket
+                .members
+                .iter()
+                .map(|(id, m)| (id.clone(), m.demand, assign::cap(m.demand, tick_ms)))
+                .collect();
+            (bucket.target.clone(), members)
+        };
+        let demand: f64 = members.iter().map(|(_, d, _)| d).sum();
+        let cap: u64 = members.iter().map(|(_, _, c)| c).sum();
+        match self.limiter.lease(&target, &self.replica, demand, cap).await {
+            Ok(requests) => {
+                metrics::counter!("tollgate_rlqs_leased_requests_total").increment(requests);
+                let (grants, spare) = {
+                    let mut buckets = self.lock();
+                    match buckets.get_mut(key) {
+                        Some(bucket) => assign::split(requests, &members, &mut bucket.owed),
+                        None => (Vec::new(), requests),
+                    }
+                };
+                let mut unsent = spare;
+                for (member, requests) in grants {
+                    if !self.send(key, &member, Event::Grant { bucket: member.1.clone(), requests }) {
+                        unsent += requests;
+                    }
+                }
+                self.give_back(&target, unsent).await;
+            }
+            Err(error) => {
+                if let Some(held_back) = logs::throttled("rlqs_lease_failed") {
+                    tracing::warn!(domain = %target.domain.name, error = %ErrorChain(&error), held_back, "could not lease from the store; applying the failure mode");
+                }
+                let mode = target.domain.failure_mode;
+                for (member, _, _) in members {
+                    self.send(key, &member, Event::StoreFailed { bucket: member.1.clone(), mode });
+                }
+            }
+        }
+    }
+
+    // Tells a member of `key` about its bucket; false if the member is gone.
+    fn send(&self, key: &str, member: &MemberId, event: Event) -> bool {
+        let sender = self.lock().get(key).and_then(|b| b.members.get(member)).map(|m| m.events.clone());
+        sender.is_some_and(|s| s.try_send(event).is_ok())
+    }
+
+    async fn give_back(&self, target: &Leasable, requests: u64) {
+        if requests == 0 {
+            return;
+        }
+        metrics::counter!("tollgate_rlqs_refunded_requests_total").increment(requests);
+        if let Err(error) = self.limiter.give_back(target, requests).await {
+            metrics::counter!("tollgate_store_refund_failures_total").increment(1);
+            if let Some(held_back) = logs::throttled("rlqs_refund_failed") {
+                tracing::warn!(domain = %target.domain.name, error = %ErrorChain(&error), held_back, "could not give unused lease back");
+            }
+        }
+    }
+}

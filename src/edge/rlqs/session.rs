@@ -1,0 +1,241 @@
+//! One Rate Limit Quota stream: one Envoy, in one task.
+//!
+//! The task owns the stream's state, reads the Envoy's usage reports, receives the pool's grants,
+//! and writes every assignment, so nothing about a stream is shared. For each bucket id the Envoy
+//! reports, it keeps:
+//!
+//! * what the id stands for ([`QuotaBucket`]): a leased bucket, a bucket no limit applies to
+//!   (ALLOW_ALL), or none (the domain's `rlqs_unknown`);
+//! * the Envoy's demand, from the reports ([`Demand`]);
+//! * the [`Ledger`] of grants and reported usage, from which proven-unused grants are given back.
+//!
+//! A grant of `n` requests is sent as DENY_ALL followed by a token bucket of `n` tokens that does
+//! not refill, in one response: Envoy then starts a fresh, full bucket, so between two grants it
+//! admits at most `n`. A grant of 0 is DENY_ALL alone. Assignments live [`GRANT_TTL`] (several
+//! ticks), and static ones (ALLOW_ALL, DENY_ALL) are renewed with every report, since Envoy falls
+//! back to its no-assignment behavior when an assignment expires.
+//!
+//! The stream ends when the Envoy closes it or the server drains; then its buckets leave the
+//! pool. Grants sent after its last report stay taken: what the Envoy used of them is unknown.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use envoy_types::pb::envoy::r#type::v3::rate_limit_strategy::{BlanketRule, Strategy};
+use envoy_types::pb::envoy::r#type::v3::{RateLimitStrategy, TokenBucket};
+use envoy_types::pb::envoy::service::rate_limit_quota::v3::rate_limit_quota_response::bucket_action::{
+    BucketAction as Action, QuotaAssignmentAction,
+};
+use envoy_types::pb::envoy::service::rate_limit_quota::v3::rate_limit_quota_response::BucketAction;
+use envoy_types::pb::envoy::service::rate_limit_quota::v3::{
+    BucketId, RateLimitQuotaResponse, RateLimitQuotaUsageReports,
+};
+use envoy_types::pb::google::protobuf::{Duration as ProtoDuration, UInt32Value};
+use tokio::sync::{mpsc, watch};
+use tonic::{Status, Streaming};
+
+use super::assign::{Demand, Ledger};
+use super::pool::{Event, MemberId, Pool};
+use crate::clock::Clock;
+use crate::config::{Blanket, FailureMode};
+use crate::limiter::{Leasable, Limiter, QuotaBucket};
+
+/// How long a grant stands: a few ticks, so that a late tick does not leave the Envoy without.
+pub const GRANT_TTL: Duration = Duration::from_secs(3);
+/// How long a static assignment stands: renewed by every report (every 5 s from Envoy 1.40).
+pub const STATIC_TTL: Duration = Duration::from_secs(15);
+/// A grant replaced this long before a report is taken as known to the Envoy when it counted.
+pub const SETTLE_MARGIN_MS: u64 = 250;
+/// A grant's token bucket does not refill: one token a day is the slowest Envoy takes.
+const NO_REFILL: Duration = Duration::from_secs(86_400);
+
+/// What one stream needs from the server.
+pub struct Context {
+    /// The decision core.
+    pub limiter: Arc<Limiter>,
+    /// This replica's leases.
+    pub pool: Arc<Pool>,
+    /// Time for reports and grants.
+    pub clock: Arc<dyn Clock>,
+    /// Set when the server drains.
+    pub closing: watch::Receiver<bool>,
+}
+
+struct Bucket {
+    id: BucketId,
+    kind: QuotaBucket,
+    demand: Demand,
+    ledger: Ledger,
+}
+
+/// Runs the stream `id` until it ends.
+pub async fn run(
+    context: Context,
+    id: u64,
+    mut reports: Streaming<RateLimitQuotaUsageReports>,
+    answers: mpsc::Sender<Result<RateLimitQuotaResponse, Status>>,
+) {
+    let Context { limiter, pool, clock, mut closing } = context;
+    let closed = async move {
+        let _ = closing.wait_for(|c| *c).await;
+    };
+    tokio::pin!(closed);
+    let (events_tx, mut events) = mpsc::channel::<Event>(256);
+    let mut domain: Option<String> = None;
+    let mut buckets: HashMap<String, Bucket> = HashMap::new();
+    metrics::gauge!("tollgate_rlqs_streams").increment(1.0);
+    loop {
+        tokio::select! {
+            report = reports.message() => {
+                let Ok(Some(report)) = report else { break };
+                metrics::counter!("tollgate_rlqs_reports_total").increment(1);
+                if domain.is_none() && !report.domain.is_empty() {
+                    domain = Some(report.domain.clone());
+                }
+                let Some(domain) = &domain else {
+                    let _ = answers.send(Err(Status::invalid_argument("the first report must name the domain"))).await;
+                    break;
+                };
+                let mut actions = Vec::new();
+                for usage in report.bucket_quota_usages {
+                    let Some(bucket_id) = usage.bucket_id else { continue };
+                    let name = name(&bucket_id);
+                    let bucket = match buckets.get_mut(&name) {
+                        Some(b) => b,
+                        None => {
+                            let kind = limiter.quota_bucket(domain, &bucket_id.bucket).await;
+                            // Until a report says otherwise, the Envoy may want all of it:
+                            // the burst now and the refill after.
+                            let guess = match &kind {
+                                QuotaBucket::Lease(t) => (t.spec.capacity() + t.spec.refill_per_second()) / t.cost as f64,
+                                _ => 0.0,
+                            };
+                            buckets.entry(name.clone()).or_insert(Bucket { id: bucket_id, kind, demand: Demand::unknown(guess), ledger: Ledger::default() })
+                        }
+                    };
+                    let elapsed = usage.time_elapsed.map_or(0, |d| (d.seconds.max(0) as u64) * 1000 + (d.nanos.max(0) as u64) / 1_000_000);
+                    bucket.demand.report(usage.num_requests_allowed + usage.num_requests_denied, elapsed);
+                    metrics::counter!("tollgate_rlqs_allowed_requests_total").increment(usage.num_requests_allowed);
+                    match &bucket.kind {
+                        QuotaBucket::Lease(target) => {
+                            let member: MemberId = (id, name.clone());
+                            bucket.ledger.reported(clock.now_ms(), usage.num_requests_allowed, SETTLE_MARGIN_MS);
+                            let unused = bucket.ledger.take_refundable();
+                            if unused > 0 {
+                                let (pool, target) = (pool.clone(), target.clone());
+                                tokio::spawn(async move { pool.give_back(&target, unused).await });
+                            }
+                            pool.join(member, target.clone(), bucket.demand.rate(), events_tx.clone());
+                        }
+                        QuotaBucket::Unlimited(_) => actions.push(blanket(&bucket.id, Blanket::AllowAll, STATIC_TTL)),
+                        QuotaBucket::Unknown(d) => {
+                            metrics::counter!("tollgate_rlqs_unknown_buckets_total").increment(1);
+                            let answer = d.as_ref().map_or(Blanket::AllowAll, |d| d.rlqs_unknown);
+                            actions.push(blanket(&bucket.id, answer, STATIC_TTL));
+                        }
+                    }
+                    if let QuotaBucket::Lease(target) = &bucket.kind {
+                        pool.set_demand(&target.key, &(id, name), bucket.demand.rate());
+                    }
+                }
+                if !actions.is_empty() && answers.send(Ok(RateLimitQuotaResponse { bucket_action: actions })).await.is_err() {
+                    break;
+                }
+            }
+            Some(event) = events.recv() => {
+                let actions = match event {
+                    Event::Grant { bucket, requests } => match buckets.get_mut(&bucket) {
+                        Some(b) => {
+                            b.ledger.granted(clock.now_ms(), requests);
+                            grant(&b.id, requests)
+                        }
+                        None => continue,
+                    },
+                    Event::StoreFailed { bucket, mode } => match (buckets.get(&bucket), mode) {
+                        (Some(b), FailureMode::Allow) => vec![blanket(&b.id, Blanket::AllowAll, GRANT_TTL)],
+                        (Some(b), FailureMode::Deny) => vec![blanket(&b.id, Blanket::DenyAll, GRANT_TTL)],
+                        // `error`: no new assignment; Envoy's own expiry behavior applies.
+                        _ => continue,
+                    },
+                };
+                if answers.send(Ok(RateLimitQuotaResponse { bucket_action: actions })).await.is_err() {
+                    break;
+                }
+            }
+            () = &mut closed => break,
+        }
+    }
+    for (name, bucket) in &buckets {
+        if let QuotaBucket::Lease(Leasable { key, .. }) = &bucket.kind {
+            pool.leave(key, &(id, name.clone()));
+        }
+    }
+    metrics::gauge!("tollgate_rlqs_streams").decrement(1.0);
+}
+
+// A bucket id as a stable name: its entries, sorted.
+fn name(id: &BucketId) -> String {
+    let mut entries: Vec<(&String, &String)> = id.bucket.iter().collect();
+    entries.sort();
+    entries.iter().map(|(k, v)| format!("{k}={v}")).collect::<Vec<_>>().join(",")
+}
+
+fn ttl(d: Duration) -> Option<ProtoDuration> {
+    Some(ProtoDuration { seconds: d.as_secs() as i64, nanos: 0 })
+}
+
+fn assignment(id: &BucketId, strategy: Strategy, lives: Duration) -> BucketAction {
+    BucketAction {
+        bucket_id: Some(id.clone()),
+        bucket_action: Some(Action::QuotaAssignmentAction(QuotaAssignmentAction {
+            assignment_time_to_live: ttl(lives),
+            rate_limit_strategy: Some(RateLimitStrategy { strategy: Some(strategy) }),
+        })),
+    }
+}
+
+fn blanket(id: &BucketId, rule: Blanket, lives: Duration) -> BucketAction {
+    let kind = match rule {
+        Blanket::AllowAll => "allow_all",
+        Blanket::DenyAll => "deny_all",
+    };
+    metrics::counter!("tollgate_rlqs_assignments_total", "kind" => kind).increment(1);
+    let rule = match rule {
+        Blanket::AllowAll => BlanketRule::AllowAll,
+        Blanket::DenyAll => BlanketRule::DenyAll,
+    };
+    assignment(id, Strategy::BlanketRule(rule as i32), lives)
+}
+
+// DENY_ALL then a full, non-refilling bucket of `requests`: Envoy starts the bucket afresh.
+fn grant(id: &BucketId, requests: u64) -> Vec<BucketAction> {
+    let mut actions = vec![blanket(id, Blanket::DenyAll, GRANT_TTL)];
+    if requests > 0 {
+        metrics::counter!("tollgate_rlqs_assignments_total", "kind" => "token_bucket").increment(1);
+        let bucket = TokenBucket {
+            max_tokens: requests.min(u64::from(u32::MAX)) as u32,
+            tokens_per_fill: Some(UInt32Value { value: 1 }),
+            fill_interval: ttl(NO_REFILL),
+        };
+        actions.push(assignment(id, Strategy::TokenBucket(bucket), GRANT_TTL));
+    }
+    actions
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_grant_is_a_fresh_bucket_or_a_denial() {
+        let id = BucketId { bucket: HashMap::from([("tenant".to_string(), "t".to_string())]) };
+        assert_eq!(grant(&id, 0).len(), 1);
+        let both = grant(&id, 7);
+        assert_eq!(both.len(), 2);
+        let Some(Action::QuotaAssignmentAction(a)) = &both[1].bucket_action else { panic!() };
+        let Some(Strategy::TokenBucket(b)) = a.rate_limit_strategy.unwrap().strategy else { panic!() };
+        assert_eq!((b.max_tokens, b.fill_interval.unwrap().seconds), (7, 86_400));
+        assert_eq!(name(&BucketId { bucket: HashMap::from([("b".into(), "2".into()), ("a".into(), "1".into())]) }), "a=1,b=2");
+    }
+}

@@ -1,0 +1,120 @@
+//! Leases: what a protocol whose clients enforce limits themselves (Envoy's Rate Limit Quota
+//! Service) asks of the decision core.
+//!
+//! Such a client names a bucket by an id, which [`Limiter::quota_bucket`] maps to a rule exactly
+//! as an RLS descriptor is (the tree walk is [`crate::config::Domain::bucket_entries`]), so both
+//! protocols reach the same bucket and spend one budget. The client then admits requests on its
+//! own, from tokens it was leased: [`Limiter::lease`] takes a member's share of the bucket up
+//! front, in proportion to the demand every tollgate replica registers for it in the store, and
+//! [`Limiter::give_back`] returns tokens a client can provably no longer use.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use super::{Limiter, Plan, QueryDescriptor};
+use crate::bucket::{BucketOp, BucketSpec, Charge, Role};
+use crate::config::Domain;
+use crate::store::{LateReply, StoreError};
+
+/// What a quota bucket id gets.
+#[derive(Debug, Clone)]
+pub enum QuotaBucket {
+    /// A bucket limits it: lease from it.
+    Lease(Leasable),
+    /// No limit applies: an `unlimited` rule, or a rule in shadow mode.
+    Unlimited(Arc<Domain>),
+    /// No rule matches (or entries are left over); `None` for an unknown domain.
+    Unknown(Option<Arc<Domain>>),
+}
+
+/// A bucket that can be leased from.
+#[derive(Debug, Clone)]
+pub struct Leasable {
+    /// Its storage key (the same as for RLS requests with the same entries).
+    pub key: String,
+    /// Its capacity and rate.
+    pub spec: BucketSpec,
+    /// Tokens per request.
+    pub cost: u64,
+    /// Its domain (failure mode, metrics).
+    pub domain: Arc<Domain>,
+}
+
+/// How long a registered demand stands without being renewed, in milliseconds.
+pub const DEMAND_TTL_MS: u64 = 3_000;
+
+impl Limiter {
+    /// The bucket a quota bucket id of `domain` stands for.
+    pub async fn quota_bucket(&self, domain: &str, bucket: &HashMap<String, String>) -> QuotaBucket {
+        let rules = self.rules.load_full();
+        let Some(domain) = rules.domain(domain) else { return QuotaBucket::Unknown(None) };
+        let Some(entries) = domain.bucket_entries(bucket) else {
+            return QuotaBucket::Unknown(Some(domain.clone()));
+        };
+        let descriptor = QueryDescriptor { entries, hits: 1, credit: false, limit: None };
+        let mut plans = vec![self.plan(domain, &descriptor)];
+        self.resolve_quotas(domain, &mut plans).await;
+        match plans.pop() {
+            Some(Plan::Bucket(p)) if p.role != Role::Shadow => QuotaBucket::Lease(Leasable {
+                key: p.bucket.key,
+                spec: p.spec.expect("quotas resolved"),
+                cost: p.rule.map_or(1, |r| r.cost.max(1)),
+                domain: domain.clone(),
+            }),
+            Some(Plan::Bucket(_) | Plan::Unlimited(_)) => QuotaBucket::Unlimited(domain.clone()),
+            Some(Plan::Free) | None => QuotaBucket::Unknown(Some(domain.clone())),
+        }
+    }
+
+    /// Takes `member`'s share of what `target` holds now, in whole requests, at most `cap`.
+    /// `demand` (requests per second) is registered for `member` first; the share is its part
+    /// of every member's standing demand.
+    pub async fn lease(&self, target: &Leasable, member: &str, demand: f64, cap: u64) -> Result<u64, StoreError> {
+        let total = self.store.share_demand(&target.key, member, demand, DEMAND_TTL_MS).await?;
+        let share = if total > 0.0 { (demand / total).clamp(0.0, 1.0) } else { 1.0 };
+        // What the bucket holds now: a check takes nothing.
+        let check = self.op(target, 0.0, Charge::Admitted);
+        let balance = match self.store.evaluate(&[vec![check]], LateReply::Keep).await.pop() {
+            Some(Ok(outcome)) => outcome.verdicts[0].tokens,
+            Some(Err(e)) => return Err(e),
+            None => return Ok(0),
+        };
+        let cost = target.cost as f64;
+        let want = ((balance.max(0.0) * share / cost).floor() as u64).min(cap);
+        if want == 0 {
+            return Ok(0);
+        }
+        // Take up to `want` requests' tokens: charged always down to zero, so another replica's
+        // take in between leaves this one with what is there, never below zero.
+        let need = want as f64 * cost;
+        let take = self.op(target, need, Charge::Always { max_debt: 0.0 });
+        let taken = match self.store.evaluate(&[vec![take]], LateReply::GiveBack).await.pop() {
+            Some(Ok(outcome)) => need - outcome.verdicts[0].forgiven,
+            Some(Err(e)) => return Err(e),
+            None => return Ok(0),
+        };
+        let requests = (taken / cost).floor().max(0.0) as u64;
+        let spare = taken - requests as f64 * cost;
+        if spare > 0.0 {
+            self.credit(target, spare).await?;
+        }
+        Ok(requests)
+    }
+
+    /// Gives `requests` requests' tokens back to `target`.
+    pub async fn give_back(&self, target: &Leasable, requests: u64) -> Result<(), StoreError> {
+        self.credit(target, requests as f64 * target.cost as f64).await
+    }
+
+    async fn credit(&self, target: &Leasable, tokens: f64) -> Result<(), StoreError> {
+        let credit = self.op(target, -tokens, Charge::Admitted);
+        match self.store.evaluate(&[vec![credit]], LateReply::Keep).await.pop() {
+            Some(Err(e)) => Err(e),
+            _ => Ok(()),
+        }
+    }
+
+    fn op(&self, target: &Leasable, need: f64, charge: Charge) -> BucketOp {
+        BucketOp { key: target.key.clone(), spec: target.spec, need, role: Role::Shadow, charge }
+    }
+}

