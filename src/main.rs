@@ -19,7 +19,7 @@ use tollgate::quota::cache::CachedQuotas;
 use tollgate::quota::postgres::{Listing, PostgresQuotas};
 use tollgate::quota::{EmbeddedQuotas, QuotaSource};
 use tollgate::reload::Reloader;
-use tollgate::render::{IstioTarget, JwtPayload, RenderOptions};
+use tollgate::render::{IstioTarget, JwtPayload, Protocol, RenderOptions};
 use tollgate::server::{self, Listen, Service, Shutdown};
 use tollgate::store::{MemoryStore, Precheck, RedisStore, RedisTarget, RedisTls, Store};
 use tollgate::telemetry::{Telemetry, TelemetryConfig};
@@ -87,6 +87,15 @@ struct RenderCommon {
     failure_mode_deny: bool,
 }
 
+/// The Envoy filter `render envoy` configures.
+#[derive(Clone, Copy, clap::ValueEnum)]
+enum ProtocolArg {
+    /// envoy.filters.http.ratelimit: every request asks tollgate.
+    Rls,
+    /// envoy.filters.http.rate_limit_quota: Envoy enforces what tollgate leases.
+    Rlqs,
+}
+
 #[derive(Subcommand)]
 enum RenderTarget {
     /// The ratelimit filter, the tollgate cluster, and the rate_limits for the virtual host and routes.
@@ -99,6 +108,9 @@ enum RenderTarget {
         /// jwt_authn's payload_in_metadata key.
         #[arg(long, default_value = "jwt_payload")]
         jwt_payload_key: String,
+        /// The filter to configure.
+        #[arg(long, value_enum, default_value = "rls")]
+        protocol: ProtocolArg,
     },
     /// An EnvoyFilter for the ingress gateway (--gateway) or the sidecars of one app (--sidecar).
     Istio {
@@ -487,9 +499,13 @@ fn print_listings(listings: &[Listing]) {
 
 fn render(args: RenderArgs) -> Result<()> {
     let (common, rendered) = match &args.target {
-        RenderTarget::Envoy { common, tollgate_address, jwt_payload_key } => {
+        RenderTarget::Envoy { common, tollgate_address, jwt_payload_key, protocol } => {
             let rules = RuleSet::load(&common.config)?;
-            let options = render_options(common, JwtPayload::MetadataKey(jwt_payload_key.clone()));
+            let mut options = render_options(common, JwtPayload::MetadataKey(jwt_payload_key.clone()));
+            options.protocol = match protocol {
+                ProtocolArg::Rls => Protocol::Rls,
+                ProtocolArg::Rlqs => Protocol::Rlqs,
+            };
             (common, tollgate::render::envoy(&rules, &options, tollgate_address)?)
         }
         RenderTarget::Istio {
@@ -524,5 +540,6 @@ fn render_options(common: &RenderCommon, jwt: JwtPayload) -> RenderOptions {
         jwt,
         timeout: common.timeout,
         failure_mode_deny: common.failure_mode_deny,
+        protocol: Protocol::Rls,
     }
 }

@@ -35,6 +35,15 @@ pub enum JwtPayload {
     Issuer(String),
 }
 
+/// Which Envoy filter a render configures.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Protocol {
+    /// `envoy.filters.http.ratelimit`: every request asks tollgate (RLS).
+    Rls,
+    /// `envoy.filters.http.rate_limit_quota`: Envoy enforces leases from tollgate (RLQS).
+    Rlqs,
+}
+
 /// What a render needs besides the config.
 #[derive(Debug, Clone)]
 pub struct RenderOptions {
@@ -46,6 +55,8 @@ pub struct RenderOptions {
     pub timeout: Duration,
     /// `failure_mode_deny` of the filter.
     pub failure_mode_deny: bool,
+    /// The filter to configure.
+    pub protocol: Protocol,
 }
 
 /// Why a config cannot be rendered.
@@ -57,6 +68,9 @@ pub enum RenderError {
     /// A node on the path of a rule has no `source`.
     #[error("domain '{domain}': descriptor '{path}' has no source: add `source:` (jwt_claim, request_header, path, method, remote_address or generic_key)")]
     NoSource { domain: String, path: String },
+    /// A route marker has no rendering for the rate_limit_quota filter.
+    #[error("domain '{domain}': descriptor '{path}' marks routes with a generic_key, which the rate_limit_quota filter cannot (it has no per-route switch): render this domain with --protocol rls")]
+    RouteMarker { domain: String, path: String },
     /// A `charge: always` rule does not say where Envoy reads the charge.
     #[error("domain '{domain}': descriptor '{path}' charges always but has no hits_from: name the response header (or trailer) that carries the cost")]
     NoHitsFrom { domain: String, path: String },
@@ -187,6 +201,122 @@ pub fn trailer_filter(names: &[String]) -> Value {
     })
 }
 
+/// The rate_limit_quota filters for one domain: one per distinct path of entry keys that some
+/// rule limits, the most specific first, each with one bucket matcher. Envoy puts a request in
+/// one bucket per filter, so a request that several limits apply to (tenant and client address)
+/// goes through several filters. A filter applies when every entry its path reads is present;
+/// the bucket id holds those entries, and tollgate maps the id to the rule that limits it (values,
+/// wildcards and tenant quotas are tollgate's to match). Paths with a `generic_key` mark routes,
+/// and the filter has no per-route switch: such domains render for RLS only.
+pub fn quota_filters(domain: &Domain, jwt: &JwtPayload, cluster: &str) -> Result<Vec<Value>, RenderError> {
+    let mut paths: Vec<Vec<(String, Source)>> = Vec::new();
+    collect_paths(domain, &domain.root, &[], &mut paths)?;
+    paths.sort_by_key(|entries| std::cmp::Reverse(entries.len()));
+    if let Some(marked) = paths.iter().find(|p| p.iter().any(|(_, s)| matches!(s, Source::GenericKey(_)))) {
+        let keys: Vec<&str> = marked.iter().map(|(k, _)| k.as_str()).collect();
+        return Err(RenderError::RouteMarker { domain: domain.name.clone(), path: keys.join(".") });
+    }
+    Ok(paths.iter().map(|entries| quota_filter(domain, cluster, entries, jwt)).collect())
+}
+
+fn collect_paths(
+    domain: &Domain,
+    level: &Level,
+    above: &[(String, Option<Source>)],
+    out: &mut Vec<Vec<(String, Source)>>,
+) -> Result<(), RenderError> {
+    for node in level.nodes() {
+        let mut path = above.to_vec();
+        path.push((node.key.clone(), node.source.clone()));
+        if let Some(rule) = node.rule.as_ref().filter(|r| r.limit != Limit::Unlimited) {
+            let entries: Option<Vec<(String, Source)>> =
+                path.iter().map(|(k, s)| s.clone().map(|s| (k.clone(), s))).collect();
+            let entries = entries
+                .ok_or_else(|| RenderError::NoSource { domain: domain.name.clone(), path: rule.path.clone() })?;
+            if !out.contains(&entries) {
+                out.push(entries);
+            }
+        }
+        collect_paths(domain, &node.children, &path, out)?;
+    }
+    Ok(())
+}
+
+// The filter for one path: its matcher applies when every entry is present, and builds the
+// bucket id from the entries.
+fn quota_filter(domain: &Domain, cluster: &str, entries: &[(String, Source)], jwt: &JwtPayload) -> Value {
+    let present = |input: Value| {
+        json!({ "single_predicate": { "input": input, "value_match": { "safe_regex": { "google_re2": {}, "regex": ".+" } } } })
+    };
+    let mut predicates = Vec::new();
+    let mut builder = serde_json::Map::new();
+    for (key, source) in entries {
+        let input = quota_input(key, source, jwt);
+        predicates.push(present(input.clone()));
+        builder.insert(key.clone(), json!({ "custom_value": input }));
+    }
+    let predicate = match predicates.len() {
+        1 => predicates.pop().expect("one"),
+        _ => json!({ "and_matcher": { "predicate": predicates } }),
+    };
+    let name: Vec<&str> = entries.iter().map(|(k, _)| k.as_str()).collect();
+    let name = name.join(".");
+    let matcher = json!({
+        "predicate": predicate,
+        "on_match": { "action": {
+            "name": name,
+            "typed_config": {
+                "@type": "type.googleapis.com/envoy.extensions.filters.http.rate_limit_quota.v3.RateLimitQuotaBucketSettings",
+                "bucket_id_builder": { "bucket_id_builder": builder },
+                "reporting_interval": "5s",
+                // Until tollgate's first assignment, and if assignments stop: refuse, so that
+                // nothing is admitted that the shared budget did not cover.
+                "no_assignment_behavior": { "fallback_rate_limit": { "blanket_rule": "DENY_ALL" } },
+                "expired_assignment_behavior": { "fallback_rate_limit": { "blanket_rule": "DENY_ALL" } },
+                "deny_response_settings": { "http_status": { "code": 429 } },
+            },
+        }},
+    });
+    json!({
+        "name": format!("tollgate.rlqs.{name}"),
+        "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.filters.http.rate_limit_quota.v3.RateLimitQuotaFilterConfig",
+            "rlqs_server": { "envoy_grpc": { "cluster_name": cluster } },
+            "domain": domain.name,
+            "bucket_matchers": { "matcher_list": { "matchers": [matcher] } },
+        },
+    })
+}
+
+// The matching input that reads entry `key` from `source` (never a constant: those are refused).
+fn quota_input(key: &str, source: &Source, jwt: &JwtPayload) -> Value {
+    let header = |name: &str| {
+        json!({ "name": key, "typed_config": {
+            "@type": "type.googleapis.com/envoy.type.matcher.v3.HttpRequestHeaderMatchInput",
+            "header_name": name,
+        }})
+    };
+    match source {
+        Source::JwtClaim(claim) => {
+            let outer = match jwt {
+                JwtPayload::MetadataKey(k) | JwtPayload::Issuer(k) => k,
+            };
+            json!({ "name": key, "typed_config": {
+                "@type": "type.googleapis.com/envoy.extensions.matching.common_inputs.network.v3.DynamicMetadataInput",
+                "filter": "envoy.filters.http.jwt_authn",
+                "path": [{ "key": outer }, { "key": claim }],
+            }})
+        }
+        Source::RequestHeader(name) => header(name),
+        Source::Path => header(":path"),
+        Source::Method => header(":method"),
+        Source::RemoteAddress => json!({ "name": key, "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.matching.common_inputs.network.v3.SourceIPInput",
+        }}),
+        Source::GenericKey(_) => unreachable!("quota_filters refuses route markers"),
+    }
+}
+
 /// The Envoy action that produces entry `key` from `source`.
 fn action(key: &str, source: &Source, jwt: &JwtPayload) -> Value {
     match source {
@@ -247,9 +377,16 @@ pub fn http_filter(domain: &Domain, cluster: &str, options: &RenderOptions, rate
 /// the `rate_limits` for the virtual host and for each route group.
 pub fn envoy(rules: &RuleSet, options: &RenderOptions, address: &str) -> Result<Value, RenderError> {
     let domain = select(rules, options)?;
-    let limits = rate_limits(domain, &options.jwt)?;
     let (host, port) = address.rsplit_once(':').unwrap_or((address, "8081"));
     let port: u16 = port.parse().unwrap_or(8081);
+    if options.protocol == Protocol::Rlqs {
+        return Ok(json!({
+            "domain": domain.name,
+            "http_filters": quota_filters(domain, &options.jwt, "tollgate")?,
+            "cluster": tollgate_cluster(host, port),
+        }));
+    }
+    let limits = rate_limits(domain, &options.jwt)?;
     let routes: serde_json::Map<String, Value> = limits
         .routes
         .into_iter()
@@ -258,23 +395,7 @@ pub fn envoy(rules: &RuleSet, options: &RenderOptions, address: &str) -> Result<
     let mut out = json!({
         "domain": domain.name,
         "http_filter": http_filter(domain, "tollgate", options, &limits.filter),
-        "cluster": {
-            "name": "tollgate",
-            "type": "STRICT_DNS",
-            "connect_timeout": "0.25s",
-            "typed_extension_protocol_options": {
-                "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
-                    "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
-                    "explicit_http_config": { "http2_protocol_options": {} },
-                },
-            },
-            "load_assignment": {
-                "cluster_name": "tollgate",
-                "endpoints": [{ "lb_endpoints": [{ "endpoint": { "address": {
-                    "socket_address": { "address": host, "port_value": port },
-                }}}]}],
-            },
-        },
+        "cluster": tollgate_cluster(host, port),
     });
     if limits.filter.is_empty() {
         out["virtual_host"] = json!({ "rate_limits": limits.virtual_host });
@@ -284,6 +405,27 @@ pub fn envoy(rules: &RuleSet, options: &RenderOptions, address: &str) -> Result<
         out["lua_filter"] = trailer_filter(&limits.trailers);
     }
     Ok(out)
+}
+
+// tollgate's cluster: HTTP/2, as gRPC needs.
+fn tollgate_cluster(host: &str, port: u16) -> Value {
+    json!({
+        "name": "tollgate",
+        "type": "STRICT_DNS",
+        "connect_timeout": "0.25s",
+        "typed_extension_protocol_options": {
+            "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
+                "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
+                "explicit_http_config": { "http2_protocol_options": {} },
+            },
+        },
+        "load_assignment": {
+            "cluster_name": "tollgate",
+            "endpoints": [{ "lb_endpoints": [{ "endpoint": { "address": {
+                "socket_address": { "address": host, "port_value": port },
+            }}}]}],
+        },
+    })
 }
 
 /// Which Istio proxies to configure.

@@ -212,3 +212,45 @@ descriptors:
     );
     assert_eq!(vhost.len(), 4, "unlimited rules need no call");
 }
+
+#[test]
+fn rlqs_filters_render_and_load_in_envoy() {
+    let (_dir, config) = config_file(
+        r#"
+domain: quota
+descriptors:
+  - key: tenant
+    source: {jwt_claim: tenant}
+    token_bucket: {capacity: 50, refill_per_second: 10}
+    descriptors:
+      - key: path
+        source: path
+        token_bucket: {capacity: 5, refill_per_second: 1}
+  - key: remote_address
+    source: remote_address
+    rate_limit: {unit: second, requests_per_unit: 100}
+"#,
+    );
+    let r = render(&["envoy", "--config", config.to_str().unwrap(), "--protocol", "rlqs"]).unwrap();
+    let filters = r["http_filters"].as_array().unwrap();
+    let names: Vec<&str> = filters.iter().map(|f| f["name"].as_str().unwrap()).collect();
+    assert_eq!(names, vec!["tollgate.rlqs.tenant.path", "tollgate.rlqs.tenant", "tollgate.rlqs.remote_address"], "one filter per limit, the most specific first");
+    let settings = &filters[0]["typed_config"]["bucket_matchers"]["matcher_list"]["matchers"][0]["on_match"]["action"]["typed_config"];
+    let ids = settings["bucket_id_builder"]["bucket_id_builder"].as_object().unwrap();
+    assert_eq!(ids.keys().collect::<Vec<_>>(), vec!["tenant", "path"]);
+    assert_eq!(settings["no_assignment_behavior"]["fallback_rate_limit"]["blanket_rule"], "DENY_ALL");
+    // In an Envoy bootstrap, in place of the ratelimit filter.
+    let mut rendered = r.clone();
+    rendered["http_filter"] = filters[0].clone();
+    rendered["routes"] = json!({});
+    let mut config = bootstrap(&rendered);
+    let chain = &mut config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]["http_filters"];
+    let mut all = filters.clone();
+    all.push(chain.as_array().unwrap().last().unwrap().clone());
+    *chain = json!(all);
+    let (ok, output) = envoy_validate(&config);
+    assert!(ok, "{output}");
+
+    let err = render(&["envoy", "--config", &examples(), "--domain", "api-gateway", "--protocol", "rlqs"]).unwrap_err();
+    assert!(err.contains("descriptor 'tenant.class' marks routes with a generic_key"), "{err}");
+}

@@ -151,3 +151,29 @@ async fn bucket_ids_map_to_rules_and_spend_the_rls_budget() {
     let again = grant_for(&mut stream, &t1).await;
     assert!(matches!(again, Said::Tokens(_) | Said::DenyAll), "{again:?}");
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn draining_closes_open_streams() {
+    let (_dir, config) = config_file(CONFIG);
+    let mut server = Tollgate::start(&config, &Backend::Memory, &["--drain-delay", "1s"]);
+    let mut stream = Stream::open(&server.addr()).await;
+    let t = bucket(&[("tenant", "drain")]);
+    stream.send("quota", vec![report(&t, 0, 1, 0)]).await;
+    assert!(matches!(grant_for(&mut stream, &t).await, Said::Tokens(_)));
+    let signalled = Instant::now();
+    server.proc.signal("TERM");
+    // Grants go on through the drain delay; then the stream is closed by the server.
+    let closed = loop {
+        match tokio::time::timeout(Duration::from_secs(5), stream.answers.message()).await {
+            Ok(Ok(Some(_))) => continue,
+            Ok(_) => break signalled.elapsed(),
+            Err(_) => panic!("the stream stayed open 5 s past a message"),
+        }
+    };
+    let status = server.proc.wait_exit(Duration::from_secs(5)).expect("tollgate exits");
+    let exited = signalled.elapsed();
+    println!("SIGTERM with an RLQS stream open (drain delay 1 s): stream closed after {closed:?}, exit {status} after {exited:?}");
+    assert!(status.success());
+    assert!(closed >= Duration::from_secs(1) && closed < Duration::from_secs(2), "closed after {closed:?}");
+    assert!(exited < Duration::from_secs(3), "the drain finished {exited:?} after the signal");
+}

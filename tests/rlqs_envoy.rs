@@ -13,7 +13,7 @@ mod common;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use common::*;
 use serde_json::{json, Value};
@@ -240,7 +240,12 @@ fn within(admitted: u64, seconds: u64) -> (f64, f64, f64) {
     (admitted as f64, 0.9 * budget, budget + SLACK)
 }
 
+/// Each test runs three Envoys, two tollgates and their load: one at a time, so that they
+/// measure tollgate rather than each other on a two-core machine.
+static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
 async fn three_envoys_share_one_budget(backend: Backend) {
+    let _serial = SERIAL.lock().await;
     let upstream = upstream().await;
     let (_dir, config) = config_file(CONFIG);
     let rig = rig(&backend, &[rlqs_filter(), rlqs_filter(), rlqs_filter()], &config, upstream);
@@ -261,4 +266,117 @@ async fn three_envoys_share_one_budget_on_redis() {
 async fn three_envoys_share_one_budget_on_a_cluster() {
     let cluster = RedisCluster::start();
     three_envoys_share_one_budget(Backend::Cluster(cluster.seeds())).await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn shares_follow_demand() {
+    let _serial = SERIAL.lock().await;
+    let redis = Redis::start();
+    let upstream = upstream().await;
+    let (_dir, config) = config_file(CONFIG);
+    let rig = rig(&Backend::Redis(redis.url()), &[rlqs_filter(), rlqs_filter(), rlqs_filter()], &config, upstream);
+    // 90, 5 and 5 requests a second against 10 a second of budget; the last 10 s come after
+    // two reports.
+    let (admitted, tail) = run(&rig, &[90, 5, 5], 20, 10).await;
+    let (total, low, high) = within(admitted.iter().sum(), 20);
+    let share = tail[0] as f64 / tail.iter().sum::<u64>() as f64;
+    println!("RLQS, demand 90/5/5: admitted {admitted:?} = {total} (bounds [{low}, {high}]); last 10 s {tail:?}, busy share {share:.2}");
+    assert!(total >= low && total <= high, "{total} outside [{low}, {high}]");
+    assert!(share >= 0.75, "the busy Envoy's share follows its demand (0.9), not an equal third: {share:.2}");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn rls_and_rlqs_spend_one_budget() {
+    let _serial = SERIAL.lock().await;
+    let redis = Redis::start();
+    let upstream = upstream().await;
+    let (_dir, config) = config_file(CONFIG);
+    let rig = rig(&Backend::Redis(redis.url()), &[rls_filter(), rlqs_filter(), rlqs_filter()], &config, upstream);
+    let (admitted, _) = run(&rig, &[0, 0, 0], 20, 5).await;
+    let (total, low, high) = within(admitted.iter().sum(), 20);
+    println!("RLS + 2 x RLQS: admitted {admitted:?} = {total} in 20 s; bounds [{low}, {high}]");
+    assert!(total >= low && total <= high, "{total} outside [{low}, {high}]");
+    assert!(admitted[0] > 0, "the RLS Envoy was served");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_killed_replica_and_a_restarted_envoy() {
+    let _serial = SERIAL.lock().await;
+    let redis = Redis::start();
+    let upstream = upstream().await;
+    let (_dir, config) = config_file(CONFIG);
+    let mut rig = rig(&Backend::Redis(redis.url()), &[rlqs_filter(), rlqs_filter(), rlqs_filter()], &config, upstream);
+    let stop = Arc::new(AtomicBool::new(false));
+    let counting = Arc::new(AtomicBool::new(true));
+    let counts: Vec<Arc<Counts>> = (0..3).map(|_| Arc::default()).collect();
+    let mut tasks = Vec::new();
+    for (i, c) in counts.iter().enumerate() {
+        for _ in 0..2 {
+            tasks.push(tokio::spawn(load(rig.listeners[i], "acme", 0, c.clone(), counting.clone(), stop.clone())));
+        }
+    }
+    let ok = |c: &Arc<Counts>| c.ok.load(Ordering::SeqCst);
+    tokio::time::sleep(Duration::from_secs(6)).await;
+    // A replica dies: its Envoys' streams move to the other one.
+    rig.replicas[0].proc.kill();
+    let at_kill: Vec<u64> = counts.iter().map(ok).collect();
+    tokio::time::sleep(Duration::from_secs(8)).await;
+    let after_kill: Vec<u64> = counts.iter().zip(&at_kill).map(|(c, k)| ok(c) - k).collect();
+    // An Envoy restarts: a new process on the same ports, a new stream.
+    let (listener, admin) = (rig.listeners[0], rig.envoys[0].admin);
+    rig.envoys[0].proc.kill();
+    let grpc: Vec<SocketAddr> = rig.replicas.iter().map(|r| r.grpc).collect();
+    rig.envoys[0] = Envoy::start(&envoy_config(listener, admin, rlqs_filter(), &grpc, upstream), admin);
+    let at_restart = ok(&counts[0]);
+    tokio::time::sleep(Duration::from_secs(6)).await;
+    let after_restart = ok(&counts[0]) - at_restart;
+    stop.store(true, Ordering::SeqCst);
+    for t in tasks {
+        let _ = t.await;
+    }
+    let admitted: Vec<u64> = counts.iter().map(ok).collect();
+    let (total, _, high) = within(admitted.iter().sum(), 20);
+    println!(
+        "replica killed at 6 s, Envoy restarted at 14 s: admitted {admitted:?} = {total} in 20 s (at most {high}); after the kill {after_kill:?}; the restarted Envoy {after_restart}"
+    );
+    assert!(total <= high, "{total} above {high}");
+    assert!(after_kill.iter().all(|n| *n > 0), "every Envoy is served after the kill: {after_kill:?}");
+    assert!(after_restart > 0, "the restarted Envoy is served");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn redis_down_denies_and_grants_resume() {
+    let _serial = SERIAL.lock().await;
+    let mut redis = Redis::start();
+    let port = redis.port;
+    let upstream = upstream().await;
+    let (_dir, config) = config_file(CONFIG);
+    let rig = rig(&Backend::Redis(redis.url()), &[rlqs_filter(), rlqs_filter()], &config, upstream);
+    let stop = Arc::new(AtomicBool::new(false));
+    let counting = Arc::new(AtomicBool::new(true));
+    let counts: Vec<Arc<Counts>> = (0..2).map(|_| Arc::default()).collect();
+    let mut tasks = Vec::new();
+    for (i, c) in counts.iter().enumerate() {
+        tasks.push(tokio::spawn(load(rig.listeners[i], "acme", 50, c.clone(), counting.clone(), stop.clone())));
+    }
+    let ok = |counts: &[Arc<Counts>]| counts.iter().map(|c| c.ok.load(Ordering::SeqCst)).sum::<u64>();
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    redis.kill();
+    // Grants already made run out within a tick and their time to live; then failure_mode deny.
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    let down_from = ok(&counts);
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let while_down = ok(&counts) - down_from;
+    redis = Redis::start_with(&["--port", &port.to_string()]);
+    let back_from = ok(&counts);
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    let after = ok(&counts) - back_from;
+    stop.store(true, Ordering::SeqCst);
+    for t in tasks {
+        let _ = t.await;
+    }
+    println!("Redis down (failure_mode deny): {while_down} admitted in 3 s while down; {after} in 4 s after it is back");
+    assert_eq!(while_down, 0, "DENY_ALL while the store is down");
+    assert!(after > 0, "grants resume");
+    drop(redis);
 }

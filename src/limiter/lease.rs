@@ -68,8 +68,17 @@ impl Limiter {
 
     /// Takes `member`'s share of what `target` holds now, in whole requests, at most `cap`.
     /// `demand` (requests per second) is registered for `member` first; the share is its part
-    /// of every member's standing demand.
-    pub async fn lease(&self, target: &Leasable, member: &str, demand: f64, cap: u64) -> Result<u64, StoreError> {
+    /// of every member's standing demand. `owed` is the fraction of a request the member was
+    /// entitled to but not given last time (small shares add up over leases instead of
+    /// rounding to nothing); returns the requests taken and what is owed now.
+    pub async fn lease(
+        &self,
+        target: &Leasable,
+        member: &str,
+        demand: f64,
+        cap: u64,
+        owed: f64,
+    ) -> Result<(u64, f64), StoreError> {
         let total = self.store.share_demand(&target.key, member, demand, DEMAND_TTL_MS).await?;
         let share = if total > 0.0 { (demand / total).clamp(0.0, 1.0) } else { 1.0 };
         // What the bucket holds now: a check takes nothing.
@@ -77,12 +86,14 @@ impl Limiter {
         let balance = match self.store.evaluate(&[vec![check]], LateReply::Keep).await.pop() {
             Some(Ok(outcome)) => outcome.verdicts[0].tokens,
             Some(Err(e)) => return Err(e),
-            None => return Ok(0),
+            None => return Ok((0, owed)),
         };
         let cost = target.cost as f64;
-        let want = ((balance.max(0.0) * share / cost).floor() as u64).min(cap);
+        let entitled = balance.max(0.0) * share / cost + owed;
+        let want = (entitled.floor() as u64).min(cap);
+        let owed = (entitled - want as f64).clamp(0.0, 1.0);
         if want == 0 {
-            return Ok(0);
+            return Ok((0, owed));
         }
         // Take up to `want` requests' tokens: charged always down to zero, so another replica's
         // take in between leaves this one with what is there, never below zero.
@@ -91,14 +102,14 @@ impl Limiter {
         let taken = match self.store.evaluate(&[vec![take]], LateReply::GiveBack).await.pop() {
             Some(Ok(outcome)) => need - outcome.verdicts[0].forgiven,
             Some(Err(e)) => return Err(e),
-            None => return Ok(0),
+            None => return Ok((0, owed)),
         };
         let requests = (taken / cost).floor().max(0.0) as u64;
         let spare = taken - requests as f64 * cost;
         if spare > 0.0 {
             self.credit(target, spare).await?;
         }
-        Ok(requests)
+        Ok((requests, owed))
     }
 
     /// Gives `requests` requests' tokens back to `target`.

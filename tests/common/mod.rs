@@ -205,6 +205,11 @@ impl Redis {
     pub fn pid(&self) -> u32 {
         self.proc.pid()
     }
+
+    /// Kills the server (by its PID); its port may be reused by `start_with(["--port", ...])`.
+    pub fn kill(&mut self) {
+        self.proc.kill();
+    }
 }
 
 /// A Redis Cluster of 3 primaries and 3 replicas made with `redis-cli --cluster create`.

@@ -46,7 +46,9 @@ struct Member {
 struct Bucket {
     target: Leasable,
     members: HashMap<MemberId, Member>,
+    // Fractions of a request owed to each member, and to this replica by the store.
     owed: HashMap<MemberId, f64>,
+    owed_replica: f64,
 }
 
 /// The leased buckets of this replica.
@@ -94,7 +96,7 @@ impl Pool {
             let mut buckets = self.inner.lock();
             let bucket = buckets
                 .entry(key.clone())
-                .or_insert_with(|| Bucket { target, members: HashMap::new(), owed: HashMap::new() });
+                .or_insert_with(|| Bucket { target, members: HashMap::new(), owed: HashMap::new(), owed_replica: 0.0 });
             bucket.members.insert(member, Member { demand, events }).is_none()
         };
         metrics::gauge!("tollgate_rlqs_buckets").set(self.inner.lock().len() as f64);
@@ -136,7 +138,7 @@ impl Inner {
 
     // One lease of the bucket `key` for all its members.
     async fn lease_round(&self, key: &str) {
-        let (target, members) = {
+        let (target, members, owed) = {
             let buckets = self.lock();
             let Some(bucket) = buckets.get(key) else { return };
             let tick_ms = TICK.as_millis() as u64;
@@ -145,17 +147,20 @@ impl Inner {
                 .iter()
                 .map(|(id, m)| (id.clone(), m.demand, assign::cap(m.demand, tick_ms)))
                 .collect();
-            (bucket.target.clone(), members)
+            (bucket.target.clone(), members, bucket.owed_replica)
         };
         let demand: f64 = members.iter().map(|(_, d, _)| d).sum();
         let cap: u64 = members.iter().map(|(_, _, c)| c).sum();
-        match self.limiter.lease(&target, &self.replica, demand, cap).await {
-            Ok(requests) => {
+        match self.limiter.lease(&target, &self.replica, demand, cap, owed).await {
+            Ok((requests, owed)) => {
                 metrics::counter!("tollgate_rlqs_leased_requests_total").increment(requests);
                 let (grants, spare) = {
                     let mut buckets = self.lock();
                     match buckets.get_mut(key) {
-                        Some(bucket) => assign::split(requests, &members, &mut bucket.owed),
+                        Some(bucket) => {
+                            bucket.owed_replica = owed;
+                            assign::split(requests, &members, &mut bucket.owed)
+                        }
                         None => (Vec::new(), requests),
                     }
                 };
