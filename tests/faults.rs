@@ -368,7 +368,7 @@ async fn memory_stays_bounded_under_a_flood_of_unique_tenants() {
             .collect()
     };
     let mut samples = Vec::new();
-    for round in 0..4 {
+    for round in 0..6 {
         for chunk in flood(round).chunks(16) {
             let calls: Vec<_> = chunk
                 .iter()
@@ -384,9 +384,11 @@ async fn memory_stays_bounded_under_a_flood_of_unique_tenants() {
         }
         samples.push(rss_kib(server.proc.pid()));
     }
-    println!("RSS after each 64,000 new tenants (256,000 in all): {samples:?} KiB");
+    println!("RSS after each 64,000 new tenants (384,000 in all): {samples:?} KiB");
     // The first round warms allocators and connections; after it, memory does not follow the
-    // number of tenants.
-    let growth = samples[3].saturating_sub(samples[1]);
-    assert!(growth < 8 * 1024, "RSS grew {growth} KiB over 128,000 more tenants");
+    // number of tenants. The allocator moves a few MiB either way when other tests run beside
+    // this one, so the bound is 12 MiB over 256,000 tenants: any state kept per tenant (49 bytes
+    // or more) exceeds it.
+    let growth = samples[5].saturating_sub(samples[1]);
+    assert!(growth < 12 * 1024, "RSS grew {growth} KiB over 256,000 more tenants");
 }

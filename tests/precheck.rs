@@ -260,6 +260,16 @@ impl Store for HeldStore {
         })
     }
 
+    fn share_demand<'a>(
+        &'a self,
+        key: &'a str,
+        member: &'a str,
+        demand: f64,
+        ttl_ms: u64,
+    ) -> futures::future::BoxFuture<'a, Result<f64, tollgate::store::StoreError>> {
+        self.inner.share_demand(key, member, demand, ttl_ms)
+    }
+
     fn ping(&self) -> futures::future::BoxFuture<'_, Result<(), tollgate::store::StoreError>> {
         Box::pin(async { Ok(()) })
     }

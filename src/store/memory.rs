@@ -18,9 +18,12 @@ use crate::clock::{Clock, SystemClock};
 pub struct MemoryStore {
     clock: Arc<dyn Clock>,
     buckets: Mutex<Buckets>,
-    // RLQS demand registries: bucket key -> member -> (demand, expires at).
-    demand: Mutex<HashMap<String, HashMap<String, (f64, u64)>>>,
+    // RLQS demand registries by bucket key.
+    demand: Mutex<HashMap<String, Registry>>,
 }
+
+/// One bucket's RLQS demand registry: member -> (demand, expires at ms), as the Redis hash.
+type Registry = HashMap<String, (f64, u64)>;
 
 #[derive(Default)]
 struct Buckets {
