@@ -209,6 +209,11 @@ pub struct Verdict {
     pub forgiven: f64,
     /// The bucket's [`BucketState::fastest_refill`] after this operation.
     pub fastest_refill: f64,
+    /// How long after the evaluation the store certainly still holds the bucket's state: the
+    /// TTL it was just written with, else what is left of its expiry (0 when it holds none).
+    /// Until then, a later evaluation refills the stored state instead of finding the bucket
+    /// missing (and so full).
+    pub kept_ms: u64,
 }
 
 /// What one group found.
@@ -303,12 +308,21 @@ pub fn refund(group: &Group, outcome: &GroupOutcome) -> Vec<(usize, BucketOp)> {
         .collect()
 }
 
-/// Evaluates `batch` at `now_ms` against the states `load` returns (`None` = no stored bucket).
+/// Evaluates `batch` at `now_ms` against what `load` returns for a key: the stored state and
+/// when the store drops it (ms since the epoch), or `None` when no bucket is stored.
 ///
 /// `load` is called at most once per distinct key.
-pub fn evaluate(batch: &Batch, now_ms: u64, mut load: impl FnMut(&str) -> Option<BucketState>) -> Evaluation {
-    // Committed state of every key touched so far in this batch.
+pub fn evaluate(batch: &Batch, now_ms: u64, mut load: impl FnMut(&str) -> Option<(BucketState, u64)>) -> Evaluation {
+    // Committed state of every key touched so far in this batch, and the stored expiries.
     let mut running: HashMap<&str, Option<BucketState>> = HashMap::new();
+    let mut expiries: HashMap<&str, u64> = HashMap::new();
+    let mut load = |key| {
+        let stored = load(key);
+        if let Some((_, expires_at_ms)) = stored {
+            expiries.insert(key, expires_at_ms);
+        }
+        stored.map(|(state, _)| state)
+    };
     let mut dirty: HashMap<&str, u64> = HashMap::new();
     let mut dirty_order: Vec<&str> = Vec::new();
     let mut groups = Vec::with_capacity(batch.len());
@@ -348,6 +362,7 @@ pub fn evaluate(batch: &Batch, now_ms: u64, mut load: impl FnMut(&str) -> Option
                 reset_ms: 0,
                 forgiven,
                 fastest_refill: state.fastest_refill,
+                kept_ms: 0,
             });
         }
         let admitted = !enforced_short && (quota_ops == 0 || quota_allowed > 0);
@@ -384,6 +399,17 @@ pub fn evaluate(batch: &Batch, now_ms: u64, mut load: impl FnMut(&str) -> Option
         groups.push(GroupOutcome { admitted, now_ms, verdicts, refunded: false });
     }
 
+    // Known once every group has run: a later group may write a bucket an earlier one read.
+    for (group, outcome) in batch.iter().zip(&mut groups) {
+        for (op, verdict) in group.iter().zip(&mut outcome.verdicts) {
+            let key = op.key.as_str();
+            verdict.kept_ms = match dirty.get(key) {
+                Some(ttl) => *ttl,
+                None => expiries.get(key).map_or(0, |at| at.saturating_sub(now_ms)),
+            };
+        }
+    }
+
     let writes = dirty_order
         .into_iter()
         .map(|key| Write {
@@ -401,6 +427,11 @@ mod tests {
 
     fn spec(capacity: f64, refill_per_second: f64) -> BucketSpec {
         BucketSpec::new(capacity, refill_per_second).unwrap()
+    }
+
+    // A stored bucket that does not expire during the test.
+    fn stored(state: BucketState) -> Option<(BucketState, u64)> {
+        Some((state, u64::MAX))
     }
 
     fn op(key: &str, spec: BucketSpec, need: f64) -> BucketOp {
@@ -440,7 +471,7 @@ mod tests {
     #[test]
     fn denial_reports_wait_and_writes_nothing() {
         let s = BucketState { tokens: 1.0, last_refill_ms: 0, ..Default::default() };
-        let e = evaluate(&[vec![op("a", spec(10.0, 2.0), 4.0)]], 0, |_| Some(s));
+        let e = evaluate(&[vec![op("a", spec(10.0, 2.0), 4.0)]], 0, |_| stored(s));
         let v = e.groups[0].verdicts[0];
         assert!(!e.groups[0].admitted && !v.allowed);
         assert_eq!(v.retry_after_ms, Some(1_500));
@@ -460,7 +491,7 @@ mod tests {
         let e = evaluate(
             &[vec![op("tenant", spec(10.0, 1.0), 1.0), op("export", spec(5.0, 1.0), 5.0)]],
             0,
-            |k| (k == "export").then_some(empty),
+            |k| (k == "export").then_some((empty, u64::MAX)),
         );
         assert!(!e.groups[0].admitted);
         assert!(e.groups[0].verdicts[0].allowed);
@@ -481,7 +512,7 @@ mod tests {
     fn quota_mode_denies_only_when_every_quota_bucket_is_short() {
         let empty = BucketState { tokens: 0.0, last_refill_ms: 0, ..Default::default() };
         let quota = |key: &str| BucketOp { role: Role::Quota, ..op(key, spec(5.0, 1.0), 1.0) };
-        let load = |k: &str| (k == "q1").then_some(empty);
+        let load = |k: &str| (k == "q1").then_some((empty, u64::MAX));
         let e = evaluate(&[vec![quota("q1"), quota("q2")]], 0, load);
         assert!(e.groups[0].admitted, "q2 has tokens");
         assert_eq!((e.groups[0].verdicts[0].allowed, e.groups[0].verdicts[1].tokens), (false, 4.0));
@@ -516,9 +547,9 @@ mod tests {
     #[test]
     fn credit_and_check_only() {
         let s = BucketState { tokens: 1.0, last_refill_ms: 0, ..Default::default() };
-        let e = evaluate(&[vec![op("a", spec(5.0, 1.0), -10.0)]], 0, |_| Some(s));
+        let e = evaluate(&[vec![op("a", spec(5.0, 1.0), -10.0)]], 0, |_| stored(s));
         assert_eq!(e.groups[0].verdicts[0].tokens, 5.0, "credit is capped at capacity");
-        let e = evaluate(&[vec![op("a", spec(5.0, 1.0), 0.0)]], 0, |_| Some(s));
+        let e = evaluate(&[vec![op("a", spec(5.0, 1.0), 0.0)]], 0, |_| stored(s));
         assert!(e.groups[0].verdicts[0].allowed);
         assert!(e.writes.is_empty(), "a check changes nothing");
     }
@@ -535,10 +566,10 @@ mod tests {
         let s = spec(1_000.0, 10.0);
         // Check, charge 600, check, charge 600: the second charge goes into debt.
         let start = BucketState { tokens: 1_000.0, last_refill_ms: 0, ..Default::default() };
-        let e = evaluate(&[vec![always("a", s, 600.0, 1_000.0)]], 0, |_| Some(start));
+        let e = evaluate(&[vec![always("a", s, 600.0, 1_000.0)]], 0, |_| stored(start));
         assert_eq!(e.groups[0].verdicts[0].tokens, 400.0);
         let at = BucketState { tokens: 400.0, last_refill_ms: 0, ..Default::default() };
-        let e = evaluate(&[vec![always("a", s, 600.0, 1_000.0)]], 0, |_| Some(at));
+        let e = evaluate(&[vec![always("a", s, 600.0, 1_000.0)]], 0, |_| stored(at));
         let v = e.groups[0].verdicts[0];
         assert!(!v.allowed && !e.groups[0].admitted, "600 > 400: denied, yet charged");
         assert_eq!((v.tokens, v.forgiven), (-200.0, 0.0));
@@ -546,12 +577,12 @@ mod tests {
         assert_eq!(e.writes[0].ttl_ms, 201_000, "lives until full from the floor");
         // A check while in debt is denied until the balance is back to zero.
         let debt = BucketState { tokens: -200.0, last_refill_ms: 0, ..Default::default() };
-        let e = evaluate(&[vec![always("a", s, 0.0, 1_000.0)]], 0, |_| Some(debt));
+        let e = evaluate(&[vec![always("a", s, 0.0, 1_000.0)]], 0, |_| stored(debt));
         let v = e.groups[0].verdicts[0];
         assert_eq!((v.allowed, v.retry_after_ms), (false, Some(20_000)));
         assert!(e.writes.is_empty());
         // Past the floor the rest is forgiven.
-        let e = evaluate(&[vec![always("a", s, 5_000.0, 1_000.0)]], 0, |_| Some(debt));
+        let e = evaluate(&[vec![always("a", s, 5_000.0, 1_000.0)]], 0, |_| stored(debt));
         let v = e.groups[0].verdicts[0];
         assert_eq!((v.tokens, v.forgiven, v.retry_after_ms), (-1_000.0, 4_200.0, None));
     }
@@ -559,7 +590,7 @@ mod tests {
     #[test]
     fn a_shallow_floor_never_lifts_a_deeper_debt() {
         let debt = BucketState { tokens: -50.0, last_refill_ms: 0, ..Default::default() };
-        let e = evaluate(&[vec![always("a", spec(100.0, 1.0), 10.0, 0.0)]], 0, |_| Some(debt));
+        let e = evaluate(&[vec![always("a", spec(100.0, 1.0), 10.0, 0.0)]], 0, |_| stored(debt));
         let v = e.groups[0].verdicts[0];
         assert_eq!((v.tokens, v.forgiven), (-50.0, 10.0));
     }
@@ -571,7 +602,7 @@ mod tests {
         let e = evaluate(
             &[vec![op("plain", s, 1.0), always("metered", s, 3.0, 10.0), op("short", s, 1.0)]],
             0,
-            |k| (k == "short").then_some(empty),
+            |k| (k == "short").then_some((empty, u64::MAX)),
         );
         let g = &e.groups[0];
         assert!(!g.admitted);
@@ -588,7 +619,7 @@ mod tests {
         let e = evaluate(std::slice::from_ref(&group), 0, |_| None);
         let back: Group = refund(&group, &e.groups[0]).into_iter().map(|(_, op)| op).collect();
         assert_eq!(back.iter().map(|o| (o.key.as_str(), o.need)).collect::<Vec<_>>(), vec![("a", -3.0), ("c", 1.0)]);
-        let after = evaluate(&[back], 0, |k| e.writes.iter().find(|w| w.key == k).map(|w| w.state));
+        let after = evaluate(&[back], 0, |k| e.writes.iter().find(|w| w.key == k).map(|w| (w.state, w.ttl_ms)));
         assert_eq!(after.groups[0].verdicts[0].tokens, 10.0);
         let denied = GroupOutcome { admitted: false, ..e.groups[0].clone() };
         assert!(refund(&group, &denied).is_empty(), "a denied group took nothing");
@@ -602,7 +633,7 @@ mod tests {
         assert_eq!(e.writes[0].ttl_ms, MAX_WAIT_MS);
         assert_eq!(e.groups[0].verdicts[0].reset_ms, MAX_WAIT_MS);
         let at = e.writes[0].state;
-        let e = evaluate(&[vec![op("a", s, 6e11)]], 5, |_| Some(at));
+        let e = evaluate(&[vec![op("a", s, 6e11)]], 5, |_| stored(at));
         assert_eq!(e.groups[0].verdicts[0].retry_after_ms, Some(MAX_WAIT_MS));
     }
 }

@@ -51,7 +51,7 @@ proptest! {
         let floor = charge.floor();
         for (need, dt) in steps {
             now = now.saturating_add(dt);
-            let e = evaluate(&[vec![op(spec, need, charge)]], now, |_| stored);
+            let e = evaluate(&[vec![op(spec, need, charge)]], now, |_| stored.map(|s| (s, u64::MAX)));
             let v = e.groups[0].verdicts[0];
             prop_assert!(v.tokens >= floor && v.tokens <= spec.capacity(), "{v:?} outside [{floor}, {}]", spec.capacity());
             prop_assert!(v.tokens.is_finite() && v.forgiven >= 0.0);
@@ -73,7 +73,7 @@ proptest! {
         let mut stored: Option<BucketState> = None;
         let mut previous = spec.capacity();
         for need in needs {
-            let e = evaluate(&[vec![op(spec, need, Charge::Admitted)]], now, |_| stored);
+            let e = evaluate(&[vec![op(spec, need, Charge::Admitted)]], now, |_| stored.map(|s| (s, u64::MAX)));
             let tokens = e.groups[0].verdicts[0].tokens;
             prop_assert!(tokens <= previous, "{tokens} > {previous}");
             previous = tokens;

@@ -13,7 +13,7 @@ use rand::{Rng, SeedableRng};
 use redis::Commands as _;
 use tollgate::bucket::{BucketOp, BucketSpec, Charge, Group, Role};
 use tollgate::clock::ManualClock;
-use tollgate::store::{LateReply, MemoryStore, Precheck, Store};
+use tollgate::store::{LateReply, MemoryStore, Precheck, Store, MAX_AGE_MS};
 
 const GIVE_BACK: LateReply = LateReply::GiveBack;
 
@@ -143,6 +143,49 @@ async fn a_changed_quota_is_never_held_to_the_old_observation() {
     clock.advance(500);
     assert!(checked.evaluate(&spend(10.0), GIVE_BACK).await[0].as_ref().unwrap().admitted);
     assert_eq!(checked.answered_locally(), 2);
+}
+
+#[tokio::test]
+async fn a_denial_from_the_store_renews_the_observation() {
+    let clock = ManualClock::new(1_700_000_000_000);
+    let inner: Arc<dyn Store> = Arc::new(MemoryStore::with_clock(Arc::new(clock.clone())));
+    let checked = Precheck::new(inner, Arc::new(clock.clone()), 1000);
+    let spend = || vec![vec![op("rl:{t}:default", 1.0, 0.01, 1.0)]];
+    assert!(checked.evaluate(&spend(), GIVE_BACK).await[0].as_ref().unwrap().admitted);
+    // An abusive tenant for 30 s: past MAX_AGE_MS one request reaches the store, is denied
+    // there, and its answer serves the next MAX_AGE_MS locally.
+    let mut to_store = 0;
+    for _ in 0..300 {
+        clock.advance(100);
+        let before = checked.answered_locally();
+        assert!(!checked.evaluate(&spend(), GIVE_BACK).await[0].as_ref().unwrap().admitted);
+        to_store += usize::from(checked.answered_locally() == before);
+    }
+    let most = 30_000 / MAX_AGE_MS as usize + 1;
+    println!("abusive tenant, 300 requests over 30 s: {to_store} reached the store");
+    assert!((1..=most).contains(&to_store), "{to_store} of 300 reached the store; at most {most}");
+}
+
+#[tokio::test]
+async fn a_bucket_the_store_drops_is_not_held_to_an_observation() {
+    let clock = ManualClock::new(1_700_000_000_000);
+    let inner: Arc<dyn Store> = Arc::new(MemoryStore::with_clock(Arc::new(clock.clone())));
+    let checked = Precheck::new(inner.clone(), Arc::new(clock.clone()), 1000);
+    let key = "rl:{t}:default";
+    // Written empty by a small spec through another replica: kept for its time to full (1 s)
+    // plus 1 s.
+    assert!(inner.evaluate(&[vec![op(key, 1.0, 1.0, 1.0)]], GIVE_BACK).await[0].as_ref().unwrap().admitted);
+    // A larger spec of the same bucket (a quota raised here) is denied 5 tokens by the store,
+    // and that denial is remembered.
+    assert!(!checked.evaluate(&[vec![op(key, 10.0, 1.0, 5.0)]], GIVE_BACK).await[0].as_ref().unwrap().admitted);
+    clock.advance(1_000);
+    assert!(!checked.evaluate(&[vec![op(key, 10.0, 1.0, 5.0)]], GIVE_BACK).await[0].as_ref().unwrap().admitted);
+    assert_eq!(checked.answered_locally(), 1, "answered from the observation");
+    // Past the stored bucket's expiry it is missing, so full at the larger capacity: the store
+    // admits, though the observation's bound (about 2 tokens) would not.
+    clock.advance(1_100);
+    assert!(checked.evaluate(&[vec![op(key, 10.0, 1.0, 5.0)]], GIVE_BACK).await[0].as_ref().unwrap().admitted);
+    assert_eq!(checked.answered_locally(), 1);
 }
 
 #[tokio::test]

@@ -168,7 +168,7 @@ async fn envoy_reaches_tollgate_over_mtls() {
 }
 
 /// The ACL tollgate needs: its scripts' commands on `rl:*` keys, nothing else.
-const TOLLGATE_ACL: &str = "user tollgate on >tollgate-secret resetkeys ~rl:* resetchannels -@all +evalsha +eval +script|load +ping +time +hmget +hset +pexpireat";
+const TOLLGATE_ACL: &str = "user tollgate on >tollgate-secret resetkeys ~rl:* resetchannels -@all +evalsha +eval +script|load +ping +time +hmget +hset +hgetall +hdel +pexpireat +pexpiretime +pttl";
 
 #[tokio::test(flavor = "multi_thread")]
 async fn redis_over_tls_as_a_least_privilege_acl_user() {
@@ -179,7 +179,9 @@ async fn redis_over_tls_as_a_least_privilege_acl_user() {
     let redis = Redis::start_tls(&pki, &acl);
     let (_dir, config) = config_file(CONFIG);
     let url = format!("rediss://tollgate:tollgate-secret@127.0.0.1:{}", redis.port);
-    let server = Tollgate::start(&config, &Backend::Redis(url), &["--redis-ca", &pki.path_str("ca.pem")]);
+    // Without the pre-check, so that the denial reaches Redis too (it reads the bucket's expiry).
+    let server =
+        Tollgate::start(&config, &Backend::Redis(url), &["--redis-ca", &pki.path_str("ca.pem"), "--no-precheck"]);
     // failure_mode: error, so any store failure would surface as UNAVAILABLE.
     for expected in [OK, OK, OVER_LIMIT] {
         assert_eq!(ask(&server.addr(), req("s", &["k=acl"], 1)).await.unwrap().overall_code, expected);

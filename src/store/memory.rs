@@ -58,7 +58,7 @@ impl MemoryStore {
         let map = &buckets.map;
         let evaluation = bucket::evaluate(batch, now, |key| {
             // Alive through its expiry millisecond, as Redis keeps a key until its clock passes it.
-            map.get(key).filter(|e| e.expires_at_ms >= now).map(|e| e.state)
+            map.get(key).filter(|e| e.expires_at_ms >= now).map(|e| (e.state, e.expires_at_ms))
         });
         for write in evaluation.writes {
             let entry = Entry { state: write.state, expires_at_ms: now.saturating_add(write.ttl_ms) };

@@ -27,7 +27,7 @@ use std::time::Duration;
 use futures::future::BoxFuture;
 
 pub use self::memory::MemoryStore;
-pub use self::precheck::Precheck;
+pub use self::precheck::{Precheck, MAX_AGE_MS};
 pub use self::redis::{ConnectError, RedisStore, RedisTarget, RedisTls};
 use crate::bucket::{Batch, GroupOutcome};
 

@@ -27,13 +27,19 @@
 //!   drops the observation, and calls that were already running when it completed may not make
 //!   new ones; a credit sent by another replica is not seen. Turn the pre-check off where buckets
 //!   receive credits through several replicas.
-//! * Redis losing state (restart without persistence, failover before replication) refills
-//!   buckets. Any store error drops every observation (and voids those of calls running at the
-//!   time), and none is used after [`MAX_AGE_MS`].
+//! * Expiry: a missing bucket is full at the asker's capacity, which may be larger than the one
+//!   the bucket was last written with. The store reports how long it certainly keeps each bucket
+//!   ([`Verdict::kept_ms`]: the TTL just written, or what is left of the stored one), and an
+//!   observation is used only within that time, measured like elapsed time above.
+//! * Redis losing state (restart without persistence, failover before replication, eviction)
+//!   refills buckets. Any store error drops every observation (and voids those of calls running
+//!   at the time), and none is used after [`MAX_AGE_MS`], which bounds how long a loss nobody
+//!   reported can mislead.
 //!
 //! Only buckets that the next equal request would find short are remembered, and each shard of
 //! the map has a fixed capacity; when it is full, new observations are skipped (which is always
-//! safe: the request goes to Redis).
+//! safe: the request goes to Redis). A denial that reached Redis refreshes its observation, so
+//! an abusive tenant costs about one script call per [`MAX_AGE_MS`] per bucket.
 
 use std::collections::HashMap;
 use std::hash::{BuildHasher, RandomState};
@@ -50,9 +56,8 @@ use crate::clock::Clock;
 pub const DRIFT: f64 = 1e-3;
 /// Milliseconds added to every elapsed time for truncation of both clocks to whole milliseconds.
 pub const SLACK_MS: u64 = 2;
-/// Oldest observation used, in milliseconds. Below the second every write keeps a bucket in
-/// Redis (its TTL is time-to-full + 1 s), so an observed bucket cannot expire meanwhile.
-pub const MAX_AGE_MS: u64 = 900;
+/// Oldest observation used, in milliseconds, whatever the store says it keeps.
+pub const MAX_AGE_MS: u64 = 5_000;
 
 const SHARDS: usize = 16;
 
@@ -87,15 +92,34 @@ struct Observation {
     local_ms: u64,
     // The fastest refill per second the bucket is known to get.
     fastest_refill: f64,
+    // How long after the observation the store keeps the bucket.
+    kept_ms: u64,
+    // The fastest refill of a request this observation bounds (see `observe`).
+    rate_limit: f64,
     epoch: u64,
 }
 
 impl Observation {
-    // Tokens the bucket may hold at local time `now` for a request of `spec`: an upper bound.
-    fn bound(&self, now: u64, spec: &BucketSpec) -> f64 {
-        let elapsed = (now.saturating_sub(self.local_ms) + SLACK_MS) as f64 * (1.0 + DRIFT);
+    // Elapsed time since the observation at local time `now`, as long as it may have been on
+    // the store's clock.
+    fn elapsed_at_most(&self, now: u64) -> f64 {
+        (now.saturating_sub(self.local_ms) + SLACK_MS) as f64 * (1.0 + DRIFT)
+    }
+
+    // Whether the observation may be used at local time `now`: the bucket is certainly still
+    // stored, and the observation is young enough.
+    fn usable(&self, now: u64) -> bool {
+        now.saturating_sub(self.local_ms) <= MAX_AGE_MS && self.elapsed_at_most(now) < self.kept_ms as f64
+    }
+
+    // Tokens the bucket may hold at local time `now` for a request of `spec`: an upper bound, if
+    // the observation gives one for that spec.
+    fn bound(&self, now: u64, spec: &BucketSpec) -> Option<f64> {
+        if spec.refill_per_second() > self.rate_limit {
+            return None;
+        }
         let rate = self.fastest_refill.max(spec.refill_per_second()) / 1000.0;
-        (self.tokens + elapsed * rate).min(spec.capacity())
+        Some((self.tokens + self.elapsed_at_most(now) * rate).min(spec.capacity()))
     }
 
     // The likely balance at `now` if only `spec` refills it (for the answer's headers).
@@ -134,7 +158,7 @@ impl Precheck {
             return None;
         }
         let found = *shard.lock().get(&op.key)?;
-        (found.epoch == epoch && now.saturating_sub(found.local_ms) <= MAX_AGE_MS).then_some(found)
+        (found.epoch == epoch && found.usable(now)).then_some(found)
     }
 
     // The group's outcome if every operation is certainly short of tokens, as the store would
@@ -150,7 +174,7 @@ impl Precheck {
                 return None;
             }
             let seen = self.observation(op, now, epoch)?;
-            if covers(seen.bound(now, &op.spec), op.need) {
+            if covers(seen.bound(now, &op.spec)?, op.need) {
                 return None;
             }
             let tokens = seen.likely(now, &op.spec);
@@ -161,6 +185,7 @@ impl Precheck {
                 reset_ms: op.spec.reset_ms(tokens),
                 forgiven: 0.0,
                 fastest_refill: seen.fastest_refill,
+                kept_ms: seen.kept_ms.saturating_sub(now.saturating_sub(seen.local_ms)),
             });
             server_ms = server_ms.max(seen.server_ms + now.saturating_sub(seen.local_ms));
         }
@@ -192,30 +217,41 @@ impl Precheck {
             if map.len() >= self.shard_capacity && !map.contains_key(&op.key) {
                 let now = self.clock.now_ms();
                 map.retain(|_, o| {
-                    let fastest = o.fastest_refill / 1000.0;
-                    let bound = o.tokens + now.saturating_sub(o.local_ms) as f64 * fastest;
-                    now.saturating_sub(o.local_ms) <= MAX_AGE_MS && bound < o.need
+                    let bound = o.tokens + o.elapsed_at_most(now) * o.fastest_refill / 1000.0;
+                    o.usable(now) && bound < o.need
                 });
                 shard.len.store(map.len(), Ordering::Relaxed);
                 if map.len() >= self.shard_capacity {
                     continue;
                 }
             }
-            // A missing bucket is full at the asker's capacity, which may be larger than the one
-            // it was last written with: only a bucket this call wrote is certain to exist (every
-            // write keeps it for more than MAX_AGE_MS) for as long as the observation is used.
-            // A bucket of capacity 0 is never written, and missing it is exact.
+            // A bucket this call wrote holds exactly the balance reported (or less, if a later
+            // operation of the batch took more), so the bound holds at any refill rate. A bucket
+            // it only read reports its stored balance refilled at this operation's rate and
+            // capped at its capacity: an upper bound only if that rate was the fastest the bucket
+            // knows and the cap did not cut, and then only for requests refilling no faster.
+            // A bucket of capacity 0 (refill 0) is never stored: it bounds only its like.
             let always = matches!(op.charge, Charge::Always { .. });
             let wrote = op.need != 0.0 && (always || (outcome.admitted && verdict.allowed));
-            if !wrote && op.spec.capacity() > 0.0 {
+            let rate_limit = if wrote {
+                f64::INFINITY
+            } else if op.spec.capacity() == 0.0 {
+                0.0
+            } else if op.spec.refill_per_second() >= verdict.fastest_refill && verdict.tokens < op.spec.capacity() {
+                op.spec.refill_per_second()
+            } else {
                 continue;
-            }
+            };
+            // Finding a bucket of capacity 0 missing is exact.
+            let kept_ms = if op.spec.capacity() > 0.0 { verdict.kept_ms } else { MAX_AGE_MS + 1 };
             let seen = Observation {
                 tokens: verdict.tokens,
                 need: op.need,
                 server_ms: outcome.now_ms,
                 local_ms: call_start,
                 fastest_refill: verdict.fastest_refill.max(op.spec.refill_per_second()),
+                kept_ms,
+                rate_limit,
                 epoch,
             };
             map.insert(op.key.clone(), seen);

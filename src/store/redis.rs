@@ -281,8 +281,15 @@ impl RedisStore {
 }
 
 // A verdict standing in for an operation whose slot failed; never reported (the group fails).
-const FAILED: Verdict =
-    Verdict { allowed: false, tokens: 0.0, retry_after_ms: None, reset_ms: 0, forgiven: 0.0, fastest_refill: 0.0 };
+const FAILED: Verdict = Verdict {
+    allowed: false,
+    tokens: 0.0,
+    retry_after_ms: None,
+    reset_ms: 0,
+    forgiven: 0.0,
+    fastest_refill: 0.0,
+    kept_ms: 0,
+};
 
 // The operations of one group that live in one slot.
 struct Part {
@@ -507,7 +514,7 @@ fn parse_reply(reply: Value, batch: &[&Group]) -> Result<Vec<GroupOutcome>, Stor
     let Value::Array(items) = reply else {
         return Err(StoreError::Protocol(format!("expected an array, got {reply:?}")));
     };
-    let expected = 1 + batch.iter().map(|g| 1 + 6 * g.len()).sum::<usize>();
+    let expected = 1 + batch.iter().map(|g| 1 + 7 * g.len()).sum::<usize>();
     if items.len() != expected {
         return Err(StoreError::Protocol(format!("expected {expected} values, got {}", items.len())));
     }
@@ -524,6 +531,7 @@ fn parse_reply(reply: Value, batch: &[&Group]) -> Result<Vec<GroupOutcome>, Stor
             let reset = int(&mut items)?;
             let forgiven = float(&mut items)?;
             let fastest_refill = float(&mut items)?;
+            let kept = int(&mut items)?;
             verdicts.push(Verdict {
                 allowed,
                 tokens,
@@ -531,6 +539,7 @@ fn parse_reply(reply: Value, batch: &[&Group]) -> Result<Vec<GroupOutcome>, Stor
                 reset_ms: u64::try_from(reset).unwrap_or(0),
                 forgiven,
                 fastest_refill,
+                kept_ms: u64::try_from(kept).unwrap_or(0),
             });
         }
         outcomes.push(GroupOutcome { admitted, now_ms, verdicts, refunded: false });

@@ -8,7 +8,8 @@
 --       2 quota mode), max debt ('' = charged only when admitted, else charged always).
 -- Reply: now_ms, then per group: admitted (1/0), then per op: allowed (1/0), tokens (exact, as
 --        %.17g), retry_after_ms (-1 = never), reset_ms, forgiven tokens (%.17g), fastest refill
---        per second any charge of the bucket used (%.17g).
+--        per second any charge of the bucket used (%.17g), ms after now the key is certainly
+--        kept (its new TTL if written, else what is left of its expiry; 0 when missing).
 -- Bucket hash fields: t = tokens (%.17g), l = last refill (ms since epoch, server clock),
 --        r = fastest refill per second of any charge (%.17g).
 
@@ -69,6 +70,8 @@ end
 
 local out = {now}
 local dirty = {}
+-- Reply slots to fill with how long each key is kept, once every group has run.
+local pending = {}
 local a = 2
 for _ = 1, tonumber(ARGV[1]) do
   local n = tonumber(ARGV[a]); a = a + 1
@@ -134,6 +137,8 @@ for _ = 1, tonumber(ARGV[1]) do
     out[#out + 1] = reset
     out[#out + 1] = string.format('%.17g', forgiven)
     out[#out + 1] = string.format('%.17g', fastest)
+    out[#out + 1] = 0
+    pending[#pending + 1] = {#out, k}
   end
 end
 
@@ -144,5 +149,24 @@ for k, ttl in pairs(dirty) do
   redis.call('HSET', KEYS[k], 't', string.format('%.17g', s[1]), 'l', string.format('%d', s[2]),
     'r', string.format('%.17g', s[3]))
   redis.call('PEXPIREAT', KEYS[k], string.format('%d', now + ttl))
+end
+
+-- How long after now key k is kept. PEXPIRETIME is Redis 7; on older servers PTTL counts from
+-- the command's clock reading, which may be a millisecond later than TIME's: one is taken off.
+local function kept(k)
+  if dirty[k] then return dirty[k] end
+  if not running[k] then return 0 end
+  local ok, at = pcall(redis.call, 'PEXPIRETIME', KEYS[k])
+  if ok then
+    if at == -1 then return MAX_WAIT end
+    if at < 0 then return 0 end
+    return math.max(0, at - now)
+  end
+  local ttl = redis.call('PTTL', KEYS[k])
+  if ttl == -1 then return MAX_WAIT end
+  return math.max(0, ttl - 1)
+end
+for _, slot in ipairs(pending) do
+  out[slot[1]] = kept(slot[2])
 end
 return out

@@ -1,5 +1,5 @@
-//! Micro-benchmarks of the request path without the network: descriptor matching, key
-//! encoding, and a whole decision on the memory store. Run with `cargo bench` in bench/harness
+//! Micro-benchmarks of the request path without the network: descriptor matching, bucket
+//! identity (rule and entries to key), and a whole decision on the memory store. Run with `cargo bench` in bench/harness
 //! (bench/run does). Figures are per call on this machine, printed by Criterion.
 
 use std::path::Path;
@@ -7,15 +7,13 @@ use std::sync::Arc;
 
 use arc_swap::ArcSwap;
 use criterion::{criterion_group, criterion_main, Criterion};
-use envoy_types::pb::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::Entry;
-use envoy_types::pb::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor;
-use envoy_types::pb::envoy::service::ratelimit::v3::RateLimitRequest;
 use std::hint::black_box;
 use tollgate::config::RuleSet;
-use tollgate::keys::{cluster_slot, descriptor_key, tenant_key, Class};
-use tollgate::limiter::Limiter;
+use tollgate::identity::{cluster_slot, rule_bucket};
+use tollgate::limiter::{Limiter, Query, QueryDescriptor};
 use tollgate::quota::EmbeddedQuotas;
 use tollgate::store::MemoryStore;
+use tollgate::telemetry::{Telemetry, TelemetryConfig};
 
 fn example() -> RuleSet {
     let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../examples/tollgate.yaml");
@@ -54,18 +52,20 @@ fn matching(c: &mut Criterion) {
 }
 
 fn keys(c: &mut Criterion) {
-    c.bench_function("key/tenant-class", |b| {
-        b.iter(|| tenant_key(black_box("tenant-4711"), &Class::Named(black_box("export"))))
-    });
-    let path = [("path", "/v1/reports"), ("method", "GET")];
-    c.bench_function("key/tenant-path", |b| {
-        b.iter(|| tenant_key(black_box("tenant-4711"), &Class::Path(&path)))
-    });
-    let entries = [("remote_address", "203.0.113.7"), ("path", "/login")];
-    c.bench_function("key/descriptor", |b| {
-        b.iter(|| descriptor_key(black_box("api-gateway"), black_box(&entries)))
-    });
-    c.bench_function("key/cluster-slot", |b| b.iter(|| cluster_slot(black_box("rl:{tenant-4711}:export"))));
+    let rules = example();
+    let domain = rules.domain("api-gateway").unwrap();
+    let export = [("tenant", "tenant-4711"), ("class", "export")];
+    let class_rule = domain.lookup(&export[..]).unwrap();
+    c.bench_function("key/tenant-class", |b| b.iter(|| rule_bucket(domain, class_rule, black_box(&export[..]))));
+    let tenant = [("tenant", "tenant-4711")];
+    let tenant_rule = domain.lookup(&tenant[..]).unwrap();
+    c.bench_function("key/tenant", |b| b.iter(|| rule_bucket(domain, tenant_rule, black_box(&tenant[..]))));
+    let rules = wide();
+    let domain = rules.domain("wide").unwrap();
+    let entries = [("path", "/login"), ("user", "u42")];
+    let rule = domain.lookup(&entries[..]).unwrap();
+    c.bench_function("key/descriptor", |b| b.iter(|| rule_bucket(domain, rule, black_box(&entries[..]))));
+    c.bench_function("key/cluster-slot", |b| b.iter(|| cluster_slot(black_box("rl:{tenant-4711}:api-gateway:export"))));
 }
 
 fn decide(c: &mut Criterion) {
@@ -74,22 +74,16 @@ fn decide(c: &mut Criterion) {
         Arc::new(ArcSwap::from_pointee(example())),
         Arc::new(MemoryStore::new()),
         Arc::new(EmbeddedQuotas),
+        Arc::new(Telemetry::without_exporter(TelemetryConfig::default())),
         false,
     );
-    let descriptor = |entries: &[(&str, &str)]| RateLimitDescriptor {
-        entries: entries.iter().map(|(k, v)| Entry { key: (*k).into(), value: (*v).into() }).collect(),
-        ..Default::default()
-    };
-    let request = RateLimitRequest {
-        domain: "api-gateway".into(),
-        descriptors: vec![
-            descriptor(&[("tenant", "acme")]),
-            descriptor(&[("tenant", "acme"), ("class", "export")]),
-        ],
-        hits_addend: 0,
+    let descriptor = |entries: Vec<(&'static str, &'static str)>| QueryDescriptor { entries, hits: 1, credit: false, limit: None };
+    let query = Query {
+        domain: "api-gateway",
+        descriptors: vec![descriptor(vec![("tenant", "acme")]), descriptor(vec![("tenant", "acme"), ("class", "export")])],
     };
     c.bench_function("decide/memory-store/tenant+export", |b| {
-        b.iter(|| runtime.block_on(limiter.decide(black_box(&request))).unwrap())
+        b.iter(|| runtime.block_on(limiter.decide(black_box(&query))).unwrap())
     });
 }
 
