@@ -307,3 +307,44 @@ async fn tls_to_the_quota_database_is_verified() {
         Tollgate::start(&config, &Backend::Memory, &["--quota-store", &url, "--quota-store-ca", &ca]);
     assert_eq!(capacity(&server, "secure").await, 200, "the tier comes over TLS");
 }
+
+/// A tenant's quota never depends on whether the bounded cache admits it: with room for 2 and
+/// 300 tenants of the pro tier asking in turn, every answer is the pro tier's (issue 14: a tenant
+/// the cache declined got the default tier).
+#[tokio::test(flavor = "multi_thread")]
+async fn a_full_cache_never_changes_a_tenants_quota() {
+    let pg = migrated();
+    let tenants: Vec<String> = (0..300).map(|i| format!("busy{i}")).collect();
+    let values: Vec<String> = tenants.iter().map(|t| format!("('{t}', 'pro')")).collect();
+    pg.sql(&format!("INSERT INTO tollgate_tenants VALUES {}", values.join(", ")));
+    let (_dir, config) = config_file(CONFIG);
+    let server = Tollgate::start(
+        &config,
+        &Backend::Memory,
+        &["--quota-store", &pg.url(), "--quota-cache-size", "2", "--quota-cache-ttl", "1h"],
+    );
+    let mut wrong = Vec::new();
+    for (round, group) in tenants.chunks(25).cycle().take(3 * tenants.len() / 25).enumerate() {
+        // 25 at once, so that inserts, admissions and evictions interleave with the reads (and
+        // the database answers within the 50 ms a decision waits).
+        let asks: Vec<_> = group
+            .iter()
+            .map(|tenant| {
+                let (server, tenant) = (&server, tenant.clone());
+                async move { (capacity(server, &tenant).await, tenant) }
+            })
+            .collect();
+        for (got, tenant) in futures::future::join_all(asks).await {
+            if got != 200 {
+                wrong.push(format!("round {round} {tenant}: {got}"));
+            }
+        }
+    }
+    let late = sample(&server.metrics(), "tollgate_quota_deadline_exceeded_total", &[]);
+    assert!(wrong.len() as f64 <= late, "tenants given another tier than theirs: {wrong:?}");
+    assert!(late < 10.0, "{late} lookups past the deadline: the test measures nothing");
+    // The cache holds at most 2 (moka may briefly hold a few more while it evicts).
+    let queries = sample(&server.metrics(), "tollgate_quota_db_queries_total", &[]);
+    println!("{queries} queries for 900 lookups of 300 tenants with room for 2");
+    assert!(queries >= 30.0, "each tenant was asked for at least once");
+}

@@ -16,7 +16,12 @@
 //!   tenant never seen gets the default tier; either way the next query for that tenant waits
 //!   a second;
 //! * the cache holds at most `capacity` tenants. Admission is frequency-based (TinyLFU), so a
-//!   flood of one-off tenant ids does not push busy tenants out.
+//!   flood of one-off tenant ids does not push busy tenants out. A tenant the cache declines is
+//!   still served the record its query returned (never the default tier in its place); it costs
+//!   a query per lookup until the cache admits it.
+//!
+//! Queries run in tasks of their own so that a caller giving up at its deadline does not cancel
+//! them; each ends within [`QUERY_LIMIT`].
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -37,10 +42,14 @@ const QUERY_LIMIT: Duration = Duration::from_secs(5);
 pub struct CachedQuotas {
     db: Arc<PostgresQuotas>,
     entries: moka::sync::Cache<String, Arc<Entry>>,
-    inflight: Arc<Mutex<HashMap<String, Shared<BoxFuture<'static, ()>>>>>,
+    inflight: Arc<Mutex<HashMap<String, Query>>>,
     ttl: Duration,
     deadline: Duration,
 }
+
+/// One query for a tenant, shared by every lookup waiting for it; it yields the entry it wrote
+/// (`None` if the task died).
+type Query = Shared<BoxFuture<'static, Option<Arc<Entry>>>>;
 
 struct Entry {
     // `None`: the database has no such tenant (or could not be asked, see FAILURE_BACKOFF).
@@ -76,41 +85,44 @@ impl CachedQuotas {
             return Some(entry.record.clone());
         }
         metrics::counter!("tollgate_quota_cache_lookups_total", "result" => "miss").increment(1);
-        if tokio::time::timeout(self.deadline, self.refresh(tenant)).await.is_err() {
-            metrics::counter!("tollgate_quota_deadline_exceeded_total").increment(1);
-            return None;
+        match tokio::time::timeout(self.deadline, self.refresh(tenant)).await {
+            // The query's own answer, not a re-read of the cache: the cache may have declined
+            // or already evicted the entry.
+            Ok(entry) => entry.map(|e| e.record.clone()),
+            Err(_) => {
+                metrics::counter!("tollgate_quota_deadline_exceeded_total").increment(1);
+                None
+            }
         }
-        self.entries.get(tenant).map(|e| e.record.clone())
     }
 
     // Starts (or joins) the one query for `tenant`; the query runs to completion on its own.
-    fn refresh(&self, tenant: &str) -> Shared<BoxFuture<'static, ()>> {
+    fn refresh(&self, tenant: &str) -> Query {
         let mut inflight = self.inflight.lock().unwrap_or_else(|p| p.into_inner());
         if let Some(query) = inflight.get(tenant) {
             return query.clone();
         }
         // A query that finished since the caller looked has left a fresh entry: use it. (A query
         // fills the cache before it leaves `inflight`, so under this lock one of them is seen.)
-        if self.entries.get(tenant).is_some_and(|e| Instant::now() < e.fresh_until) {
-            return futures::future::ready(()).boxed().shared();
+        if let Some(entry) = self.entries.get(tenant).filter(|e| Instant::now() < e.fresh_until) {
+            return futures::future::ready(Some(entry)).boxed().shared();
         }
         let (db, entries, registry, ttl) =
             (self.db.clone(), self.entries.clone(), self.inflight.clone(), self.ttl);
         let key = tenant.to_owned();
         let task = tokio::spawn(async move {
             let now = Instant::now();
-            match tokio::time::timeout(QUERY_LIMIT, db.fetch(&key)).await {
+            let entry = match tokio::time::timeout(QUERY_LIMIT, db.fetch(&key)).await {
                 Ok(Ok(fetched)) => {
                     let mut fresh_until = now + ttl;
                     if let Some(at) = fetched.expires_at {
                         let left = at.duration_since(SystemTime::now()).unwrap_or_default();
                         fresh_until = fresh_until.min(now + left);
                     }
-                    entries.insert(
-                        key.clone(),
-                        Arc::new(Entry { record: fetched.record.map(Arc::new), fresh_until }),
-                    );
+                    let entry = Arc::new(Entry { record: fetched.record.map(Arc::new), fresh_until });
+                    entries.insert(key.clone(), entry.clone());
                     metrics::gauge!("tollgate_quota_cache_entries").set(entries.entry_count() as f64);
+                    entry
                 }
                 failed => {
                     let kind = match &failed {
@@ -124,13 +136,15 @@ impl CachedQuotas {
                     }
                     // Keep what is known (or nothing), and ask again after the backoff.
                     let record = entries.get(&key).and_then(|e| e.record.clone());
-                    entries
-                        .insert(key.clone(), Arc::new(Entry { record, fresh_until: now + FAILURE_BACKOFF }));
+                    let entry = Arc::new(Entry { record, fresh_until: now + FAILURE_BACKOFF });
+                    entries.insert(key.clone(), entry.clone());
+                    entry
                 }
-            }
+            };
             registry.lock().unwrap_or_else(|p| p.into_inner()).remove(&key);
+            entry
         });
-        let query = task.map(|_| ()).boxed().shared();
+        let query = task.map(Result::ok).boxed().shared();
         inflight.insert(tenant.to_owned(), query.clone());
         query
     }
