@@ -1,26 +1,123 @@
-//! Config hot reload: new rules without a restart, and never a bad config in force.
+//! Reloading files that change under a running server: the rules and the TLS certificates.
 //!
-//! The config path is watched (its directory, for a single file), so both an edited file and a
-//! Kubernetes ConfigMap update (the kubelet swaps the `..data` symlink) are seen. Changes are
-//! debounced, then the whole path is loaded and validated exactly as at start-up and, if it is
-//! valid and different, swapped in atomically: requests already running finish on the rules they
-//! started with. A config that fails validation is rejected with its file, position and problem
-//! in the log, the previous one keeps serving, and the failure is counted. `SIGHUP` forces a
-//! reload. Bucket sizes travel with every store call, so a changed limit applies to the next
-//! request.
+//! A [`Watch`] owns one thread that does all the reloading of one kind of file. File events and
+//! explicit requests (`SIGHUP`) arrive on one channel and are handled in order, one at a time,
+//! so a slow load of older content can never overwrite a newer one, and the blocking file I/O
+//! of a load never runs on the async workers.
+//!
+//! Directories are watched rather than files, so that files replaced by rename (editors,
+//! Kubernetes ConfigMap and Secret volumes swapping their `..data` symlink, certificate managers)
+//! are seen too. Events that cannot change what a file holds (opens, reads, closes without
+//! writing, attribute changes such as a `touch`) are ignored, so the reload's own reads do not
+//! trigger the next one. The others wait until the directory has been quiet for [`DEBOUNCE`];
+//! then the reload reads the files, and does nothing if their digest equals that of what is in
+//! force.
+//!
+//! Dropping the [`Watch`] stops the file watcher, the signal task and the thread.
 
 use std::path::{Path, PathBuf};
+use std::sync::mpsc as std_mpsc;
 use std::sync::Arc;
 use std::time::Duration;
 
 use arc_swap::ArcSwap;
-use notify::{RecursiveMode, Watcher};
-use tokio::sync::mpsc;
+use notify::event::{AccessKind, AccessMode, ModifyKind};
+use notify::{EventKind, RecursiveMode, Watcher};
+use tokio_util::task::AbortOnDropHandle;
 
-use crate::config::{ConfigError, RuleSet};
+use crate::config::{ConfigError, RuleSet, Sources};
+use crate::telemetry::logs::ErrorChain;
 
-/// How long the files must be quiet before a reload, so one update is loaded once.
-const DEBOUNCE: Duration = Duration::from_millis(200);
+/// How long the files must be quiet before a reload, so that one update is loaded once.
+pub const DEBOUNCE: Duration = Duration::from_millis(200);
+
+/// Why a reload runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Trigger {
+    /// Files changed: reload if their content differs from what is in force.
+    Files,
+    /// An operator asked (`SIGHUP`): reload even if nothing changed.
+    Signal,
+}
+
+/// A watcher of some directories and the thread that runs reloads for it.
+pub struct Watch {
+    // Dropped first: no more events once the watch is going away.
+    _watcher: notify::RecommendedWatcher,
+    _signal: Option<AbortOnDropHandle<()>>,
+}
+
+impl Watch {
+    /// Calls `reload` on a thread of its own whenever something in `dirs` may have changed
+    /// (debounced), and, with `hangup`, on `SIGHUP`. Needs a Tokio runtime for the signal.
+    pub fn start(
+        name: &str,
+        dirs: &[PathBuf],
+        hangup: bool,
+        mut reload: impl FnMut(Trigger) + Send + 'static,
+    ) -> Result<Watch, notify::Error> {
+        let (tx, rx) = std_mpsc::channel::<Trigger>();
+        let files = tx.clone();
+        let mut watcher = notify::recommended_watcher(move |event: notify::Result<notify::Event>| {
+            if event.is_ok_and(|e| may_change_content(&e.kind)) {
+                let _ = files.send(Trigger::Files);
+            }
+        })?;
+        for dir in dirs {
+            watcher.watch(dir, RecursiveMode::NonRecursive)?;
+        }
+        let signal = if hangup {
+            let mut hangups = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup())
+                .map_err(|e| notify::Error::generic(&format!("cannot watch SIGHUP: {e}")))?;
+            Some(AbortOnDropHandle::new(tokio::spawn(async move {
+                while hangups.recv().await.is_some() {
+                    if tx.send(Trigger::Signal).is_err() {
+                        return;
+                    }
+                }
+            })))
+        } else {
+            drop(tx);
+            None
+        };
+        std::thread::Builder::new()
+            .name(format!("tollgate-reload-{name}"))
+            .spawn(move || {
+                // Ends when the watcher and the signal task are gone (every sender dropped).
+                while let Ok(first) = rx.recv() {
+                    let mut trigger = first;
+                    loop {
+                        match rx.recv_timeout(DEBOUNCE) {
+                            Ok(Trigger::Signal) => trigger = Trigger::Signal,
+                            Ok(Trigger::Files) => {}
+                            Err(std_mpsc::RecvTimeoutError::Timeout) => break,
+                            Err(std_mpsc::RecvTimeoutError::Disconnected) => return,
+                        }
+                    }
+                    reload(trigger);
+                }
+            })
+            .map_err(|e| notify::Error::generic(&format!("cannot start the reload thread: {e}")))?;
+        Ok(Watch { _watcher: watcher, _signal: signal })
+    }
+}
+
+// Whether an event may mean new content: not for reads and attribute changes.
+fn may_change_content(kind: &EventKind) -> bool {
+    match kind {
+        EventKind::Access(AccessKind::Close(AccessMode::Write)) => true,
+        EventKind::Access(_) | EventKind::Modify(ModifyKind::Metadata(_)) => false,
+        _ => true,
+    }
+}
+
+/// The directory a file lives in (`.` for a bare file name).
+pub fn parent(path: &Path) -> PathBuf {
+    match path.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p.to_owned(),
+        _ => PathBuf::from("."),
+    }
+}
 
 /// Reloads the rules at `path` into `rules`.
 pub struct Reloader {
@@ -34,90 +131,41 @@ impl Reloader {
         Reloader { path: path.to_owned(), rules }
     }
 
-    /// Loads the config now and swaps it in if it changed (or if `force`); returns whether it
-    /// was swapped. On error the rules in force stay.
-    pub fn reload(&self, force: bool) -> Result<bool, ConfigError> {
-        let rules = RuleSet::load(&self.path)?;
-        if !force && rules.fingerprint() == self.rules.load().fingerprint() {
+    /// Loads the config now and swaps it in if its files changed (or for a [`Trigger::Signal`]);
+    /// returns whether it was swapped. On error the rules in force stay.
+    pub fn reload(&self, trigger: Trigger) -> Result<bool, ConfigError> {
+        let sources = Sources::read(&self.path)?;
+        if trigger == Trigger::Files && sources.fingerprint() == self.rules.load().fingerprint() {
             return Ok(false);
         }
-        self.rules.store(Arc::new(rules));
+        self.rules.store(Arc::new(RuleSet::compile(sources)?));
         Ok(true)
     }
 
     // Reloads, then logs and counts the result.
-    fn reload_and_report(&self, force: bool) {
-        match self.reload(force) {
+    fn reload_and_report(&self, trigger: Trigger) {
+        match self.reload(trigger) {
             Ok(swapped) => {
                 metrics::gauge!("tollgate_config_last_reload_successful").set(1.0);
                 if swapped {
                     metrics::counter!("tollgate_config_reloads_total", "result" => "success").increment(1);
                     let rules = self.rules.load();
                     let domains: Vec<&str> = rules.domains().map(|d| d.name.as_str()).collect();
-                    tracing::info!(path = %self.path.display(), ?domains, forced = force, "config reloaded");
-                } else {
-                    tracing::debug!(path = %self.path.display(), "config unchanged");
+                    tracing::info!(path = %self.path.display(), ?domains, ?trigger, "config reloaded");
                 }
             }
             Err(error) => {
                 metrics::gauge!("tollgate_config_last_reload_successful").set(0.0);
                 metrics::counter!("tollgate_config_reloads_total", "result" => "failure").increment(1);
-                tracing::error!(%error, "config rejected; the previous config keeps serving");
+                tracing::error!(error = %ErrorChain(&error), "config rejected; the previous config keeps serving");
             }
         }
     }
 
-    /// Watches the path and `SIGHUP` for as long as the returned tasks run.
-    pub fn spawn(self) -> Result<Vec<tokio::task::JoinHandle<()>>, notify::Error> {
-        let watched = if self.path.is_dir() { self.path.clone() } else { parent(&self.path) };
-        let mut hangup = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup())
-            .map_err(|e| notify::Error::generic(&format!("cannot watch SIGHUP: {e}")))?;
+    /// Watches the path, and `SIGHUP`, for as long as the returned [`Watch`] lives.
+    pub fn watch(self) -> Result<Watch, notify::Error> {
+        let dir = if self.path.is_dir() { self.path.clone() } else { parent(&self.path) };
         metrics::gauge!("tollgate_config_last_reload_successful").set(1.0);
-        let reloader = Arc::new(self);
-        let on_file = reloader.clone();
-        let files = on_change(vec![watched], move || on_file.reload_and_report(false))?;
-        let signal = tokio::spawn(async move {
-            while hangup.recv().await.is_some() {
-                reloader.reload_and_report(true);
-            }
-        });
-        Ok(vec![files, signal])
+        Watch::start("config", &[dir], true, move |trigger| self.reload_and_report(trigger))
     }
-}
-
-/// The directory a file lives in (`.` for a bare file name).
-pub fn parent(path: &Path) -> PathBuf {
-    match path.parent() {
-        Some(p) if !p.as_os_str().is_empty() => p.to_owned(),
-        _ => PathBuf::from("."),
-    }
-}
-
-/// Calls `action` whenever something in `dirs` changes (debounced), until the task is dropped.
-///
-/// Directories are watched rather than files, so that files replaced by rename (editors,
-/// Kubernetes ConfigMap and Secret volumes, certificate managers) are seen too.
-pub fn on_change(
-    dirs: Vec<PathBuf>,
-    mut action: impl FnMut() + Send + 'static,
-) -> Result<tokio::task::JoinHandle<()>, notify::Error> {
-    let (changed_tx, mut changed) = mpsc::channel::<()>(1);
-    let mut watcher = notify::recommended_watcher(move |event: notify::Result<notify::Event>| {
-        // A full channel already holds a pending change, which will see this one too.
-        if event.is_ok() {
-            let _ = changed_tx.try_send(());
-        }
-    })?;
-    for dir in &dirs {
-        watcher.watch(dir, RecursiveMode::NonRecursive)?;
-    }
-    Ok(tokio::spawn(async move {
-        // The watcher stops when dropped, so it lives in this task.
-        let _watcher = watcher;
-        while changed.recv().await.is_some() {
-            tokio::time::sleep(DEBOUNCE).await;
-            while changed.try_recv().is_ok() {}
-            action();
-        }
-    }))
 }

@@ -2,16 +2,19 @@
 //!
 //! Certificate managers (cert-manager, Vault agents, Kubernetes Secret volumes) rotate files in
 //! place; a restart to pick them up would drop connections. So the rustls server configuration
-//! sits behind an `ArcSwap`: the files' directories are watched, a changed set is loaded and
-//! checked, and only a complete, valid configuration replaces the old one. Each new connection
+//! sits behind an `ArcSwap`: the files' directories are watched ([`crate::reload::Watch`]), a set
+//! whose bytes changed is loaded and checked, and only a complete, valid configuration replaces
+//! the old one. Each new connection
 //! handshakes with the configuration current at its accept; established connections keep theirs.
 //! With a client CA, every client must present a certificate it signed (mTLS).
 //!
 //! Handshakes run on their own tasks with a deadline, so a slow or silent client cannot stall
 //! the accept loop.
 
+use std::collections::hash_map::DefaultHasher;
+use std::hash::{Hash, Hasher};
 use std::path::PathBuf;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use arc_swap::ArcSwap;
@@ -25,7 +28,8 @@ use tokio_rustls::server::TlsStream;
 use tokio_rustls::TlsAcceptor;
 use tokio_stream::wrappers::ReceiverStream;
 
-use crate::reload::{on_change, parent};
+use crate::reload::{parent, Trigger, Watch};
+use crate::telemetry::logs::ErrorChain;
 
 /// Longest a client may take to complete its handshake.
 const HANDSHAKE_DEADLINE: Duration = Duration::from_secs(10);
@@ -46,7 +50,12 @@ pub struct TlsFiles {
 pub enum TlsError {
     /// A file could not be read or holds no usable PEM item.
     #[error("{}: {message}", path.display())]
-    File { path: PathBuf, message: String },
+    File {
+        /// The file.
+        path: PathBuf,
+        /// What is wrong with it.
+        message: String,
+    },
     /// rustls refused the combination (e.g. a key that does not match the certificate).
     #[error("TLS configuration: {0}")]
     Config(String),
@@ -56,23 +65,58 @@ pub enum TlsError {
 pub struct ReloadingTls {
     files: TlsFiles,
     config: ArcSwap<ServerConfig>,
+    // A digest of the bytes the configuration in force was built from.
+    digest: Mutex<u64>,
+}
+
+// The bytes of the files, read once, and their digest.
+struct Contents {
+    cert: Vec<u8>,
+    key: Vec<u8>,
+    client_ca: Option<Vec<u8>>,
+}
+
+impl Contents {
+    fn read(files: &TlsFiles) -> Result<Contents, TlsError> {
+        let read = |path: &PathBuf| std::fs::read(path).map_err(|e| TlsError::File { path: path.clone(), message: e.to_string() });
+        Ok(Contents {
+            cert: read(&files.cert)?,
+            key: read(&files.key)?,
+            client_ca: files.client_ca.as_ref().map(read).transpose()?,
+        })
+    }
+
+    fn digest(&self) -> u64 {
+        let mut hasher = DefaultHasher::new();
+        (&self.cert, &self.key, &self.client_ca).hash(&mut hasher);
+        hasher.finish()
+    }
 }
 
 impl ReloadingTls {
     /// Loads `files`; fails if they do not make a valid configuration.
     pub fn load(files: TlsFiles) -> Result<Arc<ReloadingTls>, TlsError> {
-        let config = build(&files)?;
-        Ok(Arc::new(ReloadingTls { files, config: ArcSwap::from_pointee(config) }))
+        let contents = Contents::read(&files)?;
+        let config = build(&files, &contents)?;
+        Ok(Arc::new(ReloadingTls { files, config: ArcSwap::from_pointee(config), digest: Mutex::new(contents.digest()) }))
     }
 
-    /// Rebuilds the configuration from the files; on error the current one stays.
-    pub fn reload(&self) -> Result<(), TlsError> {
-        self.config.store(Arc::new(build(&self.files)?));
-        Ok(())
+    /// Rebuilds the configuration if the files' bytes changed; returns whether it did. On error
+    /// the current one stays.
+    pub fn reload(&self) -> Result<bool, TlsError> {
+        let contents = Contents::read(&self.files)?;
+        let digest = contents.digest();
+        let mut current = self.digest.lock().unwrap_or_else(|p| p.into_inner());
+        if *current == digest {
+            return Ok(false);
+        }
+        self.config.store(Arc::new(build(&self.files, &contents)?));
+        *current = digest;
+        Ok(true)
     }
 
-    /// Reloads whenever a file's directory changes, for as long as the task runs.
-    pub fn watch(self: &Arc<Self>) -> Result<tokio::task::JoinHandle<()>, notify::Error> {
+    /// Reloads whenever a file's directory changes, for as long as the returned watch lives.
+    pub fn watch(self: &Arc<Self>) -> Result<Watch, notify::Error> {
         let mut dirs: Vec<PathBuf> =
             [Some(&self.files.cert), Some(&self.files.key), self.files.client_ca.as_ref()]
                 .into_iter()
@@ -82,14 +126,15 @@ impl ReloadingTls {
         dirs.sort();
         dirs.dedup();
         let this = self.clone();
-        on_change(dirs, move || match this.reload() {
-            Ok(()) => {
+        Watch::start("tls", &dirs, false, move |_: Trigger| match this.reload() {
+            Ok(false) => {}
+            Ok(true) => {
                 metrics::counter!("tollgate_tls_reloads_total", "result" => "success").increment(1);
                 tracing::info!(cert = %this.files.cert.display(), "TLS certificates reloaded");
             }
             Err(error) => {
                 metrics::counter!("tollgate_tls_reloads_total", "result" => "failure").increment(1);
-                tracing::error!(%error, "TLS files rejected; the previous certificates stay in use");
+                tracing::error!(error = %ErrorChain(&error), "TLS files rejected; the previous certificates stay in use");
             }
         })
     }
@@ -141,25 +186,23 @@ impl ReloadingTls {
     }
 }
 
-fn build(files: &TlsFiles) -> Result<ServerConfig, TlsError> {
+fn build(files: &TlsFiles, contents: &Contents) -> Result<ServerConfig, TlsError> {
     let file_error = |path: &PathBuf, message: String| TlsError::File { path: path.clone(), message };
-    let certs: Vec<CertificateDer<'static>> = CertificateDer::pem_file_iter(&files.cert)
-        .map_err(|e| file_error(&files.cert, e.to_string()))?
+    let certs: Vec<CertificateDer<'static>> = CertificateDer::pem_slice_iter(&contents.cert)
         .collect::<Result<_, _>>()
         .map_err(|e| file_error(&files.cert, e.to_string()))?;
     if certs.is_empty() {
         return Err(file_error(&files.cert, "no PEM certificate".into()));
     }
-    let key = PrivateKeyDer::from_pem_file(&files.key).map_err(|e| file_error(&files.key, e.to_string()))?;
+    let key = PrivateKeyDer::from_pem_slice(&contents.key).map_err(|e| file_error(&files.key, e.to_string()))?;
     let provider = Arc::new(rustls::crypto::ring::default_provider());
     let builder = ServerConfig::builder_with_provider(provider.clone())
         .with_safe_default_protocol_versions()
         .map_err(|e| TlsError::Config(e.to_string()))?;
-    let builder = match &files.client_ca {
-        None => builder.with_no_client_auth(),
-        Some(ca) => {
+    let builder = match (&files.client_ca, &contents.client_ca) {
+        (Some(ca), Some(pem)) => {
             let mut roots = RootCertStore::empty();
-            for cert in CertificateDer::pem_file_iter(ca).map_err(|e| file_error(ca, e.to_string()))? {
+            for cert in CertificateDer::pem_slice_iter(pem) {
                 roots
                     .add(cert.map_err(|e| file_error(ca, e.to_string()))?)
                     .map_err(|e| file_error(ca, e.to_string()))?;
@@ -169,6 +212,7 @@ fn build(files: &TlsFiles) -> Result<ServerConfig, TlsError> {
                 .map_err(|e| file_error(ca, e.to_string()))?;
             builder.with_client_cert_verifier(verifier)
         }
+        _ => builder.with_no_client_auth(),
     };
     let mut config = builder.with_single_cert(certs, key).map_err(|e| TlsError::Config(e.to_string()))?;
     // gRPC is HTTP/2 only.

@@ -104,7 +104,7 @@ async fn configmap_swaps_reload_and_bad_configs_are_rejected() {
     let log = server.log();
     assert!(
         log.contains("config rejected")
-            && log.contains("rules.yaml:3:10: descriptors[0](k): invalid rate limit unit 'fortnight'"),
+            && log.contains("rules.yaml:4:24: descriptors[0](k): invalid rate limit unit 'fortnight'"),
         "{log}"
     );
 
@@ -137,4 +137,52 @@ async fn a_single_file_and_sighup() {
     }
     assert_eq!(limit(&server).await, "6");
     drop(dir);
+}
+
+/// Reads and `touch` change nothing; an editor's write-and-rename and a symlink swap each reload
+/// once; the reload waits for the debounce and not much longer (issue 14: a read used to start a
+/// reload loop).
+#[tokio::test(flavor = "multi_thread")]
+async fn only_new_content_reloads_and_only_once() {
+    let (dir, path) = config_file(&rules(5));
+    let server = Tollgate::start_with_env(&path, &Backend::Memory, &[], &[("RUST_LOG", "info")]);
+    assert_eq!(limit(&server).await, "5");
+    let quiet = || std::thread::sleep(tollgate::reload::DEBOUNCE * 5);
+
+    // Reads (tollgate's own included) and a touch: nothing to reload.
+    for _ in 0..3 {
+        std::fs::read_to_string(&path).unwrap();
+    }
+    let touched = std::process::Command::new("touch").arg(&path).status().unwrap();
+    assert!(touched.success());
+    quiet();
+    assert_eq!(reloads(&server, "success"), 0.0, "reads and touch reload nothing");
+    assert_eq!(reloads(&server, "failure"), 0.0);
+
+    // An editor: write a temporary file, rename it over the config.
+    let staged = dir.path().join(".config.yaml.swp");
+    std::fs::write(&staged, rules(6)).unwrap();
+    let saved = Instant::now();
+    std::fs::rename(&staged, &path).unwrap();
+    // Not before the debounce has passed...
+    tokio::time::sleep(tollgate::reload::DEBOUNCE / 2).await;
+    assert_eq!(limit(&server).await, "5", "applied before the debounce");
+    // ...and soon after it.
+    wait_for_limit(&server, "6").await;
+    let took = saved.elapsed();
+    println!("write-and-rename applied after {:.3} s (debounce {:?})", took.as_secs_f64(), tollgate::reload::DEBOUNCE);
+    assert!(took < Duration::from_secs(1), "{took:?}");
+    quiet();
+    assert_eq!(reloads(&server, "success"), 1.0, "one save, one reload");
+
+    // A symlink swap (how Kubernetes volumes update): the config is a link to a versioned file.
+    let v2 = dir.path().join("v2.yaml");
+    std::fs::write(&v2, rules(7)).unwrap();
+    let link = dir.path().join("link.tmp");
+    std::os::unix::fs::symlink(&v2, &link).unwrap();
+    std::fs::rename(&link, &path).unwrap();
+    wait_for_limit(&server, "7").await;
+    quiet();
+    assert_eq!(reloads(&server, "success"), 2.0, "one swap, one reload");
+    assert_eq!(server.log().matches("config reloaded").count(), 2, "{}", server.log());
 }
