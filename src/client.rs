@@ -17,7 +17,9 @@ pub enum AskError {
     /// No connection to the server.
     #[error("cannot connect to {addr}: {source}")]
     Connect {
+        /// The address dialled.
         addr: String,
+        /// Why it failed.
         #[source]
         source: tonic::transport::Error,
     },
@@ -92,6 +94,11 @@ pub async fn ask_with(
     }
     let channel = endpoint.connect().await.map_err(connect)?;
     Ok(RateLimitServiceClient::new(channel).should_rate_limit(request).await?.into_inner())
+}
+
+/// Whether `response` denies the request.
+pub fn over_limit(response: &RateLimitResponse) -> bool {
+    response.overall_code == Code::OverLimit as i32
 }
 
 /// A human-readable rendering of `response`.

@@ -15,6 +15,7 @@
 //!   Redis answers denials that are already certain without a round trip;
 //! * rules come from YAML through [`config`]; [`server`] runs and drains it all.
 
+pub mod app;
 pub mod bucket;
 pub mod client;
 pub mod clock;

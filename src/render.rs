@@ -67,13 +67,28 @@ pub enum RenderError {
     Domain(String),
     /// A node on the path of a rule has no `source`.
     #[error("domain '{domain}': descriptor '{path}' has no source: add `source:` (jwt_claim, request_header, path, method, remote_address or generic_key)")]
-    NoSource { domain: String, path: String },
+    NoSource {
+        /// The domain rendered.
+        domain: String,
+        /// The descriptor's place in the tree.
+        path: String,
+    },
     /// A route marker has no rendering for the rate_limit_quota filter.
     #[error("domain '{domain}': descriptor '{path}' marks routes with a generic_key, which the rate_limit_quota filter cannot (it has no per-route switch): render this domain with --protocol rls")]
-    RouteMarker { domain: String, path: String },
+    RouteMarker {
+        /// The domain rendered.
+        domain: String,
+        /// The descriptor's place in the tree.
+        path: String,
+    },
     /// A `charge: always` rule does not say where Envoy reads the charge.
     #[error("domain '{domain}': descriptor '{path}' charges always but has no hits_from: name the response header (or trailer) that carries the cost")]
-    NoHitsFrom { domain: String, path: String },
+    NoHitsFrom {
+        /// The domain rendered.
+        domain: String,
+        /// The descriptor's place in the tree.
+        path: String,
+    },
 }
 
 /// The `rate_limits` entries for one domain.
@@ -434,7 +449,12 @@ pub enum IstioTarget {
     /// The ingress gateway (`istio: ingressgateway` in `istio-system`).
     Gateway,
     /// The sidecars of pods labelled `app: <app>` in `namespace`.
-    Sidecar { app: String, namespace: String },
+    Sidecar {
+        /// The pods' `app` label.
+        app: String,
+        /// Their namespace.
+        namespace: String,
+    },
 }
 
 /// `tollgate render istio`: one EnvoyFilter that inserts the ratelimit filter before the router

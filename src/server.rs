@@ -1,7 +1,8 @@
-//! Server lifecycle: bind, serve gRPC and HTTP, drain, stop.
+//! Server lifecycle: serve gRPC and HTTP, drain, stop.
 //!
-//! Both listeners are bound before anything is served, so a port conflict fails start-up instead
-//! of leaving a half-running process. Shutdown follows the order load balancers need:
+//! Both listeners are bound ([`bind`]) before anything is served, so a port conflict
+//! fails start-up instead of leaving a half-running process; tests bind port 0 and serve in
+//! process. Shutdown follows the order load balancers need:
 //!
 //! 1. the shutdown signal arrives;
 //! 2. `/readyz` answers 503 and gRPC health reports NOT_SERVING, so Envoy and Kubernetes stop
@@ -33,15 +34,31 @@ use crate::telemetry::Telemetry;
 use crate::tls::ReloadingTls;
 
 
-/// Where to listen.
-#[derive(Clone)]
-pub struct Listen {
-    /// The gRPC (RateLimitService, grpc.health.v1) address.
-    pub grpc: SocketAddr,
+/// The sockets to serve on.
+pub struct Listeners {
+    /// gRPC: RateLimitService, RateLimitQuotaService, grpc.health.v1.
+    pub grpc: TcpListener,
     /// TLS (or mTLS) for the gRPC port; plaintext when `None`.
     pub tls: Option<Arc<ReloadingTls>>,
-    /// The HTTP side-endpoint address.
-    pub http: SocketAddr,
+    /// The HTTP side endpoints.
+    pub http: TcpListener,
+}
+
+impl Listeners {
+    /// The bound gRPC address.
+    pub fn grpc_addr(&self) -> std::io::Result<SocketAddr> {
+        self.grpc.local_addr()
+    }
+
+    /// The bound HTTP address.
+    pub fn http_addr(&self) -> std::io::Result<SocketAddr> {
+        self.http.local_addr()
+    }
+}
+
+/// Binds `addr` (port 0 picks a free port), saying which address failed.
+pub async fn bind(addr: SocketAddr) -> Result<TcpListener, ServeError> {
+    TcpListener::bind(addr).await.map_err(|source| ServeError::Bind { addr, source })
 }
 
 /// Why the server stopped with an error.
@@ -50,7 +67,9 @@ pub enum ServeError {
     /// A listener could not be bound.
     #[error("cannot listen on {addr}: {source}")]
     Bind {
+        /// The address.
         addr: SocketAddr,
+        /// Why (in use, not permitted).
         #[source]
         source: std::io::Error,
     },
@@ -96,19 +115,15 @@ fn replica_name() -> String {
     format!("{host}/{}/{started:x}", std::process::id())
 }
 
-/// Serves until `shutdown` resolves, then drains and returns.
+/// Serves on `listeners` until `shutdown` resolves, then drains and returns.
 pub async fn run(
-    listen: Listen,
+    listeners: Listeners,
     service: Service,
     shutdown: impl Future<Output = Shutdown>,
 ) -> Result<(), ServeError> {
-    let bind = |addr: SocketAddr| async move {
-        TcpListener::bind(addr).await.map_err(|source| ServeError::Bind { addr, source })
-    };
-    let grpc_listener = bind(listen.grpc).await?;
-    let http_listener = bind(listen.http).await?;
-    let grpc_addr = grpc_listener.local_addr().map_err(ServeError::Http)?;
-    let http_addr = http_listener.local_addr().map_err(ServeError::Http)?;
+    let grpc_addr = listeners.grpc_addr().map_err(ServeError::Http)?;
+    let http_addr = listeners.http_addr().map_err(ServeError::Http)?;
+    let Listeners { grpc: grpc_listener, tls, http: http_listener } = listeners;
 
     let (health, health_service) = tonic_health::server::health_reporter();
     health.set_service_status("", tonic_health::ServingStatus::Serving).await;
@@ -137,7 +152,7 @@ pub async fn run(
         .add_service(RateLimitServiceServer::from_arc(Arc::new(RateLimitGrpc::new(limiter, max_inflight, dynamic_metadata))))
         .add_service(RateLimitQuotaServiceServer::new(rlqs));
     let grpc_server: Pin<Box<dyn Future<Output = Result<(), tonic::transport::Error>> + Send>> =
-        match &listen.tls {
+        match &tls {
             Some(tls) => {
                 Box::pin(routes.serve_with_incoming_shutdown(tls.incoming(grpc_listener), stopped(stop_rx)))
             }

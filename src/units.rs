@@ -14,12 +14,19 @@ use crate::bucket::BucketSpec;
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Unit {
+    /// 1 s.
     Second,
+    /// 60 s.
     Minute,
+    /// 3,600 s.
     Hour,
+    /// 86,400 s.
     Day,
+    /// 7 days.
     Week,
+    /// 30 days.
     Month,
+    /// 365 days.
     Year,
 }
 

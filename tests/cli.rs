@@ -17,9 +17,15 @@ async fn health_client(addr: std::net::SocketAddr) -> HealthClient<tonic::transp
 }
 
 fn tollgate(args: &[&str]) -> (bool, String, String) {
+    let (code, stdout, stderr) = tollgate_code(args);
+    (code == 0, stdout, stderr)
+}
+
+/// Runs the binary; its exit code, stdout and stderr.
+fn tollgate_code(args: &[&str]) -> (i32, String, String) {
     let out = Command::new(tollgate_bin()).args(args).env("RUST_LOG", "off").output().unwrap();
     (
-        out.status.success(),
+        out.status.code().expect("exited"),
         String::from_utf8_lossy(&out.stdout).into(),
         String::from_utf8_lossy(&out.stderr).into(),
     )
@@ -40,7 +46,8 @@ fn validate_and_serve_reject_a_bad_config_precisely() {
     );
     let (ok, _, stderr) = tollgate(&["validate", path.to_str().unwrap()]);
     assert!(!ok);
-    let expected = format!("{}:3:10: descriptors[0](a): invalid rate limit unit 'fortnight'", path.display());
+    // The position is the `unit:` value's, not the rule's.
+    let expected = format!("{}:4:24: descriptors[0](a): invalid rate limit unit 'fortnight'", path.display());
     assert!(stderr.contains(&expected), "{stderr}");
     // `serve` refuses to start on the same file, with the same message.
     let (ok, _, stderr) = tollgate(&[
@@ -56,12 +63,84 @@ fn validate_and_serve_reject_a_bad_config_precisely() {
     assert!(stderr.contains(&expected), "{stderr}");
 }
 
+/// Every problem in `file:line:column: path: problem` form, one line each, every bad file of a
+/// directory reported (issue 14, item 7).
+#[test]
+fn validate_reports_every_bad_file_in_one_form() {
+    let dir = tempfile::tempdir().unwrap();
+    let files = [
+        ("a.yaml", "domain: a\ndescriptors:\n  - key: a\n    bogus: 1\n", "a.yaml:4:5: unknown field `bogus`, expected one of"),
+        ("b.yaml", "domain: b\ndescriptors:\n  - key: a\n   rate_limit: x\n", "b.yaml:4:4: "),
+        (
+            "c.yaml",
+            "domain: c\ndefault_tier: gold\ntiers:\n  free:\n    default: {capacity: 10, refill_per_second: 1}\n",
+            "c.yaml:2:15: default_tier: unknown tier 'gold'",
+        ),
+        (
+            "d.yaml",
+            "domain: d\ndescriptors:\n  - key: a\n    rate_limit: {requests_per_unit: 1}\n",
+            "d.yaml:4:17: descriptors[0](a): missing unit",
+        ),
+        (
+            "e.yaml",
+            "domain: e\ndescriptors:\n  - key: a\n    rate_limit:\n      unit: second\n      requests_per_unit: -1\n",
+            "e.yaml:6:26: descriptors[0](a): requests_per_unit must be a non-negative integer",
+        ),
+        ("f.yaml", "domain: f\ndescriptors:\n  - key: a\n    rate_limit: {unit: second, requests_per_unit: 1}\n", ""),
+    ];
+    for (name, text, _) in files {
+        std::fs::write(dir.path().join(name), text).unwrap();
+    }
+    let (code, stdout, stderr) = tollgate_code(&["validate", dir.path().to_str().unwrap()]);
+    assert_eq!(code, 1, "{stdout}{stderr}");
+    let lines: Vec<&str> = stderr.lines().collect();
+    assert_eq!(lines.len(), 5, "one line per bad file: {stderr}");
+    for (name, _, expected) in files.iter().filter(|f| !f.2.is_empty()) {
+        let expected = format!("{}{expected}", dir.path().join("").display());
+        assert!(lines.iter().any(|l| l.contains(&expected)), "{name}: {expected}\n{stderr}");
+        assert!(!stderr.contains("<input>"), "no parser snippet: {stderr}");
+    }
+    // `--config` as `serve` and `render` take it; "1 rule", not "1 rules".
+    let f = dir.path().join("f.yaml");
+    let (code, stdout, stderr) = tollgate_code(&["validate", "--config", f.to_str().unwrap()]);
+    assert_eq!(code, 0, "{stderr}");
+    assert!(stdout.contains("domain f: 1 rule ("), "{stdout}");
+}
+
+/// One cause, said once (issue 14, item 6).
+#[test]
+fn errors_say_their_cause_once() {
+    let (code, _, stderr) = tollgate_code(&["validate", "/nonexistent/tollgate.yaml"]);
+    assert_eq!(code, 1);
+    assert_eq!(stderr.matches("No such file or directory").count(), 1, "{stderr}");
+    let port = free_port();
+    let (code, _, stderr) = tollgate_code(&[
+        "ask", "--addr", &format!("127.0.0.1:{port}"), "--domain", "d", "--descriptor", "a=1",
+    ]);
+    assert_eq!(code, 2, "an error is exit code 2: {stderr}");
+    assert_eq!(stderr.matches("Connection refused").count(), 1, "{stderr}");
+    assert!(!stderr.contains("transport error: transport error"), "{stderr}");
+    let busy = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let (_dir, config) = config_file("domain: d\n");
+    let (code, _, stderr) = tollgate_code(&[
+        "serve",
+        "--config",
+        config.to_str().unwrap(),
+        "--grpc-addr",
+        &busy.local_addr().unwrap().to_string(),
+        "--http-addr",
+        "127.0.0.1:0",
+    ]);
+    assert_ne!(code, 0);
+    assert_eq!(stderr.matches("Address already in use").count(), 1, "{stderr}");
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn ask_prints_codes_statuses_and_headers() {
     let example = std::path::Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/examples/tollgate.yaml"));
     let server = Tollgate::start(example, &Backend::Memory, &[]);
     let ask = |hits: &str| {
-        tollgate(&[
+        tollgate_code(&[
             "ask",
             "--addr",
             &server.addr(),
@@ -75,8 +154,8 @@ async fn ask_prints_codes_statuses_and_headers() {
             hits,
         ])
     };
-    let (ok, stdout, stderr) = ask("1");
-    assert!(ok, "{stderr}");
+    let (code, stdout, stderr) = ask("1");
+    assert_eq!(code, 0, "OK is exit code 0: {stderr}");
     assert!(stdout.starts_with("overall: OK\n"), "{stdout}");
     assert!(stdout.contains("descriptor 0 [tenant=newbie]: OK  limit=2/SECOND remaining=19"), "{stdout}");
     assert!(
@@ -87,20 +166,21 @@ async fn ask_prints_codes_statuses_and_headers() {
     );
     assert!(stdout.contains("X-RateLimit-Remaining: 19"), "{stdout}");
     // Four more exports would need 100 tokens of the 75 left: denied, nothing debited.
-    let (_, stdout, _) = ask("4");
+    let (code, stdout, _) = ask("4");
+    assert_eq!(code, 1, "OVER_LIMIT is exit code 1");
     assert!(stdout.starts_with("overall: OVER_LIMIT\n"), "{stdout}");
     assert!(stdout.contains("Retry-After: 25"), "{stdout}");
     // A malformed descriptor is the user's error, reported as such.
-    let (ok, _, stderr) =
-        tollgate(&["ask", "--addr", &server.addr(), "--domain", "d", "--descriptor", "novalue"]);
-    assert!(!ok && stderr.contains("'novalue' is not key=value"), "{stderr}");
+    let (code, _, stderr) =
+        tollgate_code(&["ask", "--addr", &server.addr(), "--domain", "d", "--descriptor", "novalue"]);
+    assert!(code == 2 && stderr.contains("'novalue' is not key=value"), "{stderr}");
 }
 
 #[tokio::test(flavor = "multi_thread")]
 async fn side_endpoints_and_grpc_health() {
     let redis = Redis::start();
     let (_dir, config) = config_file(
-        "domain: d\ndescriptors:\n  - key: a\n    rate_limit: {unit: second, requests_per_unit: 3}\n",
+        "domain: d\ndefault_tier: zeta\ntiers:\n  zeta: {default: {capacity: 1, refill_per_second: 1}}\n  alpha: {default: {capacity: 2, refill_per_second: 1}}\ntenants:\n  t9: {tier: alpha}\n  t1: {tier: zeta}\ndescriptors:\n  - key: a\n    rate_limit: {unit: second, requests_per_unit: 3}\n  - key: b\n    rate_limit: {unit: second, requests_per_unit: 3}\n",
     );
     let password_url = format!("redis://default:s3cret-pw@127.0.0.1:{}", redis.port);
     let _: () = redis::cmd("CONFIG")
@@ -119,6 +199,13 @@ async fn side_endpoints_and_grpc_health() {
     assert_eq!(json["domains"][0]["domain"], "d");
     assert_eq!(json["domains"][0]["rules"][0]["limit"]["bucket"]["capacity"], 3.0);
     assert!(!body.contains("s3cret-pw"), "no credentials in /config");
+    // In file order, not sorted or hashed: what an operator compares with the file.
+    let order = |words: &[&str]| {
+        let at: Vec<usize> = words.iter().map(|w| body.find(w).unwrap_or_else(|| panic!("{w}: {body}"))).collect();
+        at.windows(2).all(|w| w[0] < w[1])
+    };
+    assert!(order(&["\"zeta\"", "\"alpha\""]), "tiers in file order: {body}");
+    assert!(order(&["\"t9\"", "\"t1\""]), "tenants in file order: {body}");
 
     let mut health = health_client(server.grpc).await;
     for service in ["", "envoy.service.ratelimit.v3.RateLimitService"] {

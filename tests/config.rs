@@ -334,7 +334,7 @@ fn errors_name_file_position_path_and_problem() {
         ("domain: d\ndescriptors:\n  - key: a\n    rate_limits: {unit: second}\n", "rate_limits"),
         ("descriptors: []\n", "config file cannot have empty domain"),
         ("domain: d\ndescriptors:\n  - key: a\n    rate_limit: {unit: fortnight, requests_per_unit: 1}\n", "invalid rate limit unit 'fortnight'"),
-        ("domain: d\ndescriptors:\n  - key: a\n    rate_limit: {requests_per_unit: 1}\n", "invalid rate limit unit ''"),
+        ("domain: d\ndescriptors:\n  - key: a\n    rate_limit: {requests_per_unit: 1}\n", "descriptors[0](a): missing unit (second, minute"),
         ("domain: d\ndescriptors:\n  - key: a\n    rate_limit: {unlimited: true, unit: second}\n", "should not specify rate limit unit when unlimited"),
         ("domain: d\ndescriptors:\n  - key: ''\n", "descriptor has empty key"),
         ("domain: d\ndescriptors:\n  - key: a\n    value: x\n  - key: a\n    value: x\n", "duplicate descriptor composite key 'a_x'"),
@@ -357,7 +357,7 @@ fn errors_name_file_position_path_and_problem() {
         ("domain: d\ndescriptors:\n  - key: a\n    token_bucket: {capacity: 5, refill_per_second: 0}\n", "refill_per_second must be above 0"),
         ("domain: d\nfailure_mode: maybe\n", "unknown failure mode 'maybe'"),
         ("domain: d\nresponse_headers: [x-ratelimit, bogus]\n", "response_headers[1]: unknown header set 'bogus'"),
-        ("domain: d\ndescriptors:\n  - key: a\n    rate_limit: {unit: second, requests_per_unit: -5}\n", "requests_per_unit"),
+        ("domain: d\ndescriptors:\n  - key: a\n    rate_limit: {unit: second, requests_per_unit: -5}\n", "requests_per_unit must be a non-negative integer"),
         ("domain: [\n", "test.yaml"),
     ];
     for (yaml, expected) in cases {

@@ -209,3 +209,33 @@ fn dashboard_and_readme_cover_exactly_the_exported_metrics() {
         assert!(readme.contains(name), "README does not document {name}");
     }
 }
+
+/// Every documented metric is in `/metrics` before any traffic, so dashboards show 0, not "no
+/// data"; only the series labelled by what traffic brings (domain, rule, tenant) wait for it.
+#[test]
+fn every_metric_is_exported_at_zero_at_startup() {
+    let (_dir, config) = config_file("domain: d\n");
+    let server = Tollgate::start(&config, &Backend::Memory, &[]);
+    let (status, body) = http_get(server.http, "/metrics").unwrap();
+    assert_eq!(status, 200);
+    let mut missing = Vec::new();
+    for (name, kind, _) in tollgate::telemetry::METRICS {
+        if tollgate::telemetry::LABELLED_BY_TRAFFIC.contains(name) {
+            continue;
+        }
+        // Counters and histograms start at 0; gauges at what they measure (1 for "last reload
+        // successful").
+        let (series, zero) = match kind {
+            tollgate::telemetry::Kind::Histogram => (format!("{name}_count"), true),
+            tollgate::telemetry::Kind::Counter => ((*name).to_owned(), true),
+            tollgate::telemetry::Kind::Gauge => ((*name).to_owned(), false),
+        };
+        let exported = body
+            .lines()
+            .any(|l| l.split([' ', '{']).next() == Some(&series) && (!zero || l.ends_with(" 0")));
+        if !exported {
+            missing.push(series);
+        }
+    }
+    assert!(missing.is_empty(), "not exported at startup: {missing:?}\n{body}");
+}

@@ -1,9 +1,13 @@
 //! From a parsed file to a [`Domain`]: every semantic check, with the file, line and tree path
 //! of what is wrong.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::HashMap;
+
+use indexmap::IndexMap;
 use std::path::Path;
 use std::sync::Arc;
+
+use serde_saphyr::Spanned;
 
 use super::raw;
 use super::{Blanket, ChargeRule, ClassDef, ConfigError, Domain, FailureMode, HeaderSets, Limit, Rule};
@@ -12,40 +16,106 @@ use crate::matcher::{Level, Node, ValueMatch};
 use crate::quota::{Quotas, TenantRecord, DEFAULT_CLASS};
 use crate::units::{RatePerUnit, Unit};
 
+/// A problem and, when it is more precise than its node's, its line and column.
+struct Located {
+    message: String,
+    position: Option<(usize, usize)>,
+}
+
+impl From<String> for Located {
+    fn from(message: String) -> Self {
+        Located { message, position: None }
+    }
+}
+
+impl From<&str> for Located {
+    fn from(message: &str) -> Self {
+        message.to_owned().into()
+    }
+}
+
+/// A problem outside the descriptor tree: where in the file, and what.
+struct Problem {
+    at: String,
+    position: Option<(usize, usize)>,
+    message: String,
+}
+
+impl Problem {
+    fn new(at: impl Into<String>, position: Option<(usize, usize)>, message: impl Into<String>) -> Problem {
+        Problem { at: at.into(), position, message: message.into() }
+    }
+}
+
+/// The line and column of a value (`None` for the parser's unknown location).
+fn position<T>(spanned: &Spanned<T>) -> Option<(usize, usize)> {
+    let at = spanned.referenced;
+    (at.line() > 0).then(|| (at.line() as usize, at.column() as usize))
+}
+
+/// A string value and its position.
+fn text(value: Option<Spanned<String>>) -> (Option<String>, Option<(usize, usize)>) {
+    match value {
+        Some(v) => {
+            let at = position(&v);
+            (Some(v.value), at)
+        }
+        None => (None, None),
+    }
+}
+
+/// A parser error as a [`ConfigError`]: its position and its message alone, on one line (the
+/// parser's own rendering repeats the position and quotes a snippet of `<input>`).
+fn syntax(file: &Path, error: &serde_saphyr::Error) -> ConfigError {
+    use serde_saphyr::MessageFormatter as _;
+    let message = serde_saphyr::DefaultMessageFormatter.format_message(error.without_snippet());
+    let message: String = message.chars().map(|c| if c.is_control() { ' ' } else { c }).collect();
+    let position = error
+        .location()
+        .filter(|at| at.line() > 0)
+        .map(|at| (at.line() as usize, at.column() as usize));
+    ConfigError::Invalid { file: file.to_owned(), position, at: String::new(), message }
+}
+
 /// Compiles the domain file `file` with contents `text`.
-pub(super) fn domain(file: &Path, text: &str) -> Result<Domain, ConfigError> {
-    let raw: raw::DomainFile = serde_saphyr::from_str(text)
-        .map_err(|e| ConfigError::Syntax { file: file.to_owned(), message: e.to_string() })?;
-    let invalid = |at: &str, message: String| ConfigError::Invalid {
+pub(super) fn domain(file: &Path, text_: &str) -> Result<Domain, ConfigError> {
+    let raw: raw::DomainFile = serde_saphyr::from_str(text_).map_err(|e| syntax(file, &e))?;
+    let invalid = |p: Problem| ConfigError::Invalid {
         file: file.to_owned(),
-        position: None,
-        at: at.to_owned(),
-        message,
+        position: p.position,
+        at: p.at,
+        message: p.message,
     };
 
-    let name = raw
-        .domain
+    let (name, at) = text(raw.domain);
+    let name = name
         .filter(|d| !d.is_empty())
-        .ok_or_else(|| invalid("domain", "config file cannot have empty domain".into()))?;
-    let tenant_key = raw.tenant_key.unwrap_or_else(|| "tenant".into());
+        .ok_or_else(|| invalid(Problem::new("domain", at, "config file cannot have empty domain")))?;
+    let (tenant_key, at) = text(raw.tenant_key);
+    let tenant_key = tenant_key.unwrap_or_else(|| "tenant".into());
     if tenant_key.is_empty() {
-        return Err(invalid("tenant_key", "must not be empty".into()));
+        return Err(invalid(Problem::new("tenant_key", at, "must not be empty")));
     }
-    let class_scope = raw.class_scope.unwrap_or_else(|| name.clone());
+    let (class_scope, at) = text(raw.class_scope);
+    let class_scope = class_scope.unwrap_or_else(|| name.clone());
     if class_scope.is_empty() {
-        return Err(invalid("class_scope", "must not be empty".into()));
+        return Err(invalid(Problem::new("class_scope", at, "must not be empty")));
     }
-    let failure_mode = failure_mode(raw.failure_mode.as_deref()).map_err(|m| invalid("failure_mode", m))?;
-    let rlqs_unknown = match raw.rlqs_unknown.as_deref() {
+    let (mode, at) = text(raw.failure_mode);
+    let failure_mode = failure_mode(mode.as_deref()).map_err(|m| invalid(Problem::new("failure_mode", at, m)))?;
+    let (answer, at) = text(raw.rlqs_unknown);
+    let rlqs_unknown = match answer.as_deref() {
         None | Some("allow") => Blanket::AllowAll,
         Some("deny") => Blanket::DenyAll,
-        Some(other) => return Err(invalid("rlqs_unknown", format!("unknown answer '{other}' (expected allow or deny)"))),
+        Some(other) => {
+            return Err(invalid(Problem::new("rlqs_unknown", at, format!("unknown answer '{other}' (expected allow or deny)"))))
+        }
     };
-    let headers = header_sets(raw.response_headers.as_deref()).map_err(|(at, m)| invalid(&at, m))?;
-    let quotas = quotas(&raw.tiers, raw.default_tier).map_err(|(at, m)| invalid(&at, m))?;
-    let tenants = tenants(raw.tenants, &quotas).map_err(|(at, m)| invalid(&at, m))?;
+    let headers = header_sets(raw.response_headers.as_deref()).map_err(invalid)?;
+    let quotas = quotas(&raw.tiers, raw.default_tier).map_err(invalid)?;
+    let tenants = tenants(raw.tenants, &quotas).map_err(invalid)?;
 
-    let mut tree = Tree { file, tenant_key: &tenant_key, quotas: &quotas, rules: Vec::new(), classes: BTreeMap::new() };
+    let mut tree = Tree { file, tenant_key: &tenant_key, quotas: &quotas, rules: Vec::new(), classes: IndexMap::new() };
     let root = tree.level(raw.descriptors.as_deref().unwrap_or_default(), &Place::root())?;
     let (rules, classes) = (tree.rules, tree.classes);
     Ok(Domain {
@@ -73,18 +143,19 @@ fn failure_mode(text: Option<&str>) -> Result<FailureMode, String> {
     }
 }
 
-fn header_sets(sets: Option<&[String]>) -> Result<HeaderSets, (String, String)> {
+fn header_sets(sets: Option<&[Spanned<String>]>) -> Result<HeaderSets, Problem> {
     let Some(sets) = sets else { return Ok(HeaderSets::default()) };
     let mut h = HeaderSets { x_ratelimit: false, retry_after: false, ietf: false, grpc_status_details: false };
     for (i, set) in sets.iter().enumerate() {
-        match set.as_str() {
+        match set.value.as_str() {
             "x-ratelimit" => h.x_ratelimit = true,
             "retry-after" => h.retry_after = true,
             "ietf" => h.ietf = true,
             "grpc-status-details" => h.grpc_status_details = true,
             other => {
-                return Err((
+                return Err(Problem::new(
                     format!("response_headers[{i}]"),
+                    position(set),
                     format!(
                         "unknown header set '{other}' (expected x-ratelimit, retry-after, ietf or grpc-status-details)"
                     ),
@@ -96,26 +167,36 @@ fn header_sets(sets: Option<&[String]>) -> Result<HeaderSets, (String, String)> 
 }
 
 fn quotas(
-    raw: &BTreeMap<String, BTreeMap<String, raw::TokenBucket>>,
-    default_tier: Option<String>,
-) -> Result<Quotas, (String, String)> {
-    let mut tiers = HashMap::new();
+    raw: &IndexMap<String, IndexMap<String, Spanned<raw::TokenBucket>>>,
+    default_tier: Option<Spanned<String>>,
+) -> Result<Quotas, Problem> {
+    let mut tiers = IndexMap::new();
+    // Where each tier starts, for errors about the tier as a whole.
+    let mut tier_at = HashMap::new();
     for (tier, classes) in raw {
-        let mut specs = HashMap::new();
+        let mut specs = IndexMap::new();
         for (class, bucket) in classes {
-            let spec = token_bucket(bucket).map_err(|m| (format!("tiers.{tier}.{class}"), m))?;
+            tier_at.entry(tier.clone()).or_insert_with(|| position(bucket));
+            let spec = token_bucket(&bucket.value)
+                .map_err(|m| Problem::new(format!("tiers.{tier}.{class}"), position(bucket), m))?;
             specs.insert(class.clone(), spec);
         }
         tiers.insert(tier.clone(), specs);
     }
+    let (default_tier, at) = text(default_tier);
     match &default_tier {
         None if !tiers.is_empty() => {
-            return Err(("default_tier".into(), "required when tiers are defined".into()))
+            let first = tier_at.values().flatten().min().copied();
+            return Err(Problem::new("default_tier", first, "required when tiers are defined"));
         }
         Some(t) => match tiers.get(t) {
-            None => return Err(("default_tier".into(), format!("unknown tier '{t}'"))),
+            None => return Err(Problem::new("default_tier", at, format!("unknown tier '{t}'"))),
             Some(classes) if !classes.contains_key(DEFAULT_CLASS) => {
-                return Err((format!("tiers.{t}"), format!("the default tier needs a '{DEFAULT_CLASS}' bucket")))
+                return Err(Problem::new(
+                    format!("tiers.{t}"),
+                    tier_at.get(t).copied().flatten(),
+                    format!("the default tier needs a '{DEFAULT_CLASS}' bucket"),
+                ))
             }
             Some(_) => {}
         },
@@ -125,22 +206,26 @@ fn quotas(
 }
 
 fn tenants(
-    raw: BTreeMap<String, raw::Tenant>,
+    raw: IndexMap<String, Spanned<raw::Tenant>>,
     quotas: &Quotas,
-) -> Result<HashMap<String, Arc<TenantRecord>>, (String, String)> {
-    let mut tenants = HashMap::new();
+) -> Result<IndexMap<String, Arc<TenantRecord>>, Problem> {
+    let mut tenants = IndexMap::new();
     for (tenant, record) in raw {
-        if let Some(tier) = &record.tier {
+        let at = position(&record);
+        let record = record.value;
+        let (tier, tier_at) = text(record.tier);
+        if let Some(tier) = &tier {
             if !quotas.tiers.contains_key(tier) {
-                return Err((format!("tenants.{tenant}.tier"), format!("unknown tier '{tier}'")));
+                return Err(Problem::new(format!("tenants.{tenant}.tier"), tier_at.or(at), format!("unknown tier '{tier}'")));
             }
         }
-        let mut overrides = HashMap::new();
+        let mut overrides = IndexMap::new();
         for (class, bucket) in &record.overrides {
-            let spec = token_bucket(bucket).map_err(|m| (format!("tenants.{tenant}.overrides.{class}"), m))?;
+            let spec = token_bucket(&bucket.value)
+                .map_err(|m| Problem::new(format!("tenants.{tenant}.overrides.{class}"), position(bucket), m))?;
             overrides.insert(class.clone(), spec);
         }
-        tenants.insert(tenant, Arc::new(TenantRecord { tier: record.tier, overrides }));
+        tenants.insert(tenant, Arc::new(TenantRecord { tier, overrides }));
     }
     Ok(tenants)
 }
@@ -200,7 +285,7 @@ struct Tree<'a> {
     tenant_key: &'a str,
     quotas: &'a Quotas,
     rules: Vec<Arc<Rule>>,
-    classes: BTreeMap<String, ClassDef>,
+    classes: IndexMap<String, ClassDef>,
 }
 
 impl Tree<'_> {
@@ -208,11 +293,11 @@ impl Tree<'_> {
         let mut level = Level::default();
         for (i, d) in descriptors.iter().enumerate() {
             let place = parent.child(d, i, self.tenant_key);
-            let invalid = |message: String| ConfigError::Invalid {
+            let invalid = |problem: Located| ConfigError::Invalid {
                 file: self.file.to_owned(),
-                position: Some(place.position),
+                position: Some(problem.position.unwrap_or(place.position)),
                 at: place.at.clone(),
-                message,
+                message: problem.message,
             };
             let key = d.key.value.as_str();
             let value = d.value.as_deref().filter(|v| !v.is_empty());
@@ -220,23 +305,26 @@ impl Tree<'_> {
                 return Err(invalid("descriptor has empty key".into()));
             }
             if d.share_threshold && !value.is_some_and(|v| v.contains('*')) {
-                return Err(invalid(format!(
-                    "share_threshold can only be used with wildcard values (containing '*'), but found key '{}'",
-                    place.path
-                )));
+                return Err(invalid(
+                    format!(
+                        "share_threshold can only be used with wildcard values (containing '*'), but found key '{}'",
+                        place.path
+                    )
+                    .into(),
+                ));
             }
             let rule = self.rule(d, &place).map_err(invalid)?.map(Arc::new);
             if let Some(rule) = &rule {
-                self.share_class(rule).map_err(invalid)?;
+                self.share_class(rule).map_err(|m| invalid(m.into()))?;
                 self.rules.push(rule.clone());
             }
             let children = self.level(d.descriptors.as_deref().unwrap_or_default(), &place)?;
             let source = d.source.clone();
-            check_source(key, value, source.as_ref()).map_err(invalid)?;
+            check_source(key, value, source.as_ref()).map_err(|m| invalid(m.into()))?;
             let node = Node { key: key.to_owned(), value: ValueMatch::parse(value), rule, source, children };
             level
                 .insert(node)
-                .map_err(|_| invalid(format!("duplicate descriptor composite key '{}'", place.path)))?;
+                .map_err(|_| invalid(format!("duplicate descriptor composite key '{}'", place.path).into()))?;
         }
         Ok(level)
     }
@@ -262,7 +350,7 @@ impl Tree<'_> {
         }
     }
 
-    fn rule(&mut self, d: &raw::Descriptor, place: &Place) -> Result<Option<Rule>, String> {
+    fn rule(&mut self, d: &raw::Descriptor, place: &Place) -> Result<Option<Rule>, Located> {
         let exclusive = [d.rate_limit.is_some(), d.token_bucket.is_some(), d.quota.is_some()];
         if exclusive.iter().filter(|x| **x).count() > 1 {
             return Err("rate_limit, token_bucket and quota are mutually exclusive".into());
@@ -271,8 +359,8 @@ impl Tree<'_> {
         let mut replaces = Vec::new();
         let mut rate = None;
         let limit = if let Some(rl) = &d.rate_limit {
-            name = rl.name.clone().filter(|n| !n.is_empty());
-            replaces = replaces_of(rl, name.as_deref())?;
+            name = rl.value.name.clone().filter(|n| !n.is_empty());
+            replaces = replaces_of(&rl.value, name.as_deref())?;
             let (limit, configured) = rate_limit(rl)?;
             rate = configured;
             Some(limit)
@@ -305,7 +393,8 @@ impl Tree<'_> {
                 return Err(format!(
                     "class only names tenant buckets: it needs a '{}' descriptor at or above this node",
                     self.tenant_key
-                ));
+                )
+                .into());
             }
         }
         let charge = charge(d, limited)?;
@@ -384,18 +473,37 @@ fn replaces_of(rl: &raw::RateLimit, name: Option<&str>) -> Result<Vec<String>, S
 }
 
 // A `rate_limit`: unlimited, or N per unit (a bucket, and the rate to echo in responses).
-fn rate_limit(rl: &raw::RateLimit) -> Result<(Limit, Option<RatePerUnit>), String> {
-    let unit = rl.unit.as_deref().and_then(Unit::parse);
+fn rate_limit(spanned: &Spanned<raw::RateLimit>) -> Result<(Limit, Option<RatePerUnit>), Located> {
+    let rl = &spanned.value;
+    let located = |message: String, at: Option<(usize, usize)>| Located { message, position: at.or(position(spanned)) };
+    let unit_at = rl.unit.as_ref().and_then(position);
+    let unit = match &rl.unit {
+        None => None,
+        Some(u) => Some(Unit::parse(&u.value).ok_or_else(|| {
+            located(
+                format!(
+                    "invalid rate limit unit '{}' (expected second, minute, hour, day, week, month or year)",
+                    u.value
+                ),
+                unit_at,
+            )
+        })?),
+    };
+    let count_at = rl.requests_per_unit.as_ref().and_then(position);
+    let count = rl.requests_per_unit.as_ref().map_or(0, |n| n.value);
+    let requests_per_unit = u32::try_from(count).map_err(|_| {
+        located(format!("requests_per_unit must be a non-negative integer up to {}, got {count}", u32::MAX), count_at)
+    })?;
     match (rl.unlimited, unit) {
-        (true, Some(_)) => Err("should not specify rate limit unit when unlimited".into()),
+        (true, Some(_)) => Err(located("should not specify rate limit unit when unlimited".into(), unit_at)),
         (true, None) => Ok((Limit::Unlimited, None)),
         (false, Some(unit)) => {
-            let rate = RatePerUnit { requests_per_unit: rl.requests_per_unit, unit };
+            let rate = RatePerUnit { requests_per_unit, unit };
             Ok((Limit::Bucket(rate.bucket()), Some(rate)))
         }
-        (false, None) => Err(format!(
-            "invalid rate limit unit '{}' (expected second, minute, hour, day, week, month or year)",
-            rl.unit.as_deref().unwrap_or_default()
+        (false, None) => Err(located(
+            "missing unit (second, minute, hour, day, week, month or year), or unlimited: true".into(),
+            None,
         )),
     }
 }

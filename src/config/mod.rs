@@ -11,7 +11,9 @@ mod raw;
 
 pub use self::raw::Source;
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::HashMap;
+
+use indexmap::IndexMap;
 use std::fmt;
 use std::hash::{DefaultHasher, Hash, Hasher};
 use std::path::{Path, PathBuf};
@@ -73,45 +75,81 @@ pub struct ClassDef {
 /// Every domain tollgate serves, as loaded from one config path.
 #[derive(Debug, Default)]
 pub struct RuleSet {
-    domains: BTreeMap<String, Arc<Domain>>,
+    domains: IndexMap<String, Arc<Domain>>,
     fingerprint: u64,
+}
+
+/// The files of a config path and their text, read but not compiled: reading is cheap, so a
+/// reload compares fingerprints before compiling anything.
+#[derive(Debug, Clone)]
+pub struct Sources {
+    files: Vec<(PathBuf, String)>,
+}
+
+impl Sources {
+    /// Reads the file, or every `*.yaml` / `*.yml` file of the directory, at `path`.
+    pub fn read(path: &Path) -> Result<Sources, ConfigError> {
+        let mut files = Vec::new();
+        for file in config_files(path)? {
+            let text = std::fs::read_to_string(&file)
+                .map_err(|source| ConfigError::Io { path: file.clone(), source })?;
+            files.push((file, text));
+        }
+        Ok(Sources { files })
+    }
+
+    /// A hash of the file names and contents: equal fingerprints, equal configs.
+    pub fn fingerprint(&self) -> u64 {
+        let mut hasher = DefaultHasher::new();
+        self.files.hash(&mut hasher);
+        hasher.finish()
+    }
 }
 
 impl RuleSet {
     /// Loads and validates the file or directory at `path`.
     pub fn load(path: &Path) -> Result<RuleSet, ConfigError> {
-        let mut sources = Vec::new();
-        for file in config_files(path)? {
-            let text = std::fs::read_to_string(&file)
-                .map_err(|source| ConfigError::Io { path: file.clone(), source })?;
-            sources.push((file, text));
-        }
-        Self::compile(sources)
+        Self::compile(Sources::read(path)?)
     }
 
     /// Compiles one domain from YAML text; `file` is only used in error messages.
     pub fn from_yaml(file: &Path, text: &str) -> Result<RuleSet, ConfigError> {
-        Self::compile(vec![(file.to_owned(), text.to_owned())])
+        Self::compile(Sources { files: vec![(file.to_owned(), text.to_owned())] })
     }
 
-    // Compiles every file, then checks what spans files: domain names and shared class scopes.
-    fn compile(sources: Vec<(PathBuf, String)>) -> Result<RuleSet, ConfigError> {
-        let mut domains: BTreeMap<String, Arc<Domain>> = BTreeMap::new();
-        let mut fingerprint = DefaultHasher::new();
-        for (file, text) in &sources {
-            (file, text).hash(&mut fingerprint);
-            let domain = compile::domain(file, text)?;
-            if let Some(first) = domains.get(&domain.name) {
-                return Err(ConfigError::DuplicateDomain {
+    /// Compiles every file, then checks what spans files: domain names and shared class
+    /// scopes. Every bad file is reported, not only the first.
+    pub fn compile(sources: Sources) -> Result<RuleSet, ConfigError> {
+        let mut domains: IndexMap<String, Arc<Domain>> = IndexMap::new();
+        let mut errors = Vec::new();
+        let fingerprint = sources.fingerprint();
+        for (file, text) in &sources.files {
+            let domain = match compile::domain(file, text) {
+                Ok(domain) => domain,
+                Err(error) => {
+                    errors.push(error);
+                    continue;
+                }
+            };
+            match domains.get(&domain.name) {
+                Some(first) => errors.push(ConfigError::DuplicateDomain {
                     file: file.clone(),
                     domain: domain.name,
                     first: first.file.clone(),
-                });
+                }),
+                None => {
+                    domains.insert(domain.name.clone(), Arc::new(domain));
+                }
             }
-            domains.insert(domain.name.clone(), Arc::new(domain));
         }
-        check_shared_classes(domains.values())?;
-        Ok(RuleSet { domains, fingerprint: fingerprint.finish() })
+        if let Err(error) = check_shared_classes(domains.values()) {
+            errors.push(error);
+        }
+        match errors.len() {
+            0 => Ok(RuleSet { domains, fingerprint }),
+            1 => Err(errors.remove(0)),
+            _ => Err(ConfigError::Files(errors)),
+        }
     }
 
     /// A hash of the files this set was loaded from: equal fingerprints, equal configs.
@@ -124,7 +162,7 @@ impl RuleSet {
         self.domains.get(name)
     }
 
-    /// All domains, ordered by name.
+    /// All domains, in file order (files sorted by name).
     pub fn domains(&self) -> impl Iterator<Item = &Arc<Domain>> {
         self.domains.values()
     }
@@ -194,35 +232,52 @@ fn config_files(path: &Path) -> Result<Vec<PathBuf>, ConfigError> {
     Ok(files)
 }
 
-/// Why a config could not be loaded. Every variant names the file.
+/// Why a config could not be loaded. Every variant names the file, in the form
+/// `file:line:column: path: problem` where the position and path are known.
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
     /// The path or a file could not be read.
     #[error("{}: {source}", path.display())]
     Io {
+        /// The path or file.
         path: PathBuf,
+        /// Why it could not be read.
         #[source]
         source: std::io::Error,
     },
     /// A directory holds no config file.
     #[error("{}: no *.yaml or *.yml files in this directory", dir.display())]
-    NoFiles { dir: PathBuf },
-    /// Not YAML, or not of the schema (unknown key, wrong type); the message shows the position.
-    #[error("{}: {message}", file.display())]
-    Syntax { file: PathBuf, message: String },
-    /// Valid YAML whose meaning is wrong.
-    #[error("{}{}: {at}: {message}", file.display(), position.map(|(l, c)| format!(":{l}:{c}")).unwrap_or_default())]
+    NoFiles {
+        /// The directory.
+        dir: PathBuf,
+    },
+    /// Not YAML, not of the schema (unknown key, wrong type), or valid YAML whose meaning is
+    /// wrong.
+    #[error("{}{}: {}{message}", file.display(), position.map(|(l, c)| format!(":{l}:{c}")).unwrap_or_default(), if at.is_empty() { String::new() } else { format!("{at}: ") })]
     Invalid {
+        /// The file.
         file: PathBuf,
-        /// Line and column of the offending descriptor, where known.
+        /// Line and column of what is wrong, where known.
         position: Option<(usize, usize)>,
-        /// Where in the tree, e.g. `descriptors[0](tenant).descriptors[1](class=export)`.
+        /// Where in the file's tree, e.g. `descriptors[0](tenant).descriptors[1](class=export)`
+        /// or `default_tier`; empty where the parser does not say.
         at: String,
+        /// What is wrong.
         message: String,
     },
     /// Two files define the same domain.
     #[error("{}: duplicate domain '{domain}' (already defined in {})", file.display(), first.display())]
-    DuplicateDomain { file: PathBuf, domain: String, first: PathBuf },
+    DuplicateDomain {
+        /// The second file.
+        file: PathBuf,
+        /// The domain.
+        domain: String,
+        /// The file that defined it first.
+        first: PathBuf,
+    },
+    /// Several files are wrong: each error, one per line.
+    #[error("{}", .0.iter().map(ToString::to_string).collect::<Vec<_>>().join("\n"))]
+    Files(Vec<ConfigError>),
 }
 
 /// One domain, compiled.
@@ -238,7 +293,7 @@ pub struct Domain {
     /// otherwise; domains with the same scope share class buckets.
     pub class_scope: String,
     /// Every explicit class of the domain's rules, with what sizes it.
-    pub classes: BTreeMap<String, ClassDef>,
+    pub classes: IndexMap<String, ClassDef>,
     /// What to answer when the store fails.
     pub failure_mode: FailureMode,
     /// What a Rate Limit Quota bucket that no rule limits gets (`rlqs_unknown:`).
@@ -248,7 +303,7 @@ pub struct Domain {
     /// Tiers for `quota: tenant` rules.
     pub quotas: Quotas,
     /// The inline tenant records (`tenants:`), the embedded quota source.
-    pub tenants: HashMap<String, Arc<TenantRecord>>,
+    pub tenants: IndexMap<String, Arc<TenantRecord>>,
     /// Every rule (node with a limit, `unlimited` included), in file order.
     pub rules: Vec<Arc<Rule>>,
     /// The descriptor tree.

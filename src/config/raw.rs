@@ -2,9 +2,11 @@
 //!
 //! The envoyproxy/ratelimit keys come first in each struct, tollgate's extensions after. Every
 //! struct denies unknown fields, so a typo is an error and not a silently ignored rule. Meaning
-//! (units, exclusivity, references between tiers) is checked in [`super::compile`].
+//! (units, exclusivity, references between tiers) is checked in [`super::compile`]; the values
+//! such a check can reject are `Spanned`, so that its error points at their line and column.
+#![allow(missing_docs)] // the fields are the YAML keys, documented in README.md
 
-use std::collections::BTreeMap;
+use indexmap::IndexMap;
 
 use serde::Deserialize;
 use serde_saphyr::Spanned;
@@ -13,20 +15,20 @@ use serde_saphyr::Spanned;
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct DomainFile {
-    pub domain: Option<String>,
+    pub domain: Option<Spanned<String>>,
     #[serde(default)]
     pub descriptors: Option<Vec<Descriptor>>,
 
-    pub tenant_key: Option<String>,
-    pub default_tier: Option<String>,
+    pub tenant_key: Option<Spanned<String>>,
+    pub default_tier: Option<Spanned<String>>,
     #[serde(default)]
-    pub tiers: BTreeMap<String, BTreeMap<String, TokenBucket>>,
+    pub tiers: IndexMap<String, IndexMap<String, Spanned<TokenBucket>>>,
     #[serde(default)]
-    pub tenants: BTreeMap<String, Tenant>,
-    pub failure_mode: Option<String>,
-    pub response_headers: Option<Vec<String>>,
-    pub class_scope: Option<String>,
-    pub rlqs_unknown: Option<String>,
+    pub tenants: IndexMap<String, Spanned<Tenant>>,
+    pub failure_mode: Option<Spanned<String>>,
+    pub response_headers: Option<Vec<Spanned<String>>>,
+    pub class_scope: Option<Spanned<String>>,
+    pub rlqs_unknown: Option<Spanned<String>>,
 }
 
 /// A node of the descriptor tree.
@@ -35,7 +37,7 @@ pub struct DomainFile {
 pub struct Descriptor {
     pub key: Spanned<String>,
     pub value: Option<String>,
-    pub rate_limit: Option<RateLimit>,
+    pub rate_limit: Option<Spanned<RateLimit>>,
     pub descriptors: Option<Vec<Descriptor>>,
     #[serde(default)]
     pub shadow_mode: bool,
@@ -84,9 +86,9 @@ pub enum Source {
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct RateLimit {
-    pub unit: Option<String>,
-    #[serde(default)]
-    pub requests_per_unit: u32,
+    pub unit: Option<Spanned<String>>,
+    // Signed, so that a negative count gets a message of ours rather than the parser's.
+    pub requests_per_unit: Option<Spanned<i64>>,
     #[serde(default)]
     pub unlimited: bool,
     pub name: Option<String>,
@@ -114,7 +116,7 @@ pub struct TokenBucket {
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Tenant {
-    pub tier: Option<String>,
+    pub tier: Option<Spanned<String>>,
     #[serde(default)]
-    pub overrides: BTreeMap<String, TokenBucket>,
+    pub overrides: IndexMap<String, Spanned<TokenBucket>>,
 }

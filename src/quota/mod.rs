@@ -17,7 +17,7 @@
 pub mod cache;
 pub mod postgres;
 
-use std::collections::HashMap;
+use indexmap::IndexMap;
 use std::sync::Arc;
 
 use futures::future::BoxFuture;
@@ -35,14 +35,14 @@ pub struct TenantRecord {
     /// The tenant's tier; `None` means the domain's `default_tier`.
     pub tier: Option<String>,
     /// Buckets for single classes that replace the tier's.
-    pub overrides: HashMap<String, BucketSpec>,
+    pub overrides: IndexMap<String, BucketSpec>,
 }
 
 /// One domain's tiers and the tier of last resort.
 #[derive(Debug, Clone, Default, Serialize)]
 pub struct Quotas {
     /// Tier name to class name to bucket.
-    pub tiers: HashMap<String, HashMap<String, BucketSpec>>,
+    pub tiers: IndexMap<String, IndexMap<String, BucketSpec>>,
     /// The tier of tenants without a (known) tier.
     pub default_tier: Option<String>,
 }
@@ -93,10 +93,10 @@ mod tests {
 
     fn quotas() -> Quotas {
         let tier = |pairs: &[(&str, f64)]| {
-            pairs.iter().map(|(c, cap)| (c.to_string(), b(*cap))).collect::<HashMap<_, _>>()
+            pairs.iter().map(|(c, cap)| (c.to_string(), b(*cap))).collect::<IndexMap<_, _>>()
         };
         Quotas {
-            tiers: HashMap::from([
+            tiers: IndexMap::from([
                 ("free".into(), tier(&[("default", 20.0), ("export", 2.0)])),
                 ("pro".into(), tier(&[("default", 200.0)])),
                 ("odd".into(), tier(&[("export", 7.0)])),
@@ -110,7 +110,7 @@ mod tests {
         let q = quotas();
         let pro = TenantRecord {
             tier: Some("pro".into()),
-            overrides: HashMap::from([("export".into(), b(1000.0))]),
+            overrides: IndexMap::from([("export".into(), b(1000.0))]),
         };
         assert_eq!(q.resolve(Some(&pro), "export"), Some(b(1000.0)), "override");
         assert_eq!(q.resolve(Some(&pro), "search"), Some(b(200.0)), "tier default");

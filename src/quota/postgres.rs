@@ -51,17 +51,24 @@ pub struct Fetched {
 /// A tenant's rows, for listing.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Listing {
+    /// The tenant id.
     pub tenant: String,
+    /// Its tier, if it has a row in `tollgate_tenants`.
     pub tier: Option<String>,
+    /// Its per-class overrides.
     pub overrides: Vec<OverrideRow>,
 }
 
 /// One `tollgate_overrides` row.
 #[derive(Debug, Clone, PartialEq)]
 pub struct OverrideRow {
+    /// The quota class it sizes.
     pub class: String,
+    /// Bucket capacity (largest burst).
     pub capacity: f64,
+    /// Sustained rate.
     pub refill_per_second: f64,
+    /// When it lapses, if ever.
     pub expires_at: Option<SystemTime>,
 }
 

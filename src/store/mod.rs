@@ -5,8 +5,8 @@
 //!
 //! * [`MemoryStore`]: state in this process; limits hold per process only. For trying tollgate
 //!   out and for tests.
-//! * [`RedisStore`]: state in Redis (standalone or Cluster), shared by every replica; each call is
-//!   one Lua script run, atomic on the server.
+//! * [`RedisStore`]: state in Redis (standalone, Cluster, or behind Sentinel), shared by every
+//!   replica; each call is one Lua script run, atomic on the server.
 //!
 //! [`Precheck`] wraps a store and answers denials that are certain without asking it. The Redis
 //! backend can coalesce concurrent calls for one Cluster slot into one script run
@@ -21,6 +21,7 @@ mod memory;
 mod node;
 mod precheck;
 mod redis;
+mod sentinel;
 
 use std::time::Duration;
 
@@ -29,6 +30,7 @@ use futures::future::BoxFuture;
 pub use self::memory::MemoryStore;
 pub use self::precheck::{Precheck, MAX_AGE_MS};
 pub use self::redis::{ConnectError, RedisStore, RedisTarget, RedisTls};
+pub use self::sentinel::SentinelTarget;
 use crate::bucket::{Batch, GroupOutcome};
 
 /// A backend holding bucket state.

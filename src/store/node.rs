@@ -60,6 +60,11 @@ impl Node {
         Ok(Node { addr, connection, down_since: Mutex::new(None), epoch })
     }
 
+    /// The server's address.
+    pub(crate) fn addr(&self) -> &str {
+        &self.addr
+    }
+
     /// How many times this node (or the nodes sharing its counter) came back.
     pub(crate) fn epoch(&self) -> u64 {
         self.epoch.load(Ordering::Relaxed)

@@ -1,4 +1,4 @@
-//! The shared store: bucket state in Redis, standalone or Cluster.
+//! The shared store: bucket state in Redis, standalone, Cluster, or behind Sentinel.
 //!
 //! Every evaluation is one run of `token_bucket.lua` per Cluster slot involved, so the read, the
 //! check and the write of a request's buckets in one slot happen as one step on the server: no
@@ -32,6 +32,7 @@ use redis::{ClientTlsConfig, IntoConnectionInfo, TlsCertificates, Value};
 use super::cluster::{Cluster, ClusterError};
 use super::coalesce::{Call, Coalescer};
 use super::node::{self, Node, Script};
+use super::sentinel::{Sentinel, SentinelTarget};
 use super::{LateReply, Store, StoreError};
 use crate::bucket::{refund, Batch, BucketOp, Charge, Group, GroupOutcome, Role, Verdict};
 use crate::identity::cluster_slot;
@@ -55,6 +56,8 @@ pub enum RedisTarget {
     Standalone(String),
     /// A Cluster, found through these seed nodes (`host:port`).
     Cluster(Vec<String>),
+    /// The primary a set of sentinels names, followed through failovers.
+    Sentinel(SentinelTarget),
 }
 
 /// Certificates for TLS to Redis (`rediss://`) beyond the public web roots.
@@ -116,6 +119,18 @@ struct Shared {
 enum Connection {
     Standalone(Node),
     Cluster(Cluster),
+    // Boxed: the Sentinel client's state is ten times the others'.
+    Sentinel(Box<Sentinel>),
+}
+
+impl Connection {
+    // The slot a key is evaluated in: its Cluster slot, or 0 where one server holds every key.
+    fn slot(&self, key: &str) -> u16 {
+        match self {
+            Connection::Cluster(_) => cluster_slot(key),
+            Connection::Standalone(_) | Connection::Sentinel(_) => 0,
+        }
+    }
 }
 
 impl RedisStore {
@@ -158,6 +173,11 @@ impl RedisStore {
                 let cluster = Cluster::new(infos, certificates, config);
                 (Connection::Cluster(cluster), format!("redis cluster via {}", addrs.join(",")))
             }
+            RedisTarget::Sentinel(target) => {
+                let sentinel = Sentinel::new(target, certificates, config).map_err(ConnectError::Address)?;
+                let description = sentinel.describe();
+                (Connection::Sentinel(Box::new(sentinel)), description)
+            }
         };
         let shared = std::sync::Arc::new(Shared {
             connection,
@@ -176,10 +196,7 @@ impl RedisStore {
     }
 
     fn slot_of(&self, op: &BucketOp) -> u16 {
-        match &self.shared.connection {
-            Connection::Cluster(_) => cluster_slot(&op.key),
-            Connection::Standalone(_) => 0,
-        }
+        self.shared.connection.slot(&op.key)
     }
 
     // Gives back what the admitted parts of a group took, before its caller is answered.
@@ -353,6 +370,7 @@ impl Shared {
     async fn eval(&self, script: &Script, slot: u16, call: &node::Call<'_>) -> Result<Value, StoreError> {
         match &self.connection {
             Connection::Standalone(node) => node.eval(script, call, false).await.map_err(StoreError::Redis),
+            Connection::Sentinel(sentinel) => sentinel.eval(script, call).await.map_err(StoreError::Redis),
             Connection::Cluster(cluster) => cluster.eval(script, slot, call).await.map_err(|e| match e {
                 ClusterError::NoOwner(slot) => StoreError::NoOwner(slot),
                 ClusterError::Redis(e) => StoreError::Redis(e),
@@ -461,10 +479,7 @@ impl Store for RedisStore {
             let keys = [registry.as_str()];
             let args = [member.to_owned(), demand.to_string(), ttl_ms.to_string()];
             let call = node::Call { keys: &keys, args: &args };
-            let slot = match &self.shared.connection {
-                Connection::Cluster(_) => cluster_slot(&registry),
-                Connection::Standalone(_) => 0,
-            };
+            let slot = self.shared.connection.slot(&registry);
             let deadline = self.shared.deadline;
             let reply = tokio::time::timeout(deadline, self.shared.eval(&self.shared.demand_script, slot, &call))
                 .await
@@ -486,6 +501,9 @@ impl Store for RedisStore {
                     Connection::Standalone(node) => {
                         node.query::<String>(&mut redis::cmd("PING")).await.map(drop).map_err(StoreError::Redis)
                     }
+                    Connection::Sentinel(sentinel) => {
+                        sentinel.query::<String>(&mut redis::cmd("PING")).await.map(drop).map_err(StoreError::Redis)
+                    }
                     Connection::Cluster(cluster) => cluster.ping().await.map_err(|e| match e {
                         ClusterError::NoOwner(slot) => StoreError::NoOwner(slot),
                         ClusterError::Redis(e) => StoreError::Redis(e),
@@ -504,6 +522,7 @@ impl Store for RedisStore {
     fn epoch(&self) -> u64 {
         match &self.shared.connection {
             Connection::Standalone(node) => node.epoch(),
+            Connection::Sentinel(sentinel) => sentinel.epoch(),
             Connection::Cluster(cluster) => cluster.epoch(),
         }
     }

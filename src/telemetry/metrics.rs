@@ -16,6 +16,7 @@ use std::time::Duration;
 
 use metrics::{counter, describe_counter, describe_gauge, describe_histogram, gauge, Unit};
 use metrics_exporter_prometheus::{BuildError, PrometheusBuilder, PrometheusHandle};
+use tokio_util::task::AbortOnDropHandle;
 
 use super::top_denied::TopDenied;
 use crate::config::FailureMode;
@@ -56,6 +57,8 @@ impl Default for TelemetryConfig {
 /// The metrics side of the service.
 pub struct Telemetry {
     prometheus: Option<PrometheusHandle>,
+    // Keeps the exporter's histograms bounded; stops with the telemetry.
+    _upkeep: Option<AbortOnDropHandle<()>>,
     top_denied: TopDenied,
     detailed_series: usize,
     detailed_seen: Mutex<HashSet<String>>,
@@ -67,16 +70,17 @@ impl Telemetry {
     pub fn install(config: TelemetryConfig) -> Result<Telemetry, BuildError> {
         let handle = PrometheusBuilder::new().set_buckets(&LATENCY_BUCKETS)?.install_recorder()?;
         let upkeep = handle.clone();
-        tokio::spawn(async move {
+        let upkeep = AbortOnDropHandle::new(tokio::spawn(async move {
             let mut every = tokio::time::interval(Duration::from_secs(5));
             loop {
                 every.tick().await;
                 upkeep.run_upkeep();
             }
-        });
+        }));
         describe();
+        register_at_zero();
         gauge!("tollgate_build_info", "version" => env!("CARGO_PKG_VERSION")).set(1.0);
-        Ok(Telemetry { prometheus: Some(handle), ..Telemetry::without_exporter(config) })
+        Ok(Telemetry { prometheus: Some(handle), _upkeep: Some(upkeep), ..Telemetry::without_exporter(config) })
     }
 
     /// Telemetry that keeps the top-denied ranking but exports nothing (for embedding the
@@ -84,6 +88,7 @@ impl Telemetry {
     pub fn without_exporter(config: TelemetryConfig) -> Telemetry {
         Telemetry {
             prometheus: None,
+            _upkeep: None,
             top_denied: TopDenied::new(config.top_denied, config.top_denied_window),
             detailed_series: config.detailed_series,
             detailed_seen: Mutex::new(HashSet::new()),
@@ -175,8 +180,11 @@ fn escape_label(value: &str) -> String {
 /// What kind of series a metric is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Kind {
+    /// Only goes up.
     Counter,
+    /// Goes up and down.
     Gauge,
+    /// A distribution in buckets.
     Histogram,
 }
 
@@ -219,6 +227,71 @@ pub const METRICS: &[(&str, Kind, &str)] = &[
     ("tollgate_tls_handshake_failures_total", Kind::Counter, "gRPC TLS handshakes that failed or timed out (e.g. a client without an accepted certificate)."),
     ("tollgate_build_info", Kind::Gauge, "Always 1; the version label says which tollgate runs."),
 ];
+
+/// Series that exist from startup at 0, so that dashboards and alerts see 0 rather than no
+/// data. The metrics labelled by domain, rule or tenant (decisions, store errors, forgiven debt,
+/// top denied tenants) get their series with their first event, since traffic names them.
+const AT_ZERO: &[(&str, &[(&str, &str)])] = &[
+    ("tollgate_invalid_requests_total", &[]),
+    ("tollgate_overload_rejections_total", &[]),
+    ("tollgate_store_calls_total", &[]),
+    ("tollgate_store_call_groups_total", &[]),
+    ("tollgate_precheck_answers_total", &[]),
+    ("tollgate_store_reconnects_total", &[]),
+    ("tollgate_store_refunds_total", &[("reason", "split")]),
+    ("tollgate_store_refunds_total", &[("reason", "late")]),
+    ("tollgate_store_refund_failures_total", &[]),
+    ("tollgate_store_late_replies_total", &[("action", "refunded")]),
+    ("tollgate_store_late_replies_total", &[("action", "kept")]),
+    ("tollgate_rlqs_reports_total", &[]),
+    ("tollgate_rlqs_leased_requests_total", &[]),
+    ("tollgate_rlqs_allowed_requests_total", &[]),
+    ("tollgate_rlqs_refunded_requests_total", &[]),
+    ("tollgate_rlqs_assignments_total", &[("kind", "token_bucket")]),
+    ("tollgate_rlqs_assignments_total", &[("kind", "deny_all")]),
+    ("tollgate_rlqs_assignments_total", &[("kind", "allow_all")]),
+    ("tollgate_rlqs_unknown_buckets_total", &[]),
+    ("tollgate_quota_cache_lookups_total", &[("result", "hit")]),
+    ("tollgate_quota_cache_lookups_total", &[("result", "stale")]),
+    ("tollgate_quota_cache_lookups_total", &[("result", "miss")]),
+    ("tollgate_quota_db_queries_total", &[]),
+    ("tollgate_quota_db_errors_total", &[("kind", "error")]),
+    ("tollgate_quota_db_errors_total", &[("kind", "timeout")]),
+    ("tollgate_quota_deadline_exceeded_total", &[]),
+    ("tollgate_quota_bad_rows_total", &[]),
+    ("tollgate_config_reloads_total", &[("result", "success")]),
+    ("tollgate_config_reloads_total", &[("result", "failure")]),
+    ("tollgate_tls_reloads_total", &[("result", "success")]),
+    ("tollgate_tls_reloads_total", &[("result", "failure")]),
+    ("tollgate_tls_handshake_failures_total", &[]),
+    ("tollgate_rlqs_streams", &[]),
+    ("tollgate_rlqs_buckets", &[]),
+    ("tollgate_quota_cache_entries", &[]),
+    ("tollgate_config_last_reload_successful", &[]),
+    ("tollgate_request_duration_seconds", &[]),
+    ("tollgate_store_duration_seconds", &[]),
+];
+
+/// The metrics whose series only traffic creates (see [`AT_ZERO`]).
+pub const LABELLED_BY_TRAFFIC: &[&str] = &[
+    "tollgate_decisions_total",
+    "tollgate_tenant_decisions_total",
+    "tollgate_top_denied_tenant_hits",
+    "tollgate_debt_forgiven_tokens_total",
+    "tollgate_store_errors_total",
+];
+
+fn register_at_zero() {
+    for (name, labels) in AT_ZERO {
+        let labels: Vec<metrics::Label> = labels.iter().map(|(k, v)| metrics::Label::new(*k, *v)).collect();
+        match METRICS.iter().find(|(n, _, _)| n == name).map(|(_, kind, _)| kind) {
+            Some(Kind::Counter) => counter!(*name, labels).increment(0),
+            Some(Kind::Gauge) => gauge!(*name, labels).increment(0.0),
+            Some(Kind::Histogram) => drop(metrics::histogram!(*name, labels)),
+            None => debug_assert!(false, "{name} is not in METRICS"),
+        }
+    }
+}
 
 fn describe() {
     for (name, kind, help) in METRICS {

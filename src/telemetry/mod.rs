@@ -4,4 +4,4 @@ pub mod logs;
 mod metrics;
 pub mod top_denied;
 
-pub use self::metrics::{Kind, Telemetry, TelemetryConfig, LATENCY_BUCKETS, METRICS};
+pub use self::metrics::{Kind, Telemetry, TelemetryConfig, LABELLED_BY_TRAFFIC, LATENCY_BUCKETS, METRICS};

@@ -33,9 +33,19 @@ pub type MemberId = (u64, String);
 #[derive(Debug, Clone)]
 pub enum Event {
     /// Admit up to this many requests until the next grant.
-    Grant { bucket: String, requests: u64 },
+    Grant {
+        /// The Envoy's bucket id, encoded.
+        bucket: String,
+        /// Requests it may admit.
+        requests: u64,
+    },
     /// The store failed; answer as this failure mode says.
-    StoreFailed { bucket: String, mode: FailureMode },
+    StoreFailed {
+        /// The Envoy's bucket id, encoded.
+        bucket: String,
+        /// The domain's failure mode.
+        mode: FailureMode,
+    },
 }
 
 struct Member {

@@ -1,0 +1,243 @@
+//! Wiring: from what an operator configures to a running service.
+//!
+//! [`Settings`] is what `tollgate serve` takes from its flags and environment (the CLI fills it;
+//! tests fill it directly). [`App::start`] builds the parts in dependency order: the rules, the
+//! metrics, the store (Redis, with coalescing and the pre-check, or the embedded one), the quota
+//! source, the limiter, the TLS configuration, and the watchers that keep rules and
+//! certificates current. [`App::serve`] runs both protocol edges on listeners the caller bound.
+//!
+//! An `App` owns every background task it started: dropping it stops them (the store's, the
+//! quota cache's and the metrics exporter's go with their owners inside).
+
+use std::future::Future;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use arc_swap::ArcSwap;
+
+use crate::clock::MonotonicClock;
+use crate::config::{ConfigError, RuleSet};
+use crate::limiter::Limiter;
+use crate::quota::cache::CachedQuotas;
+use crate::quota::postgres::{PostgresQuotas, QuotaError};
+use crate::quota::{EmbeddedQuotas, QuotaSource};
+use crate::reload::{Reloader, Watch};
+use crate::server::{self, Listeners, ServeError, Service, Shutdown};
+use crate::store::{ConnectError, MemoryStore, Precheck, RedisStore, RedisTarget, RedisTls, Store};
+use crate::telemetry::{Telemetry, TelemetryConfig};
+use crate::tls::{ReloadingTls, TlsError, TlsFiles};
+
+/// Connections to the quota database per process; lookups are rare (one per tenant per TTL).
+const QUOTA_DB_CONNECTIONS: usize = 8;
+
+/// Everything `tollgate serve` can be told.
+#[derive(Debug, Clone)]
+pub struct Settings {
+    /// A YAML file, or a directory of them.
+    pub config: PathBuf,
+    /// The shared store; `None` for the embedded one (limits per process).
+    pub redis: Option<RedisSettings>,
+    /// Tenant quotas from PostgreSQL; `None` for the config's inline tenants only.
+    pub quotas: Option<QuotaSettings>,
+    /// gRPC over TLS.
+    pub tls: Option<TlsFiles>,
+    /// Evaluate and count, never deny.
+    pub shadow_mode: bool,
+    /// Send envoyproxy/ratelimit's response dynamic metadata.
+    pub dynamic_metadata: bool,
+    /// Most decisions in flight.
+    pub max_inflight: usize,
+    /// Bounds of the per-tenant metric series.
+    pub telemetry: TelemetryConfig,
+    /// Install the process-wide Prometheus recorder (once per process; off for a second `App`
+    /// in one test process).
+    pub exporter: bool,
+    /// Watch the config and TLS files, and `SIGHUP`.
+    pub watch: bool,
+}
+
+impl Settings {
+    /// `serve`'s defaults for the config at `config`: the embedded store, no quota database, no
+    /// TLS, no exporter, no watchers.
+    pub fn new(config: impl Into<PathBuf>) -> Settings {
+        Settings {
+            config: config.into(),
+            redis: None,
+            quotas: None,
+            tls: None,
+            shadow_mode: false,
+            dynamic_metadata: false,
+            max_inflight: 10_000,
+            telemetry: TelemetryConfig::default(),
+            exporter: false,
+            watch: false,
+        }
+    }
+}
+
+/// How to reach Redis.
+#[derive(Debug, Clone)]
+pub struct RedisSettings {
+    /// Standalone, Cluster or Sentinel.
+    pub target: RedisTarget,
+    /// Certificates for `rediss://`.
+    pub tls: RedisTls,
+    /// Deadline per call; past it the domain's failure mode answers.
+    pub timeout: Duration,
+    /// Hot-tenant coalescing delay (0: off).
+    pub coalesce_delay: Duration,
+    /// Buckets the exact pre-check remembers; `None` turns it off.
+    pub precheck_buckets: Option<usize>,
+}
+
+/// The quota database and its cache.
+#[derive(Debug, Clone)]
+pub struct QuotaSettings {
+    /// `postgres://user:password@host:port/db`.
+    pub url: String,
+    /// Extra CA certificates for its TLS.
+    pub ca: Option<PathBuf>,
+    /// How long a tenant's quota is served before it is read again.
+    pub cache_ttl: Duration,
+    /// Most tenants cached.
+    pub cache_size: u64,
+}
+
+/// Why the service could not start. Each names the setting at fault.
+#[derive(Debug, thiserror::Error)]
+pub enum StartError {
+    /// The config does not load.
+    #[error("loading the config: {0}")]
+    Config(#[source] ConfigError),
+    /// The metrics recorder could not be installed.
+    #[error("installing the metrics recorder: {0}")]
+    Metrics(#[source] metrics_exporter_prometheus::BuildError),
+    /// The Redis settings are unusable (TLS files, URLs).
+    #[error("Redis: {0}")]
+    Redis(#[source] ConnectError),
+    /// The quota database settings are unusable.
+    #[error("--quota-store: {0}")]
+    Quotas(#[source] QuotaError),
+    /// The gRPC TLS files do not make a configuration.
+    #[error("gRPC TLS: {0}")]
+    Tls(#[source] TlsError),
+    /// Files could not be watched.
+    #[error("watching {what}: {source}")]
+    Watch {
+        /// The config or the TLS files.
+        what: &'static str,
+        /// Why.
+        #[source]
+        source: notify::Error,
+    },
+}
+
+/// The running parts of the service.
+pub struct App {
+    /// The rules in force, swapped by reloads.
+    pub rules: Arc<ArcSwap<RuleSet>>,
+    /// The decision core both edges use.
+    pub limiter: Arc<Limiter>,
+    /// Metrics.
+    pub telemetry: Arc<Telemetry>,
+    /// The gRPC TLS configuration, reloaded when its files change.
+    pub tls: Option<Arc<ReloadingTls>>,
+    max_inflight: usize,
+    dynamic_metadata: bool,
+    _watches: Vec<Watch>,
+}
+
+/// The store `redis` describes (the embedded one for `None`), with the pre-check in front of
+/// Redis unless it is turned off. Needs a Tokio runtime.
+pub fn store(redis: Option<&RedisSettings>) -> Result<Arc<dyn Store>, ConnectError> {
+    let Some(redis) = redis else {
+        tracing::warn!(
+            "no Redis configured: using the embedded memory store. Limits hold PER PROCESS ONLY; \
+             every replica enforces the full limit on its own"
+        );
+        return Ok(Arc::new(MemoryStore::new()));
+    };
+    let store = Arc::new(RedisStore::connect(&redis.target, redis.timeout, redis.coalesce_delay, &redis.tls)?);
+    Ok(match redis.precheck_buckets {
+        Some(buckets) => Arc::new(Precheck::new(store, Arc::new(MonotonicClock::new()), buckets)),
+        None => store,
+    })
+}
+
+impl App {
+    /// Builds and starts everything `settings` asks for. Needs a Tokio runtime.
+    pub fn start(settings: &Settings) -> Result<App, StartError> {
+        let rules = RuleSet::load(&settings.config).map_err(StartError::Config)?;
+        for domain in rules.domains() {
+            tracing::info!(domain = %domain.name, file = %domain.file.display(), rules = domain.rules.len(), "loaded domain");
+        }
+        let telemetry = Arc::new(if settings.exporter {
+            Telemetry::install(settings.telemetry).map_err(StartError::Metrics)?
+        } else {
+            Telemetry::without_exporter(settings.telemetry)
+        });
+        let store = store(settings.redis.as_ref()).map_err(StartError::Redis)?;
+        tracing::info!(store = %store.describe(), shadow_mode = settings.shadow_mode, "store configured");
+        let quotas: Arc<dyn QuotaSource> = match &settings.quotas {
+            Some(q) => {
+                let db = PostgresQuotas::connect(&q.url, QUOTA_DB_CONNECTIONS, q.ca.as_deref()).map_err(StartError::Quotas)?;
+                tracing::info!(quota_store = %db.describe(), ttl = ?q.cache_ttl, size = q.cache_size, "tenant quotas from the database");
+                // A decision never waits on the database longer than on Redis.
+                let deadline = settings.redis.as_ref().map_or(Duration::from_millis(50), |r| r.timeout);
+                Arc::new(CachedQuotas::new(db, q.cache_size, q.cache_ttl, deadline))
+            }
+            None => Arc::new(EmbeddedQuotas),
+        };
+        let rules = Arc::new(ArcSwap::from_pointee(rules));
+        let limiter = Arc::new(Limiter::new(rules.clone(), store, quotas, telemetry.clone(), settings.shadow_mode));
+        let tls = match &settings.tls {
+            Some(files) => {
+                let tls = ReloadingTls::load(files.clone()).map_err(StartError::Tls)?;
+                tracing::info!(mutual = files.client_ca.is_some(), "gRPC over TLS");
+                Some(tls)
+            }
+            None => None,
+        };
+        let mut watches = Vec::new();
+        if settings.watch {
+            let config = Reloader::new(&settings.config, rules.clone()).watch();
+            watches.push(config.map_err(|source| StartError::Watch { what: "the config", source })?);
+            if let Some(tls) = &tls {
+                watches.push(tls.watch().map_err(|source| StartError::Watch { what: "the TLS files", source })?);
+            }
+        }
+        Ok(App {
+            rules,
+            limiter,
+            telemetry,
+            tls,
+            max_inflight: settings.max_inflight,
+            dynamic_metadata: settings.dynamic_metadata,
+            _watches: watches,
+        })
+    }
+
+    /// What the edges serve.
+    pub fn service(&self) -> Service {
+        Service {
+            rules: self.rules.clone(),
+            limiter: self.limiter.clone(),
+            telemetry: self.telemetry.clone(),
+            max_inflight: self.max_inflight,
+            dynamic_metadata: self.dynamic_metadata,
+        }
+    }
+
+    /// Serves on `grpc` and `http` (with the app's TLS on gRPC) until `shutdown`, then drains.
+    /// The app, and every task it owns, stops when this returns.
+    pub async fn serve(
+        self,
+        grpc: tokio::net::TcpListener,
+        http: tokio::net::TcpListener,
+        shutdown: impl Future<Output = Shutdown>,
+    ) -> Result<(), ServeError> {
+        let listeners = Listeners { grpc, tls: self.tls.clone(), http };
+        server::run(listeners, self.service(), shutdown).await
+    }
+}

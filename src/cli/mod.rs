@@ -1,0 +1,68 @@
+//! The `tollgate` command line: one module per subcommand, each with its arguments and its
+//! handler; this one parses, sets up logging, dispatches, and turns the outcome into an exit
+//! code. Errors are printed once, each cause once ([`ErrorChain`]).
+
+mod ask;
+mod quota;
+mod render;
+mod serve;
+mod validate;
+
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+use tollgate::telemetry::logs::ErrorChain;
+
+#[derive(Parser)]
+#[command(
+    name = "tollgate",
+    version,
+    about = "Rate-limit service for Envoy and Istio: per-tenant token buckets in Redis Cluster"
+)]
+struct Cli {
+    /// Log format: text or json.
+    #[arg(long, global = true, env = "TOLLGATE_LOG_FORMAT", default_value = "text", value_parser = ["text", "json"])]
+    log_format: String,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Serve Envoy's RateLimitService and RateLimitQuotaService (gRPC) and the HTTP endpoints.
+    Serve(Box<serve::ServeArgs>),
+    /// Load and check a config exactly as `serve` would, and summarise it.
+    Validate(validate::ValidateArgs),
+    /// Ask a running server about descriptors and print its answer (exit 0 OK, 1 OVER_LIMIT, 2 error).
+    Ask(ask::AskArgs),
+    /// Manage tenant tiers and quota overrides in the quota database.
+    Quota(quota::QuotaArgs),
+    /// Print the Envoy or Istio configuration that sends the descriptors a config expects.
+    Render(render::RenderArgs),
+}
+
+/// What a subcommand's handler returns: its exit code, or an error (exit code 1; `ask` uses 2).
+type Outcome = anyhow::Result<ExitCode>;
+
+/// Runs the command line of this process.
+pub fn main() -> ExitCode {
+    let cli = Cli::parse();
+    tollgate::telemetry::logs::init(cli.log_format == "json");
+    let (result, failure) = match cli.command {
+        Command::Serve(args) => (serve::run(*args), ExitCode::FAILURE),
+        Command::Validate(args) => (validate::run(args), ExitCode::FAILURE),
+        Command::Ask(args) => (ask::run(args), ExitCode::from(ask::EXIT_ERROR)),
+        Command::Quota(args) => (quota::run(args), ExitCode::FAILURE),
+        Command::Render(args) => (render::run(args), ExitCode::FAILURE),
+    };
+    result.unwrap_or_else(|error| {
+        eprintln!("tollgate: {}", ErrorChain(error.as_ref()));
+        failure
+    })
+}
+
+/// A multi-threaded Tokio runtime for a handler.
+fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
+    use anyhow::Context as _;
+    tokio::runtime::Builder::new_multi_thread().enable_all().build().context("starting the async runtime")
+}

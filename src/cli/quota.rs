@@ -1,0 +1,113 @@
+//! `tollgate quota`: tenant tiers and quota overrides in the quota database.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::{Duration, SystemTime};
+
+use anyhow::{bail, Context as _};
+use clap::{Args, Subcommand};
+use tollgate::bucket::BucketSpec;
+use tollgate::quota::postgres::{Listing, PostgresQuotas};
+
+use super::{runtime, Outcome};
+
+#[derive(Args)]
+pub(super) struct QuotaArgs {
+    /// The quota database: postgres://user:password@host:port/db.
+    #[arg(long, env = "TOLLGATE_QUOTA_STORE", hide_env_values = true, global = true)]
+    quota_store: Option<String>,
+    /// Extra CA certificates (PEM) to verify the quota database's TLS certificate.
+    #[arg(long, env = "TOLLGATE_QUOTA_STORE_CA", global = true)]
+    quota_store_ca: Option<PathBuf>,
+    #[command(subcommand)]
+    action: QuotaAction,
+}
+
+#[derive(Subcommand)]
+enum QuotaAction {
+    /// Create the quota tables if they do not exist.
+    Migrate,
+    /// Set a tenant's tier (--tier) and/or its bucket for one class (--class, --capacity, --refill-per-second).
+    Set {
+        #[arg(long)]
+        tenant: String,
+        #[arg(long)]
+        tier: Option<String>,
+        #[arg(long, requires_all = ["capacity", "refill_per_second"])]
+        class: Option<String>,
+        #[arg(long, requires = "class", allow_negative_numbers = true)]
+        capacity: Option<f64>,
+        #[arg(long, requires = "class", allow_negative_numbers = true)]
+        refill_per_second: Option<f64>,
+        /// The override lapses after this long (e.g. 30d).
+        #[arg(long, requires = "class", value_parser = humantime::parse_duration)]
+        expires_in: Option<Duration>,
+    },
+    /// Show a tenant's tier and overrides.
+    Get {
+        #[arg(long)]
+        tenant: String,
+    },
+    /// Show every tenant with a tier or an override.
+    List,
+    /// Delete a tenant's override for --class, or without --class the tenant and all its overrides.
+    Delete {
+        #[arg(long)]
+        tenant: String,
+        #[arg(long)]
+        class: Option<String>,
+    },
+}
+
+pub(super) fn run(args: QuotaArgs) -> Outcome {
+    let url = args.quota_store.context("--quota-store (or TOLLGATE_QUOTA_STORE) is required")?;
+    runtime()?.block_on(async move {
+        let db = PostgresQuotas::connect(&url, 1, args.quota_store_ca.as_deref())?;
+        match args.action {
+            QuotaAction::Migrate => {
+                db.migrate().await?;
+                println!("quota tables ready in {}", db.describe());
+            }
+            QuotaAction::Set { tenant, tier, class, capacity, refill_per_second, expires_in } => {
+                if tier.is_none() && class.is_none() {
+                    bail!("nothing to set: give --tier, or --class with --capacity and --refill-per-second");
+                }
+                if let Some(tier) = &tier {
+                    db.set_tier(&tenant, tier).await?;
+                }
+                if let (Some(class), Some(capacity), Some(refill)) = (&class, capacity, refill_per_second) {
+                    let spec = BucketSpec::new(capacity, refill)?;
+                    let expires_at = expires_in.map(|d| SystemTime::now() + d);
+                    db.set_override(&tenant, class, spec, expires_at).await?;
+                }
+                print_listings(&db.list(Some(&tenant)).await?);
+            }
+            QuotaAction::Get { tenant } => {
+                let listings = db.list(Some(&tenant)).await?;
+                if listings.is_empty() {
+                    println!("tenant {tenant}: no rows (it gets its domain's default tier)");
+                }
+                print_listings(&listings);
+            }
+            QuotaAction::List => print_listings(&db.list(None).await?),
+            QuotaAction::Delete { tenant, class } => {
+                let deleted = db.delete(&tenant, class.as_deref()).await?;
+                println!("deleted {deleted} row(s)");
+            }
+        }
+        Ok(ExitCode::SUCCESS)
+    })
+}
+
+fn print_listings(listings: &[Listing]) {
+    for l in listings {
+        println!("tenant {}: tier {}", l.tenant, l.tier.as_deref().unwrap_or("(default tier)"));
+        for o in &l.overrides {
+            let expiry = o
+                .expires_at
+                .map(|at| format!(" until {}", humantime::format_rfc3339_seconds(at)))
+                .unwrap_or_default();
+            println!("  {}: capacity {}, refill {}/s{expiry}", o.class, o.capacity, o.refill_per_second);
+        }
+    }
+}

@@ -1,0 +1,220 @@
+//! `tollgate serve`: the service. Flags (each with a `TOLLGATE_*` environment variable) become
+//! [`Settings`]; the listeners are bound before anything starts serving; SIGTERM drains after
+//! `--drain-delay`, Ctrl-C at once.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::Duration;
+
+use anyhow::Context as _;
+use clap::Args;
+use tollgate::app::{App, QuotaSettings, RedisSettings, Settings};
+use tollgate::server::{self, Shutdown};
+use tollgate::store::{RedisTarget, RedisTls};
+use tollgate::telemetry::TelemetryConfig;
+use tollgate::tls::TlsFiles;
+
+use super::{runtime, Outcome};
+
+#[derive(Args)]
+pub(super) struct ServeArgs {
+    /// A YAML file, or a directory of *.yaml / *.yml files (one domain per file).
+    #[arg(long, env = "TOLLGATE_CONFIG")]
+    config: PathBuf,
+    /// Address for gRPC (RateLimitService, RateLimitQuotaService and grpc.health.v1).
+    #[arg(long, env = "TOLLGATE_GRPC_ADDR", default_value = "0.0.0.0:8081")]
+    grpc_addr: SocketAddr,
+    /// Address for HTTP (/healthz, /readyz, /config, /metrics, POST /json).
+    #[arg(long, env = "TOLLGATE_HTTP_ADDR", default_value = "0.0.0.0:8080")]
+    http_addr: SocketAddr,
+    /// Standalone Redis: redis://[user:password@]host:port[/db], or rediss:// for TLS.
+    #[arg(long, env = "TOLLGATE_REDIS_URL", hide_env_values = true, conflicts_with_all = ["redis_cluster", "redis_sentinel"])]
+    redis_url: Option<String>,
+    /// Redis Cluster seed nodes: HOST:PORT,HOST:PORT,...
+    #[arg(long, env = "TOLLGATE_REDIS_CLUSTER", value_delimiter = ',', hide_env_values = true, conflicts_with = "redis_sentinel")]
+    redis_cluster: Vec<String>,
+    /// Redis Sentinel: the sentinels as HOST:PORT,HOST:PORT,... (with --redis-sentinel-master).
+    #[arg(long, env = "TOLLGATE_REDIS_SENTINEL", value_delimiter = ',', requires = "redis_sentinel_master")]
+    redis_sentinel: Vec<String>,
+    /// The master name the sentinels monitor.
+    #[arg(long, env = "TOLLGATE_REDIS_SENTINEL_MASTER", requires = "redis_sentinel")]
+    redis_sentinel_master: Option<String>,
+    /// Password of the sentinels themselves (the data nodes' credentials go in --redis-sentinel-auth).
+    #[arg(long, env = "TOLLGATE_REDIS_SENTINEL_PASSWORD", hide_env_values = true)]
+    redis_sentinel_password: Option<String>,
+    /// Credentials of the data nodes behind Sentinel: [user:]password.
+    #[arg(long, env = "TOLLGATE_REDIS_SENTINEL_AUTH", hide_env_values = true)]
+    redis_sentinel_auth: Option<String>,
+    /// CA certificates (PEM) that signed the Redis servers' TLS certificates (rediss://).
+    #[arg(long, env = "TOLLGATE_REDIS_CA")]
+    redis_ca: Option<PathBuf>,
+    /// Client certificate (PEM) for Redis servers that require TLS client authentication.
+    #[arg(long, env = "TOLLGATE_REDIS_CLIENT_CERT", requires = "redis_client_key")]
+    redis_client_cert: Option<PathBuf>,
+    /// Its private key (PEM).
+    #[arg(long, env = "TOLLGATE_REDIS_CLIENT_KEY", requires = "redis_client_cert")]
+    redis_client_key: Option<PathBuf>,
+    /// Deadline for each Redis call; past it the domain's failure mode answers.
+    #[arg(long, env = "TOLLGATE_REDIS_TIMEOUT", default_value = "50ms", value_parser = humantime::parse_duration)]
+    redis_timeout: Duration,
+    /// Hot-tenant coalescing: concurrent Redis calls for one slot become one script call, a queued
+    /// request waiting about this long at most for the call before it. 0 turns it off.
+    #[arg(long, env = "TOLLGATE_COALESCE_DELAY", default_value = "500us", value_parser = humantime::parse_duration)]
+    coalesce_delay: Duration,
+    /// Turn off the exact local pre-check (answering certain denials without Redis). Needed when
+    /// clients send credits (is_negative_hits) through several replicas.
+    #[arg(long, env = "TOLLGATE_NO_PRECHECK")]
+    no_precheck: bool,
+    /// Most buckets the pre-check remembers.
+    #[arg(long, env = "TOLLGATE_PRECHECK_BUCKETS", default_value_t = 100_000)]
+    precheck_buckets: usize,
+    /// Most decisions in progress at once; beyond it requests are refused with RESOURCE_EXHAUSTED.
+    #[arg(long, env = "TOLLGATE_MAX_INFLIGHT", default_value_t = 10_000)]
+    max_inflight: usize,
+    /// Serve gRPC over TLS with this certificate chain (PEM); reloaded when the file changes.
+    #[arg(long, env = "TOLLGATE_TLS_CERT", requires = "tls_key")]
+    tls_cert: Option<PathBuf>,
+    /// The private key (PEM) of --tls-cert.
+    #[arg(long, env = "TOLLGATE_TLS_KEY", requires = "tls_cert")]
+    tls_key: Option<PathBuf>,
+    /// Require client certificates signed by this CA (PEM): mutual TLS.
+    #[arg(long, env = "TOLLGATE_TLS_CLIENT_CA", requires = "tls_cert")]
+    tls_client_ca: Option<PathBuf>,
+    /// Evaluate and count every limit, but never answer OVER_LIMIT.
+    #[arg(long, env = "TOLLGATE_SHADOW_MODE")]
+    shadow_mode: bool,
+    /// Add envoyproxy/ratelimit's dynamic metadata to every answer: domain, descriptors and the
+    /// `metadata:` of the rules that passed.
+    #[arg(long, env = "TOLLGATE_RESPONSE_DYNAMIC_METADATA")]
+    response_dynamic_metadata: bool,
+    /// On SIGTERM, how long to stay up unready before draining (lets load balancers notice).
+    #[arg(long, env = "TOLLGATE_DRAIN_DELAY", default_value = "5s", value_parser = humantime::parse_duration)]
+    drain_delay: Duration,
+    /// Tenant quotas from PostgreSQL: postgres://user:password@host:port/db (see `tollgate quota`).
+    #[arg(long, env = "TOLLGATE_QUOTA_STORE", hide_env_values = true)]
+    quota_store: Option<String>,
+    /// Extra CA certificates (PEM) to verify the quota database's TLS certificate.
+    #[arg(long, env = "TOLLGATE_QUOTA_STORE_CA")]
+    quota_store_ca: Option<PathBuf>,
+    /// How long a tenant's quota is served from the cache before it is read again.
+    #[arg(long, env = "TOLLGATE_QUOTA_CACHE_TTL", default_value = "45s", value_parser = humantime::parse_duration)]
+    quota_cache_ttl: Duration,
+    /// Most tenants held in the quota cache.
+    #[arg(long, env = "TOLLGATE_QUOTA_CACHE_SIZE", default_value_t = 100_000)]
+    quota_cache_size: u64,
+    /// How many of the most-denied tenants /metrics lists.
+    #[arg(long, env = "TOLLGATE_TOP_DENIED_TENANTS", default_value_t = 10)]
+    top_denied_tenants: usize,
+    /// The window over which denied tenants are ranked.
+    #[arg(long, env = "TOLLGATE_TOP_DENIED_WINDOW", default_value = "60s", value_parser = humantime::parse_duration)]
+    top_denied_window: Duration,
+    /// Most per-tenant series for rules with detailed_metric: true; later tenants count as (other).
+    #[arg(long, env = "TOLLGATE_DETAILED_METRIC_SERIES", default_value_t = 10_000)]
+    detailed_metric_series: usize,
+}
+
+/// The Redis connection flags, shared with `explain`.
+pub(super) struct RedisFlags<'a> {
+    pub(super) url: Option<&'a String>,
+    pub(super) cluster: &'a [String],
+    pub(super) sentinel: &'a [String],
+    pub(super) sentinel_master: Option<&'a String>,
+    pub(super) sentinel_password: Option<&'a String>,
+    pub(super) sentinel_auth: Option<&'a String>,
+}
+
+impl RedisFlags<'_> {
+    /// The Redis the flags name, if any.
+    pub(super) fn target(&self) -> anyhow::Result<Option<RedisTarget>> {
+        Ok(match (self.url, self.cluster.is_empty(), self.sentinel.is_empty()) {
+            (Some(url), _, _) => Some(RedisTarget::Standalone(url.clone())),
+            (None, false, _) => Some(RedisTarget::Cluster(self.cluster.to_vec())),
+            (None, true, false) => Some(RedisTarget::Sentinel(tollgate::store::SentinelTarget {
+                sentinels: self.sentinel.to_vec(),
+                master: self.sentinel_master.cloned().context("--redis-sentinel-master is required with --redis-sentinel")?,
+                sentinel_password: self.sentinel_password.cloned(),
+                auth: self.sentinel_auth.cloned(),
+            })),
+            (None, true, true) => None,
+        })
+    }
+}
+
+impl ServeArgs {
+    fn settings(&self) -> anyhow::Result<Settings> {
+        let flags = RedisFlags {
+            url: self.redis_url.as_ref(),
+            cluster: &self.redis_cluster,
+            sentinel: &self.redis_sentinel,
+            sentinel_master: self.redis_sentinel_master.as_ref(),
+            sentinel_password: self.redis_sentinel_password.as_ref(),
+            sentinel_auth: self.redis_sentinel_auth.as_ref(),
+        };
+        let redis = flags.target()?.map(|target| RedisSettings {
+            target,
+            tls: RedisTls {
+                ca: self.redis_ca.clone(),
+                client: self.redis_client_cert.clone().zip(self.redis_client_key.clone()),
+            },
+            timeout: self.redis_timeout,
+            coalesce_delay: self.coalesce_delay,
+            precheck_buckets: (!self.no_precheck).then_some(self.precheck_buckets),
+        });
+        Ok(Settings {
+            config: self.config.clone(),
+            redis,
+            quotas: self.quota_store.as_ref().map(|url| QuotaSettings {
+                url: url.clone(),
+                ca: self.quota_store_ca.clone(),
+                cache_ttl: self.quota_cache_ttl,
+                cache_size: self.quota_cache_size,
+            }),
+            tls: match (&self.tls_cert, &self.tls_key) {
+                (Some(cert), Some(key)) => {
+                    Some(TlsFiles { cert: cert.clone(), key: key.clone(), client_ca: self.tls_client_ca.clone() })
+                }
+                _ => None,
+            },
+            shadow_mode: self.shadow_mode,
+            dynamic_metadata: self.response_dynamic_metadata,
+            max_inflight: self.max_inflight,
+            telemetry: TelemetryConfig {
+                top_denied: self.top_denied_tenants,
+                top_denied_window: self.top_denied_window,
+                detailed_series: self.detailed_metric_series,
+            },
+            exporter: true,
+            watch: true,
+        })
+    }
+}
+
+pub(super) fn run(args: ServeArgs) -> Outcome {
+    let settings = args.settings()?;
+    runtime()?.block_on(async move {
+        // Bound first: a port in use fails before anything connects anywhere.
+        let grpc = server::bind(args.grpc_addr).await?;
+        let http = server::bind(args.http_addr).await?;
+        let app = App::start(&settings)?;
+        app.serve(grpc, http, shutdown_signal(args.drain_delay)).await?;
+        Ok(ExitCode::SUCCESS)
+    })
+}
+
+// SIGTERM (an orchestrator) drains after the delay; SIGINT (a person at a terminal) at once.
+async fn shutdown_signal(drain_delay: Duration) -> Shutdown {
+    use tokio::signal::unix::{signal, SignalKind};
+    let mut term = match signal(SignalKind::terminate()) {
+        Ok(s) => s,
+        Err(e) => {
+            tracing::error!(error = %e, "cannot watch SIGTERM; only Ctrl-C stops the server");
+            let _ = tokio::signal::ctrl_c().await;
+            return Shutdown::Immediate;
+        }
+    };
+    tokio::select! {
+        _ = term.recv() => Shutdown::Drain(drain_delay),
+        _ = tokio::signal::ctrl_c() => Shutdown::Immediate,
+    }
+}

@@ -1,0 +1,37 @@
+//! `tollgate validate`: load a config exactly as `serve` would, and summarise it. Every bad file
+//! of a directory is reported, one `file:line:column: path: problem` per line.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use anyhow::bail;
+use clap::Args;
+use tollgate::config::RuleSet;
+
+use super::Outcome;
+
+#[derive(Args)]
+pub(super) struct ValidateArgs {
+    /// A YAML file, or a directory of *.yaml / *.yml files (one domain per file).
+    #[arg(required_unless_present = "config", conflicts_with = "config", value_name = "PATH")]
+    path: Option<PathBuf>,
+    /// The same, as `serve` and `render` take it.
+    #[arg(long, value_name = "PATH")]
+    config: Option<PathBuf>,
+}
+
+pub(super) fn run(args: ValidateArgs) -> Outcome {
+    let path = args.path.or(args.config).expect("clap requires one");
+    let rules = RuleSet::load(&path)?;
+    let mut any = false;
+    for domain in rules.domains() {
+        any = true;
+        let n = domain.rules.len();
+        println!("domain {}: {n} rule{} ({})", domain.name, if n == 1 { "" } else { "s" }, domain.file.display());
+    }
+    if !any {
+        bail!("{}: no domains", path.display());
+    }
+    println!("ok");
+    Ok(ExitCode::SUCCESS)
+}
