@@ -6,19 +6,23 @@
 //! * `GET /config`: the loaded rules as JSON, like envoyproxy/ratelimit's `/rlconfig`. It holds
 //!   rule trees, tiers and inline tenant quotas, never connection strings or credentials.
 //! * `GET /metrics`: Prometheus text exposition.
+//! * `POST /json`: a rate-limit decision in JSON, as envoyproxy/ratelimit serves it (see
+//!   [`crate::edge::rls::json`]).
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use arc_swap::ArcSwap;
-use axum::extract::State;
+use axum::extract::{DefaultBodyLimit, State};
 use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};
-use axum::routing::get;
+use axum::routing::{get, post};
 use axum::{Json, Router};
 use serde_json::{json, Value};
 
 use crate::config::RuleSet;
+use crate::edge::rls::json;
+use crate::edge::rls::RateLimitGrpc;
 use crate::store::Store;
 use crate::telemetry::Telemetry;
 
@@ -33,6 +37,8 @@ pub struct HttpState {
     pub draining: Arc<AtomicBool>,
     /// Rendered by `/metrics`.
     pub telemetry: Arc<Telemetry>,
+    /// The RLS edge `POST /json` asks.
+    pub rls: Arc<RateLimitGrpc>,
 }
 
 /// The side-endpoint router.
@@ -42,6 +48,12 @@ pub fn router(state: HttpState) -> Router {
         .route("/readyz", get(readyz))
         .route("/config", get(config))
         .route("/metrics", get(metrics))
+        .route(
+            "/json",
+            post(json::handle)
+                .with_state(state.rls.clone())
+                .layer(DefaultBodyLimit::max(json::MAX_BODY_BYTES)),
+        )
         .with_state(state)
 }
 

@@ -137,11 +137,13 @@ pub async fn run(
     };
 
     let Service { rules, limiter, telemetry, max_inflight, dynamic_metadata } = service;
+    let rls = Arc::new(RateLimitGrpc::new(limiter.clone(), max_inflight, dynamic_metadata));
     let state = HttpState {
         rules,
         store: limiter.store().clone(),
         draining: draining.clone(),
         telemetry: telemetry.clone(),
+        rls: rls.clone(),
     };
     let http_server =
         axum::serve(http_listener, http::router(state)).with_graceful_shutdown(stopped(stop_rx.clone()));
@@ -149,7 +151,7 @@ pub async fn run(
     let rlqs = RateLimitQuotaGrpc::new(limiter.clone(), replica_name(), Arc::new(MonotonicClock::new()), stop_rx.clone());
     let routes = tonic::transport::Server::builder()
         .add_service(health_service)
-        .add_service(RateLimitServiceServer::from_arc(Arc::new(RateLimitGrpc::new(limiter, max_inflight, dynamic_metadata))))
+        .add_service(RateLimitServiceServer::from_arc(rls))
         .add_service(RateLimitQuotaServiceServer::new(rlqs));
     let grpc_server: Pin<Box<dyn Future<Output = Result<(), tonic::transport::Error>> + Send>> =
         match &tls {

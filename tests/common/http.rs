@@ -42,6 +42,10 @@ pub fn http_request(addr: SocketAddr, path: &str, headers: &[(&str, &str)]) -> H
     }
     request.push_str("\r\n");
     stream.write_all(request.as_bytes()).unwrap();
+    parse_response(stream)
+}
+
+fn parse_response(mut stream: TcpStream) -> HttpResponse {
     let mut raw = String::new();
     stream.read_to_string(&mut raw).expect("read response");
     let (head, body) = raw.split_once("\r\n\r\n").unwrap_or((raw.as_str(), ""));
@@ -56,4 +60,18 @@ pub fn http_request(addr: SocketAddr, path: &str, headers: &[(&str, &str)]) -> H
         .map(|(k, v)| (k.trim().to_owned(), v.trim().to_owned()))
         .collect();
     HttpResponse { status, headers, body: body.to_owned() }
+}
+
+/// A POST of `body` (JSON) to `path`.
+pub fn http_post(addr: SocketAddr, path: &str, body: &[u8]) -> HttpResponse {
+    let mut stream = TcpStream::connect_timeout(&addr, Duration::from_secs(2)).expect("connect");
+    stream.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    let head = format!(
+        "POST {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n",
+        body.len()
+    );
+    stream.write_all(head.as_bytes()).unwrap();
+    // A server refusing a large body may close before reading all of it.
+    let _ = stream.write_all(body);
+    parse_response(stream)
 }

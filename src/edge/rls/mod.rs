@@ -9,6 +9,7 @@
 //! `RESOURCE_EXHAUSTED`.
 
 pub mod headers;
+pub mod json;
 pub mod metadata;
 
 use std::sync::Arc;
@@ -52,12 +53,10 @@ impl RateLimitGrpc {
     }
 }
 
-#[tonic::async_trait]
-impl RateLimitService for RateLimitGrpc {
-    async fn should_rate_limit(
-        &self,
-        request: Request<RateLimitRequest>,
-    ) -> Result<Response<RateLimitResponse>, Status> {
+impl RateLimitGrpc {
+    /// The answer to `request`, whichever edge it came through (gRPC or `POST /json`): bounded
+    /// in flight, validated, decided, encoded, timed.
+    pub async fn answer(&self, request: &RateLimitRequest) -> Result<RateLimitResponse, Status> {
         let start = Instant::now();
         // Past the bound, refuse at once instead of queueing: a backlog would only answer late,
         // after Envoy has given up, and grow memory. Envoy's failure_mode_deny then decides.
@@ -68,19 +67,25 @@ impl RateLimitService for RateLimitGrpc {
                 self.max_inflight
             )));
         };
-        let request = request.into_inner();
-        let answer = match decide(&self.limiter, &request).await {
-            Ok(decision) => {
-                let mut response = encode(&decision);
-                if self.dynamic_metadata {
-                    response.dynamic_metadata = Some(metadata::to_struct(metadata::dynamic_metadata(&request, &decision)));
-                }
-                Ok(Response::new(response))
+        let answer = decide(&self.limiter, request).await.map(|decision| {
+            let mut response = encode(&decision);
+            if self.dynamic_metadata {
+                response.dynamic_metadata = Some(metadata::to_struct(metadata::dynamic_metadata(request, &decision)));
             }
-            Err(status) => Err(status),
-        };
+            response
+        });
         metrics::histogram!("tollgate_request_duration_seconds").record(start.elapsed());
         answer
+    }
+}
+
+#[tonic::async_trait]
+impl RateLimitService for RateLimitGrpc {
+    async fn should_rate_limit(
+        &self,
+        request: Request<RateLimitRequest>,
+    ) -> Result<Response<RateLimitResponse>, Status> {
+        self.answer(request.get_ref()).await.map(Response::new)
     }
 }
 
