@@ -17,8 +17,10 @@
 //! and the [`Decision`] back; nothing here knows a wire format. Clients that enforce limits
 //! themselves (Envoy's Rate Limit Quota Service) lease shares of the same buckets ([`lease`]).
 
+mod explain;
 mod lease;
 
+pub use self::explain::{Explained, Explanation, Effect, SpecOrigin};
 pub use self::lease::{Leasable, QuotaBucket, DEMAND_TTL_MS};
 
 use std::sync::Arc;
@@ -438,20 +440,24 @@ impl Decision {
 
 /// When a matched rule names others in `replaces`, those others apply no limit to this request.
 /// As in envoyproxy/ratelimit, an unlimited rule replaces too but is never replaced, and
-/// overrides have no rule: they neither replace nor are replaced.
-fn drop_replaced<'a>(plans: &mut [Plan<'a>]) {
-    let replaced: Vec<&'a str> =
-        plans.iter().filter_map(Plan::rule).flat_map(|r| r.replaces.iter().map(String::as_str)).collect();
-    if replaced.is_empty() {
-        return;
+/// overrides have no rule: they neither replace nor are replaced. Returns each replaced plan's
+/// index and the rule that replaced it.
+fn drop_replaced<'a>(plans: &mut [Plan<'a>]) -> Vec<(usize, &'a Arc<Rule>)> {
+    let replacers: Vec<&'a Arc<Rule>> = plans.iter().filter_map(Plan::rule).filter(|r| !r.replaces.is_empty()).collect();
+    let mut replaced = Vec::new();
+    if replacers.is_empty() {
+        return replaced;
     }
-    for plan in plans.iter_mut() {
+    for (i, plan) in plans.iter_mut().enumerate() {
         if let Plan::Bucket(BucketPlan { rule: Some(rule), .. }) = plan {
-            if rule.name.as_deref().is_some_and(|n| replaced.contains(&n)) {
+            let by = rule.name.as_deref().and_then(|n| replacers.iter().find(|r| r.replaces.iter().any(|x| x == n)));
+            if let Some(by) = by {
+                replaced.push((i, *by));
                 *plan = Plan::Free;
             }
         }
     }
+    replaced
 }
 
 impl<'a> Plan<'a> {

@@ -3,7 +3,9 @@
 //! code. Errors are printed once, each cause once ([`ErrorChain`]).
 
 mod ask;
+mod explain;
 mod quota;
+mod redis_args;
 mod render;
 mod serve;
 mod validate;
@@ -35,6 +37,9 @@ enum Command {
     Validate(validate::ValidateArgs),
     /// Ask a running server about descriptors and print its answer (exit 0 OK, 1 OVER_LIMIT, 2 error).
     Ask(ask::AskArgs),
+    /// Explain what a request would be held to: rule, bucket key and slot, limit and its origin,
+    /// and (with Redis) the bucket's balance, read without debiting.
+    Explain(Box<explain::ExplainArgs>),
     /// Manage tenant tiers and quota overrides in the quota database.
     Quota(quota::QuotaArgs),
     /// Print the Envoy or Istio configuration that sends the descriptors a config expects.
@@ -52,6 +57,7 @@ pub fn main() -> ExitCode {
         Command::Serve(args) => (serve::run(*args), ExitCode::FAILURE),
         Command::Validate(args) => (validate::run(args), ExitCode::FAILURE),
         Command::Ask(args) => (ask::run(args), ExitCode::from(ask::EXIT_ERROR)),
+        Command::Explain(args) => (explain::run(*args), ExitCode::FAILURE),
         Command::Quota(args) => (quota::run(args), ExitCode::FAILURE),
         Command::Render(args) => (render::run(args), ExitCode::FAILURE),
     };

@@ -7,14 +7,13 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Duration;
 
-use anyhow::Context as _;
 use clap::Args;
 use tollgate::app::{App, QuotaSettings, RedisSettings, Settings};
 use tollgate::server::{self, Shutdown};
-use tollgate::store::{RedisTarget, RedisTls};
 use tollgate::telemetry::TelemetryConfig;
 use tollgate::tls::TlsFiles;
 
+use super::redis_args::RedisArgs;
 use super::{runtime, Outcome};
 
 #[derive(Args)]
@@ -28,33 +27,8 @@ pub(super) struct ServeArgs {
     /// Address for HTTP (/healthz, /readyz, /config, /metrics, POST /json).
     #[arg(long, env = "TOLLGATE_HTTP_ADDR", default_value = "0.0.0.0:8080")]
     http_addr: SocketAddr,
-    /// Standalone Redis: redis://[user:password@]host:port[/db], or rediss:// for TLS.
-    #[arg(long, env = "TOLLGATE_REDIS_URL", hide_env_values = true, conflicts_with_all = ["redis_cluster", "redis_sentinel"])]
-    redis_url: Option<String>,
-    /// Redis Cluster seed nodes: HOST:PORT,HOST:PORT,...
-    #[arg(long, env = "TOLLGATE_REDIS_CLUSTER", value_delimiter = ',', hide_env_values = true, conflicts_with = "redis_sentinel")]
-    redis_cluster: Vec<String>,
-    /// Redis Sentinel: the sentinels as HOST:PORT,HOST:PORT,... (with --redis-sentinel-master).
-    #[arg(long, env = "TOLLGATE_REDIS_SENTINEL", value_delimiter = ',', requires = "redis_sentinel_master")]
-    redis_sentinel: Vec<String>,
-    /// The master name the sentinels monitor.
-    #[arg(long, env = "TOLLGATE_REDIS_SENTINEL_MASTER", requires = "redis_sentinel")]
-    redis_sentinel_master: Option<String>,
-    /// Password of the sentinels themselves (the data nodes' credentials go in --redis-sentinel-auth).
-    #[arg(long, env = "TOLLGATE_REDIS_SENTINEL_PASSWORD", hide_env_values = true)]
-    redis_sentinel_password: Option<String>,
-    /// Credentials of the data nodes behind Sentinel: [user:]password.
-    #[arg(long, env = "TOLLGATE_REDIS_SENTINEL_AUTH", hide_env_values = true)]
-    redis_sentinel_auth: Option<String>,
-    /// CA certificates (PEM) that signed the Redis servers' TLS certificates (rediss://).
-    #[arg(long, env = "TOLLGATE_REDIS_CA")]
-    redis_ca: Option<PathBuf>,
-    /// Client certificate (PEM) for Redis servers that require TLS client authentication.
-    #[arg(long, env = "TOLLGATE_REDIS_CLIENT_CERT", requires = "redis_client_key")]
-    redis_client_cert: Option<PathBuf>,
-    /// Its private key (PEM).
-    #[arg(long, env = "TOLLGATE_REDIS_CLIENT_KEY", requires = "redis_client_cert")]
-    redis_client_key: Option<PathBuf>,
+    #[command(flatten)]
+    redis: RedisArgs,
     /// Deadline for each Redis call; past it the domain's failure mode answers.
     #[arg(long, env = "TOLLGATE_REDIS_TIMEOUT", default_value = "50ms", value_parser = humantime::parse_duration)]
     redis_timeout: Duration,
@@ -114,49 +88,11 @@ pub(super) struct ServeArgs {
     detailed_metric_series: usize,
 }
 
-/// The Redis connection flags, shared with `explain`.
-pub(super) struct RedisFlags<'a> {
-    pub(super) url: Option<&'a String>,
-    pub(super) cluster: &'a [String],
-    pub(super) sentinel: &'a [String],
-    pub(super) sentinel_master: Option<&'a String>,
-    pub(super) sentinel_password: Option<&'a String>,
-    pub(super) sentinel_auth: Option<&'a String>,
-}
-
-impl RedisFlags<'_> {
-    /// The Redis the flags name, if any.
-    pub(super) fn target(&self) -> anyhow::Result<Option<RedisTarget>> {
-        Ok(match (self.url, self.cluster.is_empty(), self.sentinel.is_empty()) {
-            (Some(url), _, _) => Some(RedisTarget::Standalone(url.clone())),
-            (None, false, _) => Some(RedisTarget::Cluster(self.cluster.to_vec())),
-            (None, true, false) => Some(RedisTarget::Sentinel(tollgate::store::SentinelTarget {
-                sentinels: self.sentinel.to_vec(),
-                master: self.sentinel_master.cloned().context("--redis-sentinel-master is required with --redis-sentinel")?,
-                sentinel_password: self.sentinel_password.cloned(),
-                auth: self.sentinel_auth.cloned(),
-            })),
-            (None, true, true) => None,
-        })
-    }
-}
-
 impl ServeArgs {
     fn settings(&self) -> anyhow::Result<Settings> {
-        let flags = RedisFlags {
-            url: self.redis_url.as_ref(),
-            cluster: &self.redis_cluster,
-            sentinel: &self.redis_sentinel,
-            sentinel_master: self.redis_sentinel_master.as_ref(),
-            sentinel_password: self.redis_sentinel_password.as_ref(),
-            sentinel_auth: self.redis_sentinel_auth.as_ref(),
-        };
-        let redis = flags.target()?.map(|target| RedisSettings {
+        let redis = self.redis.target()?.map(|target| RedisSettings {
             target,
-            tls: RedisTls {
-                ca: self.redis_ca.clone(),
-                client: self.redis_client_cert.clone().zip(self.redis_client_key.clone()),
-            },
+            tls: self.redis.tls(),
             timeout: self.redis_timeout,
             coalesce_delay: self.coalesce_delay,
             precheck_buckets: (!self.no_precheck).then_some(self.precheck_buckets),

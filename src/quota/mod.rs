@@ -50,18 +50,44 @@ pub struct Quotas {
 impl Quotas {
     /// The bucket `record`'s tenant gets for `class`; `None` only if the domain has no tiers.
     pub fn resolve(&self, record: Option<&TenantRecord>, class: &str) -> Option<BucketSpec> {
+        self.resolve_with_source(record, class).map(|(spec, _)| spec)
+    }
+
+    /// [`Quotas::resolve`], and where the bucket came from.
+    pub fn resolve_with_source<'a>(
+        &'a self,
+        record: Option<&'a TenantRecord>,
+        class: &'a str,
+    ) -> Option<(BucketSpec, QuotaOrigin<'a>)> {
         if let Some(spec) = record.and_then(|r| r.overrides.get(class)) {
-            return Some(*spec);
+            return Some((*spec, QuotaOrigin::Override));
         }
-        let in_tier = |tier: &str| {
+        let in_tier = |tier: &'a str| {
             let classes = self.tiers.get(tier)?;
-            classes.get(class).or_else(|| classes.get(DEFAULT_CLASS)).copied()
+            match classes.get(class) {
+                Some(spec) => Some((*spec, QuotaOrigin::Tier { tier, class })),
+                None => classes.get(DEFAULT_CLASS).map(|spec| (*spec, QuotaOrigin::Tier { tier, class: DEFAULT_CLASS })),
+            }
         };
         record
             .and_then(|r| r.tier.as_deref())
             .and_then(in_tier)
             .or_else(|| self.default_tier.as_deref().and_then(in_tier))
     }
+}
+
+/// Where a tenant's bucket for a class came from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum QuotaOrigin<'a> {
+    /// The tenant's own override for the class.
+    Override,
+    /// A tier's bucket: the class's own, or the tier's `default` bucket.
+    Tier {
+        /// The tier: the tenant's, or the domain's `default_tier`.
+        tier: &'a str,
+        /// The class whose bucket it is (`default` when the tier has none for the class asked).
+        class: &'a str,
+    },
 }
 
 /// Where tenant records live.

@@ -29,7 +29,7 @@ use futures::future::BoxFuture;
 
 pub use self::memory::MemoryStore;
 pub use self::precheck::{Precheck, MAX_AGE_MS};
-pub use self::redis::{ConnectError, RedisStore, RedisTarget, RedisTls};
+pub use self::redis::{ConnectError, Peek, RedisStore, RedisTarget, RedisTls};
 pub use self::sentinel::SentinelTarget;
 use crate::bucket::{Batch, GroupOutcome};
 

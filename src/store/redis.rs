@@ -34,7 +34,7 @@ use super::coalesce::{Call, Coalescer};
 use super::node::{self, Node, Script};
 use super::sentinel::{Sentinel, SentinelTarget};
 use super::{LateReply, Store, StoreError};
-use crate::bucket::{refund, Batch, BucketOp, Charge, Group, GroupOutcome, Role, Verdict};
+use crate::bucket::{refund, Batch, BucketOp, BucketState, Charge, Group, GroupOutcome, Role, Verdict};
 use crate::identity::cluster_slot;
 use crate::telemetry::logs;
 
@@ -42,6 +42,8 @@ use crate::telemetry::logs;
 const SCRIPT: &str = include_str!("token_bucket.lua");
 /// The RLQS demand registry script.
 const DEMAND_SCRIPT: &str = include_str!("demand.lua");
+/// Reads a bucket without changing it.
+const PEEK_SCRIPT: &str = include_str!("peek.lua");
 
 /// How long a call may go on after its caller's deadline, so that a late reply can still be
 /// refunded: twice the deadline, and at least a second.
@@ -101,6 +103,17 @@ impl RedisTls {
     }
 }
 
+/// A bucket as stored, read without changing it.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Peek {
+    /// The stored state; `None` if no bucket is stored (a missing bucket is full).
+    pub state: Option<BucketState>,
+    /// Redis's clock, in milliseconds.
+    pub now_ms: u64,
+    /// The key's time to live, in milliseconds, if it is stored with one.
+    pub ttl_ms: Option<u64>,
+}
+
 /// Bucket state in Redis.
 pub struct RedisStore {
     shared: std::sync::Arc<Shared>,
@@ -112,6 +125,7 @@ struct Shared {
     connection: Connection,
     script: Script,
     demand_script: Script,
+    peek_script: Script,
     deadline: Duration,
     description: String,
 }
@@ -183,6 +197,7 @@ impl RedisStore {
             connection,
             script: Script::new(SCRIPT),
             demand_script: Script::new(DEMAND_SCRIPT),
+            peek_script: Script::new(PEEK_SCRIPT),
             deadline,
             description,
         });
@@ -193,6 +208,37 @@ impl RedisStore {
         });
         let coalescer = Coalescer::new(call, coalesce_delay, deadline);
         Ok(RedisStore { shared, coalescer })
+    }
+
+    /// Reads the bucket at `key` without changing it, with Redis's clock (for `tollgate explain`).
+    pub async fn peek(&self, key: &str) -> Result<Peek, StoreError> {
+        let keys = [key];
+        let call = node::Call { keys: &keys, args: &[] };
+        let slot = self.shared.connection.slot(key);
+        let reply = tokio::time::timeout(self.shared.deadline, self.shared.eval(&self.shared.peek_script, slot, &call))
+            .await
+            .map_err(|_| StoreError::Timeout(self.shared.deadline))??;
+        let Value::Array(items) = reply else {
+            return Err(StoreError::Protocol(format!("expected an array, got {reply:?}")));
+        };
+        let number = |i: usize| -> Option<f64> {
+            match items.get(i)? {
+                Value::BulkString(b) => std::str::from_utf8(b).ok()?.parse().ok(),
+                Value::Int(n) => Some(*n as f64),
+                _ => None,
+            }
+        };
+        let (Some(seconds), Some(micros)) = (number(3), number(4)) else {
+            return Err(StoreError::Protocol(format!("expected TIME in the peek reply, got {items:?}")));
+        };
+        let state = match (number(0), number(1)) {
+            (Some(tokens), Some(last)) => {
+                Some(BucketState { tokens, last_refill_ms: last as u64, fastest_refill: number(2).unwrap_or(0.0) })
+            }
+            _ => None,
+        };
+        let ttl_ms = number(5).filter(|t| *t >= 0.0).map(|t| t as u64);
+        Ok(Peek { state, now_ms: (seconds * 1000.0 + (micros / 1000.0).floor()) as u64, ttl_ms })
     }
 
     fn slot_of(&self, op: &BucketOp) -> u16 {

@@ -1,0 +1,193 @@
+//! `tollgate explain`: what a request would be held to, for on-call. For each descriptor: the
+//! rule it matches (file:line), its bucket's key and Cluster slot, the capacity and rate and
+//! where they come from (rule, tier, tenant override, request override), what changes the
+//! outcome (shadow, quota mode, replaces, unlimited, charge: always), and, given a Redis, the
+//! bucket's balance and time to full, read without debiting anything.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context as _;
+use arc_swap::ArcSwap;
+use clap::Args;
+use tollgate::bucket::{refill, Role};
+use tollgate::client;
+use tollgate::config::{ChargeRule, RuleSet};
+use tollgate::limiter::{Effect, Explained, Limiter, Query, QueryDescriptor, SpecOrigin};
+use tollgate::quota::cache::CachedQuotas;
+use tollgate::quota::postgres::PostgresQuotas;
+use tollgate::quota::{EmbeddedQuotas, QuotaSource};
+use tollgate::store::{MemoryStore, RedisStore};
+use tollgate::telemetry::{Telemetry, TelemetryConfig};
+
+use super::redis_args::RedisArgs;
+use super::{runtime, Outcome};
+
+#[derive(Args)]
+pub(super) struct ExplainArgs {
+    /// A YAML file, or a directory of them, as `serve` takes it.
+    #[arg(long, env = "TOLLGATE_CONFIG")]
+    config: PathBuf,
+    /// The rate-limit domain.
+    #[arg(long)]
+    domain: String,
+    /// One descriptor as key=value,key=value; repeat for several.
+    #[arg(long = "descriptor", required = true, value_parser = client::parse_descriptor)]
+    descriptors: Vec<Vec<(String, String)>>,
+    /// Hits per descriptor (tokens = hits x the rule's cost).
+    #[arg(long, default_value_t = 1)]
+    hits: u64,
+    #[command(flatten)]
+    redis: RedisArgs,
+    /// Tenant quotas from PostgreSQL, as `serve` reads them.
+    #[arg(long, env = "TOLLGATE_QUOTA_STORE", hide_env_values = true)]
+    quota_store: Option<String>,
+    /// How long to wait for Redis and the quota database.
+    #[arg(long, default_value = "2s", value_parser = humantime::parse_duration)]
+    timeout: Duration,
+}
+
+pub(super) fn run(args: ExplainArgs) -> Outcome {
+    let rules = RuleSet::load(&args.config)?;
+    let target = args.redis.target()?;
+    runtime()?.block_on(async move {
+        let quotas: Arc<dyn QuotaSource> = match &args.quota_store {
+            Some(url) => {
+                let db = PostgresQuotas::connect(url, 1, None).context("--quota-store")?;
+                Arc::new(CachedQuotas::new(db, 1_000, Duration::from_secs(60), args.timeout))
+            }
+            None => Arc::new(EmbeddedQuotas),
+        };
+        let store = match &target {
+            Some(target) => Some(
+                RedisStore::connect(target, args.timeout, Duration::ZERO, &args.redis.tls())
+                    .context("connecting to Redis")?,
+            ),
+            None => None,
+        };
+        let limiter = Limiter::new(
+            Arc::new(ArcSwap::from_pointee(rules)),
+            Arc::new(MemoryStore::new()),
+            quotas,
+            Arc::new(Telemetry::without_exporter(TelemetryConfig::default())),
+            false,
+        );
+        let query = Query {
+            domain: &args.domain,
+            descriptors: args
+                .descriptors
+                .iter()
+                .map(|d| QueryDescriptor {
+                    entries: d.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect(),
+                    hits: args.hits,
+                    credit: false,
+                    limit: None,
+                })
+                .collect(),
+        };
+        let explanation = limiter.explain(&query).await;
+        match &explanation.domain {
+            Some(domain) => println!(
+                "domain {} ({}), failure_mode {}",
+                domain.name,
+                domain.file.display(),
+                domain.failure_mode
+            ),
+            None => println!("domain {}: not configured, every descriptor is OK and nothing is stored", args.domain),
+        }
+        let file = explanation.domain.as_ref().map(|d| d.file.display().to_string()).unwrap_or_default();
+        for ((i, explained), entries) in explanation.descriptors.iter().enumerate().zip(&args.descriptors) {
+            let entries: Vec<String> = entries.iter().map(|(k, v)| format!("{k}={v}")).collect();
+            println!("\ndescriptor {i} [{}]", entries.join(","));
+            print_descriptor(explained, &file, args.hits, store.as_ref()).await?;
+        }
+        anyhow::Ok(ExitCode::SUCCESS)
+    })
+}
+
+async fn print_descriptor(
+    explained: &Explained,
+    file: &str,
+    hits: u64,
+    store: Option<&RedisStore>,
+) -> anyhow::Result<()> {
+    if let Some(rule) = &explained.rule {
+        let mut also = Vec::new();
+        if let Some(name) = &rule.name {
+            also.push(format!("name {name}"));
+        }
+        if let Some(class) = &rule.class {
+            also.push(format!("class {class}"));
+        }
+        let also = if also.is_empty() { String::new() } else { format!(" ({})", also.join(", ")) };
+        println!("  rule:     {} at {file}:{}:{}{also}", rule.path, rule.position.0, rule.position.1);
+    }
+    let (limit, origin, role, need, tenant, slot) = match &explained.effect {
+        Effect::UnknownDomain => return Ok(()),
+        Effect::NoRule => {
+            println!("  no rule with a limit matches: OK, nothing is stored");
+            return Ok(());
+        }
+        Effect::Unlimited => {
+            println!("  unlimited: always OK, the store is never asked");
+            return Ok(());
+        }
+        Effect::Replaced { by } => {
+            println!(
+                "  replaced by {} (name {}): no limit for this request",
+                by.path,
+                by.name.as_deref().unwrap_or("")
+            );
+            return Ok(());
+        }
+        Effect::Bucket { limit, origin, role, need, tenant, slot } => (limit, origin, role, need, tenant, slot),
+    };
+    let tenant = tenant.as_ref().map(|t| format!("   tenant {t}")).unwrap_or_default();
+    println!("  bucket:   {}   slot {slot}{tenant}", limit.key);
+    let origin = match origin {
+        SpecOrigin::Rule => "the rule".to_owned(),
+        SpecOrigin::RequestOverride => "the request's limit override (the rule is ignored)".to_owned(),
+        SpecOrigin::TenantOverride { class } => format!("the tenant's override for class '{class}'"),
+        SpecOrigin::Tier { tier, class } => format!("tier '{tier}', class '{class}'"),
+    };
+    println!(
+        "  limit:    capacity {}, refill {}/s ({}/{})   from {origin}",
+        limit.spec.capacity(),
+        limit.spec.refill_per_second(),
+        limit.current_limit.requests_per_unit,
+        limit.current_limit.unit.name()
+    );
+    let cost = explained.rule.as_ref().map_or(1, |r| r.cost);
+    println!("  takes:    {need} tokens ({hits} hits x cost {cost})");
+    let mut effects = vec![match role {
+        Role::Enforced => "enforced: a shortage denies the request".to_owned(),
+        Role::Shadow => "shadow mode: counted, never denies".to_owned(),
+        Role::Quota => "quota mode: denies only if every quota-mode descriptor is short".to_owned(),
+    }];
+    if let Some(ChargeRule::Always { .. }) = explained.rule.as_ref().map(|r| &r.charge) {
+        let floor = explained.rule.as_ref().expect("a rule").charge.for_bucket(&limit.spec).floor();
+        effects.push(format!("charge: always (debited even when denied, down to {floor})"));
+    }
+    println!("  effects:  {}", effects.join("; "));
+    let Some(store) = store else {
+        println!("  balance:  not read (give --redis-url, --redis-cluster or --redis-sentinel)");
+        return Ok(());
+    };
+    let peek = store.peek(&limit.key).await.with_context(|| format!("reading {}", limit.key))?;
+    match peek.state {
+        None => println!("  balance:  {} of {} (no bucket stored: full)", limit.spec.capacity(), limit.spec.capacity()),
+        Some(state) => {
+            let now = refill(Some(state), &limit.spec, peek.now_ms);
+            let full_in = limit.spec.reset_ms(now.tokens) as f64 / 1000.0;
+            let expires = peek.ttl_ms.map(|t| format!("; key expires in {:.1} s", t as f64 / 1000.0)).unwrap_or_default();
+            println!(
+                "  balance:  {:.3} of {} now (Redis clock), full in {full_in:.1} s{expires}",
+                now.tokens,
+                limit.spec.capacity()
+            );
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,140 @@
+//! Why a query gets the answer it gets, worked out by the decision's own steps but without the
+//! store: which rule each descriptor matches, which bucket that is (its key and Cluster slot),
+//! its capacity and rate and where they come from, and what changes the outcome (shadow mode,
+//! quota mode, `replaces`, `unlimited`, `charge: always`). `tollgate explain` prints it and adds
+//! each bucket's current balance read from the store.
+//!
+//! Nothing here is counted in metrics and nothing is debited.
+
+use std::sync::Arc;
+
+use super::{drop_replaced, limit_info, Limiter, LimitInfo, Plan, Query};
+use crate::bucket::Role;
+use crate::config::{Domain, Limit, Rule};
+use crate::identity;
+use crate::quota::QuotaOrigin;
+
+/// The explanation of a whole query.
+#[derive(Debug)]
+pub struct Explanation {
+    /// The domain, if it is configured.
+    pub domain: Option<Arc<Domain>>,
+    /// One per query descriptor, in order.
+    pub descriptors: Vec<Explained>,
+}
+
+/// What one descriptor is held to.
+#[derive(Debug)]
+pub struct Explained {
+    /// The rule the descriptor matches (`None`: no rule, or a request-level override).
+    pub rule: Option<Arc<Rule>>,
+    /// What that means for the request.
+    pub effect: Effect,
+}
+
+/// What limits a descriptor.
+#[derive(Debug)]
+pub enum Effect {
+    /// The domain is not configured: every descriptor is OK.
+    UnknownDomain,
+    /// No rule with a limit matches (or a whitelisted node does).
+    NoRule,
+    /// An `unlimited` rule: always OK, the store is never asked.
+    Unlimited,
+    /// Another matched rule lists this one in its `replaces`: no limit for this request.
+    Replaced {
+        /// The rule that replaced it.
+        by: Arc<Rule>,
+    },
+    /// A bucket.
+    Bucket {
+        /// Its identity, capacity and rate.
+        limit: LimitInfo,
+        /// Where the capacity and rate come from.
+        origin: SpecOrigin,
+        /// Whether a shortage denies (enforced), never denies (shadow), or denies only with the
+        /// other quota-mode descriptors.
+        role: Role,
+        /// Tokens the descriptor takes (hits x cost; negative for a credit).
+        need: f64,
+        /// The tenant whose slot holds it, for tenant rules.
+        tenant: Option<String>,
+        /// The Redis Cluster slot of its key.
+        slot: u16,
+    },
+}
+
+/// Where a bucket's capacity and rate come from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum SpecOrigin {
+    /// The rule's `rate_limit` or `token_bucket`.
+    Rule,
+    /// The request's own `limit` override (envoyproxy/ratelimit's request-level limit).
+    RequestOverride,
+    /// The tenant's override for the class.
+    TenantOverride {
+        /// The class.
+        class: String,
+    },
+    /// A tier.
+    Tier {
+        /// The tier.
+        tier: String,
+        /// The class whose bucket it is.
+        class: String,
+    },
+}
+
+impl Limiter {
+    /// Explains `query` without debiting anything or counting it.
+    pub async fn explain(&self, query: &Query<'_>) -> Explanation {
+        let rules = self.rules.load_full();
+        let Some(domain) = rules.domain(query.domain) else {
+            let descriptors =
+                query.descriptors.iter().map(|_| Explained { rule: None, effect: Effect::UnknownDomain }).collect();
+            return Explanation { domain: None, descriptors };
+        };
+        let mut plans: Vec<Plan<'_>> = query.descriptors.iter().map(|d| self.plan(domain, d)).collect();
+        let replaced = drop_replaced(&mut plans);
+        self.resolve_quotas(domain, &mut plans).await;
+        let mut descriptors = Vec::with_capacity(plans.len());
+        for (i, (plan, d)) in plans.iter().zip(&query.descriptors).enumerate() {
+            let matched = if d.limit.is_some() { None } else { domain.lookup(&d.entries).cloned() };
+            let effect = match plan {
+                Plan::Free => match replaced.iter().find(|(j, _)| *j == i) {
+                    Some((_, by)) => Effect::Replaced { by: Arc::clone(by) },
+                    None => Effect::NoRule,
+                },
+                Plan::Unlimited(_) => Effect::Unlimited,
+                Plan::Bucket(p) => {
+                    let origin = match p.rule {
+                        None => SpecOrigin::RequestOverride,
+                        Some(rule) if rule.limit == Limit::TenantQuota => {
+                            let tenant = p.bucket.tenant.expect("a quota rule has a tenant");
+                            let record = self.quotas.tenant(domain, tenant).await;
+                            let class = identity::quota_class(rule);
+                            match domain.quotas.resolve_with_source(record.as_deref(), class) {
+                                Some((_, QuotaOrigin::Override)) => SpecOrigin::TenantOverride { class: class.to_owned() },
+                                Some((_, QuotaOrigin::Tier { tier, class })) => {
+                                    SpecOrigin::Tier { tier: tier.to_owned(), class: class.to_owned() }
+                                }
+                                None => SpecOrigin::Rule,
+                            }
+                        }
+                        Some(_) => SpecOrigin::Rule,
+                    };
+                    Effect::Bucket {
+                        limit: limit_info(p),
+                        origin,
+                        role: p.role,
+                        need: p.need,
+                        tenant: p.bucket.tenant.map(str::to_owned),
+                        slot: identity::cluster_slot(&p.bucket.key),
+                    }
+                }
+            };
+            descriptors.push(Explained { rule: matched, effect });
+        }
+        Explanation { domain: Some(domain.clone()), descriptors }
+    }
+}

@@ -1,0 +1,88 @@
+//! `tollgate explain`: the rule, bucket, limit and origin of each descriptor, and the balance
+//! read from a real Redis without debiting it.
+
+mod common;
+
+use std::process::Command;
+
+use common::*;
+
+const CONFIG: &str = r#"
+domain: ex
+default_tier: free
+tiers:
+  free:
+    default: {capacity: 10, refill_per_second: 0.01}
+tenants:
+  vip: {tier: free, overrides: {default: {capacity: 1000, refill_per_second: 1}}}
+descriptors:
+  - key: tenant
+    quota: tenant
+  - key: path
+    rate_limit: {name: per_path, unit: minute, requests_per_unit: 5}
+  - key: fast
+    rate_limit: {name: fast, unit: second, requests_per_unit: 100, replaces: [{name: per_path}]}
+  - key: trial
+    shadow_mode: true
+    rate_limit: {unit: hour, requests_per_unit: 1}
+  - key: health
+    rate_limit: {unlimited: true}
+"#;
+
+fn explain(config: &std::path::Path, redis: Option<&Redis>, descriptors: &[&str]) -> String {
+    let mut cmd = Command::new(tollgate_bin());
+    cmd.args(["explain", "--config", config.to_str().unwrap(), "--domain", "ex"]).env("RUST_LOG", "off");
+    for d in descriptors {
+        cmd.args(["--descriptor", d]);
+    }
+    if let Some(redis) = redis {
+        cmd.args(["--redis-url", &redis.url()]);
+    }
+    let out = cmd.output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    String::from_utf8(out.stdout).unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn explain_names_rule_bucket_origin_and_balance_without_debiting() {
+    let redis = Redis::start();
+    let (_dir, config) = config_file(CONFIG);
+    let file = config.display().to_string();
+
+    // Origins, positions, keys and slots, before any traffic: nothing stored, nothing created.
+    let text = explain(&config, Some(&redis), &["tenant=t1", "tenant=vip", "path=/a", "trial=x", "health=1", "other=1"]);
+    println!("{text}");
+    assert!(text.contains(&format!("descriptor 0 [tenant=t1]\n  rule:     tenant at {file}:10:")), "{text}");
+    assert!(text.contains("  bucket:   rl:{t1}:ex:tenant=t1   slot "), "{text}");
+    assert!(text.contains(&format!("   slot {}   tenant t1", tenant_slot("t1"))), "{text}");
+    assert!(text.contains("capacity 10, refill 0.01/s") && text.contains("from tier 'free', class 'default'"), "{text}");
+    assert!(text.contains("from the tenant's override for class 'default'"), "{text}");
+    assert!(text.contains(&format!("rule:     path at {file}:12:")) && text.contains("(name per_path)"), "{text}");
+    assert!(text.contains("(5/minute)   from the rule"), "{text}");
+    assert!(text.contains("shadow mode: counted, never denies"), "{text}");
+    assert!(text.contains("unlimited: always OK"), "{text}");
+    assert!(text.contains("descriptor 5 [other=1]\n  no rule with a limit matches"), "{text}");
+    assert!(text.contains("balance:  10 of 10 (no bucket stored: full)"), "{text}");
+    let keys: Vec<String> = redis::cmd("KEYS").arg("*").query(&mut redis.connection()).unwrap();
+    assert!(keys.is_empty(), "explain stored nothing: {keys:?}");
+
+    // `replaces`: the fast rule matched beside per_path removes it for that request.
+    let text = explain(&config, None, &["path=/a", "fast=1"]);
+    assert!(text.contains("replaced by fast (name fast): no limit for this request"), "{text}");
+    assert!(text.contains("balance:  not read"), "{text}");
+
+    // After 3 admitted hits through a server, explain reads 7 left, twice: it takes nothing.
+    let server = Tollgate::start(&config, &Backend::Redis(redis.url()), &["--no-precheck"]);
+    for _ in 0..3 {
+        assert_eq!(ask(&server.addr(), req("ex", &["tenant=t1"], 1)).await.unwrap().overall_code, OK);
+    }
+    for _ in 0..2 {
+        let text = explain(&config, Some(&redis), &["tenant=t1"]);
+        let balance = text.lines().find(|l| l.contains("balance:")).unwrap();
+        let tokens: f64 = balance.split_whitespace().nth(1).unwrap().parse().unwrap();
+        assert!((7.0..7.1).contains(&tokens), "{balance}");
+        assert!(balance.contains("of 10 now (Redis clock), full in "), "{balance}");
+    }
+    let stored: f64 = redis::cmd("HGET").arg("rl:{t1}:ex:tenant=t1").arg("t").query(&mut redis.connection()).unwrap();
+    assert!((stored - 7.0).abs() < 0.05, "the stored balance is untouched: {stored}");
+}
