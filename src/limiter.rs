@@ -35,8 +35,9 @@ use crate::identity::{self, BucketKey};
 use crate::quota::QuotaSource;
 use crate::store::{LateReply, Store, StoreError};
 use crate::telemetry::logs::{self, ErrorChain};
-use crate::telemetry::Telemetry;
+use crate::telemetry::{traces, Telemetry};
 use crate::units::RatePerUnit;
+use tracing::Instrument as _;
 
 /// A rate-limit question, in no protocol's terms.
 #[derive(Debug, Clone)]
@@ -232,6 +233,7 @@ impl Limiter {
         let Some(domain) = rules.domain(query.domain) else {
             let decision = Decision::all_ok(query);
             self.telemetry.record(query, &decision);
+            trace_decision("(unknown)", &[], &decision);
             return Ok(decision);
         };
         let mut plans: Vec<Plan<'_>> = query.descriptors.iter().map(|d| self.plan(domain, d)).collect();
@@ -241,6 +243,7 @@ impl Limiter {
         let outcome = self.evaluate(domain, group).await;
         let decision = self.verdicts(domain, query, &plans, &op_of, &outcome);
         self.telemetry.record(query, &decision);
+        trace_decision(&domain.name, &plans, &decision);
         match outcome {
             Err(source) if domain.failure_mode == FailureMode::Error => {
                 Err(DecideError::Unavailable { domain: domain.name.clone(), source })
@@ -319,7 +322,19 @@ impl Limiter {
         // A request answered by a denial or an error must take nothing, even if the store's reply
         // comes after the deadline; one admitted by `allow` keeps what it took.
         let late = if domain.failure_mode == FailureMode::Allow { LateReply::Keep } else { LateReply::GiveBack };
-        let result = self.store.evaluate(std::slice::from_ref(&group), late).await.pop().expect("one result per group");
+        let span = tracing::trace_span!(target: traces::TARGET, "store.evaluate", buckets = group.len(), outcome = tracing::field::Empty);
+        let result = self
+            .store
+            .evaluate(std::slice::from_ref(&group), late)
+            .instrument(span.clone())
+            .await
+            .pop()
+            .expect("one result per group");
+        span.record("outcome", match &result {
+            Ok(_) => "ok",
+            Err(StoreError::Timeout(_)) => "timeout",
+            Err(_) => "error",
+        });
         match result {
             Ok(outcome) => {
                 let forgiven: f64 = outcome.verdicts.iter().map(|v| v.forgiven).sum();
@@ -374,6 +389,29 @@ impl Limiter {
         }
         Decision { overall: overall(&descriptors), descriptors, domain: Some(domain.clone()) }
     }
+}
+
+// Records the decision on the current trace span (the edge's), if one is being traced: the
+// domain, the rules that applied (config paths: bounded), the tenant (hashed) and the outcome.
+fn trace_decision(domain: &str, plans: &[Plan<'_>], decision: &Decision) {
+    let span = tracing::Span::current();
+    if span.is_disabled() {
+        return;
+    }
+    let rules: Vec<&str> = plans.iter().filter_map(Plan::rule).map(|r| r.path.as_str()).collect();
+    let tenant = plans.iter().find_map(|p| match p {
+        Plan::Bucket(BucketPlan { bucket: BucketKey { tenant: Some(t), .. }, .. }) => Some(*t),
+        _ => None,
+    });
+    span.record("domain", domain);
+    span.record("rules", rules.join(",").as_str());
+    if let Some(tenant) = tenant {
+        span.record("tenant", traces::tenant_hash(tenant).as_str());
+    }
+    span.record("outcome", match decision.overall {
+        Code::Ok => "ok",
+        Code::OverLimit => "over_limit",
+    });
 }
 
 // envoyproxy/ratelimit's rule: OVER_LIMIT iff a descriptor not in quota mode is over the limit,

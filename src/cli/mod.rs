@@ -52,9 +52,12 @@ type Outcome = anyhow::Result<ExitCode>;
 /// Runs the command line of this process.
 pub fn main() -> ExitCode {
     let cli = Cli::parse();
-    tollgate::telemetry::logs::init(cli.log_format == "json");
+    let json = cli.log_format == "json";
+    if !matches!(cli.command, Command::Serve(_)) {
+        tollgate::telemetry::logs::init(json, None);
+    }
     let (result, failure) = match cli.command {
-        Command::Serve(args) => (serve::run(*args), ExitCode::FAILURE),
+        Command::Serve(args) => (serve::run(*args, json), ExitCode::FAILURE),
         Command::Validate(args) => (validate::run(args), ExitCode::FAILURE),
         Command::Ask(args) => (ask::run(args), ExitCode::from(ask::EXIT_ERROR)),
         Command::Explain(args) => (explain::run(*args), ExitCode::FAILURE),

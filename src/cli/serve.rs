@@ -10,6 +10,7 @@ use std::time::Duration;
 use clap::Args;
 use tollgate::app::{App, QuotaSettings, RedisSettings, Settings};
 use tollgate::server::{self, Shutdown};
+use tollgate::telemetry::traces::Traces;
 use tollgate::telemetry::TelemetryConfig;
 use tollgate::tls::TlsFiles;
 
@@ -29,6 +30,9 @@ pub(super) struct ServeArgs {
     http_addr: SocketAddr,
     #[command(flatten)]
     redis: RedisArgs,
+    /// Export traces over OTLP/gRPC to this collector (e.g. http://127.0.0.1:4317). Off if unset.
+    #[arg(long, env = "OTEL_EXPORTER_OTLP_ENDPOINT")]
+    otlp_endpoint: Option<String>,
     /// Deadline for each Redis call; past it the domain's failure mode answers.
     #[arg(long, env = "TOLLGATE_REDIS_TIMEOUT", default_value = "50ms", value_parser = humantime::parse_duration)]
     redis_timeout: Duration,
@@ -126,16 +130,30 @@ impl ServeArgs {
     }
 }
 
-pub(super) fn run(args: ServeArgs) -> Outcome {
+/// Serves until a signal; `json` selects JSON log lines. Logging starts here rather than in
+/// `main` because the trace exporter, when configured, runs on this command's runtime.
+pub(super) fn run(args: ServeArgs, json: bool) -> Outcome {
     let settings = args.settings()?;
-    runtime()?.block_on(async move {
+    let runtime = runtime()?;
+    let traces = {
+        let _inside = runtime.enter();
+        args.otlp_endpoint.as_deref().map(Traces::start).transpose()?
+    };
+    tollgate::telemetry::logs::init(json, traces.as_ref());
+    if let Some(endpoint) = &args.otlp_endpoint {
+        tracing::info!(%endpoint, "exporting traces over OTLP/gRPC");
+    }
+    let served = runtime.block_on(async move {
         // Bound first: a port in use fails before anything connects anywhere.
         let grpc = server::bind(args.grpc_addr).await?;
         let http = server::bind(args.http_addr).await?;
         let app = App::start(&settings)?;
         app.serve(grpc, http, shutdown_signal(args.drain_delay)).await?;
         Ok(ExitCode::SUCCESS)
-    })
+    });
+    // Flushes the last spans while the runtime, which runs the exporter, is still up.
+    drop(traces);
+    served
 }
 
 // SIGTERM (an orchestrator) drains after the delay; SIGINT (a person at a terminal) at once.

@@ -34,18 +34,20 @@ pub fn throttled(kind: &'static str) -> Option<u64> {
     Some(std::mem::take(held))
 }
 
-/// Installs the global subscriber; `json` selects JSON lines.
-pub fn init(json: bool) {
+/// Installs the global subscriber; `json` selects JSON lines; `traces` adds the OTLP layer.
+pub fn init(json: bool, traces: Option<&super::traces::Traces>) {
+    use tracing_subscriber::layer::SubscriberExt as _;
+    use tracing_subscriber::util::SubscriberInitExt as _;
+    use tracing_subscriber::Layer as _;
+
     let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
-    let builder = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr)
-        .with_ansi(std::io::stderr().is_terminal());
-    if json {
-        builder.json().init();
-    } else {
-        builder.init();
-    }
+    let fmt = tracing_subscriber::fmt::layer().with_writer(std::io::stderr).with_ansi(std::io::stderr().is_terminal());
+    let fmt = if json { fmt.json().boxed() } else { fmt.boxed() };
+    // Each layer has its own filter: RUST_LOG decides what is logged, not what is traced.
+    tracing_subscriber::registry()
+        .with(fmt.with_filter(filter))
+        .with(traces.map(|t| t.layer()))
+        .init();
 }
 
 /// Displays an error with its causes, `outer: inner: innermost`, each said once: a cause whose

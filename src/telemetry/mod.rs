@@ -1,7 +1,9 @@
-//! What operators see: structured logs ([`logs`]) and Prometheus metrics ([`Telemetry`]).
+//! What operators see: structured logs ([`logs`]), Prometheus metrics ([`Telemetry`]) and, when
+//! configured, OTLP traces ([`traces`]).
 
 pub mod logs;
 mod metrics;
 pub mod top_denied;
+pub mod traces;
 
 pub use self::metrics::{Kind, Telemetry, TelemetryConfig, LABELLED_BY_TRAFFIC, LATENCY_BUCKETS, METRICS};

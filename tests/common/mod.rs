@@ -14,6 +14,7 @@ pub mod proxy;
 
 mod envoy;
 mod http;
+mod otlp;
 mod pki;
 mod postgres;
 mod redis_servers;
@@ -22,6 +23,7 @@ mod service;
 
 pub use self::envoy::*;
 pub use self::http::*;
+pub use self::otlp::*;
 pub use self::pki::*;
 pub use self::postgres::*;
 pub use self::redis_servers::*;

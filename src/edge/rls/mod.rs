@@ -16,6 +16,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use tokio::sync::Semaphore;
+use tracing::Instrument as _;
 
 use envoy_types::pb::envoy::config::core::v3::HeaderValue;
 use envoy_types::pb::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor;
@@ -28,6 +29,7 @@ use envoy_types::pb::google::protobuf::Duration as ProtoDuration;
 use tonic::{Request, Response, Status};
 
 use crate::limiter::{Code, Decision, Limiter, Outcome, Query, QueryDescriptor};
+use crate::telemetry::traces;
 use crate::units::{RatePerUnit, Unit};
 
 /// Most descriptors one request may carry.
@@ -85,7 +87,25 @@ impl RateLimitService for RateLimitGrpc {
         &self,
         request: Request<RateLimitRequest>,
     ) -> Result<Response<RateLimitResponse>, Status> {
-        self.answer(request.get_ref()).await.map(Response::new)
+        let span = tracing::trace_span!(
+            target: traces::TARGET,
+            "ratelimit",
+            otel.kind = "server",
+            descriptors = request.get_ref().descriptors.len(),
+            domain = tracing::field::Empty,
+            rules = tracing::field::Empty,
+            tenant = tracing::field::Empty,
+            outcome = tracing::field::Empty,
+            otel.status_code = tracing::field::Empty,
+        );
+        traces::continue_from(&span, request.metadata());
+        let answer = self.answer(request.get_ref()).instrument(span.clone()).await;
+        if let Err(status) = &answer {
+            span.record("outcome", "error");
+            span.record("otel.status_code", "ERROR");
+            tracing::trace!(target: traces::TARGET, parent: &span, code = ?status.code(), "no decision");
+        }
+        answer.map(Response::new)
     }
 }
 
