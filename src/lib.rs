@@ -6,14 +6,19 @@
 //!
 //! Where things are:
 //!
-//! * a request enters at [`edge::rls`] (Envoy's `RateLimitService`), side endpoints at [`http`];
+//! * a request enters at [`edge::rls`] (Envoy's `RateLimitService`, and `POST /json` in
+//!   [`edge::rls::json`]) or at [`edge::rlqs`] (Envoy's Rate Limit Quota Service, which leases
+//!   shares of the same buckets); side endpoints at [`http`];
 //! * the decision is made in [`limiter`], using [`matcher`] (descriptor → rule), [`quota`]
 //!   (tenant → bucket size), [`identity`] (rule and descriptor → bucket and storage key);
 //! * state lives behind [`store::Store`]: in Redis ([`store::RedisStore`], the algorithm in
 //!   `store/token_bucket.lua`, concurrent calls per slot coalesced) or in process
 //!   ([`store::MemoryStore`], the algorithm in [`bucket`]); [`store::Precheck`] in front of
 //!   Redis answers denials that are already certain without a round trip;
-//! * rules come from YAML through [`config`]; [`server`] runs and drains it all.
+//! * state lives in Redis standalone, Cluster ([`store`]'s `cluster.rs`) or behind Sentinel;
+//! * rules come from YAML through [`config`] and are kept current by [`reload`]; [`app`] wires
+//!   settings into running parts, [`server`] runs and drains them; the `tollgate` command line
+//!   is `src/cli/`; logs, metrics and traces are in [`telemetry`].
 
 pub mod app;
 pub mod bucket;

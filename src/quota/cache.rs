@@ -21,7 +21,7 @@
 //!   a query per lookup until the cache admits it.
 //!
 //! Queries run in tasks of their own so that a caller giving up at its deadline does not cancel
-//! them; each ends within [`QUERY_LIMIT`].
+//! them; each ends within `QUERY_LIMIT` (5 s).
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};

@@ -272,7 +272,8 @@ const AT_ZERO: &[(&str, &[(&str, &str)])] = &[
     ("tollgate_store_duration_seconds", &[]),
 ];
 
-/// The metrics whose series only traffic creates (see [`AT_ZERO`]).
+/// The metrics whose series only traffic creates (their labels come from requests); every other
+/// metric is registered at 0 at startup.
 pub const LABELLED_BY_TRAFFIC: &[&str] = &[
     "tollgate_decisions_total",
     "tollgate_tenant_decisions_total",
