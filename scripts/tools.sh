@@ -5,10 +5,25 @@
 # unattended-upgrades or cloud-init holding the dpkg lock for a minute or more: wait for it
 # (at most 5 minutes) instead of failing at once, and say so.
 apt_install() {
-    local sudo=""
+    local sudo="" out=""
     [ "$(id -u)" -eq 0 ] || sudo="sudo"
     echo "installing $* (waiting up to 5 minutes if another apt process holds the dpkg lock)" >&2
-    $sudo apt-get -o DPkg::Lock::Timeout=300 update -qq
+    # `apt-get update` does not wait for the lists lock (DPkg::Lock::Timeout covers dpkg's):
+    # retry it while that lock is the reason, and only then.
+    for _ in $(seq 60); do
+        if out=$($sudo apt-get -o DPkg::Lock::Timeout=300 update -qq 2>&1); then
+            out=""
+            break
+        fi
+        case "$out" in
+            *"Could not get lock"*) echo "waiting for another apt process to release the apt lists lock" >&2; sleep 5 ;;
+            *) break ;;
+        esac
+    done
+    if [ -n "$out" ]; then
+        echo "$out" >&2
+        return 1
+    fi
     DEBIAN_FRONTEND=noninteractive $sudo apt-get -o DPkg::Lock::Timeout=300 install -y -qq \
         --no-install-recommends "$@"
 }
