@@ -155,7 +155,7 @@ fn rendered_envoy_config_loads_in_envoy() {
 #[test]
 fn render_explains_what_it_cannot_do() {
     let err = render(&["envoy", "--config", &examples()]).unwrap_err();
-    assert!(err.contains("several domains (api-gateway, grpc-api, llm-gateway): choose one with --domain"), "{err}");
+    assert!(err.contains("several domains (grpc-api, llm-gateway, api-gateway): choose one with --domain"), "{err}");
     let (_dir, config) = config_file(
         "domain: d\ndescriptors:\n  - key: user\n    source: {request_header: x-user}\n    charge: always\n    rate_limit: {unit: second, requests_per_unit: 1}\n",
     );

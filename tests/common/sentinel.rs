@@ -1,5 +1,7 @@
 //! Redis Sentinel: a primary, one replica and three sentinels monitoring them, on loopback.
-//! The sentinels are `redis-server --sentinel` (what the Debian `redis-sentinel` package runs).
+//! The sentinels are `redis-sentinel` when installed, else `redis-server --sentinel`: the same
+//! program (Debian's `redis-sentinel` package links it), without the package's system service
+//! that would take port 26379.
 
 use std::process::{Command, Stdio};
 use std::time::Duration;
@@ -43,10 +45,9 @@ impl SentinelGroup {
                 primary = primary.port,
             );
             std::fs::write(&conf, text).unwrap();
-            sentinels.push(Proc::spawn(
-                "redis-sentinel",
-                Command::new("redis-server").arg(&conf).arg("--sentinel").stdout(Stdio::null()),
-            ));
+            let mut command = Command::new(if which("redis-sentinel") { "redis-sentinel" } else { "redis-server" });
+            command.arg(&conf).arg("--sentinel").stdout(Stdio::null());
+            sentinels.push(Proc::spawn("redis-sentinel", &mut command));
             sentinel_ports.push(port);
         }
         for port in &sentinel_ports {
@@ -74,4 +75,10 @@ impl SentinelGroup {
             node_query(self.sentinel_ports[0], &["SENTINEL", "GET-MASTER-ADDR-BY-NAME", SENTINEL_MASTER])?;
         addr.get(1)?.parse().ok()
     }
+}
+
+// Whether `program` is on PATH.
+fn which(program: &str) -> bool {
+    std::env::var_os("PATH")
+        .is_some_and(|path| std::env::split_paths(&path).any(|dir| dir.join(program).is_file()))
 }
