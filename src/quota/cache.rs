@@ -21,13 +21,14 @@
 //!   a query per lookup until the cache admits it.
 //!
 //! Queries run in tasks of their own so that a caller giving up at its deadline does not cancel
-//! them; each ends within `QUERY_LIMIT` (5 s).
+//! them; each ends within `QUERY_LIMIT` (5 s), or when the cache is dropped.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime};
 
 use futures::future::{BoxFuture, FutureExt, Shared};
+use tokio::task::AbortHandle;
 
 use super::postgres::PostgresQuotas;
 use super::{QuotaSource, TenantRecord};
@@ -42,7 +43,8 @@ const QUERY_LIMIT: Duration = Duration::from_secs(5);
 pub struct CachedQuotas {
     db: Arc<PostgresQuotas>,
     entries: moka::sync::Cache<String, Arc<Entry>>,
-    inflight: Arc<Mutex<HashMap<String, Query>>>,
+    // Each query's shared answer, and the handle that stops its task when the cache goes.
+    inflight: Arc<Mutex<HashMap<String, (Query, AbortHandle)>>>,
     ttl: Duration,
     deadline: Duration,
 }
@@ -99,7 +101,7 @@ impl CachedQuotas {
     // Starts (or joins) the one query for `tenant`; the query runs to completion on its own.
     fn refresh(&self, tenant: &str) -> Query {
         let mut inflight = self.inflight.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(query) = inflight.get(tenant) {
+        if let Some((query, _)) = inflight.get(tenant) {
             return query.clone();
         }
         // A query that finished since the caller looked has left a fresh entry: use it. (A query
@@ -144,9 +146,20 @@ impl CachedQuotas {
             registry.lock().unwrap_or_else(|p| p.into_inner()).remove(&key);
             entry
         });
+        let abort = task.abort_handle();
         let query = task.map(Result::ok).boxed().shared();
-        inflight.insert(tenant.to_owned(), query.clone());
+        inflight.insert(tenant.to_owned(), (query.clone(), abort));
         query
+    }
+}
+
+impl Drop for CachedQuotas {
+    // Queries still running stop with the cache: nothing outlives the service that started it.
+    fn drop(&mut self) {
+        let inflight = self.inflight.lock().unwrap_or_else(|p| p.into_inner());
+        for (_, abort) in inflight.values() {
+            abort.abort();
+        }
     }
 }
 
