@@ -30,14 +30,18 @@ descriptors:
 "#;
 
 fn explain(config: &std::path::Path, redis: Option<&Redis>, descriptors: &[&str]) -> String {
+    let url = redis.map(|r| r.url());
+    let store = url.as_ref().map(|u| ["--redis-url", u.as_str()]);
+    explain_with(config, store.as_ref().map_or(&[][..], |s| &s[..]), descriptors)
+}
+
+fn explain_with(config: &std::path::Path, store: &[&str], descriptors: &[&str]) -> String {
     let mut cmd = Command::new(tollgate_bin());
     cmd.args(["explain", "--config", config.to_str().unwrap(), "--domain", "ex"]).env("RUST_LOG", "off");
     for d in descriptors {
         cmd.args(["--descriptor", d]);
     }
-    if let Some(redis) = redis {
-        cmd.args(["--redis-url", &redis.url()]);
-    }
+    cmd.args(store);
     let out = cmd.output().unwrap();
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     String::from_utf8(out.stdout).unwrap()
@@ -85,4 +89,25 @@ async fn explain_names_rule_bucket_origin_and_balance_without_debiting() {
     }
     let stored: f64 = redis::cmd("HGET").arg("rl:{t1}:ex:tenant=t1").arg("t").query(&mut redis.connection()).unwrap();
     assert!((stored - 7.0).abs() < 0.05, "the stored balance is untouched: {stored}");
+}
+
+/// On a Cluster the balance is read on the node that owns the bucket's slot.
+#[tokio::test(flavor = "multi_thread")]
+async fn explain_reads_the_owning_node_of_a_cluster() {
+    let cluster = RedisCluster::start();
+    let (_dir, config) = config_file(CONFIG);
+    let server = Tollgate::start(&config, &Backend::Cluster(cluster.seeds()), &["--no-precheck"]);
+    for _ in 0..2 {
+        assert_eq!(ask(&server.addr(), req("ex", &["tenant=t7"], 1)).await.unwrap().overall_code, OK);
+    }
+    let text = explain_with(&config, &["--redis-cluster", &cluster.seeds()], &["tenant=t7"]);
+    let slot: u16 = redis::cmd("CLUSTER")
+        .arg("KEYSLOT")
+        .arg("rl:{t7}:ex:tenant=t7")
+        .query(&mut cluster.connection())
+        .unwrap();
+    assert!(text.contains(&format!("  bucket:   rl:{{t7}}:ex:tenant=t7   slot {slot}   tenant t7")), "{text}");
+    let balance = text.lines().find(|l| l.contains("balance:")).unwrap();
+    let tokens: f64 = balance.split_whitespace().nth(1).unwrap().parse().unwrap();
+    assert!((8.0..8.1).contains(&tokens), "{balance}");
 }
