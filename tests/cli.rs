@@ -69,8 +69,8 @@ fn validate_and_serve_reject_a_bad_config_precisely() {
 fn validate_reports_every_bad_file_in_one_form() {
     let dir = tempfile::tempdir().unwrap();
     let files = [
-        ("a.yaml", "domain: a\ndescriptors:\n  - key: a\n    bogus: 1\n", "a.yaml:4:5: unknown field `bogus`, expected one of"),
-        ("b.yaml", "domain: b\ndescriptors:\n  - key: a\n   rate_limit: x\n", "b.yaml:4:4: "),
+        ("a.yaml", "domain: a\ndescriptors:\n  - key: a\n    bogus: 1\n", "a.yaml:4:5: descriptors[0](a): unknown field `bogus`, expected one of"),
+        ("b.yaml", "domain: b\ndescriptors:\n  - key: a\n   rate_limit: x\n", "b.yaml:4:4: descriptors[0](a): "),
         (
             "c.yaml",
             "domain: c\ndefault_tier: gold\ntiers:\n  free:\n    default: {capacity: 10, refill_per_second: 1}\n",
@@ -115,7 +115,13 @@ fn errors_say_their_cause_once() {
     assert_eq!(stderr.matches("No such file or directory").count(), 1, "{stderr}");
     let port = free_port();
     let (code, _, stderr) = tollgate_code(&[
-        "ask", "--addr", &format!("127.0.0.1:{port}"), "--domain", "d", "--descriptor", "a=1",
+        "ask",
+        "--addr",
+        &format!("127.0.0.1:{port}"),
+        "--domain",
+        "d",
+        "--descriptor",
+        "a=1",
     ]);
     assert_eq!(code, 2, "an error is exit code 2: {stderr}");
     assert_eq!(stderr.matches("Connection refused").count(), 1, "{stderr}");
@@ -201,7 +207,8 @@ async fn side_endpoints_and_grpc_health() {
     assert!(!body.contains("s3cret-pw"), "no credentials in /config");
     // In file order, not sorted or hashed: what an operator compares with the file.
     let order = |words: &[&str]| {
-        let at: Vec<usize> = words.iter().map(|w| body.find(w).unwrap_or_else(|| panic!("{w}: {body}"))).collect();
+        let at: Vec<usize> =
+            words.iter().map(|w| body.find(w).unwrap_or_else(|| panic!("{w}: {body}"))).collect();
         at.windows(2).all(|w| w[0] < w[1])
     };
     assert!(order(&["\"zeta\"", "\"alpha\""]), "tiers in file order: {body}");

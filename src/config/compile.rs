@@ -9,7 +9,7 @@ use std::sync::Arc;
 
 use serde_saphyr::Spanned;
 
-use super::raw;
+use super::{locate, raw};
 use super::{Blanket, ChargeRule, ClassDef, ConfigError, Domain, FailureMode, HeaderSets, Limit, Rule};
 use crate::bucket::{BucketSpec, MAX_CAPACITY};
 use crate::matcher::{Level, Node, ValueMatch};
@@ -64,22 +64,22 @@ fn text(value: Option<Spanned<String>>) -> (Option<String>, Option<(usize, usize
     }
 }
 
-/// A parser error as a [`ConfigError`]: its position and its message alone, on one line (the
-/// parser's own rendering repeats the position and quotes a snippet of `<input>`).
-fn syntax(file: &Path, error: &serde_saphyr::Error) -> ConfigError {
+/// A parser error as a [`ConfigError`]: its position, the tree path of the descriptor at that
+/// line (found from `text`, see [`locate`]) and its message alone, on one line (the parser's own
+/// rendering repeats the position and quotes a snippet of `<input>`).
+fn syntax(file: &Path, text: &str, error: &serde_saphyr::Error) -> ConfigError {
     use serde_saphyr::MessageFormatter as _;
     let message = serde_saphyr::DefaultMessageFormatter.format_message(error.without_snippet());
     let message: String = message.chars().map(|c| if c.is_control() { ' ' } else { c }).collect();
-    let position = error
-        .location()
-        .filter(|at| at.line() > 0)
-        .map(|at| (at.line() as usize, at.column() as usize));
-    ConfigError::Invalid { file: file.to_owned(), position, at: String::new(), message }
+    let position =
+        error.location().filter(|at| at.line() > 0).map(|at| (at.line() as usize, at.column() as usize));
+    let at = position.map(|(line, _)| locate::tree_path(text, line)).unwrap_or_default();
+    ConfigError::Invalid { file: file.to_owned(), position, at, message }
 }
 
 /// Compiles the domain file `file` with contents `text`.
 pub(super) fn domain(file: &Path, text_: &str) -> Result<Domain, ConfigError> {
-    let raw: raw::DomainFile = serde_saphyr::from_str(text_).map_err(|e| syntax(file, &e))?;
+    let raw: raw::DomainFile = serde_saphyr::from_str(text_).map_err(|e| syntax(file, text_, &e))?;
     let invalid = |p: Problem| ConfigError::Invalid {
         file: file.to_owned(),
         position: p.position,
@@ -102,20 +102,26 @@ pub(super) fn domain(file: &Path, text_: &str) -> Result<Domain, ConfigError> {
         return Err(invalid(Problem::new("class_scope", at, "must not be empty")));
     }
     let (mode, at) = text(raw.failure_mode);
-    let failure_mode = failure_mode(mode.as_deref()).map_err(|m| invalid(Problem::new("failure_mode", at, m)))?;
+    let failure_mode =
+        failure_mode(mode.as_deref()).map_err(|m| invalid(Problem::new("failure_mode", at, m)))?;
     let (answer, at) = text(raw.rlqs_unknown);
     let rlqs_unknown = match answer.as_deref() {
         None | Some("allow") => Blanket::AllowAll,
         Some("deny") => Blanket::DenyAll,
         Some(other) => {
-            return Err(invalid(Problem::new("rlqs_unknown", at, format!("unknown answer '{other}' (expected allow or deny)"))))
+            return Err(invalid(Problem::new(
+                "rlqs_unknown",
+                at,
+                format!("unknown answer '{other}' (expected allow or deny)"),
+            )))
         }
     };
     let headers = header_sets(raw.response_headers.as_deref()).map_err(invalid)?;
     let quotas = quotas(&raw.tiers, raw.default_tier).map_err(invalid)?;
     let tenants = tenants(raw.tenants, &quotas).map_err(invalid)?;
 
-    let mut tree = Tree { file, tenant_key: &tenant_key, quotas: &quotas, rules: Vec::new(), classes: IndexMap::new() };
+    let mut tree =
+        Tree { file, tenant_key: &tenant_key, quotas: &quotas, rules: Vec::new(), classes: IndexMap::new() };
     let root = tree.level(raw.descriptors.as_deref().unwrap_or_default(), &Place::root())?;
     let (rules, classes) = (tree.rules, tree.classes);
     Ok(Domain {
@@ -145,7 +151,8 @@ fn failure_mode(text: Option<&str>) -> Result<FailureMode, String> {
 
 fn header_sets(sets: Option<&[Spanned<String>]>) -> Result<HeaderSets, Problem> {
     let Some(sets) = sets else { return Ok(HeaderSets::default()) };
-    let mut h = HeaderSets { x_ratelimit: false, retry_after: false, ietf: false, grpc_status_details: false };
+    let mut h =
+        HeaderSets { x_ratelimit: false, retry_after: false, ietf: false, grpc_status_details: false };
     for (i, set) in sets.iter().enumerate() {
         match set.value.as_str() {
             "x-ratelimit" => h.x_ratelimit = true,
@@ -216,13 +223,18 @@ fn tenants(
         let (tier, tier_at) = text(record.tier);
         if let Some(tier) = &tier {
             if !quotas.tiers.contains_key(tier) {
-                return Err(Problem::new(format!("tenants.{tenant}.tier"), tier_at.or(at), format!("unknown tier '{tier}'")));
+                return Err(Problem::new(
+                    format!("tenants.{tenant}.tier"),
+                    tier_at.or(at),
+                    format!("unknown tier '{tier}'"),
+                ));
             }
         }
         let mut overrides = IndexMap::new();
         for (class, bucket) in &record.overrides {
-            let spec = token_bucket(&bucket.value)
-                .map_err(|m| Problem::new(format!("tenants.{tenant}.overrides.{class}"), position(bucket), m))?;
+            let spec = token_bucket(&bucket.value).map_err(|m| {
+                Problem::new(format!("tenants.{tenant}.overrides.{class}"), position(bucket), m)
+            })?;
             overrides.insert(class.clone(), spec);
         }
         tenants.insert(tenant, Arc::new(TenantRecord { tier, overrides }));
@@ -322,9 +334,9 @@ impl Tree<'_> {
             let source = d.source.clone();
             check_source(key, value, source.as_ref()).map_err(|m| invalid(m.into()))?;
             let node = Node { key: key.to_owned(), value: ValueMatch::parse(value), rule, source, children };
-            level
-                .insert(node)
-                .map_err(|_| invalid(format!("duplicate descriptor composite key '{}'", place.path).into()))?;
+            level.insert(node).map_err(|_| {
+                invalid(format!("duplicate descriptor composite key '{}'", place.path).into())
+            })?;
         }
         Ok(level)
     }
@@ -423,7 +435,10 @@ impl Tree<'_> {
             return Err(format!("unknown quota source '{source}' (expected 'tenant')"));
         }
         if place.tenant_depth.is_none() {
-            return Err(format!("quota: tenant needs a '{}' descriptor at or above this node", self.tenant_key));
+            return Err(format!(
+                "quota: tenant needs a '{}' descriptor at or above this node",
+                self.tenant_key
+            ));
         }
         if self.quotas.default_tier.is_none() {
             return Err("quota: tenant needs tiers and a default_tier in this file".into());
@@ -447,7 +462,9 @@ fn charge(d: &raw::Descriptor, limited: bool) -> Result<ChargeRule, String> {
             }
             if let Some(debt) = d.max_debt {
                 if !debt.is_finite() || !(0.0..=MAX_CAPACITY).contains(&debt) {
-                    return Err(format!("max_debt must be between 0 and {MAX_CAPACITY:e} tokens, got {debt}"));
+                    return Err(format!(
+                        "max_debt must be between 0 and {MAX_CAPACITY:e} tokens, got {debt}"
+                    ));
                 }
             }
             Ok(ChargeRule::Always { max_debt: d.max_debt, hits_from: d.hits_from.clone() })
@@ -475,7 +492,8 @@ fn replaces_of(rl: &raw::RateLimit, name: Option<&str>) -> Result<Vec<String>, S
 // A `rate_limit`: unlimited, or N per unit (a bucket, and the rate to echo in responses).
 fn rate_limit(spanned: &Spanned<raw::RateLimit>) -> Result<(Limit, Option<RatePerUnit>), Located> {
     let rl = &spanned.value;
-    let located = |message: String, at: Option<(usize, usize)>| Located { message, position: at.or(position(spanned)) };
+    let located =
+        |message: String, at: Option<(usize, usize)>| Located { message, position: at.or(position(spanned)) };
     let unit_at = rl.unit.as_ref().and_then(position);
     let unit = match &rl.unit {
         None => None,
@@ -492,7 +510,10 @@ fn rate_limit(spanned: &Spanned<raw::RateLimit>) -> Result<(Limit, Option<RatePe
     let count_at = rl.requests_per_unit.as_ref().and_then(position);
     let count = rl.requests_per_unit.as_ref().map_or(0, |n| n.value);
     let requests_per_unit = u32::try_from(count).map_err(|_| {
-        located(format!("requests_per_unit must be a non-negative integer up to {}, got {count}", u32::MAX), count_at)
+        located(
+            format!("requests_per_unit must be a non-negative integer up to {}, got {count}", u32::MAX),
+            count_at,
+        )
     })?;
     match (rl.unlimited, unit) {
         (true, Some(_)) => Err(located("should not specify rate limit unit when unlimited".into(), unit_at)),

@@ -7,6 +7,7 @@
 //! either wholly valid or not built at all, so a bad edit can never half-apply.
 
 mod compile;
+mod locate;
 mod raw;
 
 pub use self::raw::Source;
@@ -47,7 +48,9 @@ impl ChargeRule {
     pub fn for_bucket(&self, spec: &BucketSpec) -> Charge {
         match self {
             ChargeRule::Admitted => Charge::Admitted,
-            ChargeRule::Always { max_debt, .. } => Charge::Always { max_debt: max_debt.unwrap_or(spec.capacity()) },
+            ChargeRule::Always { max_debt, .. } => {
+                Charge::Always { max_debt: max_debt.unwrap_or(spec.capacity()) }
+            }
         }
     }
 
