@@ -11,8 +11,8 @@ use std::sync::OnceLock;
 
 use tollgate::config::RuleSet;
 use tollgate::identity::{self, cluster_slot};
-use tollgate::units::{RatePerUnit, Unit};
 use tollgate::matcher::Pattern;
+use tollgate::units::{RatePerUnit, Unit};
 
 fn fields(data: &[u8]) -> Vec<String> {
     data.split(|b| *b == 0xFF).map(|f| String::from_utf8_lossy(f).into_owned()).collect()
@@ -96,9 +96,19 @@ pub fn keys(data: &[u8]) {
         assert_eq!(key.matches('}').count(), 1, "{key:?}");
     }
     let (t, rest) = decode(&per_value);
-    assert_eq!((t.as_str(), rest.as_str()), (tenant, format!("d:tenant={}:k={}", identity::escape(tenant), identity::escape(value)).as_str()));
-    assert_eq!(unescape_entries(&rest), vec![("tenant".to_owned(), tenant.to_owned()), ("k".to_owned(), value.to_owned())]);
-    assert_eq!(decode(&class), (tenant.to_owned(), "d:shared".to_owned()), "every value shares the class bucket");
+    assert_eq!(
+        (t.as_str(), rest.as_str()),
+        (tenant, format!("d:tenant={}:k={}", identity::escape(tenant), identity::escape(value)).as_str())
+    );
+    assert_eq!(
+        unescape_entries(&rest),
+        vec![("tenant".to_owned(), tenant.to_owned()), ("k".to_owned(), value.to_owned())]
+    );
+    assert_eq!(
+        decode(&class),
+        (tenant.to_owned(), "d:shared".to_owned()),
+        "every value shares the class bucket"
+    );
     assert_eq!(cluster_slot(&per_value), cluster_slot(&class));
     let plain = bucket(&[("k", value)]);
     assert!(!plain.contains(['{', '}']), "{plain:?}");

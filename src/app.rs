@@ -158,7 +158,8 @@ pub fn store(redis: Option<&RedisSettings>) -> Result<Arc<dyn Store>, ConnectErr
         );
         return Ok(Arc::new(MemoryStore::new()));
     };
-    let store = Arc::new(RedisStore::connect(&redis.target, redis.timeout, redis.coalesce_delay, &redis.tls)?);
+    let store =
+        Arc::new(RedisStore::connect(&redis.target, redis.timeout, redis.coalesce_delay, &redis.tls)?);
     Ok(match redis.precheck_buckets {
         Some(buckets) => Arc::new(Precheck::new(store, Arc::new(MonotonicClock::new()), buckets)),
         None => store,
@@ -181,7 +182,8 @@ impl App {
         tracing::info!(store = %store.describe(), shadow_mode = settings.shadow_mode, "store configured");
         let quotas: Arc<dyn QuotaSource> = match &settings.quotas {
             Some(q) => {
-                let db = PostgresQuotas::connect(&q.url, QUOTA_DB_CONNECTIONS, q.ca.as_deref()).map_err(StartError::Quotas)?;
+                let db = PostgresQuotas::connect(&q.url, QUOTA_DB_CONNECTIONS, q.ca.as_deref())
+                    .map_err(StartError::Quotas)?;
                 tracing::info!(quota_store = %db.describe(), ttl = ?q.cache_ttl, size = q.cache_size, "tenant quotas from the database");
                 // A decision never waits on the database longer than on Redis.
                 let deadline = settings.redis.as_ref().map_or(Duration::from_millis(50), |r| r.timeout);
@@ -190,7 +192,8 @@ impl App {
             None => Arc::new(EmbeddedQuotas),
         };
         let rules = Arc::new(ArcSwap::from_pointee(rules));
-        let limiter = Arc::new(Limiter::new(rules.clone(), store, quotas, telemetry.clone(), settings.shadow_mode));
+        let limiter =
+            Arc::new(Limiter::new(rules.clone(), store, quotas, telemetry.clone(), settings.shadow_mode));
         let tls = match &settings.tls {
             Some(files) => {
                 let tls = ReloadingTls::load(files.clone()).map_err(StartError::Tls)?;
@@ -204,7 +207,8 @@ impl App {
             let config = Reloader::new(&settings.config, rules.clone()).watch();
             watches.push(config.map_err(|source| StartError::Watch { what: "the config", source })?);
             if let Some(tls) = &tls {
-                watches.push(tls.watch().map_err(|source| StartError::Watch { what: "the TLS files", source })?);
+                watches
+                    .push(tls.watch().map_err(|source| StartError::Watch { what: "the TLS files", source })?);
             }
         }
         Ok(App {

@@ -312,7 +312,11 @@ pub fn refund(group: &Group, outcome: &GroupOutcome) -> Vec<(usize, BucketOp)> {
 /// when the store drops it (ms since the epoch), or `None` when no bucket is stored.
 ///
 /// `load` is called at most once per distinct key.
-pub fn evaluate(batch: &Batch, now_ms: u64, mut load: impl FnMut(&str) -> Option<(BucketState, u64)>) -> Evaluation {
+pub fn evaluate(
+    batch: &Batch,
+    now_ms: u64,
+    mut load: impl FnMut(&str) -> Option<(BucketState, u64)>,
+) -> Evaluation {
     // Committed state of every key touched so far in this batch, and the stored expiries.
     let mut running: HashMap<&str, Option<BucketState>> = HashMap::new();
     let mut expiries: HashMap<&str, u64> = HashMap::new();
@@ -341,7 +345,8 @@ pub fn evaluate(batch: &Batch, now_ms: u64, mut load: impl FnMut(&str) -> Option
             };
             let mut state = refill(before, &op.spec, now_ms);
             let allowed = covers(state.tokens, op.need);
-            let retry_after_ms = if allowed { Some(0) } else { op.spec.wait_ms(state.tokens, op.need.max(0.0)) };
+            let retry_after_ms =
+                if allowed { Some(0) } else { op.spec.wait_ms(state.tokens, op.need.max(0.0)) };
             let mut forgiven = 0.0;
             if allowed || matches!(op.charge, Charge::Always { .. }) {
                 forgiven = debit(&mut state, op);
@@ -618,8 +623,12 @@ mod tests {
         let group = vec![op("a", s, 3.0), always("m", s, 2.0, 10.0), op("c", s, -1.0), op("z", s, 0.0)];
         let e = evaluate(std::slice::from_ref(&group), 0, |_| None);
         let back: Group = refund(&group, &e.groups[0]).into_iter().map(|(_, op)| op).collect();
-        assert_eq!(back.iter().map(|o| (o.key.as_str(), o.need)).collect::<Vec<_>>(), vec![("a", -3.0), ("c", 1.0)]);
-        let after = evaluate(&[back], 0, |k| e.writes.iter().find(|w| w.key == k).map(|w| (w.state, w.ttl_ms)));
+        assert_eq!(
+            back.iter().map(|o| (o.key.as_str(), o.need)).collect::<Vec<_>>(),
+            vec![("a", -3.0), ("c", 1.0)]
+        );
+        let after =
+            evaluate(&[back], 0, |k| e.writes.iter().find(|w| w.key == k).map(|w| (w.state, w.ttl_ms)));
         assert_eq!(after.groups[0].verdicts[0].tokens, 10.0);
         let denied = GroupOutcome { admitted: false, ..e.groups[0].clone() };
         assert!(refund(&group, &denied).is_empty(), "a denied group took nothing");

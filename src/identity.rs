@@ -102,7 +102,11 @@ pub fn quota_class(rule: &Rule) -> &str {
 
 /// The bucket of a request-level override `limit` on `entries` in `domain`: the rule, if any,
 /// plays no part; a tenant entry only places the bucket in the tenant's slot.
-pub fn override_bucket<'a>(domain: &Domain, limit: RatePerUnit, entries: &[(&'a str, &'a str)]) -> BucketKey<'a> {
+pub fn override_bucket<'a>(
+    domain: &Domain,
+    limit: RatePerUnit,
+    entries: &[(&'a str, &'a str)],
+) -> BucketKey<'a> {
     let tenant = entries.iter().find(|(k, _)| *k == domain.tenant_key).map(|(_, v)| *v);
     let mut key = prefix(tenant);
     escape_into(&mut key, &domain.name);

@@ -20,7 +20,7 @@
 mod explain;
 mod lease;
 
-pub use self::explain::{Explained, Explanation, Effect, SpecOrigin};
+pub use self::explain::{Effect, Explained, Explanation, SpecOrigin};
 pub use self::lease::{Leasable, QuotaBucket, DEMAND_TTL_MS};
 
 use std::sync::Arc;
@@ -292,7 +292,10 @@ impl Limiter {
     async fn resolve_quotas(&self, domain: &Domain, plans: &mut [Plan<'_>]) {
         let mut tenants: Vec<&str> = Vec::new();
         for plan in plans.iter() {
-            if let Plan::Bucket(BucketPlan { spec: None, bucket: BucketKey { tenant: Some(t), .. }, .. }) = plan {
+            if let Plan::Bucket(BucketPlan {
+                spec: None, bucket: BucketKey { tenant: Some(t), .. }, ..
+            }) = plan
+            {
                 if !tenants.contains(t) {
                     tenants.push(t);
                 }
@@ -321,7 +324,8 @@ impl Limiter {
         }
         // A request answered by a denial or an error must take nothing, even if the store's reply
         // comes after the deadline; one admitted by `allow` keeps what it took.
-        let late = if domain.failure_mode == FailureMode::Allow { LateReply::Keep } else { LateReply::GiveBack };
+        let late =
+            if domain.failure_mode == FailureMode::Allow { LateReply::Keep } else { LateReply::GiveBack };
         let span = tracing::trace_span!(target: traces::TARGET, "store.evaluate", buckets = group.len(), outcome = tracing::field::Empty);
         let result = self
             .store
@@ -330,11 +334,14 @@ impl Limiter {
             .await
             .pop()
             .expect("one result per group");
-        span.record("outcome", match &result {
-            Ok(_) => "ok",
-            Err(StoreError::Timeout(_)) => "timeout",
-            Err(_) => "error",
-        });
+        span.record(
+            "outcome",
+            match &result {
+                Ok(_) => "ok",
+                Err(StoreError::Timeout(_)) => "timeout",
+                Err(_) => "error",
+            },
+        );
         match result {
             Ok(outcome) => {
                 let forgiven: f64 = outcome.verdicts.iter().map(|v| v.forgiven).sum();
@@ -408,10 +415,13 @@ fn trace_decision(domain: &str, plans: &[Plan<'_>], decision: &Decision) {
     if let Some(tenant) = tenant {
         span.record("tenant", traces::tenant_hash(tenant).as_str());
     }
-    span.record("outcome", match decision.overall {
-        Code::Ok => "ok",
-        Code::OverLimit => "over_limit",
-    });
+    span.record(
+        "outcome",
+        match decision.overall {
+            Code::Ok => "ok",
+            Code::OverLimit => "over_limit",
+        },
+    );
 }
 
 // envoyproxy/ratelimit's rule: OVER_LIMIT iff a descriptor not in quota mode is over the limit,
@@ -449,7 +459,10 @@ fn limit_info(p: &BucketPlan<'_>) -> LimitInfo {
     let spec = p.spec.expect("quotas resolved");
     LimitInfo {
         rule: p.rule.cloned(),
-        name: p.rule.map(|r| r.name.clone().or_else(|| r.class.clone()).unwrap_or_default()).unwrap_or_default(),
+        name: p
+            .rule
+            .map(|r| r.name.clone().or_else(|| r.class.clone()).unwrap_or_default())
+            .unwrap_or_default(),
         spec,
         current_limit: p.current_limit.unwrap_or_else(|| RatePerUnit::of_rate(spec.refill_per_second())),
         key: p.bucket.key.clone(),
@@ -481,14 +494,18 @@ impl Decision {
 /// overrides have no rule: they neither replace nor are replaced. Returns each replaced plan's
 /// index and the rule that replaced it.
 fn drop_replaced<'a>(plans: &mut [Plan<'a>]) -> Vec<(usize, &'a Arc<Rule>)> {
-    let replacers: Vec<&'a Arc<Rule>> = plans.iter().filter_map(Plan::rule).filter(|r| !r.replaces.is_empty()).collect();
+    let replacers: Vec<&'a Arc<Rule>> =
+        plans.iter().filter_map(Plan::rule).filter(|r| !r.replaces.is_empty()).collect();
     let mut replaced = Vec::new();
     if replacers.is_empty() {
         return replaced;
     }
     for (i, plan) in plans.iter_mut().enumerate() {
         if let Plan::Bucket(BucketPlan { rule: Some(rule), .. }) = plan {
-            let by = rule.name.as_deref().and_then(|n| replacers.iter().find(|r| r.replaces.iter().any(|x| x == n)));
+            let by = rule
+                .name
+                .as_deref()
+                .and_then(|n| replacers.iter().find(|r| r.replaces.iter().any(|x| x == n)));
             if let Some(by) = by {
                 replaced.push((i, *by));
                 *plan = Plan::Free;

@@ -123,7 +123,12 @@ pub fn select<'a>(rules: &'a RuleSet, options: &RenderOptions) -> Result<&'a Dom
 
 /// The `rate_limits` entries that produce the descriptors `domain`'s rules expect.
 pub fn rate_limits(domain: &Domain, jwt: &JwtPayload) -> Result<RateLimits, RenderError> {
-    let mut out = RateLimits { virtual_host: Vec::new(), routes: BTreeMap::new(), filter: Vec::new(), trailers: Vec::new() };
+    let mut out = RateLimits {
+        virtual_host: Vec::new(),
+        routes: BTreeMap::new(),
+        filter: Vec::new(),
+        trailers: Vec::new(),
+    };
     let filter_level = domain.rules.iter().any(|r| matches!(r.charge, ChargeRule::Always { .. }));
     walk(domain, &domain.root, jwt, &[], &[], filter_level, &mut out)?;
     for entries in out.routes.values_mut() {
@@ -179,7 +184,12 @@ fn walk(
 
 // The entries of one rule: one per request; for `charge: always`, a check before the request and
 // the charges after it (from the header, or from the trailer the Lua filter copied).
-fn entries(domain: &Domain, rule: &Rule, actions: Vec<Value>, out: &mut RateLimits) -> Result<Vec<Value>, RenderError> {
+fn entries(
+    domain: &Domain,
+    rule: &Rule,
+    actions: Vec<Value>,
+    out: &mut RateLimits,
+) -> Result<Vec<Value>, RenderError> {
     let ChargeRule::Always { hits_from, .. } = &rule.charge else {
         return Ok(vec![json!({ "actions": actions })]);
     };
@@ -246,8 +256,10 @@ fn collect_paths(
         if let Some(rule) = node.rule.as_ref().filter(|r| r.limit != Limit::Unlimited) {
             let entries: Option<Vec<(String, Source)>> =
                 path.iter().map(|(k, s)| s.clone().map(|s| (k.clone(), s))).collect();
-            let entries = entries
-                .ok_or_else(|| RenderError::NoSource { domain: domain.name.clone(), path: rule.path.clone() })?;
+            let entries = entries.ok_or_else(|| RenderError::NoSource {
+                domain: domain.name.clone(),
+                path: rule.path.clone(),
+            })?;
             if !out.contains(&entries) {
                 out.push(entries);
             }
@@ -260,9 +272,7 @@ fn collect_paths(
 // The filter for one path: its matcher applies when every entry is present, and builds the
 // bucket id from the entries.
 fn quota_filter(domain: &Domain, cluster: &str, entries: &[(String, Source)], jwt: &JwtPayload) -> Value {
-    let present = |input: Value| {
-        json!({ "single_predicate": { "input": input, "value_match": { "safe_regex": { "google_re2": {}, "regex": ".+" } } } })
-    };
+    let present = |input: Value| json!({ "single_predicate": { "input": input, "value_match": { "safe_regex": { "google_re2": {}, "regex": ".+" } } } });
     let mut predicates = Vec::new();
     let mut builder = serde_json::Map::new();
     for (key, source) in entries {
@@ -486,16 +496,14 @@ pub fn istio(
         ),
     };
     let cluster = format!("outbound|{port}||{service}");
-    let mut patches = vec![
-        json!({
-            "applyTo": "HTTP_FILTER",
-            "match": { "context": context, "listener": { "filterChain": { "filter": {
-                "name": "envoy.filters.network.http_connection_manager",
-                "subFilter": { "name": "envoy.filters.http.router" },
-            }}}},
-            "patch": { "operation": "INSERT_BEFORE", "value": http_filter(domain, &cluster, options, &limits.filter) },
-        }),
-    ];
+    let mut patches = vec![json!({
+        "applyTo": "HTTP_FILTER",
+        "match": { "context": context, "listener": { "filterChain": { "filter": {
+            "name": "envoy.filters.network.http_connection_manager",
+            "subFilter": { "name": "envoy.filters.http.router" },
+        }}}},
+        "patch": { "operation": "INSERT_BEFORE", "value": http_filter(domain, &cluster, options, &limits.filter) },
+    })];
     if !limits.trailers.is_empty() {
         patches.push(json!({
             "applyTo": "HTTP_FILTER",

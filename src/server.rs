@@ -24,15 +24,14 @@ use tokio::net::TcpListener;
 use tokio::sync::watch;
 use tonic::transport::server::TcpIncoming;
 
-use crate::config::RuleSet;
 use crate::clock::MonotonicClock;
+use crate::config::RuleSet;
 use crate::edge::rlqs::RateLimitQuotaGrpc;
 use crate::edge::rls::RateLimitGrpc;
 use crate::http::{self, HttpState};
 use crate::limiter::Limiter;
 use crate::telemetry::Telemetry;
 use crate::tls::ReloadingTls;
-
 
 /// The sockets to serve on.
 pub struct Listeners {
@@ -111,7 +110,8 @@ fn replica_name() -> String {
         .or_else(|| std::fs::read_to_string("/etc/hostname").ok())
         .map(|h| h.trim().to_owned())
         .unwrap_or_default();
-    let started = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos());
+    let started =
+        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos());
     format!("{host}/{}/{started:x}", std::process::id())
 }
 
@@ -148,21 +148,25 @@ pub async fn run(
     let http_server =
         axum::serve(http_listener, http::router(state)).with_graceful_shutdown(stopped(stop_rx.clone()));
     // RLQS streams never end by themselves: they close when the servers stop.
-    let rlqs = RateLimitQuotaGrpc::new(limiter.clone(), replica_name(), Arc::new(MonotonicClock::new()), stop_rx.clone());
+    let rlqs = RateLimitQuotaGrpc::new(
+        limiter.clone(),
+        replica_name(),
+        Arc::new(MonotonicClock::new()),
+        stop_rx.clone(),
+    );
     let routes = tonic::transport::Server::builder()
         .add_service(health_service)
         .add_service(RateLimitServiceServer::from_arc(rls))
         .add_service(RateLimitQuotaServiceServer::new(rlqs));
-    let grpc_server: Pin<Box<dyn Future<Output = Result<(), tonic::transport::Error>> + Send>> =
-        match &tls {
-            Some(tls) => {
-                Box::pin(routes.serve_with_incoming_shutdown(tls.incoming(grpc_listener), stopped(stop_rx)))
-            }
-            None => Box::pin(routes.serve_with_incoming_shutdown(
-                TcpIncoming::from(grpc_listener).with_nodelay(Some(true)),
-                stopped(stop_rx),
-            )),
-        };
+    let grpc_server: Pin<Box<dyn Future<Output = Result<(), tonic::transport::Error>> + Send>> = match &tls {
+        Some(tls) => {
+            Box::pin(routes.serve_with_incoming_shutdown(tls.incoming(grpc_listener), stopped(stop_rx)))
+        }
+        None => Box::pin(routes.serve_with_incoming_shutdown(
+            TcpIncoming::from(grpc_listener).with_nodelay(Some(true)),
+            stopped(stop_rx),
+        )),
+    };
 
     let lifecycle = async move {
         let how = shutdown.await;

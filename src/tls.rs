@@ -78,7 +78,9 @@ struct Contents {
 
 impl Contents {
     fn read(files: &TlsFiles) -> Result<Contents, TlsError> {
-        let read = |path: &PathBuf| std::fs::read(path).map_err(|e| TlsError::File { path: path.clone(), message: e.to_string() });
+        let read = |path: &PathBuf| {
+            std::fs::read(path).map_err(|e| TlsError::File { path: path.clone(), message: e.to_string() })
+        };
         Ok(Contents {
             cert: read(&files.cert)?,
             key: read(&files.key)?,
@@ -98,7 +100,11 @@ impl ReloadingTls {
     pub fn load(files: TlsFiles) -> Result<Arc<ReloadingTls>, TlsError> {
         let contents = Contents::read(&files)?;
         let config = build(&files, &contents)?;
-        Ok(Arc::new(ReloadingTls { files, config: ArcSwap::from_pointee(config), digest: Mutex::new(contents.digest()) }))
+        Ok(Arc::new(ReloadingTls {
+            files,
+            config: ArcSwap::from_pointee(config),
+            digest: Mutex::new(contents.digest()),
+        }))
     }
 
     /// Rebuilds the configuration if the files' bytes changed; returns whether it did. On error
@@ -194,7 +200,8 @@ fn build(files: &TlsFiles, contents: &Contents) -> Result<ServerConfig, TlsError
     if certs.is_empty() {
         return Err(file_error(&files.cert, "no PEM certificate".into()));
     }
-    let key = PrivateKeyDer::from_pem_slice(&contents.key).map_err(|e| file_error(&files.key, e.to_string()))?;
+    let key =
+        PrivateKeyDer::from_pem_slice(&contents.key).map_err(|e| file_error(&files.key, e.to_string()))?;
     let provider = Arc::new(rustls::crypto::ring::default_provider());
     let builder = ServerConfig::builder_with_provider(provider.clone())
         .with_safe_default_protocol_versions()

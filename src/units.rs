@@ -119,7 +119,10 @@ mod tests {
         let b = rate(20, Unit::Minute).bucket();
         assert_eq!(b.capacity(), 20.0);
         assert_eq!(RatePerUnit::of_rate(b.refill_per_second()), rate(20, Unit::Minute));
-        assert_eq!(RatePerUnit::of_rate(rate(120, Unit::Minute).bucket().refill_per_second()), rate(2, Unit::Second));
+        assert_eq!(
+            RatePerUnit::of_rate(rate(120, Unit::Minute).bucket().refill_per_second()),
+            rate(2, Unit::Second)
+        );
         assert_eq!(RatePerUnit::of_rate(50.0), rate(50, Unit::Second));
         assert_eq!(RatePerUnit::of_rate(0.5), rate(30, Unit::Minute));
         assert_eq!(RatePerUnit::of_rate(rate(7, Unit::Day).bucket().refill_per_second()), rate(7, Unit::Day));

@@ -47,12 +47,8 @@ async fn a_stopped_app_leaves_no_task_running() {
         coalesce_delay: Duration::from_micros(500),
         precheck_buckets: Some(1000),
     });
-    settings.quotas = Some(QuotaSettings {
-        url: pg.url(),
-        ca: None,
-        cache_ttl: Duration::from_secs(60),
-        cache_size: 100,
-    });
+    settings.quotas =
+        Some(QuotaSettings { url: pg.url(), ca: None, cache_ttl: Duration::from_secs(60), cache_size: 100 });
     let app = App::start(&settings).expect("starts");
     let grpc = server::bind("127.0.0.1:0".parse().unwrap()).await.unwrap();
     let http = server::bind("127.0.0.1:0".parse().unwrap()).await.unwrap();

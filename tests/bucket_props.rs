@@ -14,10 +14,11 @@ fn spec() -> impl Strategy<Value = BucketSpec> {
 }
 
 fn state(spec: BucketSpec) -> impl Strategy<Value = Option<BucketState>> {
-    proptest::option::of(
-        (0.0..=1.0f64, 0u64..u64::MAX / 2)
-            .prop_map(move |(f, last)| BucketState { tokens: f * spec.capacity(), last_refill_ms: last, fastest_refill: spec.refill_per_second() }),
-    )
+    proptest::option::of((0.0..=1.0f64, 0u64..u64::MAX / 2).prop_map(move |(f, last)| BucketState {
+        tokens: f * spec.capacity(),
+        last_refill_ms: last,
+        fastest_refill: spec.refill_per_second(),
+    }))
 }
 
 fn charge() -> impl Strategy<Value = Charge> {

@@ -40,7 +40,12 @@ fn tokens(tenant: &str, hits: u64) -> RateLimitRequest {
 }
 
 fn remaining(r: &RateLimitResponse) -> (i32, u32, Option<&str>, Option<&str>) {
-    (r.overall_code, r.statuses[0].limit_remaining, header(r, "X-RateLimit-Remaining"), header(r, "Retry-After"))
+    (
+        r.overall_code,
+        r.statuses[0].limit_remaining,
+        header(r, "X-RateLimit-Remaining"),
+        header(r, "Retry-After"),
+    )
 }
 
 async fn check_then_charge(addr: &str, tenant: &str) {

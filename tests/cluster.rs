@@ -191,7 +191,10 @@ async fn a_request_across_three_slots_is_all_or_nothing_under_concurrency() {
             capacity - tokens
         })
         .collect();
-    let scrape = servers.iter().map(|s| sample(&s.metrics(), "tollgate_store_refunds_total", &[("reason", "split")])).sum::<f64>();
+    let scrape = servers
+        .iter()
+        .map(|s| sample(&s.metrics(), "tollgate_store_refunds_total", &[("reason", "split")]))
+        .sum::<f64>();
     println!(
         "3 slots on {} primaries: admitted {admitted} of 200; debits {debits:?}; {scrape} refunds",
         primaries.len()

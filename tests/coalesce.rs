@@ -76,8 +76,7 @@ async fn coalescing_stays_exact_per_slot_on_a_cluster() {
     let (_dir, config) = config_file(CONFIG);
     let server = Tollgate::start(&config, &Backend::Cluster(cluster.seeds()), &["--no-precheck"]);
     let tenants = ["ann", "bob", "cy", "dee", "eve", "fay"];
-    let slots: Vec<u16> =
-        tenants.iter().map(|t| tenant_slot(t)).collect();
+    let slots: Vec<u16> = tenants.iter().map(|t| tenant_slot(t)).collect();
     let admitted = burst(&server, &tenants, 100).await;
     let (calls, groups) = calls_and_groups(&server);
     println!("600 requests over slots {slots:?}: {calls} script calls, admitted {admitted:?}");

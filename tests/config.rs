@@ -216,10 +216,7 @@ fn rate_limit_becomes_a_token_bucket() {
         d.lookup(&[("a", "x")]).unwrap().limit,
         Limit::Bucket(BucketSpec::new(20.0, 20.0 / 60.0).unwrap())
     );
-    assert_eq!(
-        d.lookup(&[("b", "x")]).unwrap().limit,
-        Limit::Bucket(BucketSpec::new(86400.0, 1.0).unwrap())
-    );
+    assert_eq!(d.lookup(&[("b", "x")]).unwrap().limit, Limit::Bucket(BucketSpec::new(86400.0, 1.0).unwrap()));
 }
 
 #[test]
@@ -405,7 +402,10 @@ fn a_shared_class_must_have_one_limit() {
     assert_eq!(RuleSet::load(dir.path()).unwrap().domains().count(), 2);
     std::fs::write(dir.path().join("b.yaml"), format!("domain: b\n{}", file(5))).unwrap();
     let message = RuleSet::load(dir.path()).unwrap_err().to_string();
-    assert!(message.contains("b.yaml:6:14: class x: class 'x' of class scope 'shared' is sized differently at"), "{message}");
+    assert!(
+        message.contains("b.yaml:6:14: class x: class 'x' of class scope 'shared' is sized differently at"),
+        "{message}"
+    );
     assert!(message.contains("a.yaml:6:14"), "{message}");
 }
 

@@ -49,8 +49,16 @@ fn buckets(rng: &mut StdRng) -> Vec<Bucket> {
         });
     }
     // Empty for good, and huge and slow.
-    all.push(Bucket { key: "rl:d:blocked=1".into(), spec: BucketSpec::new(0.0, 0.0).unwrap(), charge: Charge::Admitted });
-    all.push(Bucket { key: "rl:d:huge=1".into(), spec: BucketSpec::new(1e12, 0.0001).unwrap(), charge: Charge::Admitted });
+    all.push(Bucket {
+        key: "rl:d:blocked=1".into(),
+        spec: BucketSpec::new(0.0, 0.0).unwrap(),
+        charge: Charge::Admitted,
+    });
+    all.push(Bucket {
+        key: "rl:d:huge=1".into(),
+        spec: BucketSpec::new(1e12, 0.0001).unwrap(),
+        charge: Charge::Admitted,
+    });
     all.push(Bucket {
         key: "rl:d:huge=2".into(),
         spec: BucketSpec::new(1e12, 0.0001).unwrap(),
@@ -97,7 +105,8 @@ async fn replay(seed: u64, redis: &common::Redis) -> usize {
     let mut shift = 0u64;
     let mut compared = 0usize;
     let mut writes = 0usize;
-    let mut seen = HashMap::from([("admitted", 0usize), ("denied", 0), ("debt", 0), ("forgiven", 0), ("capped", 0)]);
+    let mut seen =
+        HashMap::from([("admitted", 0usize), ("denied", 0), ("debt", 0), ("forgiven", 0), ("capped", 0)]);
 
     for step in 0..400 {
         if rng.random_bool(0.1) {
@@ -122,8 +131,12 @@ async fn replay(seed: u64, redis: &common::Redis) -> usize {
             continue;
         }
         let batch = random_batch(&mut rng, &buckets);
-        let from_redis: Vec<_> =
-            store.evaluate(&batch, LateReply::Keep).await.into_iter().map(|r| r.expect("redis answers")).collect();
+        let from_redis: Vec<_> = store
+            .evaluate(&batch, LateReply::Keep)
+            .await
+            .into_iter()
+            .map(|r| r.expect("redis answers"))
+            .collect();
         let redis_now = from_redis[0].now_ms;
         clock.set(redis_now + shift);
         let from_memory = memory.evaluate_now(&batch);

@@ -44,7 +44,11 @@ fn configs() -> tempfile::TempDir {
     dir
 }
 
-fn hits(domain: &str, tenant: &str, n: u64) -> envoy_types::pb::envoy::service::ratelimit::v3::RateLimitRequest {
+fn hits(
+    domain: &str,
+    tenant: &str,
+    n: u64,
+) -> envoy_types::pb::envoy::service::ratelimit::v3::RateLimitRequest {
     let mut r = req(domain, &[&format!("tenant={tenant}")], 1);
     r.descriptors[0].hits_addend = Some(UInt64Value { value: n });
     r
@@ -86,7 +90,14 @@ impl Setup {
         let mut cluster = RedisCluster::start();
         let proxies = cluster.behind_proxies();
         let nodes = cluster.ports.iter().copied().zip(cluster.direct.iter().copied()).collect();
-        Setup { backend: Backend::Cluster(cluster.seeds()), proxies, nodes, _redis: None, _cluster: Some(cluster), cluster: true }
+        Setup {
+            backend: Backend::Cluster(cluster.seeds()),
+            proxies,
+            nodes,
+            _redis: None,
+            _cluster: Some(cluster),
+            cluster: true,
+        }
     }
 
     // The proxy and the direct port of the primary holding `tenant`'s buckets.
@@ -100,7 +111,11 @@ impl Setup {
     }
 
     fn name(&self) -> &'static str {
-        if self.cluster { "cluster" } else { "standalone" }
+        if self.cluster {
+            "cluster"
+        } else {
+            "standalone"
+        }
     }
 }
 
@@ -114,7 +129,11 @@ async fn a_lost_reply_is_never_resent(setup: &Setup) {
     let r = ask(&server.addr(), hits("deny", tenant, 100)).await.unwrap();
     proxy.set(Fault::Pass);
     let after = tokens(direct, "deny", tenant);
-    println!("{}: reply lost after the script ran: answered {} (failure mode), bucket 1000 -> {after:.3}", setup.name(), r.overall_code);
+    println!(
+        "{}: reply lost after the script ran: answered {} (failure mode), bucket 1000 -> {after:.3}",
+        setup.name(),
+        r.overall_code
+    );
     assert_eq!(r.overall_code, OVER_LIMIT, "failure_mode deny answered");
     assert!((after - 899.0).abs() < 0.01, "taken once (899 left), not twice: {after}");
     // And the connection comes back for the next request.
@@ -168,7 +187,13 @@ async fn late_replies(setup: &Setup) {
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
         let late = sample(&server.metrics(), "tollgate_store_late_replies_total", &[("action", action)]);
-        assert_eq!(late - before, 3.0, "{domain}: three late replies {action}; bucket {}\n{}", tokens(direct, domain, &tenant), server.log());
+        assert_eq!(
+            late - before,
+            3.0,
+            "{domain}: three late replies {action}; bucket {}\n{}",
+            tokens(direct, domain, &tenant),
+            server.log()
+        );
         proxy.set(Fault::Pass);
         let after = tokens(direct, domain, &tenant);
         figures.push(format!("{domain}: 3 x 10 tokens answered by the failure mode, bucket 999 -> {after:.3} ({action}, settled {:?} after the last answer)", start.elapsed()));
@@ -216,7 +241,9 @@ async fn cluster_at_most_once_and_late_refunds() {
 #[tokio::test(flavor = "multi_thread")]
 async fn a_faster_spec_on_another_replica_never_makes_the_precheck_deny() {
     let redis = Redis::start();
-    let spec = |rate: &str| format!("domain: spec\ndescriptors:\n  - key: tenant\n    token_bucket: {{capacity: 5, refill_per_second: {rate}}}\n");
+    let spec = |rate: &str| {
+        format!("domain: spec\ndescriptors:\n  - key: tenant\n    token_bucket: {{capacity: 5, refill_per_second: {rate}}}\n")
+    };
     let (_slow_dir, slow_config) = config_file(&spec("0.01"));
     let (_fast_dir, fast_config) = config_file(&spec("100"));
     let slow = Tollgate::start(&slow_config, &Backend::Redis(redis.url()), &[]);

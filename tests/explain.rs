@@ -54,14 +54,24 @@ async fn explain_names_rule_bucket_origin_and_balance_without_debiting() {
     let file = config.display().to_string();
 
     // Origins, positions, keys and slots, before any traffic: nothing stored, nothing created.
-    let text = explain(&config, Some(&redis), &["tenant=t1", "tenant=vip", "path=/a", "trial=x", "health=1", "other=1"]);
+    let text = explain(
+        &config,
+        Some(&redis),
+        &["tenant=t1", "tenant=vip", "path=/a", "trial=x", "health=1", "other=1"],
+    );
     println!("{text}");
     assert!(text.contains(&format!("descriptor 0 [tenant=t1]\n  rule:     tenant at {file}:10:")), "{text}");
     assert!(text.contains("  bucket:   rl:{t1}:ex:tenant=t1   slot "), "{text}");
     assert!(text.contains(&format!("   slot {}   tenant t1", tenant_slot("t1"))), "{text}");
-    assert!(text.contains("capacity 10, refill 0.01/s") && text.contains("from tier 'free', class 'default'"), "{text}");
+    assert!(
+        text.contains("capacity 10, refill 0.01/s") && text.contains("from tier 'free', class 'default'"),
+        "{text}"
+    );
     assert!(text.contains("from the tenant's override for class 'default'"), "{text}");
-    assert!(text.contains(&format!("rule:     path at {file}:12:")) && text.contains("(name per_path)"), "{text}");
+    assert!(
+        text.contains(&format!("rule:     path at {file}:12:")) && text.contains("(name per_path)"),
+        "{text}"
+    );
     assert!(text.contains("(5/minute)   from the rule"), "{text}");
     assert!(text.contains("shadow mode: counted, never denies"), "{text}");
     assert!(text.contains("unlimited: always OK"), "{text}");
@@ -87,7 +97,8 @@ async fn explain_names_rule_bucket_origin_and_balance_without_debiting() {
         assert!((7.0..7.1).contains(&tokens), "{balance}");
         assert!(balance.contains("of 10 now (Redis clock), full in "), "{balance}");
     }
-    let stored: f64 = redis::cmd("HGET").arg("rl:{t1}:ex:tenant=t1").arg("t").query(&mut redis.connection()).unwrap();
+    let stored: f64 =
+        redis::cmd("HGET").arg("rl:{t1}:ex:tenant=t1").arg("t").query(&mut redis.connection()).unwrap();
     assert!((stored - 7.0).abs() < 0.05, "the stored balance is untouched: {stored}");
 }
 
@@ -106,7 +117,10 @@ async fn explain_reads_the_owning_node_of_a_cluster() {
         .arg("rl:{t7}:ex:tenant=t7")
         .query(&mut cluster.connection())
         .unwrap();
-    assert!(text.contains(&format!("  bucket:   rl:{{t7}}:ex:tenant=t7   slot {slot}   tenant t7")), "{text}");
+    assert!(
+        text.contains(&format!("  bucket:   rl:{{t7}}:ex:tenant=t7   slot {slot}   tenant t7")),
+        "{text}"
+    );
     let balance = text.lines().find(|l| l.contains("balance:")).unwrap();
     let tokens: f64 = balance.split_whitespace().nth(1).unwrap().parse().unwrap();
     assert!((8.0..8.1).contains(&tokens), "{balance}");

@@ -53,10 +53,7 @@ async fn primary_failover_under_load() {
         &[("RUST_LOG", "info")],
     );
     let names = tenants(60, "fo-");
-    let primary_of: Vec<u16> = names
-        .iter()
-        .map(|t| cluster.primary_for_slot(tenant_slot(t)))
-        .collect();
+    let primary_of: Vec<u16> = names.iter().map(|t| cluster.primary_for_slot(tenant_slot(t))).collect();
     let victim = primary_of[0];
     let on_victim = |t: usize| primary_of[t] == victim;
     assert!(primary_of.iter().any(|p| *p != victim), "tenants on other shards too");
@@ -251,10 +248,7 @@ async fn slots_migrate_to_a_new_node_during_traffic() {
     );
     tokio::time::sleep(Duration::from_millis(1000)).await;
     let answers = load.stop().await;
-    let moved = names
-        .iter()
-        .filter(|t| cluster.primary_for_slot(tenant_slot(t)) == new)
-        .count();
+    let moved = names.iter().filter(|t| cluster.primary_for_slot(tenant_slot(t)) == new).count();
     let failed = count(&answers, |a| a.kind == Kind::FailureMode);
     let errors = count(&answers, |a| matches!(a.kind, Kind::Error(_)));
     let mut admitted: HashMap<usize, usize> = HashMap::new();

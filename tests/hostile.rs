@@ -122,5 +122,8 @@ async fn every_bad_request_gets_a_defined_answer_and_harms_no_one() {
             "{key:?}"
         );
     }
-    assert!(keys.contains(&"rl:{%7Bbystander%7D%3Adefault%25}:h:tenant=%7Bbystander%7D%3Adefault%25".to_string()), "{keys:?}");
+    assert!(
+        keys.contains(&"rl:{%7Bbystander%7D%3Adefault%25}:h:tenant=%7Bbystander%7D%3Adefault%25".to_string()),
+        "{keys:?}"
+    );
 }

@@ -127,15 +127,20 @@ async fn run_cases(addr: &str) {
     }
     // The override case: a 1/minute override next to the rule's 10/minute bucket.
     let mut request = req("n4", &["ip=1"], 1);
-    request.descriptors[0].limit =
-        Some(envoy_types::pb::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::RateLimitOverride {
+    request.descriptors[0].limit = Some(
+        envoy_types::pb::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::RateLimitOverride {
             requests_per_unit: 1,
             unit: 2,
-        });
+        },
+    );
     assert_eq!(ask(addr, request.clone()).await.unwrap().overall_code, OK);
     assert_eq!(ask(addr, request).await.unwrap().overall_code, OVER_LIMIT, "the override holds");
     let r = ask(addr, req("n4", &["ip=1"], 1)).await.unwrap();
-    assert_eq!((r.overall_code, r.statuses[0].limit_remaining), (OK, 8), "the rule's bucket saw only its own");
+    assert_eq!(
+        (r.overall_code, r.statuses[0].limit_remaining),
+        (OK, 8),
+        "the rule's bucket saw only its own"
+    );
 }
 
 fn expected_keys() -> Vec<String> {
@@ -195,7 +200,11 @@ fn gen_level(rng: &mut StdRng, depth: usize, under_tenant: bool, next_id: &mut u
     let mut nodes = Vec::new();
     for _ in 0..rng.random_range(1..=4) {
         let key = KEYS[rng.random_range(0..KEYS.len())];
-        let value = if rng.random_bool(0.4) { None } else { Some(CONFIG_VALUES[rng.random_range(0..CONFIG_VALUES.len())]) };
+        let value = if rng.random_bool(0.4) {
+            None
+        } else {
+            Some(CONFIG_VALUES[rng.random_range(0..CONFIG_VALUES.len())])
+        };
         if used.contains(&(key, value)) {
             continue;
         }
@@ -244,7 +253,9 @@ fn yaml(nodes: &[Node], indent: usize, out: &mut String) {
         }
         if let Some((capacity, name)) = n.limit {
             let name = name.map(|n| format!(", name: {n}")).unwrap_or_default();
-            out.push_str(&format!("{pad}  rate_limit: {{unit: hour, requests_per_unit: {capacity}{name}}}\n"));
+            out.push_str(&format!(
+                "{pad}  rate_limit: {{unit: hour, requests_per_unit: {capacity}{name}}}\n"
+            ));
         }
         if !n.children.is_empty() {
             out.push_str(&format!("{pad}  descriptors:\n"));
@@ -256,7 +267,9 @@ fn yaml(nodes: &[Node], indent: usize, out: &mut String) {
 fn glob(pattern: &str, value: &str) -> bool {
     match pattern.split_once('*') {
         None => pattern == value,
-        Some((head, tail)) => value.len() >= head.len() + tail.len() && value.starts_with(head) && value.ends_with(tail),
+        Some((head, tail)) => {
+            value.len() >= head.len() + tail.len() && value.starts_with(head) && value.ends_with(tail)
+        }
     }
 }
 
@@ -276,7 +289,9 @@ fn oracle(root: &[Node], entries: &[(&str, &str)]) -> Option<(Identity, u32)> {
         let node = level
             .iter()
             .find(|n| n.key == *k && n.value == Some(*v))
-            .or_else(|| level.iter().find(|n| n.key == *k && n.value.is_some_and(|p| p.contains('*') && glob(p, v))))
+            .or_else(|| {
+                level.iter().find(|n| n.key == *k && n.value.is_some_and(|p| p.contains('*') && glob(p, v)))
+            })
             .or_else(|| level.iter().find(|n| n.key == *k && n.value.is_none()))?;
         let value = if node.share { node.value.unwrap() } else { v };
         if *k == "tenant" && tenant.is_none() {
@@ -300,7 +315,9 @@ fn oracle(root: &[Node], entries: &[(&str, &str)]) -> Option<(Identity, u32)> {
 fn random_entries(rng: &mut StdRng, root: &[Node]) -> Vec<(&'static str, &'static str)> {
     let any_value = |rng: &mut StdRng| REQUEST_VALUES[rng.random_range(0..REQUEST_VALUES.len())];
     if rng.random_bool(0.2) {
-        return (0..rng.random_range(1..=3)).map(|_| (KEYS[rng.random_range(0..KEYS.len())], any_value(rng))).collect();
+        return (0..rng.random_range(1..=3))
+            .map(|_| (KEYS[rng.random_range(0..KEYS.len())], any_value(rng)))
+            .collect();
     }
     let mut entries = Vec::new();
     let mut level = root;
@@ -308,7 +325,9 @@ fn random_entries(rng: &mut StdRng, root: &[Node]) -> Vec<(&'static str, &'stati
         let node = &level[rng.random_range(0..level.len())];
         let value = match node.value {
             Some(v) if !v.contains('*') => v,
-            Some(p) => *REQUEST_VALUES.iter().filter(|v| glob(p, v)).nth(rng.random_range(0..2)).unwrap_or(&"x"),
+            Some(p) => {
+                *REQUEST_VALUES.iter().filter(|v| glob(p, v)).nth(rng.random_range(0..2)).unwrap_or(&"x")
+            }
             None => any_value(rng),
         };
         entries.push((node.key, value));
@@ -322,10 +341,12 @@ fn random_entries(rng: &mut StdRng, root: &[Node]) -> Vec<(&'static str, &'stati
 
 fn snapshot(con: &mut redis::Connection) -> BTreeMap<String, Vec<String>> {
     let keys: Vec<String> = redis::cmd("KEYS").arg("rl:*").query(con).unwrap();
-    keys.into_iter().map(|k| {
-        let v: Vec<String> = redis::cmd("HGETALL").arg(&k).query(con).unwrap();
-        (k, v)
-    }).collect()
+    keys.into_iter()
+        .map(|k| {
+            let v: Vec<String> = redis::cmd("HGETALL").arg(&k).query(con).unwrap();
+            (k, v)
+        })
+        .collect()
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -349,7 +370,8 @@ async fn random_configs_share_buckets_exactly_as_the_reference_does() {
         let mut taken: HashMap<Identity, (u32, u32)> = HashMap::new();
         for step in 0..60 {
             let entries = random_entries(&mut rng, &root);
-            let descriptor: String = entries.iter().map(|(k, v)| format!("{k}={v}")).collect::<Vec<_>>().join(",");
+            let descriptor: String =
+                entries.iter().map(|(k, v)| format!("{k}={v}")).collect::<Vec<_>>().join(",");
             let what = format!("seed {seed} step {step} [{descriptor}]\n{text}");
             let before = snapshot(&mut con);
             let from_redis = ask(&server.addr(), req("p", &[&descriptor], 1)).await.unwrap();
@@ -358,7 +380,10 @@ async fn random_configs_share_buckets_exactly_as_the_reference_does() {
             // The same verdict, remaining and limit; the time to full differs by the
             // milliseconds between the two servers' decisions.
             let view = |r: &envoy_types::pb::envoy::service::ratelimit::v3::RateLimitResponse| {
-                r.statuses.iter().map(|s| (s.code, s.current_limit.clone(), s.limit_remaining)).collect::<Vec<_>>()
+                r.statuses
+                    .iter()
+                    .map(|s| (s.code, s.current_limit.clone(), s.limit_remaining))
+                    .collect::<Vec<_>>()
             };
             assert_eq!(view(&from_redis), view(&from_memory), "{what}");
             let after = snapshot(&mut con);

@@ -5,7 +5,8 @@ mod common;
 
 use common::*;
 
-const CONFIG: &str = "domain: d\ndescriptors:\n  - key: k\n    rate_limit: {unit: minute, requests_per_unit: 5}\n";
+const CONFIG: &str =
+    "domain: d\ndescriptors:\n  - key: k\n    rate_limit: {unit: minute, requests_per_unit: 5}\n";
 
 fn post(server: &Tollgate, body: &str) -> (HttpResponse, serde_json::Value) {
     let r = http_post(server.http, "/json", body.as_bytes());
@@ -20,11 +21,15 @@ fn json_decisions_debit_the_same_buckets_as_grpc() {
     let server = Tollgate::start(&config, &Backend::Redis(redis.url()), &[]);
 
     // The reference's own example shape: camelCase, a value per entry.
-    let (r, json) = post(&server, r#"{"domain": "d", "descriptors": [{"entries": [{"key": "k", "value": "v"}]}]}"#);
+    let (r, json) =
+        post(&server, r#"{"domain": "d", "descriptors": [{"entries": [{"key": "k", "value": "v"}]}]}"#);
     assert_eq!(r.status, 200, "{}", r.body);
     assert_eq!(json["overallCode"], "OK");
     assert_eq!(json["statuses"][0]["code"], "OK");
-    assert_eq!(json["statuses"][0]["currentLimit"], serde_json::json!({"requestsPerUnit": 5, "unit": "MINUTE"}));
+    assert_eq!(
+        json["statuses"][0]["currentLimit"],
+        serde_json::json!({"requestsPerUnit": 5, "unit": "MINUTE"})
+    );
     assert_eq!(json["statuses"][0]["limitRemaining"], 4);
     assert!(json["statuses"][0]["durationUntilReset"].as_str().unwrap().ends_with('s'), "{json}");
     assert_eq!(r.header("x-ratelimit-remaining"), Some("4"), "the headers are set on the HTTP answer too");
@@ -38,15 +43,18 @@ fn json_decisions_debit_the_same_buckets_as_grpc() {
     assert_eq!(json["statuses"][0]["limitRemaining"], 1);
 
     // Two more: OVER_LIMIT is 429, with Retry-After, and takes nothing.
-    let (r, json) =
-        post(&server, r#"{"domain": "d", "hitsAddend": 2, "descriptors": [{"entries": [{"key": "k", "value": "v"}]}]}"#);
+    let (r, json) = post(
+        &server,
+        r#"{"domain": "d", "hitsAddend": 2, "descriptors": [{"entries": [{"key": "k", "value": "v"}]}]}"#,
+    );
     assert_eq!(r.status, 429, "{}", r.body);
     assert_eq!(json["overallCode"], "OVER_LIMIT");
     assert_eq!(json["statuses"][0]["limitRemaining"], 1, "a denial takes nothing: {json}");
     assert!(r.header("retry-after").is_some(), "{:?}", r.headers);
 
     // The last token: remaining 0 is left out, as protojson leaves out default values.
-    let (r, json) = post(&server, r#"{"domain": "d", "descriptors": [{"entries": [{"key": "k", "value": "v"}]}]}"#);
+    let (r, json) =
+        post(&server, r#"{"domain": "d", "descriptors": [{"entries": [{"key": "k", "value": "v"}]}]}"#);
     assert_eq!(r.status, 200, "{}", r.body);
     assert!(json["statuses"][0].get("limitRemaining").is_none(), "{json}");
 
@@ -63,9 +71,18 @@ fn bad_bodies_get_a_clear_400_or_413_and_change_nothing() {
     let server = Tollgate::start(&config, &Backend::Memory, &[]);
     let cases = [
         ("{", "not a RateLimitRequest"),
-        (r#"{"domain": "d", "descriptors": [{"entries": [{"key": "k"}]}], "bogus": 1}"#, "unknown field `bogus`"),
-        (r#"{"domain": "d", "descriptors": [{"entries": [{"key": "k"}], "hitsAddend": "many"}]}"#, "'many' is not an unsigned integer"),
-        (r#"{"domain": "d", "descriptors": [{"entries": [{"key": "k"}], "limit": {"requestsPerUnit": 1, "unit": "FORTNIGHT"}}]}"#, "unknown unit 'FORTNIGHT'"),
+        (
+            r#"{"domain": "d", "descriptors": [{"entries": [{"key": "k"}]}], "bogus": 1}"#,
+            "unknown field `bogus`",
+        ),
+        (
+            r#"{"domain": "d", "descriptors": [{"entries": [{"key": "k"}], "hitsAddend": "many"}]}"#,
+            "'many' is not an unsigned integer",
+        ),
+        (
+            r#"{"domain": "d", "descriptors": [{"entries": [{"key": "k"}], "limit": {"requestsPerUnit": 1, "unit": "FORTNIGHT"}}]}"#,
+            "unknown unit 'FORTNIGHT'",
+        ),
         (r#"{"domain": "", "descriptors": [{"entries": [{"key": "k"}]}]}"#, "domain must not be empty"),
         (r#"{"domain": "d", "descriptors": []}"#, "at least one descriptor is required"),
     ];
@@ -75,7 +92,8 @@ fn bad_bodies_get_a_clear_400_or_413_and_change_nothing() {
         assert!(r.body.contains(expected), "{body}: expected {expected:?} in {}", r.body);
     }
     // The gRPC edge's limits: 65 descriptors are refused the same way.
-    let many: Vec<String> = (0..65).map(|i| format!(r#"{{"entries": [{{"key": "k", "value": "{i}"}}]}}"#)).collect();
+    let many: Vec<String> =
+        (0..65).map(|i| format!(r#"{{"entries": [{{"key": "k", "value": "{i}"}}]}}"#)).collect();
     let (r, _) = post(&server, &format!(r#"{{"domain": "d", "descriptors": [{}]}}"#, many.join(",")));
     assert_eq!(r.status, 400);
     assert!(r.body.contains("at most 64 descriptors"), "{}", r.body);
@@ -84,7 +102,8 @@ fn bad_bodies_get_a_clear_400_or_413_and_change_nothing() {
     let (r, _) = post(&server, &huge);
     assert_eq!(r.status, 413);
     // Nothing was debited by any of them: the bucket is full.
-    let (r, json) = post(&server, r#"{"domain": "d", "descriptors": [{"entries": [{"key": "k", "value": "0"}]}]}"#);
+    let (r, json) =
+        post(&server, r#"{"domain": "d", "descriptors": [{"entries": [{"key": "k", "value": "0"}]}]}"#);
     assert_eq!(r.status, 200);
     assert_eq!(json["statuses"][0]["limitRemaining"], 4);
     assert!(sample(&server.metrics(), "tollgate_invalid_requests_total", &[]) >= 7.0);

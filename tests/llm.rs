@@ -86,7 +86,8 @@ async fn serve_connection(socket: tokio::net::TcpStream, reported: Arc<AtomicU64
             }
             ok && write.write_all(format!("0\r\nx-tokens-used: {tokens}\r\n\r\n").as_bytes()).await.is_ok()
         } else {
-            let response = format!("HTTP/1.1 200 OK\r\ncontent-length: 2\r\nx-tokens-used: {tokens}\r\n\r\nok");
+            let response =
+                format!("HTTP/1.1 200 OK\r\ncontent-length: 2\r\nx-tokens-used: {tokens}\r\n\r\nok");
             write.write_all(response.as_bytes()).await.is_ok()
         };
         if !ok {
@@ -104,8 +105,8 @@ fn gateway(listener: SocketAddr, admin: SocketAddr, tollgate: SocketAddr, llm: S
     c["static_resources"]["listeners"][0]["address"]["socket_address"] = socket(listener);
     for cluster in c["static_resources"]["clusters"].as_array_mut().unwrap() {
         let addr = if cluster["name"] == "tollgate" { tollgate } else { llm };
-        cluster["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]["address"]["socket_address"] =
-            socket(addr);
+        cluster["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]["address"]
+            ["socket_address"] = socket(addr);
     }
     c
 }
@@ -118,7 +119,13 @@ fn examples() -> &'static Path {
 fn tokens_decided(servers: &[&Tollgate]) -> f64 {
     servers
         .iter()
-        .map(|s| sample(&s.metrics(), "tollgate_decisions_total", &[("domain", "llm-gateway"), ("rule", "tenant.meter_tokens")]))
+        .map(|s| {
+            sample(
+                &s.metrics(),
+                "tollgate_decisions_total",
+                &[("domain", "llm-gateway"), ("rule", "tenant.meter_tokens")],
+            )
+        })
         .sum()
 }
 
@@ -147,13 +154,17 @@ async fn a_token_budget_charged_after_the_response() {
     for round in 1..=2u64 {
         let r = get("/complete?tokens=600");
         statuses.push(r.status);
-        wait_for("the charge after the response", || tokens_decided(&[&tollgate]) >= 600.0 * round as f64).await;
+        wait_for("the charge after the response", || tokens_decided(&[&tollgate]) >= 600.0 * round as f64)
+            .await;
     }
     let refused = get("/complete?tokens=600");
     statuses.push(refused.status);
     let retry: u64 = refused.header("retry-after").expect("Retry-After").parse().unwrap();
-    let balance: f64 =
-        redis::cmd("HGET").arg("rl:{initech}:llm-gateway:tokens").arg("t").query(&mut redis.connection()).unwrap();
+    let balance: f64 = redis::cmd("HGET")
+        .arg("rl:{initech}:llm-gateway:tokens")
+        .arg("t")
+        .query(&mut redis.connection())
+        .unwrap();
     println!("trial tenant, 1,000 tokens, responses of 600: {statuses:?}, Retry-After {retry} s, balance {balance:.1}");
     assert_eq!(statuses, vec![200, 200, 429]);
     assert!((1..=3).contains(&retry), "200 tokens of debt at 100/s: {retry}");
@@ -220,7 +231,11 @@ async fn two_envoys_share_one_budget_on_a_cluster() {
                 while start.elapsed() < Duration::from_secs(6) {
                     let cost = 50 + (i * 37) % 101;
                     i += 2;
-                    let r = http_request(listener, &format!("/complete?tokens={cost}"), &[("authorization", &token)]);
+                    let r = http_request(
+                        listener,
+                        &format!("/complete?tokens={cost}"),
+                        &[("authorization", &token)],
+                    );
                     match r.status {
                         200 => {
                             admitted += 1;
@@ -246,8 +261,11 @@ async fn two_envoys_share_one_budget_on_a_cluster() {
     let reported = llm.reported.load(Ordering::SeqCst) as f64;
     let servers: Vec<&Tollgate> = replicas.iter().collect();
     wait_for("every charge", || tokens_decided(&servers) >= reported).await;
-    let balance: f64 =
-        redis::cmd("HGET").arg("rl:{hooli}:llm-gateway:tokens").arg("t").query(&mut cluster.connection()).unwrap();
+    let balance: f64 = redis::cmd("HGET")
+        .arg("rl:{hooli}:llm-gateway:tokens")
+        .arg("t")
+        .query(&mut cluster.connection())
+        .unwrap();
     let refilled = REFILL * start.elapsed().as_secs_f64();
     let charged = BUDGET + refilled - balance;
     println!(

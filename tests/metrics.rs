@@ -230,9 +230,8 @@ fn every_metric_is_exported_at_zero_at_startup() {
             tollgate::telemetry::Kind::Counter => ((*name).to_owned(), true),
             tollgate::telemetry::Kind::Gauge => ((*name).to_owned(), false),
         };
-        let exported = body
-            .lines()
-            .any(|l| l.split([' ', '{']).next() == Some(&series) && (!zero || l.ends_with(" 0")));
+        let exported =
+            body.lines().any(|l| l.split([' ', '{']).next() == Some(&series) && (!zero || l.ends_with(" 0")));
         if !exported {
             missing.push(series);
         }

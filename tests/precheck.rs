@@ -65,7 +65,8 @@ async fn replay(seeds: std::ops::Range<u64>, debt: bool) -> u64 {
         let checked = Precheck::new(inner, Arc::new(clock.clone()), 1000);
         let mut rng = StdRng::seed_from_u64(seed);
         for step in 0..2000 {
-            let batch: Vec<Group> = (0..rng.random_range(1..=2)).map(|_| random_group(&mut rng, debt)).collect();
+            let batch: Vec<Group> =
+                (0..rng.random_range(1..=2)).map(|_| random_group(&mut rng, debt)).collect();
             let expected = plain.evaluate(&batch, GIVE_BACK).await;
             let got = checked.evaluate(&batch, GIVE_BACK).await;
             for (g, (e, o)) in expected.iter().zip(&got).enumerate() {
@@ -177,14 +178,20 @@ async fn a_bucket_the_store_drops_is_not_held_to_an_observation() {
     assert!(inner.evaluate(&[vec![op(key, 1.0, 1.0, 1.0)]], GIVE_BACK).await[0].as_ref().unwrap().admitted);
     // A larger spec of the same bucket (a quota raised here) is denied 5 tokens by the store,
     // and that denial is remembered.
-    assert!(!checked.evaluate(&[vec![op(key, 10.0, 1.0, 5.0)]], GIVE_BACK).await[0].as_ref().unwrap().admitted);
+    assert!(
+        !checked.evaluate(&[vec![op(key, 10.0, 1.0, 5.0)]], GIVE_BACK).await[0].as_ref().unwrap().admitted
+    );
     clock.advance(1_000);
-    assert!(!checked.evaluate(&[vec![op(key, 10.0, 1.0, 5.0)]], GIVE_BACK).await[0].as_ref().unwrap().admitted);
+    assert!(
+        !checked.evaluate(&[vec![op(key, 10.0, 1.0, 5.0)]], GIVE_BACK).await[0].as_ref().unwrap().admitted
+    );
     assert_eq!(checked.answered_locally(), 1, "answered from the observation");
     // Past the stored bucket's expiry it is missing, so full at the larger capacity: the store
     // admits, though the observation's bound (about 2 tokens) would not.
     clock.advance(1_100);
-    assert!(checked.evaluate(&[vec![op(key, 10.0, 1.0, 5.0)]], GIVE_BACK).await[0].as_ref().unwrap().admitted);
+    assert!(
+        checked.evaluate(&[vec![op(key, 10.0, 1.0, 5.0)]], GIVE_BACK).await[0].as_ref().unwrap().admitted
+    );
     assert_eq!(checked.answered_locally(), 1);
 }
 
@@ -196,11 +203,21 @@ async fn memory_stays_bounded_under_many_empty_buckets() {
     // 10,000 empty buckets; only 160 can be remembered, the rest still get correct answers.
     for t in 0..10_000 {
         let key = format!("rl:{{t{t}}}:default");
-        assert!(!checked.evaluate(&[vec![op(&key, 0.0, 0.0, 1.0)]], GIVE_BACK).await[0].as_ref().unwrap().admitted);
+        assert!(
+            !checked.evaluate(&[vec![op(&key, 0.0, 0.0, 1.0)]], GIVE_BACK).await[0]
+                .as_ref()
+                .unwrap()
+                .admitted
+        );
     }
     for t in 0..10_000 {
         let key = format!("rl:{{t{t}}}:default");
-        assert!(!checked.evaluate(&[vec![op(&key, 0.0, 0.0, 1.0)]], GIVE_BACK).await[0].as_ref().unwrap().admitted);
+        assert!(
+            !checked.evaluate(&[vec![op(&key, 0.0, 0.0, 1.0)]], GIVE_BACK).await[0]
+                .as_ref()
+                .unwrap()
+                .admitted
+        );
     }
     let answered = checked.answered_locally();
     println!("answered locally: {answered} of 10000 repeats");

@@ -44,7 +44,10 @@ descriptors:
     rate_limit: {unit: hour, requests_per_unit: 1}
 "#;
 
-fn current_limit(r: &envoy_types::pb::envoy::service::ratelimit::v3::RateLimitResponse, i: usize) -> (u32, i32, String) {
+fn current_limit(
+    r: &envoy_types::pb::envoy::service::ratelimit::v3::RateLimitResponse,
+    i: usize,
+) -> (u32, i32, String) {
     let l = r.statuses[i].current_limit.as_ref().expect("current_limit");
     (l.requests_per_unit, l.unit, l.name.clone())
 }
@@ -109,7 +112,10 @@ async fn quota_mode_denies_only_together(addr: &str) {
     }
     // Both out: denied.
     let r = ask(addr, both).await.unwrap();
-    assert_eq!((r.overall_code, r.statuses[0].code, r.statuses[1].code), (OVER_LIMIT, OVER_LIMIT, OVER_LIMIT));
+    assert_eq!(
+        (r.overall_code, r.statuses[0].code, r.statuses[1].code),
+        (OVER_LIMIT, OVER_LIMIT, OVER_LIMIT)
+    );
     // A quota-mode descriptor alone that is over denies.
     assert_eq!(ask(addr, req("ref", &["q1=a"], 1)).await.unwrap().overall_code, OVER_LIMIT);
 }
@@ -193,7 +199,10 @@ fn an_empty_replaces_entry_gets_the_reference_message() {
     let (_dir, config) = config_file(
         "domain: d\ndescriptors:\n  - key: a\n    rate_limit: {unit: second, requests_per_unit: 1, replaces: [{}]}\n",
     );
-    let out = std::process::Command::new(tollgate_bin()).args(["validate", config.to_str().unwrap()]).output().unwrap();
+    let out = std::process::Command::new(tollgate_bin())
+        .args(["validate", config.to_str().unwrap()])
+        .output()
+        .unwrap();
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success());
     assert!(err.contains("should not have an empty replaces entry"), "{err}");

@@ -170,7 +170,11 @@ async fn only_new_content_reloads_and_only_once() {
     // ...and soon after it.
     wait_for_limit(&server, "6").await;
     let took = saved.elapsed();
-    println!("write-and-rename applied after {:.3} s (debounce {:?})", took.as_secs_f64(), tollgate::reload::DEBOUNCE);
+    println!(
+        "write-and-rename applied after {:.3} s (debounce {:?})",
+        took.as_secs_f64(),
+        tollgate::reload::DEBOUNCE
+    );
     assert!(took < Duration::from_secs(1), "{took:?}");
     quiet();
     assert_eq!(reloads(&server, "success"), 1.0, "one save, one reload");

@@ -155,7 +155,10 @@ fn rendered_envoy_config_loads_in_envoy() {
 #[test]
 fn render_explains_what_it_cannot_do() {
     let err = render(&["envoy", "--config", &examples()]).unwrap_err();
-    assert!(err.contains("several domains (grpc-api, llm-gateway, api-gateway): choose one with --domain"), "{err}");
+    assert!(
+        err.contains("several domains (grpc-api, llm-gateway, api-gateway): choose one with --domain"),
+        "{err}"
+    );
     let (_dir, config) = config_file(
         "domain: d\ndescriptors:\n  - key: user\n    source: {request_header: x-user}\n    charge: always\n    rate_limit: {unit: second, requests_per_unit: 1}\n",
     );
@@ -234,8 +237,13 @@ descriptors:
     let r = render(&["envoy", "--config", config.to_str().unwrap(), "--protocol", "rlqs"]).unwrap();
     let filters = r["http_filters"].as_array().unwrap();
     let names: Vec<&str> = filters.iter().map(|f| f["name"].as_str().unwrap()).collect();
-    assert_eq!(names, vec!["tollgate.rlqs.tenant.path", "tollgate.rlqs.tenant", "tollgate.rlqs.remote_address"], "one filter per limit, the most specific first");
-    let settings = &filters[0]["typed_config"]["bucket_matchers"]["matcher_list"]["matchers"][0]["on_match"]["action"]["typed_config"];
+    assert_eq!(
+        names,
+        vec!["tollgate.rlqs.tenant.path", "tollgate.rlqs.tenant", "tollgate.rlqs.remote_address"],
+        "one filter per limit, the most specific first"
+    );
+    let settings = &filters[0]["typed_config"]["bucket_matchers"]["matcher_list"]["matchers"][0]["on_match"]
+        ["action"]["typed_config"];
     let ids = settings["bucket_id_builder"]["bucket_id_builder"].as_object().unwrap();
     assert_eq!(ids.keys().collect::<Vec<_>>(), vec!["tenant", "path"]);
     assert_eq!(settings["no_assignment_behavior"]["fallback_rate_limit"]["blanket_rule"], "DENY_ALL");
@@ -244,13 +252,15 @@ descriptors:
     rendered["http_filter"] = filters[0].clone();
     rendered["routes"] = json!({});
     let mut config = bootstrap(&rendered);
-    let chain = &mut config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]["http_filters"];
+    let chain = &mut config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]
+        ["typed_config"]["http_filters"];
     let mut all = filters.clone();
     all.push(chain.as_array().unwrap().last().unwrap().clone());
     *chain = json!(all);
     let (ok, output) = envoy_validate(&config);
     assert!(ok, "{output}");
 
-    let err = render(&["envoy", "--config", &examples(), "--domain", "api-gateway", "--protocol", "rlqs"]).unwrap_err();
+    let err = render(&["envoy", "--config", &examples(), "--domain", "api-gateway", "--protocol", "rlqs"])
+        .unwrap_err();
     assert!(err.contains("descriptor 'tenant.class' marks routes with a generic_key"), "{err}");
 }

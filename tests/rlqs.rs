@@ -13,7 +13,9 @@ use envoy_types::pb::envoy::r#type::v3::rate_limit_strategy::{BlanketRule, Strat
 use envoy_types::pb::envoy::service::rate_limit_quota::v3::rate_limit_quota_response::bucket_action::BucketAction as Action;
 use envoy_types::pb::envoy::service::rate_limit_quota::v3::rate_limit_quota_service_client::RateLimitQuotaServiceClient;
 use envoy_types::pb::envoy::service::rate_limit_quota::v3::rate_limit_quota_usage_reports::BucketQuotaUsage;
-use envoy_types::pb::envoy::service::rate_limit_quota::v3::{BucketId, RateLimitQuotaResponse, RateLimitQuotaUsageReports};
+use envoy_types::pb::envoy::service::rate_limit_quota::v3::{
+    BucketId, RateLimitQuotaResponse, RateLimitQuotaUsageReports,
+};
 use envoy_types::pb::google::protobuf::Duration as ProtoDuration;
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
@@ -43,7 +45,10 @@ fn key(id: &BucketId) -> BTreeMap<String, String> {
 fn report(id: &BucketId, allowed: u64, denied: u64, elapsed_ms: u64) -> BucketQuotaUsage {
     BucketQuotaUsage {
         bucket_id: Some(id.clone()),
-        time_elapsed: Some(ProtoDuration { seconds: (elapsed_ms / 1000) as i64, nanos: ((elapsed_ms % 1000) * 1_000_000) as i32 }),
+        time_elapsed: Some(ProtoDuration {
+            seconds: (elapsed_ms / 1000) as i64,
+            nanos: ((elapsed_ms % 1000) * 1_000_000) as i32,
+        }),
         num_requests_allowed: allowed,
         num_requests_denied: denied,
     }
@@ -89,7 +94,10 @@ impl Stream {
     }
 
     async fn send(&self, domain: &str, usages: Vec<BucketQuotaUsage>) {
-        self.reports.send(RateLimitQuotaUsageReports { domain: domain.into(), bucket_quota_usages: usages }).await.unwrap();
+        self.reports
+            .send(RateLimitQuotaUsageReports { domain: domain.into(), bucket_quota_usages: usages })
+            .await
+            .unwrap();
     }
 
     async fn next(&mut self) -> Vec<(BTreeMap<String, String>, Said)> {
@@ -134,7 +142,17 @@ async fn bucket_ids_map_to_rules_and_spend_the_rls_budget() {
     let free = bucket(&[("free", "x")]);
     let nowhere = bucket(&[("tenant", "t1"), ("route", "other")]);
     let extra = bucket(&[("tenant", "t1"), ("colour", "red")]);
-    stream.send("", vec![report(&search, 0, 1, 0), report(&free, 0, 1, 0), report(&nowhere, 0, 1, 0), report(&extra, 0, 1, 0)]).await;
+    stream
+        .send(
+            "",
+            vec![
+                report(&search, 0, 1, 0),
+                report(&free, 0, 1, 0),
+                report(&nowhere, 0, 1, 0),
+                report(&extra, 0, 1, 0),
+            ],
+        )
+        .await;
     let mut seen: HashMap<BTreeMap<String, String>, Said> = HashMap::new();
     while seen.len() < 4 {
         for (b, s) in stream.next().await {

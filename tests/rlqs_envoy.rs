@@ -91,8 +91,15 @@ fn rls_filter() -> Value {
 }
 
 /// An Envoy in front of `upstream`, limiting with `filter`, its tollgate cluster on `tollgates`.
-fn envoy_config(listener: SocketAddr, admin: SocketAddr, filter: Value, tollgates: &[SocketAddr], upstream: SocketAddr) -> Value {
-    let rls_actions = json!([{"actions": [{"request_headers": {"header_name": "x-tenant", "descriptor_key": "tenant"}}]}]);
+fn envoy_config(
+    listener: SocketAddr,
+    admin: SocketAddr,
+    filter: Value,
+    tollgates: &[SocketAddr],
+    upstream: SocketAddr,
+) -> Value {
+    let rls_actions =
+        json!([{"actions": [{"request_headers": {"header_name": "x-tenant", "descriptor_key": "tenant"}}]}]);
     json!({
         "admin": {"address": {"socket_address": socket(admin)}},
         "static_resources": {
@@ -132,7 +139,14 @@ struct Counts {
 
 /// A keep-alive HTTP/1.1 loop against `addr` for tenant `tenant`, `per_second` requests a second
 /// (0: as fast as answers come), until `stop`; counts what it gets after `counting` is set.
-async fn load(addr: SocketAddr, tenant: &'static str, per_second: u64, counts: Arc<Counts>, counting: Arc<AtomicBool>, stop: Arc<AtomicBool>) {
+async fn load(
+    addr: SocketAddr,
+    tenant: &'static str,
+    per_second: u64,
+    counts: Arc<Counts>,
+    counting: Arc<AtomicBool>,
+    stop: Arc<AtomicBool>,
+) {
     let pause = (per_second > 0).then(|| Duration::from_secs_f64(1.0 / per_second as f64));
     let mut next = tokio::time::Instant::now();
     while !stop.load(Ordering::Relaxed) {
@@ -220,7 +234,14 @@ async fn run(rig: &Rig, rates: &[u64], seconds: u64, tail: u64) -> (Vec<u64>, Ve
     for (i, rate) in rates.iter().enumerate() {
         let workers = if *rate == 0 { 4 } else { 1 };
         for _ in 0..workers {
-            tasks.push(tokio::spawn(load(rig.listeners[i], "acme", *rate, all[i].clone(), counting.clone(), stop.clone())));
+            tasks.push(tokio::spawn(load(
+                rig.listeners[i],
+                "acme",
+                *rate,
+                all[i].clone(),
+                counting.clone(),
+                stop.clone(),
+            )));
         }
     }
     tokio::time::sleep(Duration::from_secs(seconds - tail)).await;
@@ -274,7 +295,8 @@ async fn shares_follow_demand() {
     let redis = Redis::start();
     let upstream = upstream().await;
     let (_dir, config) = config_file(CONFIG);
-    let rig = rig(&Backend::Redis(redis.url()), &[rlqs_filter(), rlqs_filter(), rlqs_filter()], &config, upstream);
+    let rig =
+        rig(&Backend::Redis(redis.url()), &[rlqs_filter(), rlqs_filter(), rlqs_filter()], &config, upstream);
     // 90, 5 and 5 requests a second against 10 a second of budget; the last 10 s come after
     // two reports.
     let (admitted, tail) = run(&rig, &[90, 5, 5], 20, 10).await;
@@ -291,7 +313,8 @@ async fn rls_and_rlqs_spend_one_budget() {
     let redis = Redis::start();
     let upstream = upstream().await;
     let (_dir, config) = config_file(CONFIG);
-    let rig = rig(&Backend::Redis(redis.url()), &[rls_filter(), rlqs_filter(), rlqs_filter()], &config, upstream);
+    let rig =
+        rig(&Backend::Redis(redis.url()), &[rls_filter(), rlqs_filter(), rlqs_filter()], &config, upstream);
     let (admitted, _) = run(&rig, &[0, 0, 0], 20, 5).await;
     let (total, low, high) = within(admitted.iter().sum(), 20);
     println!("RLS + 2 x RLQS: admitted {admitted:?} = {total} in 20 s; bounds [{low}, {high}]");
@@ -305,14 +328,22 @@ async fn a_killed_replica_and_a_restarted_envoy() {
     let redis = Redis::start();
     let upstream = upstream().await;
     let (_dir, config) = config_file(CONFIG);
-    let mut rig = rig(&Backend::Redis(redis.url()), &[rlqs_filter(), rlqs_filter(), rlqs_filter()], &config, upstream);
+    let mut rig =
+        rig(&Backend::Redis(redis.url()), &[rlqs_filter(), rlqs_filter(), rlqs_filter()], &config, upstream);
     let stop = Arc::new(AtomicBool::new(false));
     let counting = Arc::new(AtomicBool::new(true));
     let counts: Vec<Arc<Counts>> = (0..3).map(|_| Arc::default()).collect();
     let mut tasks = Vec::new();
     for (i, c) in counts.iter().enumerate() {
         for _ in 0..2 {
-            tasks.push(tokio::spawn(load(rig.listeners[i], "acme", 0, c.clone(), counting.clone(), stop.clone())));
+            tasks.push(tokio::spawn(load(
+                rig.listeners[i],
+                "acme",
+                0,
+                c.clone(),
+                counting.clone(),
+                stop.clone(),
+            )));
         }
     }
     let ok = |c: &Arc<Counts>| c.ok.load(Ordering::SeqCst);
@@ -357,7 +388,14 @@ async fn redis_down_denies_and_grants_resume() {
     let counts: Vec<Arc<Counts>> = (0..2).map(|_| Arc::default()).collect();
     let mut tasks = Vec::new();
     for (i, c) in counts.iter().enumerate() {
-        tasks.push(tokio::spawn(load(rig.listeners[i], "acme", 50, c.clone(), counting.clone(), stop.clone())));
+        tasks.push(tokio::spawn(load(
+            rig.listeners[i],
+            "acme",
+            50,
+            c.clone(),
+            counting.clone(),
+            stop.clone(),
+        )));
     }
     let ok = |counts: &[Arc<Counts>]| counts.iter().map(|c| c.ok.load(Ordering::SeqCst)).sum::<u64>();
     tokio::time::sleep(Duration::from_secs(4)).await;

@@ -192,8 +192,11 @@ async fn redis_over_tls_as_a_least_privilege_acl_user() {
     let (_dir, config) = config_file(CONFIG);
     let url = format!("rediss://tollgate:tollgate-secret@127.0.0.1:{}", redis.port);
     // Without the pre-check, so that the denial reaches Redis too (it reads the bucket's expiry).
-    let server =
-        Tollgate::start(&config, &Backend::Redis(url), &["--redis-ca", &pki.path_str("ca.pem"), "--no-precheck"]);
+    let server = Tollgate::start(
+        &config,
+        &Backend::Redis(url),
+        &["--redis-ca", &pki.path_str("ca.pem"), "--no-precheck"],
+    );
     // failure_mode: error, so any store failure would surface as UNAVAILABLE.
     for expected in [OK, OK, OVER_LIMIT] {
         assert_eq!(ask(&server.addr(), req("s", &["k=acl"], 1)).await.unwrap().overall_code, expected);

@@ -19,7 +19,14 @@ async fn decisions_follow_a_sentinel_failover_and_count_nothing_twice() {
     let server = Tollgate::start(
         &config,
         &Backend::Memory,
-        &["--redis-sentinel", &group.addrs(), "--redis-sentinel-master", SENTINEL_MASTER, "--redis-timeout", "500ms"],
+        &[
+            "--redis-sentinel",
+            &group.addrs(),
+            "--redis-sentinel-master",
+            SENTINEL_MASTER,
+            "--redis-timeout",
+            "500ms",
+        ],
     );
 
     // Four clients ask without pause; every answer is recorded with its time.
@@ -67,8 +74,7 @@ async fn decisions_follow_a_sentinel_failover_and_count_nothing_twice() {
     assert!(denied_by_failure > 0, "the kill was noticed");
     let promoted = group.primary_port().expect("a primary after the failover");
     assert_eq!(promoted, group.replica.port, "the replica was promoted");
-    let admitted_after =
-        answers.iter().filter(|(at, code)| *code == OK && *at >= resumed).count() as f64;
+    let admitted_after = answers.iter().filter(|(at, code)| *code == OK && *at >= resumed).count() as f64;
 
     // The balance on the new primary.
     let mut con = group.replica.connection();

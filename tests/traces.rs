@@ -10,7 +10,8 @@ use std::time::{Duration, Instant};
 use common::*;
 use serde_json::{json, Value};
 
-const CONFIG: &str = "domain: tr\ndescriptors:\n  - key: tenant\n    rate_limit: {unit: minute, requests_per_unit: 100}\n";
+const CONFIG: &str =
+    "domain: tr\ndescriptors:\n  - key: tenant\n    rate_limit: {unit: minute, requests_per_unit: 100}\n";
 
 fn loopback() -> SocketAddr {
     format!("127.0.0.1:{}", free_port()).parse().unwrap()
@@ -39,7 +40,13 @@ fn cluster(name: &str, addr: SocketAddr, http2: bool) -> Value {
 }
 
 /// Envoy tracing every request with its OpenTelemetry tracer, asking tollgate per request.
-fn envoy_config(listener: SocketAddr, admin: SocketAddr, tollgate: SocketAddr, otlp: SocketAddr, upstream: SocketAddr) -> Value {
+fn envoy_config(
+    listener: SocketAddr,
+    admin: SocketAddr,
+    tollgate: SocketAddr,
+    otlp: SocketAddr,
+    upstream: SocketAddr,
+) -> Value {
     json!({
         "admin": {"address": socket(admin)},
         "static_resources": {
@@ -114,7 +121,9 @@ async fn tollgate_spans_join_envoys_trace() {
     let (listener, admin) = (loopback(), loopback());
     let _envoy = Envoy::start(&envoy_config(listener, admin, tollgate.grpc, receiver.addr, upstream), admin);
 
-    let r = tokio::task::spawn_blocking(move || http_request(listener, "/", &[("x-tenant", "acme-corp")])).await.unwrap();
+    let r = tokio::task::spawn_blocking(move || http_request(listener, "/", &[("x-tenant", "acme-corp")]))
+        .await
+        .unwrap();
     assert_eq!(r.status, 200, "{r:?}");
 
     // Both export in batches (every 5 s by default): wait, bounded, for the three spans.
@@ -123,8 +132,11 @@ async fn tollgate_spans_join_envoys_trace() {
         let spans = receiver.spans();
         let decision = spans.iter().find(|s| s.service == "tollgate" && s.span.name == "ratelimit").cloned();
         let found = decision.and_then(|d| {
-            let store = spans.iter().find(|s| s.span.name == "store.evaluate" && s.span.parent_span_id == d.span.span_id)?;
-            let parent = spans.iter().find(|s| s.service == "envoy" && s.span.span_id == d.span.parent_span_id)?;
+            let store = spans
+                .iter()
+                .find(|s| s.span.name == "store.evaluate" && s.span.parent_span_id == d.span.span_id)?;
+            let parent =
+                spans.iter().find(|s| s.service == "envoy" && s.span.span_id == d.span.parent_span_id)?;
             Some((d.clone(), store.clone(), parent.clone()))
         });
         if let Some(found) = found {
@@ -133,11 +145,17 @@ async fn tollgate_spans_join_envoys_trace() {
         assert!(
             Instant::now() < deadline,
             "no joined trace within 30 s; received: {:#?}",
-            spans.iter().map(|s| (&s.service, &s.span.name, hex(&s.span.span_id), hex(&s.span.parent_span_id))).collect::<Vec<_>>()
+            spans
+                .iter()
+                .map(|s| (&s.service, &s.span.name, hex(&s.span.span_id), hex(&s.span.parent_span_id)))
+                .collect::<Vec<_>>()
         );
         tokio::time::sleep(Duration::from_millis(200)).await;
     };
-    println!("envoy span {:?} -> tollgate {:?} -> {:?}", parent.span.name, decision.span.name, store.span.name);
+    println!(
+        "envoy span {:?} -> tollgate {:?} -> {:?}",
+        parent.span.name, decision.span.name, store.span.name
+    );
     assert_eq!(decision.span.trace_id, parent.span.trace_id, "one trace");
     assert_eq!(store.span.trace_id, parent.span.trace_id);
     assert_eq!(decision.attribute("domain").as_deref(), Some("tr"));

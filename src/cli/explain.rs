@@ -95,7 +95,10 @@ pub(super) fn run(args: ExplainArgs) -> Outcome {
                 domain.file.display(),
                 domain.failure_mode
             ),
-            None => println!("domain {}: not configured, every descriptor is OK and nothing is stored", args.domain),
+            None => println!(
+                "domain {}: not configured, every descriptor is OK and nothing is stored",
+                args.domain
+            ),
         }
         let file = explanation.domain.as_ref().map(|d| d.file.display().to_string()).unwrap_or_default();
         for ((i, explained), entries) in explanation.descriptors.iter().enumerate().zip(&args.descriptors) {
@@ -142,7 +145,9 @@ async fn print_descriptor(
             );
             return Ok(());
         }
-        Effect::Bucket { limit, origin, role, need, tenant, slot } => (limit, origin, role, need, tenant, slot),
+        Effect::Bucket { limit, origin, role, need, tenant, slot } => {
+            (limit, origin, role, need, tenant, slot)
+        }
     };
     let tenant = tenant.as_ref().map(|t| format!("   tenant {t}")).unwrap_or_default();
     println!("  bucket:   {}   slot {slot}{tenant}", limit.key);
@@ -177,11 +182,18 @@ async fn print_descriptor(
     };
     let peek = store.peek(&limit.key).await.with_context(|| format!("reading {}", limit.key))?;
     match peek.state {
-        None => println!("  balance:  {} of {} (no bucket stored: full)", limit.spec.capacity(), limit.spec.capacity()),
+        None => println!(
+            "  balance:  {} of {} (no bucket stored: full)",
+            limit.spec.capacity(),
+            limit.spec.capacity()
+        ),
         Some(state) => {
             let now = refill(Some(state), &limit.spec, peek.now_ms);
             let full_in = limit.spec.reset_ms(now.tokens) as f64 / 1000.0;
-            let expires = peek.ttl_ms.map(|t| format!("; key expires in {:.1} s", t as f64 / 1000.0)).unwrap_or_default();
+            let expires = peek
+                .ttl_ms
+                .map(|t| format!("; key expires in {:.1} s", t as f64 / 1000.0))
+                .unwrap_or_default();
             println!(
                 "  balance:  {:.3} of {} now (Redis clock), full in {full_in:.1} s{expires}",
                 now.tokens,

@@ -13,7 +13,13 @@ pub(super) struct RedisArgs {
     #[arg(long, env = "TOLLGATE_REDIS_URL", hide_env_values = true, conflicts_with_all = ["redis_cluster", "redis_sentinel"])]
     redis_url: Option<String>,
     /// Redis Cluster seed nodes: HOST:PORT,HOST:PORT,...
-    #[arg(long, env = "TOLLGATE_REDIS_CLUSTER", value_delimiter = ',', hide_env_values = true, conflicts_with = "redis_sentinel")]
+    #[arg(
+        long,
+        env = "TOLLGATE_REDIS_CLUSTER",
+        value_delimiter = ',',
+        hide_env_values = true,
+        conflicts_with = "redis_sentinel"
+    )]
     redis_cluster: Vec<String>,
     /// Redis Sentinel: the sentinels as HOST:PORT,HOST:PORT,... (with --redis-sentinel-master).
     #[arg(long, env = "TOLLGATE_REDIS_SENTINEL", value_delimiter = ',', requires = "redis_sentinel_master")]
@@ -59,6 +65,9 @@ impl RedisArgs {
 
     /// The TLS certificates for `rediss://`.
     pub(super) fn tls(&self) -> RedisTls {
-        RedisTls { ca: self.redis_ca.clone(), client: self.redis_client_cert.clone().zip(self.redis_client_key.clone()) }
+        RedisTls {
+            ca: self.redis_ca.clone(),
+            client: self.redis_client_cert.clone().zip(self.redis_client_key.clone()),
+        }
     }
 }

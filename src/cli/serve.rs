@@ -111,9 +111,11 @@ impl ServeArgs {
                 cache_size: self.quota_cache_size,
             }),
             tls: match (&self.tls_cert, &self.tls_key) {
-                (Some(cert), Some(key)) => {
-                    Some(TlsFiles { cert: cert.clone(), key: key.clone(), client_ca: self.tls_client_ca.clone() })
-                }
+                (Some(cert), Some(key)) => Some(TlsFiles {
+                    cert: cert.clone(),
+                    key: key.clone(),
+                    client_ca: self.tls_client_ca.clone(),
+                }),
                 _ => None,
             },
             shadow_mode: self.shadow_mode,

@@ -27,7 +27,12 @@ pub(super) fn run(args: ValidateArgs) -> Outcome {
     for domain in rules.domains() {
         any = true;
         let n = domain.rules.len();
-        println!("domain {}: {n} rule{} ({})", domain.name, if n == 1 { "" } else { "s" }, domain.file.display());
+        println!(
+            "domain {}: {n} rule{} ({})",
+            domain.name,
+            if n == 1 { "" } else { "s" },
+            domain.file.display()
+        );
     }
     if !any {
         bail!("{}: no domains", path.display());

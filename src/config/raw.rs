@@ -63,7 +63,6 @@ pub struct Descriptor {
     pub source: Option<Source>,
 }
 
-
 /// Where Envoy takes an entry's value from; used only by `tollgate render`.
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize, serde::Serialize)]
 #[serde(rename_all = "snake_case", deny_unknown_fields)]

@@ -8,7 +8,7 @@
 
 use std::sync::Arc;
 
-use super::{drop_replaced, limit_info, Limiter, LimitInfo, Plan, Query};
+use super::{drop_replaced, limit_info, LimitInfo, Limiter, Plan, Query};
 use crate::bucket::Role;
 use crate::config::{Domain, Limit, Rule};
 use crate::identity;
@@ -90,8 +90,11 @@ impl Limiter {
     pub async fn explain(&self, query: &Query<'_>) -> Explanation {
         let rules = self.rules.load_full();
         let Some(domain) = rules.domain(query.domain) else {
-            let descriptors =
-                query.descriptors.iter().map(|_| Explained { rule: None, effect: Effect::UnknownDomain }).collect();
+            let descriptors = query
+                .descriptors
+                .iter()
+                .map(|_| Explained { rule: None, effect: Effect::UnknownDomain })
+                .collect();
             return Explanation { domain: None, descriptors };
         };
         let mut plans: Vec<Plan<'_>> = query.descriptors.iter().map(|d| self.plan(domain, d)).collect();
@@ -114,7 +117,9 @@ impl Limiter {
                             let record = self.quotas.tenant(domain, tenant).await;
                             let class = identity::quota_class(rule);
                             match domain.quotas.resolve_with_source(record.as_deref(), class) {
-                                Some((_, QuotaOrigin::Override)) => SpecOrigin::TenantOverride { class: class.to_owned() },
+                                Some((_, QuotaOrigin::Override)) => {
+                                    SpecOrigin::TenantOverride { class: class.to_owned() }
+                                }
                                 Some((_, QuotaOrigin::Tier { tier, class })) => {
                                     SpecOrigin::Tier { tier: tier.to_owned(), class: class.to_owned() }
                                 }

@@ -66,7 +66,9 @@ impl Quotas {
             let classes = self.tiers.get(tier)?;
             match classes.get(class) {
                 Some(spec) => Some((*spec, QuotaOrigin::Tier { tier, class })),
-                None => classes.get(DEFAULT_CLASS).map(|spec| (*spec, QuotaOrigin::Tier { tier, class: DEFAULT_CLASS })),
+                None => classes
+                    .get(DEFAULT_CLASS)
+                    .map(|spec| (*spec, QuotaOrigin::Tier { tier, class: DEFAULT_CLASS })),
             }
         };
         record

@@ -94,7 +94,11 @@ impl Drop for Cluster {
 impl Cluster {
     /// A client that finds the cluster through `seeds` (their credentials and TLS settings apply
     /// to every node). Connections are made when first needed, so this does not wait for Redis.
-    pub(crate) fn new(seeds: Vec<ConnectionInfo>, tls: Option<TlsCertificates>, config: ConnectionManagerConfig) -> Cluster {
+    pub(crate) fn new(
+        seeds: Vec<ConnectionInfo>,
+        tls: Option<TlsCertificates>,
+        config: ConnectionManagerConfig,
+    ) -> Cluster {
         let inner = Arc::new(Inner {
             seeds,
             tls,
@@ -115,7 +119,12 @@ impl Cluster {
     }
 
     /// Runs `call` on the primary of `slot`, following redirects that prove it did not run.
-    pub(crate) async fn eval(&self, script: &Script, slot: u16, call: &Call<'_>) -> Result<Value, ClusterError> {
+    pub(crate) async fn eval(
+        &self,
+        script: &Script,
+        slot: u16,
+        call: &Call<'_>,
+    ) -> Result<Value, ClusterError> {
         let mut target = self.owner(slot).await?;
         let mut asking = false;
         for _ in 0..MAX_REDIRECTS {
@@ -213,7 +222,9 @@ impl Inner {
     async fn refresh(&self) {
         let mut candidates: Vec<Arc<str>> = self.slots.load().owners.clone();
         candidates.extend(self.seeds.iter().filter_map(|s| match s.addr() {
-            ConnectionAddr::Tcp(h, p) | ConnectionAddr::TcpTls { host: h, port: p, .. } => Some(Arc::from(format!("{h}:{p}"))),
+            ConnectionAddr::Tcp(h, p) | ConnectionAddr::TcpTls { host: h, port: p, .. } => {
+                Some(Arc::from(format!("{h}:{p}")))
+            }
             _ => None,
         }));
         let mut failures = Vec::new();

@@ -162,8 +162,13 @@ impl Coalescer {
                 for waiter in waiters {
                     let mine: Vec<GroupOutcome> = outcomes.by_ref().take(waiter.groups.len()).collect();
                     let Err(Ok(mine)) = waiter.reply.send(Ok(mine)) else { continue };
-                    let taken: Vec<_> =
-                        waiter.groups.iter().zip(&mine).flat_map(|(g, o)| refund(g, o)).map(|(_, op)| op).collect();
+                    let taken: Vec<_> = waiter
+                        .groups
+                        .iter()
+                        .zip(&mine)
+                        .flat_map(|(g, o)| refund(g, o))
+                        .map(|(_, op)| op)
+                        .collect();
                     if taken.is_empty() {
                         continue;
                     }

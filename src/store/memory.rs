@@ -97,7 +97,11 @@ impl Default for MemoryStore {
 
 impl Store for MemoryStore {
     // In process, a reply is never late.
-    fn evaluate<'a>(&'a self, batch: &'a Batch, _late: LateReply) -> BoxFuture<'a, Vec<Result<GroupOutcome, StoreError>>> {
+    fn evaluate<'a>(
+        &'a self,
+        batch: &'a Batch,
+        _late: LateReply,
+    ) -> BoxFuture<'a, Vec<Result<GroupOutcome, StoreError>>> {
         let outcomes = self.evaluate_now(batch).into_iter().map(Ok).collect();
         Box::pin(std::future::ready(outcomes))
     }

@@ -71,7 +71,12 @@ impl Node {
     }
 
     /// Runs `call` once; after `asking`, as the target of an `ASK` redirect.
-    pub(crate) async fn eval(&self, script: &Script, call: &Call<'_>, asking: bool) -> Result<Value, RedisError> {
+    pub(crate) async fn eval(
+        &self,
+        script: &Script,
+        call: &Call<'_>,
+        asking: bool,
+    ) -> Result<Value, RedisError> {
         let result = match self.send(script, call, asking).await {
             Err(e) if e.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::NoScript) => {
                 // Not run: load the script (after a restart, failover or SCRIPT FLUSH) and send again.
@@ -112,7 +117,9 @@ impl Node {
     fn note<T>(&self, result: &Result<T, RedisError>) {
         let trouble = match result {
             Ok(_) => false,
-            Err(e) => e.is_io_error() || e.is_timeout() || e.is_connection_dropped() || e.is_connection_refusal(),
+            Err(e) => {
+                e.is_io_error() || e.is_timeout() || e.is_connection_dropped() || e.is_connection_refusal()
+            }
         };
         let mut down = self.down_since.lock().unwrap_or_else(|p| p.into_inner());
         match (trouble, *down) {

@@ -237,7 +237,9 @@ impl Precheck {
                 f64::INFINITY
             } else if op.spec.capacity() == 0.0 {
                 0.0
-            } else if op.spec.refill_per_second() >= verdict.fastest_refill && verdict.tokens < op.spec.capacity() {
+            } else if op.spec.refill_per_second() >= verdict.fastest_refill
+                && verdict.tokens < op.spec.capacity()
+            {
                 op.spec.refill_per_second()
             } else {
                 continue;
@@ -277,7 +279,11 @@ impl Shard {
 }
 
 impl Store for Precheck {
-    fn evaluate<'a>(&'a self, batch: &'a Batch, late: LateReply) -> BoxFuture<'a, Vec<Result<GroupOutcome, StoreError>>> {
+    fn evaluate<'a>(
+        &'a self,
+        batch: &'a Batch,
+        late: LateReply,
+    ) -> BoxFuture<'a, Vec<Result<GroupOutcome, StoreError>>> {
         Box::pin(async move {
             let call_start = self.clock.now_ms();
             // Read before the call: an epoch that moves during it voids what it reports.

@@ -93,7 +93,8 @@ impl RedisTls {
         if self.ca.is_none() && self.client.is_none() {
             return Ok(None);
         }
-        let read = |p: &PathBuf| std::fs::read(p).map_err(|source| ConnectError::File { path: p.clone(), source });
+        let read =
+            |p: &PathBuf| std::fs::read(p).map_err(|source| ConnectError::File { path: p.clone(), source });
         let root_cert = self.ca.as_ref().map(read).transpose()?;
         let client_tls = match &self.client {
             Some((cert, key)) => Some(ClientTlsConfig { client_cert: read(cert)?, client_key: read(key)? }),
@@ -174,7 +175,8 @@ impl RedisStore {
                     None => redis::Client::open(info),
                 }
                 .map_err(ConnectError::Address)?;
-                let node = Node::new(addr, client, config, Default::default()).map_err(ConnectError::Address)?;
+                let node =
+                    Node::new(addr, client, config, Default::default()).map_err(ConnectError::Address)?;
                 (Connection::Standalone(node), description)
             }
             RedisTarget::Cluster(seeds) => {
@@ -215,9 +217,12 @@ impl RedisStore {
         let keys = [key];
         let call = node::Call { keys: &keys, args: &[] };
         let slot = self.shared.connection.slot(key);
-        let reply = tokio::time::timeout(self.shared.deadline, self.shared.eval(&self.shared.peek_script, slot, &call))
-            .await
-            .map_err(|_| StoreError::Timeout(self.shared.deadline))??;
+        let reply = tokio::time::timeout(
+            self.shared.deadline,
+            self.shared.eval(&self.shared.peek_script, slot, &call),
+        )
+        .await
+        .map_err(|_| StoreError::Timeout(self.shared.deadline))??;
         let Value::Array(items) = reply else {
             return Err(StoreError::Protocol(format!("expected an array, got {reply:?}")));
         };
@@ -232,9 +237,11 @@ impl RedisStore {
             return Err(StoreError::Protocol(format!("expected TIME in the peek reply, got {items:?}")));
         };
         let state = match (number(0), number(1)) {
-            (Some(tokens), Some(last)) => {
-                Some(BucketState { tokens, last_refill_ms: last as u64, fastest_refill: number(2).unwrap_or(0.0) })
-            }
+            (Some(tokens), Some(last)) => Some(BucketState {
+                tokens,
+                last_refill_ms: last as u64,
+                fastest_refill: number(2).unwrap_or(0.0),
+            }),
             _ => None,
         };
         let ttl_ms = number(5).filter(|t| *t >= 0.0).map(|t| t as u64);
@@ -266,9 +273,11 @@ impl RedisStore {
         if calls.is_empty() {
             return;
         }
-        let results = join_all(calls.iter().map(|(slot, back, _)| {
-            self.coalescer.submit(*slot, vec![back.clone()], LateReply::Keep)
-        }))
+        let results = join_all(
+            calls
+                .iter()
+                .map(|(slot, back, _)| self.coalescer.submit(*slot, vec![back.clone()], LateReply::Keep)),
+        )
         .await;
         combined.refunded = true;
         metrics::counter!("tollgate_store_refunds_total", "reason" => "split").increment(1);
@@ -373,7 +382,8 @@ impl Shared {
     async fn run(&self, slot: u16, batch: &[&Group]) -> Result<Vec<GroupOutcome>, StoreError> {
         let mut keys: Vec<&str> = Vec::new();
         let mut key_index: HashMap<&str, usize> = HashMap::new();
-        let mut args: Vec<String> = Vec::with_capacity(1 + batch.iter().map(|g| 1 + 6 * g.len()).sum::<usize>());
+        let mut args: Vec<String> =
+            Vec::with_capacity(1 + batch.iter().map(|g| 1 + 6 * g.len()).sum::<usize>());
         args.push(batch.len().to_string());
         for group in batch {
             args.push(group.len().to_string());
@@ -527,14 +537,16 @@ impl Store for RedisStore {
             let call = node::Call { keys: &keys, args: &args };
             let slot = self.shared.connection.slot(&registry);
             let deadline = self.shared.deadline;
-            let reply = tokio::time::timeout(deadline, self.shared.eval(&self.shared.demand_script, slot, &call))
-                .await
-                .map_err(|_| StoreError::Timeout(deadline))??;
+            let reply =
+                tokio::time::timeout(deadline, self.shared.eval(&self.shared.demand_script, slot, &call))
+                    .await
+                    .map_err(|_| StoreError::Timeout(deadline))??;
             match reply {
-                Value::BulkString(b) => std::str::from_utf8(&b)
-                    .ok()
-                    .and_then(|s| s.parse().ok())
-                    .ok_or_else(|| StoreError::Protocol(format!("demand registry: {:?}", String::from_utf8_lossy(&b)))),
+                Value::BulkString(b) => {
+                    std::str::from_utf8(&b).ok().and_then(|s| s.parse().ok()).ok_or_else(|| {
+                        StoreError::Protocol(format!("demand registry: {:?}", String::from_utf8_lossy(&b)))
+                    })
+                }
                 other => Err(StoreError::Protocol(format!("demand registry: {other:?}"))),
             }
         })
@@ -544,12 +556,16 @@ impl Store for RedisStore {
         Box::pin(async move {
             let ping = async {
                 match &self.shared.connection {
-                    Connection::Standalone(node) => {
-                        node.query::<String>(&mut redis::cmd("PING")).await.map(drop).map_err(StoreError::Redis)
-                    }
-                    Connection::Sentinel(sentinel) => {
-                        sentinel.query::<String>(&mut redis::cmd("PING")).await.map(drop).map_err(StoreError::Redis)
-                    }
+                    Connection::Standalone(node) => node
+                        .query::<String>(&mut redis::cmd("PING"))
+                        .await
+                        .map(drop)
+                        .map_err(StoreError::Redis),
+                    Connection::Sentinel(sentinel) => sentinel
+                        .query::<String>(&mut redis::cmd("PING"))
+                        .await
+                        .map(drop)
+                        .map_err(StoreError::Redis),
                     Connection::Cluster(cluster) => cluster.ping().await.map_err(|e| match e {
                         ClusterError::NoOwner(slot) => StoreError::NoOwner(slot),
                         ClusterError::Redis(e) => StoreError::Redis(e),

@@ -161,8 +161,12 @@ impl Sentinel {
         };
         let node = Node::new(addr.clone(), client, self.config.clone(), self.epoch.clone())?;
         match &current {
-            Some(old) => tracing::warn!(master = %self.master, from = %old.addr(), to = %addr, "Redis primary moved"),
-            None => tracing::info!(master = %self.master, primary = %addr, "Redis primary found through Sentinel"),
+            Some(old) => {
+                tracing::warn!(master = %self.master, from = %old.addr(), to = %addr, "Redis primary moved")
+            }
+            None => {
+                tracing::info!(master = %self.master, primary = %addr, "Redis primary found through Sentinel")
+            }
         }
         self.current.store(Some(Arc::new(node)));
         self.epoch.fetch_add(1, Ordering::Relaxed);

@@ -25,7 +25,8 @@ static LAST: Mutex<Option<HashMap<&'static str, (Instant, u64)>>> = Mutex::new(N
 /// since the last line; `None` (and the occurrence counted) within [`THROTTLE`] of it.
 pub fn throttled(kind: &'static str) -> Option<u64> {
     let mut last = LAST.lock().unwrap_or_else(|p| p.into_inner());
-    let (at, held) = last.get_or_insert_with(HashMap::new).entry(kind).or_insert((Instant::now() - THROTTLE, 0));
+    let (at, held) =
+        last.get_or_insert_with(HashMap::new).entry(kind).or_insert((Instant::now() - THROTTLE, 0));
     if at.elapsed() < THROTTLE {
         *held += 1;
         return None;
@@ -41,13 +42,12 @@ pub fn init(json: bool, traces: Option<&super::traces::Traces>) {
     use tracing_subscriber::Layer as _;
 
     let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
-    let fmt = tracing_subscriber::fmt::layer().with_writer(std::io::stderr).with_ansi(std::io::stderr().is_terminal());
+    let fmt = tracing_subscriber::fmt::layer()
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::stderr().is_terminal());
     let fmt = if json { fmt.json().boxed() } else { fmt.boxed() };
     // Each layer has its own filter: RUST_LOG decides what is logged, not what is traced.
-    tracing_subscriber::registry()
-        .with(fmt.with_filter(filter))
-        .with(traces.map(|t| t.layer()))
-        .init();
+    tracing_subscriber::registry().with(fmt.with_filter(filter)).with(traces.map(|t| t.layer())).init();
 }
 
 /// Displays an error with its causes, `outer: inner: innermost`, each said once: a cause whose

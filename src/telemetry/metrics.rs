@@ -80,7 +80,11 @@ impl Telemetry {
         describe();
         register_at_zero();
         gauge!("tollgate_build_info", "version" => env!("CARGO_PKG_VERSION")).set(1.0);
-        Ok(Telemetry { prometheus: Some(handle), _upkeep: Some(upkeep), ..Telemetry::without_exporter(config) })
+        Ok(Telemetry {
+            prometheus: Some(handle),
+            _upkeep: Some(upkeep),
+            ..Telemetry::without_exporter(config)
+        })
     }
 
     /// Telemetry that keeps the top-denied ranking but exports nothing (for embedding the

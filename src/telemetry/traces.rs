@@ -64,12 +64,15 @@ impl Traces {
         let processor = BatchSpanProcessor::builder(exporter, opentelemetry_sdk::runtime::Tokio).build();
         // OTEL_SERVICE_NAME and OTEL_RESOURCE_ATTRIBUTES still apply; the default name is ours.
         let resource = Resource::builder().with_service_name("tollgate").build();
-        let provider = SdkTracerProvider::builder().with_span_processor(processor).with_resource(resource).build();
+        let provider =
+            SdkTracerProvider::builder().with_span_processor(processor).with_resource(resource).build();
         Ok(Traces { provider })
     }
 
     /// The layer that turns tollgate's spans (and only those) into OTLP spans.
-    pub fn layer<S>(&self) -> Filtered<tracing_opentelemetry::OpenTelemetryLayer<S, opentelemetry_sdk::trace::SdkTracer>, Targets, S>
+    pub fn layer<S>(
+        &self,
+    ) -> Filtered<tracing_opentelemetry::OpenTelemetryLayer<S, opentelemetry_sdk::trace::SdkTracer>, Targets, S>
     where
         S: Subscriber + for<'a> LookupSpan<'a>,
     {

@@ -1,7 +1,7 @@
 //! Envoy 1.40: a process on a JSON config, and its validate mode.
 
-use std::path::{Path, PathBuf};
 use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Duration;
 

@@ -117,4 +117,3 @@ impl Drop for Proc {
 fn scratch_dir(prefix: &str) -> tempfile::TempDir {
     tempfile::Builder::new().prefix(prefix).tempdir().expect("temp dir")
 }
-

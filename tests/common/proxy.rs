@@ -86,7 +86,12 @@ impl Drop for FaultProxy {
 }
 
 // One client connection: requests up, replies down, each direction as the fault says.
-async fn relay(client: TcpStream, target: SocketAddr, fault: Arc<Mutex<Fault>>, mut stop: watch::Receiver<bool>) {
+async fn relay(
+    client: TcpStream,
+    target: SocketAddr,
+    fault: Arc<Mutex<Fault>>,
+    mut stop: watch::Receiver<bool>,
+) {
     let Ok(server) = TcpStream::connect(target).await else { return };
     let _ = client.set_nodelay(true);
     let _ = server.set_nodelay(true);

@@ -252,12 +252,15 @@ impl RedisCluster {
     /// proxies' ports, so that every client (tollgate, and this harness's own connections) goes
     /// through them; the Cluster bus stays direct. Returns the proxies, in `ports` order.
     pub fn behind_proxies(&mut self) -> Vec<proxy::FaultProxy> {
-        let proxies: Vec<proxy::FaultProxy> = self.ports.iter().map(|p| proxy::FaultProxy::start(*p)).collect();
+        let proxies: Vec<proxy::FaultProxy> =
+            self.ports.iter().map(|p| proxy::FaultProxy::start(*p)).collect();
         for (port, proxy) in self.ports.iter().zip(&proxies) {
             let bus = (port + 10_000).to_string();
             let announce = proxy.port.to_string();
-            node_query::<String>(*port, &["CONFIG", "SET", "cluster-announce-bus-port", &bus]).expect("bus port");
-            node_query::<String>(*port, &["CONFIG", "SET", "cluster-announce-port", &announce]).expect("announce");
+            node_query::<String>(*port, &["CONFIG", "SET", "cluster-announce-bus-port", &bus])
+                .expect("bus port");
+            node_query::<String>(*port, &["CONFIG", "SET", "cluster-announce-port", &announce])
+                .expect("announce");
         }
         let proxied: Vec<u16> = proxies.iter().map(|p| p.port).collect();
         wait_until("every node to announce its proxy", 500, Duration::from_millis(20), || {

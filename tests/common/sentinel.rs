@@ -45,21 +45,29 @@ impl SentinelGroup {
                 primary = primary.port,
             );
             std::fs::write(&conf, text).unwrap();
-            let mut command = Command::new(if which("redis-sentinel") { "redis-sentinel" } else { "redis-server" });
+            let mut command =
+                Command::new(if which("redis-sentinel") { "redis-sentinel" } else { "redis-server" });
             command.arg(&conf).arg("--sentinel").stdout(Stdio::null());
             sentinels.push(Proc::spawn("redis-sentinel", &mut command));
             sentinel_ports.push(port);
         }
         for port in &sentinel_ports {
-            wait_until("the sentinels to know the replica and each other", 500, Duration::from_millis(20), || {
-                let Some(fields) = node_query::<Vec<String>>(*port, &["SENTINEL", "MASTER", SENTINEL_MASTER]) else {
-                    return false;
-                };
-                let field = |name: &str| {
-                    fields.chunks(2).find(|kv| kv[0] == name).map(|kv| kv[1].clone()).unwrap_or_default()
-                };
-                field("num-slaves") == "1" && field("num-other-sentinels") == "2"
-            });
+            wait_until(
+                "the sentinels to know the replica and each other",
+                500,
+                Duration::from_millis(20),
+                || {
+                    let Some(fields) =
+                        node_query::<Vec<String>>(*port, &["SENTINEL", "MASTER", SENTINEL_MASTER])
+                    else {
+                        return false;
+                    };
+                    let field = |name: &str| {
+                        fields.chunks(2).find(|kv| kv[0] == name).map(|kv| kv[1].clone()).unwrap_or_default()
+                    };
+                    field("num-slaves") == "1" && field("num-other-sentinels") == "2"
+                },
+            );
         }
         SentinelGroup { primary, replica, sentinel_ports, _sentinels: sentinels, _dir: dir }
     }

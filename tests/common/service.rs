@@ -46,7 +46,12 @@ impl Tollgate {
     }
 
     /// Starts it with extra environment variables (e.g. `RUST_LOG`) and waits for `/readyz`.
-    pub fn start_with_env(config: &Path, backend: &Backend, extra: &[&str], env: &[(&str, &str)]) -> Tollgate {
+    pub fn start_with_env(
+        config: &Path,
+        backend: &Backend,
+        extra: &[&str],
+        env: &[(&str, &str)],
+    ) -> Tollgate {
         Self::spawn_with_env(config, backend, extra, env).wait_for("/readyz")
     }
 

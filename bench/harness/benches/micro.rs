@@ -56,7 +56,9 @@ fn keys(c: &mut Criterion) {
     let domain = rules.domain("api-gateway").unwrap();
     let export = [("tenant", "tenant-4711"), ("class", "export")];
     let class_rule = domain.lookup(&export[..]).unwrap();
-    c.bench_function("key/tenant-class", |b| b.iter(|| rule_bucket(domain, class_rule, black_box(&export[..]))));
+    c.bench_function("key/tenant-class", |b| {
+        b.iter(|| rule_bucket(domain, class_rule, black_box(&export[..])))
+    });
     let tenant = [("tenant", "tenant-4711")];
     let tenant_rule = domain.lookup(&tenant[..]).unwrap();
     c.bench_function("key/tenant", |b| b.iter(|| rule_bucket(domain, tenant_rule, black_box(&tenant[..]))));
@@ -65,7 +67,9 @@ fn keys(c: &mut Criterion) {
     let entries = [("path", "/login"), ("user", "u42")];
     let rule = domain.lookup(&entries[..]).unwrap();
     c.bench_function("key/descriptor", |b| b.iter(|| rule_bucket(domain, rule, black_box(&entries[..]))));
-    c.bench_function("key/cluster-slot", |b| b.iter(|| cluster_slot(black_box("rl:{tenant-4711}:api-gateway:export"))));
+    c.bench_function("key/cluster-slot", |b| {
+        b.iter(|| cluster_slot(black_box("rl:{tenant-4711}:api-gateway:export")))
+    });
 }
 
 fn decide(c: &mut Criterion) {
@@ -77,10 +81,18 @@ fn decide(c: &mut Criterion) {
         Arc::new(Telemetry::without_exporter(TelemetryConfig::default())),
         false,
     );
-    let descriptor = |entries: Vec<(&'static str, &'static str)>| QueryDescriptor { entries, hits: 1, credit: false, limit: None };
+    let descriptor = |entries: Vec<(&'static str, &'static str)>| QueryDescriptor {
+        entries,
+        hits: 1,
+        credit: false,
+        limit: None,
+    };
     let query = Query {
         domain: "api-gateway",
-        descriptors: vec![descriptor(vec![("tenant", "acme")]), descriptor(vec![("tenant", "acme"), ("class", "export")])],
+        descriptors: vec![
+            descriptor(vec![("tenant", "acme")]),
+            descriptor(vec![("tenant", "acme"), ("class", "export")]),
+        ],
     };
     c.bench_function("decide/memory-store/tenant+export", |b| {
         b.iter(|| runtime.block_on(limiter.decide(black_box(&query))).unwrap())

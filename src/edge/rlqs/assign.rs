@@ -65,7 +65,11 @@ pub fn split<K: Eq + Hash + Clone>(
     let mut given = 0;
     let mut out = Vec::with_capacity(members.len());
     for (key, d, cap) in members {
-        let share = if demand > 0.0 { total as f64 * d.max(0.0) / demand } else { total as f64 / members.len() as f64 };
+        let share = if demand > 0.0 {
+            total as f64 * d.max(0.0) / demand
+        } else {
+            total as f64 / members.len() as f64
+        };
         let entitled = owed.get(key).copied().unwrap_or(0.0) + share;
         let grant = (entitled.floor() as u64).min(*cap).min(total - given);
         owed.insert(key.clone(), (entitled - grant as f64).clamp(0.0, 1.0));

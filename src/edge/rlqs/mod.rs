@@ -20,7 +20,9 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use envoy_types::pb::envoy::service::rate_limit_quota::v3::rate_limit_quota_service_server::RateLimitQuotaService;
-use envoy_types::pb::envoy::service::rate_limit_quota::v3::{RateLimitQuotaResponse, RateLimitQuotaUsageReports};
+use envoy_types::pb::envoy::service::rate_limit_quota::v3::{
+    RateLimitQuotaResponse, RateLimitQuotaUsageReports,
+};
 use tokio::sync::{mpsc, watch};
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status, Streaming};
@@ -41,7 +43,12 @@ pub struct RateLimitQuotaGrpc {
 impl RateLimitQuotaGrpc {
     /// A service leasing through `limiter` as `replica` (its name in the store's demand
     /// registries); every stream ends when `closing` turns true.
-    pub fn new(limiter: Arc<Limiter>, replica: String, clock: Arc<dyn Clock>, closing: watch::Receiver<bool>) -> Self {
+    pub fn new(
+        limiter: Arc<Limiter>,
+        replica: String,
+        clock: Arc<dyn Clock>,
+        closing: watch::Receiver<bool>,
+    ) -> Self {
         let pool = Arc::new(Pool::new(limiter.clone(), replica));
         RateLimitQuotaGrpc { limiter, pool, clock, closing, streams: AtomicU64::new(0) }
     }

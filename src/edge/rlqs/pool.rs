@@ -104,9 +104,12 @@ impl Pool {
         let key = target.key.clone();
         let fresh = {
             let mut buckets = self.inner.lock();
-            let bucket = buckets
-                .entry(key.clone())
-                .or_insert_with(|| Bucket { target, members: HashMap::new(), owed: HashMap::new(), owed_replica: 0.0 });
+            let bucket = buckets.entry(key.clone()).or_insert_with(|| Bucket {
+                target,
+                members: HashMap::new(),
+                owed: HashMap::new(),
+                owed_replica: 0.0,
+            });
             bucket.members.insert(member, Member { demand, events }).is_none()
         };
         metrics::gauge!("tollgate_rlqs_buckets").set(self.inner.lock().len() as f64);

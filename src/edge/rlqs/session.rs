@@ -236,6 +236,9 @@ mod tests {
         let Some(Action::QuotaAssignmentAction(a)) = &both[1].bucket_action else { panic!() };
         let Some(Strategy::TokenBucket(b)) = a.rate_limit_strategy.unwrap().strategy else { panic!() };
         assert_eq!((b.max_tokens, b.fill_interval.unwrap().seconds), (7, 86_400));
-        assert_eq!(name(&BucketId { bucket: HashMap::from([("b".into(), "2".into()), ("a".into(), "1".into())]) }), "a=1,b=2");
+        assert_eq!(
+            name(&BucketId { bucket: HashMap::from([("b".into(), "2".into()), ("a".into(), "1".into())]) }),
+            "a=1,b=2"
+        );
     }
 }

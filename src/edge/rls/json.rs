@@ -19,7 +19,9 @@ use axum::extract::State;
 use axum::http::{HeaderName, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use envoy_types::pb::envoy::config::core::v3::HeaderValue as ProtoHeader;
-use envoy_types::pb::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::{Entry, RateLimitOverride};
+use envoy_types::pb::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::{
+    Entry, RateLimitOverride,
+};
 use envoy_types::pb::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor;
 use envoy_types::pb::envoy::r#type::v3::RateLimitUnit;
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::rate_limit::Unit as ProtoUnit;
@@ -69,13 +71,22 @@ pub async fn handle(State(rls): State<Arc<RateLimitGrpc>>, body: Bytes) -> Respo
 
 /// The request in `body`, or why it is not one.
 pub fn parse(body: &[u8]) -> Result<RateLimitRequest, String> {
-    let json: JsonRequest = serde_json::from_slice(body).map_err(|e| format!("not a RateLimitRequest: {e}"))?;
+    let json: JsonRequest =
+        serde_json::from_slice(body).map_err(|e| format!("not a RateLimitRequest: {e}"))?;
     let mut descriptors = Vec::with_capacity(json.descriptors.len());
     for (i, d) in json.descriptors.into_iter().enumerate() {
         let limit = match d.limit {
             Some(l) => Some(RateLimitOverride {
-                requests_per_unit: l.requests_per_unit.get_u32().map_err(|e| format!("descriptor {i}: limit: {e}"))?,
-                unit: l.unit.map(|u| u.number()).transpose().map_err(|e| format!("descriptor {i}: limit: {e}"))?.unwrap_or(0),
+                requests_per_unit: l
+                    .requests_per_unit
+                    .get_u32()
+                    .map_err(|e| format!("descriptor {i}: limit: {e}"))?,
+                unit: l
+                    .unit
+                    .map(|u| u.number())
+                    .transpose()
+                    .map_err(|e| format!("descriptor {i}: limit: {e}"))?
+                    .unwrap_or(0),
             }),
             None => None,
         };
@@ -93,7 +104,12 @@ pub fn parse(body: &[u8]) -> Result<RateLimitRequest, String> {
     Ok(RateLimitRequest {
         domain: json.domain,
         descriptors,
-        hits_addend: json.hits_addend.map(|h| h.get_u32()).transpose().map_err(|e| format!("hitsAddend: {e}"))?.unwrap_or(0),
+        hits_addend: json
+            .hits_addend
+            .map(|h| h.get_u32())
+            .transpose()
+            .map_err(|e| format!("hitsAddend: {e}"))?
+            .unwrap_or(0),
     })
 }
 

@@ -87,7 +87,9 @@ fn to_value(v: Json) -> Value {
         Json::Bool(b) => Kind::BoolValue(b),
         Json::Number(n) => Kind::NumberValue(n.as_f64().unwrap_or_default()),
         Json::String(s) => Kind::StringValue(s),
-        Json::Array(items) => Kind::ListValue(ListValue { values: items.into_iter().map(to_value).collect() }),
+        Json::Array(items) => {
+            Kind::ListValue(ListValue { values: items.into_iter().map(to_value).collect() })
+        }
         Json::Object(map) => Kind::StructValue(to_struct(map)),
     };
     Value { kind: Some(kind) }

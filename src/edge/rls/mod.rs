@@ -22,7 +22,9 @@ use envoy_types::pb::envoy::config::core::v3::HeaderValue;
 use envoy_types::pb::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor;
 use envoy_types::pb::envoy::r#type::v3::RateLimitUnit;
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::rate_limit::Unit as ProtoUnit;
-use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::{Code as ProtoCode, DescriptorStatus, RateLimit};
+use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::{
+    Code as ProtoCode, DescriptorStatus, RateLimit,
+};
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_server::RateLimitService;
 use envoy_types::pb::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimitResponse};
 use envoy_types::pb::google::protobuf::Duration as ProtoDuration;
@@ -51,7 +53,12 @@ impl RateLimitGrpc {
     /// A service answering with `limiter`, with at most `max_inflight` decisions in progress;
     /// `dynamic_metadata` adds envoyproxy/ratelimit's response dynamic metadata.
     pub fn new(limiter: Arc<Limiter>, max_inflight: usize, dynamic_metadata: bool) -> Self {
-        RateLimitGrpc { limiter, inflight: Arc::new(Semaphore::new(max_inflight)), max_inflight, dynamic_metadata }
+        RateLimitGrpc {
+            limiter,
+            inflight: Arc::new(Semaphore::new(max_inflight)),
+            max_inflight,
+            dynamic_metadata,
+        }
     }
 }
 
@@ -72,7 +79,8 @@ impl RateLimitGrpc {
         let answer = decide(&self.limiter, request).await.map(|decision| {
             let mut response = encode(&decision);
             if self.dynamic_metadata {
-                response.dynamic_metadata = Some(metadata::to_struct(metadata::dynamic_metadata(request, &decision)));
+                response.dynamic_metadata =
+                    Some(metadata::to_struct(metadata::dynamic_metadata(request, &decision)));
             }
             response
         });
@@ -139,7 +147,10 @@ pub fn validate(request: &RateLimitRequest) -> Result<(), String> {
             return Err(format!("descriptor {i} has no entries"));
         }
         if d.entries.len() > MAX_ENTRIES {
-            return Err(format!("descriptor {i} has {} entries, at most {MAX_ENTRIES} allowed", d.entries.len()));
+            return Err(format!(
+                "descriptor {i} has {} entries, at most {MAX_ENTRIES} allowed",
+                d.entries.len()
+            ));
         }
         for (j, e) in d.entries.iter().enumerate() {
             if e.key.is_empty() {
