@@ -326,22 +326,8 @@ impl Limiter {
         // comes after the deadline; one admitted by `allow` keeps what it took.
         let late =
             if domain.failure_mode == FailureMode::Allow { LateReply::Keep } else { LateReply::GiveBack };
-        let span = tracing::trace_span!(target: traces::TARGET, "store.evaluate", buckets = group.len(), outcome = tracing::field::Empty);
-        let result = self
-            .store
-            .evaluate(std::slice::from_ref(&group), late)
-            .instrument(span.clone())
-            .await
-            .pop()
-            .expect("one result per group");
-        span.record(
-            "outcome",
-            match &result {
-                Ok(_) => "ok",
-                Err(StoreError::Timeout(_)) => "timeout",
-                Err(_) => "error",
-            },
-        );
+        let result =
+            self.store_call(std::slice::from_ref(&group), late).await.pop().expect("one result per group");
         match result {
             Ok(outcome) => {
                 let forgiven: f64 = outcome.verdicts.iter().map(|v| v.forgiven).sum();
@@ -361,6 +347,24 @@ impl Limiter {
                 Err(error)
             }
         }
+    }
+
+    // One store call, traced as a `store.evaluate` span (see `telemetry::traces`).
+    async fn store_call(&self, batch: &[Group], late: LateReply) -> Vec<Result<GroupOutcome, StoreError>> {
+        let span = tracing::trace_span!(
+            target: traces::TARGET,
+            "store.evaluate",
+            buckets = batch.iter().map(Vec::len).sum::<usize>(),
+            outcome = tracing::field::Empty,
+        );
+        let results = self.store.evaluate(batch, late).instrument(span.clone()).await;
+        let outcome = match results.iter().find(|r| r.is_err()) {
+            None => "ok",
+            Some(Err(StoreError::Timeout(_))) => "timeout",
+            Some(_) => "error",
+        };
+        span.record("outcome", outcome);
+        results
     }
 
     fn verdicts(

@@ -169,3 +169,62 @@ async fn tollgate_spans_join_envoys_trace() {
 fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
+
+/// Each RLQS lease is a trace of its own, with its store calls as children.
+#[tokio::test(flavor = "multi_thread")]
+async fn rlqs_leases_are_traced() {
+    use envoy_types::pb::envoy::service::rate_limit_quota::v3::rate_limit_quota_service_client::RateLimitQuotaServiceClient;
+    use envoy_types::pb::envoy::service::rate_limit_quota::v3::rate_limit_quota_usage_reports::BucketQuotaUsage;
+    use envoy_types::pb::envoy::service::rate_limit_quota::v3::{BucketId, RateLimitQuotaUsageReports};
+
+    let receiver = OtlpReceiver::start().await;
+    let redis = Redis::start();
+    let (_dir, config) = config_file(CONFIG);
+    let endpoint = format!("http://{}", receiver.addr);
+    let tollgate = Tollgate::start(&config, &Backend::Redis(redis.url()), &["--otlp-endpoint", &endpoint]);
+    let mut client = RateLimitQuotaServiceClient::connect(format!("http://{}", tollgate.grpc)).await.unwrap();
+    let (tx, rx) = tokio::sync::mpsc::channel(4);
+    let id = BucketId { bucket: [("tenant".to_string(), "acme".to_string())].into_iter().collect() };
+    tx.send(RateLimitQuotaUsageReports {
+        domain: "tr".into(),
+        bucket_quota_usages: vec![BucketQuotaUsage {
+            bucket_id: Some(id),
+            time_elapsed: None,
+            num_requests_allowed: 0,
+            num_requests_denied: 1,
+        }],
+    })
+    .await
+    .unwrap();
+    let mut answers = client
+        .stream_rate_limit_quotas(tokio_stream::wrappers::ReceiverStream::new(rx))
+        .await
+        .unwrap()
+        .into_inner();
+    let first = tokio::time::timeout(Duration::from_secs(10), answers.message()).await.unwrap().unwrap();
+    assert!(first.is_some(), "an assignment");
+
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let (lease, calls) = loop {
+        let spans = receiver.spans();
+        let lease =
+            spans.iter().find(|s| s.span.name == "rlqs.lease" && s.attribute("requests").is_some()).cloned();
+        if let Some(lease) = lease {
+            let calls: Vec<ReceivedSpan> = spans
+                .iter()
+                .filter(|s| s.span.name == "store.evaluate" && s.span.parent_span_id == lease.span.span_id)
+                .cloned()
+                .collect();
+            if !calls.is_empty() {
+                break (lease, calls);
+            }
+        }
+        assert!(Instant::now() < deadline, "no traced lease within 30 s");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    assert!(lease.span.parent_span_id.is_empty(), "a lease starts its own trace");
+    assert_eq!(lease.attribute("domain").as_deref(), Some("tr"));
+    assert_eq!(lease.attribute("outcome").as_deref(), Some("ok"));
+    assert!(calls.iter().all(|c| c.attribute("outcome").as_deref() == Some("ok")), "{calls:?}");
+    drop(tx);
+}

@@ -15,6 +15,8 @@ use super::{Limiter, Plan, QueryDescriptor};
 use crate::bucket::{BucketOp, BucketSpec, Charge, Role};
 use crate::config::Domain;
 use crate::store::{LateReply, StoreError};
+use crate::telemetry::traces;
+use tracing::Instrument as _;
 
 /// What a quota bucket id gets.
 #[derive(Debug, Clone)]
@@ -79,11 +81,41 @@ impl Limiter {
         cap: u64,
         owed: f64,
     ) -> Result<(u64, f64), StoreError> {
+        // A trace of its own per lease (no request leads to it): the store calls are its children.
+        let span = tracing::trace_span!(
+            target: traces::TARGET,
+            "rlqs.lease",
+            domain = %target.domain.name,
+            demand,
+            requests = tracing::field::Empty,
+            outcome = tracing::field::Empty,
+        );
+        let result = self.lease_untraced(target, member, demand, cap, owed).instrument(span.clone()).await;
+        match &result {
+            Ok((requests, _)) => {
+                span.record("requests", requests);
+                span.record("outcome", "ok");
+            }
+            Err(_) => {
+                span.record("outcome", "error");
+            }
+        }
+        result
+    }
+
+    async fn lease_untraced(
+        &self,
+        target: &Leasable,
+        member: &str,
+        demand: f64,
+        cap: u64,
+        owed: f64,
+    ) -> Result<(u64, f64), StoreError> {
         let total = self.store.share_demand(&target.key, member, demand, DEMAND_TTL_MS).await?;
         let share = if total > 0.0 { (demand / total).clamp(0.0, 1.0) } else { 1.0 };
         // What the bucket holds now: a check takes nothing.
         let check = self.op(target, 0.0, Charge::Admitted);
-        let balance = match self.store.evaluate(&[vec![check]], LateReply::Keep).await.pop() {
+        let balance = match self.store_call(&[vec![check]], LateReply::Keep).await.pop() {
             Some(Ok(outcome)) => outcome.verdicts[0].tokens,
             Some(Err(e)) => return Err(e),
             None => return Ok((0, owed)),
@@ -99,7 +131,7 @@ impl Limiter {
         // take in between leaves this one with what is there, never below zero.
         let need = want as f64 * cost;
         let take = self.op(target, need, Charge::Always { max_debt: 0.0 });
-        let taken = match self.store.evaluate(&[vec![take]], LateReply::GiveBack).await.pop() {
+        let taken = match self.store_call(&[vec![take]], LateReply::GiveBack).await.pop() {
             Some(Ok(outcome)) => need - outcome.verdicts[0].forgiven,
             Some(Err(e)) => return Err(e),
             None => return Ok((0, owed)),
@@ -119,7 +151,7 @@ impl Limiter {
 
     async fn credit(&self, target: &Leasable, tokens: f64) -> Result<(), StoreError> {
         let credit = self.op(target, -tokens, Charge::Admitted);
-        match self.store.evaluate(&[vec![credit]], LateReply::Keep).await.pop() {
+        match self.store_call(&[vec![credit]], LateReply::Keep).await.pop() {
             Some(Err(e)) => Err(e),
             _ => Ok(()),
         }

@@ -8,7 +8,10 @@
 //!   `traceparent` of the gRPC metadata ([`continue_from`]): with Envoy's OpenTelemetry tracer,
 //!   Envoy's ratelimit span.
 //! * `store.evaluate`: each store call of a decision (`buckets`, `outcome`), a child of the
-//!   decision's span.
+//!   decision's span;
+//! * `rlqs.lease`: each lease of a share of a bucket to RLQS streams (`domain`, `demand`,
+//!   `requests`, `outcome`), a trace of its own (no request leads to it), its store calls as
+//!   children.
 //!
 //! The spans are declared at level TRACE under the target [`TARGET`], and only the OTLP layer
 //! listens to that target: with tracing off (or `RUST_LOG` not asking for it) a span costs one
