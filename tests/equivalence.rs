@@ -187,3 +187,47 @@ async fn memory_store_and_lua_script_agree() {
         replay(seed, &redis).await;
     }
 }
+
+/// On servers without `PEXPIRETIME` (Redis < 7) the script reports how long a bucket is kept
+/// from `PTTL` instead: the same figure, to within the clock reading the two commands take apart.
+/// Simulated on Redis 7 by disabling the command (`rename-command PEXPIRETIME ""`).
+#[tokio::test(flavor = "multi_thread")]
+async fn kept_ms_falls_back_to_pttl_without_pexpiretime() {
+    let modern = common::Redis::start();
+    let older = common::Redis::start_with(&["--rename-command", "PEXPIRETIME", ""]);
+    let absent: redis::RedisResult<i64> = redis::cmd("PEXPIRETIME").arg("x").query(&mut older.connection());
+    assert!(absent.is_err(), "the command is gone on the 'older' server");
+    let spec = BucketSpec::new(10.0, 0.001).unwrap();
+    let op = |need: f64| BucketOp {
+        key: "rl:kept:k=v".into(),
+        spec,
+        need,
+        role: Role::Enforced,
+        charge: Charge::Admitted,
+    };
+    let mut kept = Vec::new();
+    for redis in [&modern, &older] {
+        let store = RedisStore::connect(
+            &RedisTarget::Standalone(redis.url()),
+            Duration::from_secs(2),
+            Duration::ZERO,
+            &RedisTls::default(),
+        )
+        .unwrap();
+        // Written once; then a denial, which writes nothing, reads how long the key is kept.
+        let written = store.evaluate(&[vec![op(5.0)]], LateReply::Keep).await.pop().unwrap().unwrap();
+        assert!(written.admitted);
+        let denied = store.evaluate(&[vec![op(100.0)]], LateReply::Keep).await.pop().unwrap().unwrap();
+        assert!(!denied.admitted);
+        kept.push((written.verdicts[0].kept_ms, denied.verdicts[0].kept_ms));
+    }
+    println!("kept_ms (written, read back): with PEXPIRETIME {:?}, with PTTL {:?}", kept[0], kept[1]);
+    for (written, read) in &kept {
+        assert!(*read <= *written && written - read < 1_000, "{kept:?}");
+    }
+    // The two servers' buckets were written a few milliseconds apart; their read-backs agree to
+    // within the time between the calls and the millisecond PTTL gives away.
+    let (a, b) = (kept[0].1 as i64, kept[1].1 as i64);
+    assert!((a - b).abs() < 1_000, "{kept:?}");
+    assert!(b > 0 && (b as u64) < MAX_WAIT_MS, "a real figure from PTTL: {kept:?}");
+}
