@@ -3,19 +3,19 @@
 //! This is where every request's answer is made, whatever protocol it came in by, in five steps
 //! ([`Limiter::decide`]):
 //!
-//! 1. [`Limiter::plan`]: each descriptor is matched against its domain ([`crate::matcher`]) and
+//! 1. `Limiter::plan`: each descriptor is matched against its domain ([`crate::matcher`]) and
 //!    becomes a plan: no limit, unlimited, or a bucket operation whose key comes from
 //!    [`crate::identity`]. A request-level override replaces the matched rule entirely.
-//! 2. [`drop_replaced`]: rules named in another matched rule's `replaces` apply no limit.
-//! 3. [`Limiter::resolve_quotas`]: tenant quotas are resolved through the [`QuotaSource`].
-//! 4. [`Limiter::evaluate`]: every bucket operation of the request forms one all-or-nothing group,
+//! 2. `drop_replaced`: rules named in another matched rule's `replaces` apply no limit.
+//! 3. `Limiter::resolve_quotas`: tenant quotas are resolved through the [`QuotaSource`].
+//! 4. `Limiter::evaluate`: every bucket operation of the request forms one all-or-nothing group,
 //!    which the [`Store`] evaluates (one script call per Cluster slot involved).
-//! 5. [`Limiter::verdicts`]: store failures become the domain's failure mode; shadow rules never
+//! 5. `Limiter::verdicts`: store failures become the domain's failure mode; shadow rules never
 //!    deny; quota-mode descriptors deny only together; the decision is counted.
 //!
 //! Protocol edges (the RLS gRPC service, `POST /json`) translate their requests into a [`Query`]
 //! and the [`Decision`] back; nothing here knows a wire format. Clients that enforce limits
-//! themselves (Envoy's Rate Limit Quota Service) lease shares of the same buckets ([`lease`]).
+//! themselves (Envoy's Rate Limit Quota Service) lease shares of the same buckets (`lease.rs`: [`Limiter::lease`]).
 
 mod explain;
 mod lease;

@@ -11,7 +11,7 @@
 //!
 //! **Refunds.** When a grant is replaced, what the Envoy did not use of it is lost to it; the
 //! server learns how much it used only from the next usage report, which counts every request
-//! allowed since the previous report. [`Ledger::refundable`] is what the reports prove unused:
+//! allowed since the previous report. [`Ledger::take_refundable`] is what the reports prove unused:
 //! the grants replaced before a report, minus everything the reports say was allowed, minus what
 //! was refunded already. The reports count usage of the live grant too, so this never exceeds
 //! the truth.
