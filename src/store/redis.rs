@@ -214,21 +214,13 @@ impl RedisStore {
 
     /// Reads the bucket at `key` without changing it, with Redis's clock (for `tollgate explain`).
     pub async fn peek(&self, key: &str) -> Result<Peek, StoreError> {
-        let keys = [key];
-        let call = node::Call { keys: &keys, args: &[] };
-        let slot = self.shared.connection.slot(key);
-        let reply = tokio::time::timeout(
-            self.shared.deadline,
-            self.shared.eval(&self.shared.peek_script, slot, &call),
-        )
-        .await
-        .map_err(|_| StoreError::Timeout(self.shared.deadline))??;
+        let reply = self.shared.eval_on_key(&self.shared.peek_script, key, &[]).await?;
         let Value::Array(items) = reply else {
             return Err(StoreError::Protocol(format!("expected an array, got {reply:?}")));
         };
         let number = |i: usize| -> Option<f64> {
             match items.get(i)? {
-                Value::BulkString(b) => std::str::from_utf8(b).ok()?.parse().ok(),
+                Value::BulkString(b) => bulk_number(b),
                 Value::Int(n) => Some(*n as f64),
                 _ => None,
             }
@@ -422,6 +414,17 @@ impl Shared {
 }
 
 impl Shared {
+    // Runs `script` once on the node holding `key`, its only key, within the deadline. (Bucket
+    // scripts go through the coalescer, which applies the deadline itself.)
+    async fn eval_on_key(&self, script: &Script, key: &str, args: &[String]) -> Result<Value, StoreError> {
+        let keys = [key];
+        let call = node::Call { keys: &keys, args };
+        let slot = self.connection.slot(key);
+        tokio::time::timeout(self.deadline, self.eval(script, slot, &call))
+            .await
+            .map_err(|_| StoreError::Timeout(self.deadline))?
+    }
+
     // Runs `script` once on the node of `slot`.
     async fn eval(&self, script: &Script, slot: u16, call: &node::Call<'_>) -> Result<Value, StoreError> {
         match &self.connection {
@@ -532,21 +535,12 @@ impl Store for RedisStore {
     ) -> BoxFuture<'a, Result<f64, StoreError>> {
         Box::pin(async move {
             let registry = crate::identity::demand_key(key);
-            let keys = [registry.as_str()];
             let args = [member.to_owned(), demand.to_string(), ttl_ms.to_string()];
-            let call = node::Call { keys: &keys, args: &args };
-            let slot = self.shared.connection.slot(&registry);
-            let deadline = self.shared.deadline;
-            let reply =
-                tokio::time::timeout(deadline, self.shared.eval(&self.shared.demand_script, slot, &call))
-                    .await
-                    .map_err(|_| StoreError::Timeout(deadline))??;
+            let reply = self.shared.eval_on_key(&self.shared.demand_script, &registry, &args).await?;
             match reply {
-                Value::BulkString(b) => {
-                    std::str::from_utf8(&b).ok().and_then(|s| s.parse().ok()).ok_or_else(|| {
-                        StoreError::Protocol(format!("demand registry: {:?}", String::from_utf8_lossy(&b)))
-                    })
-                }
+                Value::BulkString(b) => bulk_number(&b).ok_or_else(|| {
+                    StoreError::Protocol(format!("demand registry: {:?}", String::from_utf8_lossy(&b)))
+                }),
                 other => Err(StoreError::Protocol(format!("demand registry: {other:?}"))),
             }
         })
@@ -637,10 +631,13 @@ fn int(items: &mut impl Iterator<Item = Value>) -> Result<i64, StoreError> {
 
 fn float(items: &mut impl Iterator<Item = Value>) -> Result<f64, StoreError> {
     match items.next() {
-        Some(Value::BulkString(b)) => std::str::from_utf8(&b)
-            .ok()
-            .and_then(|s| s.parse::<f64>().ok())
+        Some(Value::BulkString(b)) => bulk_number(&b)
             .ok_or_else(|| StoreError::Protocol(format!("not a number: {:?}", String::from_utf8_lossy(&b)))),
         other => Err(StoreError::Protocol(format!("expected a number, got {other:?}"))),
     }
+}
+
+// A number the scripts return as a bulk string (Lua numbers are not exact as integer replies).
+fn bulk_number(bytes: &[u8]) -> Option<f64> {
+    std::str::from_utf8(bytes).ok()?.parse().ok()
 }
