@@ -171,8 +171,8 @@ async fn print_descriptor(
         Role::Shadow => "shadow mode: counted, never denies".to_owned(),
         Role::Quota => "quota mode: denies only if every quota-mode descriptor is short".to_owned(),
     }];
-    if let Some(ChargeRule::Always { .. }) = explained.rule.as_ref().map(|r| &r.charge) {
-        let floor = explained.rule.as_ref().expect("a rule").charge.for_bucket(&limit.spec).floor();
+    if let Some(rule) = explained.rule.as_ref().filter(|r| matches!(r.charge, ChargeRule::Always { .. })) {
+        let floor = rule.charge.for_bucket(&limit.spec).floor();
         effects.push(format!("charge: always (debited even when denied, down to {floor})"));
     }
     println!("  effects:  {}", effects.join("; "));

@@ -116,20 +116,16 @@ pub fn parse(body: &[u8]) -> Result<RateLimitRequest, String> {
 /// `response` in protobuf's JSON mapping, default values left out.
 pub fn to_json(response: &RateLimitResponse) -> Json {
     let mut out = Map::new();
-    if let Ok(code) = ProtoCode::try_from(response.overall_code) {
-        if code != ProtoCode::Unknown {
-            out.insert("overallCode".into(), json!(code.as_str_name()));
-        }
+    if let Some(code) = code_name(response.overall_code) {
+        out.insert("overallCode".into(), json!(code));
     }
     let statuses: Vec<Json> = response
         .statuses
         .iter()
         .map(|s| {
             let mut status = Map::new();
-            if let Ok(code) = ProtoCode::try_from(s.code) {
-                if code != ProtoCode::Unknown {
-                    status.insert("code".into(), json!(code.as_str_name()));
-                }
+            if let Some(code) = code_name(s.code) {
+                status.insert("code".into(), json!(code));
             }
             if let Some(limit) = &s.current_limit {
                 let mut l = Map::new();
@@ -171,6 +167,11 @@ pub fn to_json(response: &RateLimitResponse) -> Json {
         out.insert("dynamicMetadata".into(), structure(metadata));
     }
     Json::Object(out)
+}
+
+// A code's name, or `None` for UNKNOWN (the default value, left out) and values not in the enum.
+fn code_name(code: i32) -> Option<&'static str> {
+    ProtoCode::try_from(code).ok().filter(|c| *c != ProtoCode::Unknown).map(|c| c.as_str_name())
 }
 
 // A Duration as the JSON mapping writes it: seconds, with 0, 3, 6 or 9 fraction digits.
