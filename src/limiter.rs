@@ -405,6 +405,10 @@ impl Limiter {
 // Records the decision on the current trace span (the edge's), if one is being traced: the
 // domain, the rules that applied (config paths: bounded), the tenant (hashed) and the outcome.
 fn trace_decision(domain: &str, plans: &[Plan<'_>], decision: &Decision) {
+    // With traces off this is the cached interest of one callsite, not a look at the span stack.
+    if !tracing::enabled!(target: traces::TARGET, tracing::Level::TRACE) {
+        return;
+    }
     let span = tracing::Span::current();
     if span.is_disabled() {
         return;
