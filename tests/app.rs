@@ -69,7 +69,7 @@ async fn a_stopped_app_leaves_no_task_running() {
     let mut conn = redis.connection();
     let keys: Vec<String> = redis::cmd("KEYS").arg("rl:{t1}:*").query(&mut conn).unwrap();
     assert_eq!(keys.len(), 1, "{keys:?}");
-    let tokens: f64 = redis::cmd("HGET").arg(&keys[0]).arg("t").query(&mut conn).unwrap();
+    let tokens = stored_tokens(&mut conn, &keys[0]);
     assert!(tokens < 0.1, "{tokens}");
     assert!(alive() > before, "the app runs tasks while serving");
 

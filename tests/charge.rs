@@ -109,9 +109,9 @@ async fn standalone_redis() {
     let server = Tollgate::start(&config, &Backend::Redis(redis.url()), &[]);
     all_scenarios(&server.addr()).await;
     let mut con = redis.connection();
-    let t: f64 = redis::cmd("HGET").arg("rl:{t1}:llm:tokens").arg("t").query(&mut con).unwrap();
+    let t = stored_tokens(&mut con, "rl:{t1}:llm:tokens");
     assert!((-200.0..=-150.0).contains(&t), "in debt in Redis (refilling at 10/s since): {t}");
-    let t: f64 = redis::cmd("HGET").arg("rl:llm:metered=a").arg("t").query(&mut con).unwrap();
+    let t = stored_tokens(&mut con, "rl:llm:metered=a");
     assert!((-5.0..=-4.99).contains(&t), "at the floor: {t}");
     let forgiven = sample(&server.metrics(), "tollgate_debt_forgiven_tokens_total", &[("domain", "llm")]);
     assert_eq!(forgiven, 85.0);

@@ -187,7 +187,7 @@ async fn a_request_across_three_slots_is_all_or_nothing_under_concurrency() {
     let debits: Vec<f64> = [(keys[0], 100.0), (keys[1], 60.0), (keys[2], 150.0)]
         .iter()
         .map(|(key, capacity)| {
-            let tokens: f64 = redis::cmd("HGET").arg(*key).arg("t").query(&mut con).unwrap();
+            let tokens = stored_tokens(&mut con, key);
             capacity - tokens
         })
         .collect();

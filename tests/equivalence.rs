@@ -88,16 +88,21 @@ fn random_batch(rng: &mut StdRng, buckets: &[Bucket]) -> Vec<Group> {
         .collect()
 }
 
-async fn replay(seed: u64, redis: &common::Redis) -> usize {
-    let mut rng = StdRng::seed_from_u64(seed);
-    let buckets = buckets(&mut rng);
-    let store = RedisStore::connect(
+// The Redis store on `redis`, without coalescing, so that each call is one script run.
+fn store_on(redis: &common::Redis) -> RedisStore {
+    RedisStore::connect(
         &RedisTarget::Standalone(redis.url()),
         Duration::from_secs(2),
         Duration::ZERO,
         &RedisTls::default(),
     )
-    .unwrap();
+    .unwrap()
+}
+
+async fn replay(seed: u64, redis: &common::Redis) -> usize {
+    let mut rng = StdRng::seed_from_u64(seed);
+    let buckets = buckets(&mut rng);
+    let store = store_on(redis);
     let clock = ManualClock::new(0);
     let memory = MemoryStore::with_clock(Arc::new(clock.clone()));
     let mut con = redis.connection();
@@ -207,13 +212,7 @@ async fn kept_ms_falls_back_to_pttl_without_pexpiretime() {
     };
     let mut kept = Vec::new();
     for redis in [&modern, &older] {
-        let store = RedisStore::connect(
-            &RedisTarget::Standalone(redis.url()),
-            Duration::from_secs(2),
-            Duration::ZERO,
-            &RedisTls::default(),
-        )
-        .unwrap();
+        let store = store_on(redis);
         // Written once; then a denial, which writes nothing, reads how long the key is kept.
         let written = store.evaluate(&[vec![op(5.0)]], LateReply::Keep).await.pop().unwrap().unwrap();
         assert!(written.admitted);

@@ -226,7 +226,7 @@ async fn standalone_redis() {
     all_scenarios(&server.addr()).await;
     // State really lives in Redis, under the documented keys.
     let mut con = redis.connection();
-    let tokens: f64 = redis::cmd("HGET").arg("rl:{aon}:test:tenant=aon").arg("t").query(&mut con).unwrap();
+    let tokens = stored_tokens(&mut con, "rl:{aon}:test:tenant=aon");
     assert_eq!(tokens.floor(), 4.0);
     let ttl: i64 = redis::cmd("PTTL").arg("rl:{aon}:test:tenant=aon").query(&mut con).unwrap();
     assert!(ttl > 0, "idle buckets expire");

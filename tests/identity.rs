@@ -409,7 +409,7 @@ async fn random_configs_share_buckets_exactly_as_the_reference_does() {
         }
         // Every balance is its capacity minus what its identity's admitted requests took.
         for (identity, (capacity, admitted)) in &taken {
-            let tokens: f64 = redis::cmd("HGET").arg(&key_of[identity]).arg("t").query(&mut con).unwrap();
+            let tokens = stored_tokens(&mut con, &key_of[identity]);
             let expected = f64::from(capacity - admitted);
             assert!((tokens - expected).abs() < 0.01, "seed {seed} {identity:?}: {tokens} != {expected}");
         }

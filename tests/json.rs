@@ -61,7 +61,7 @@ fn json_decisions_debit_the_same_buckets_as_grpc() {
     // The bucket in Redis holds what the admitted requests took: 1 + 3 + 1 of 5 (a minute's
     // refill is 5 tokens a minute: well under 0.1 over this test).
     let mut con = redis.connection();
-    let tokens: f64 = redis::cmd("HGET").arg("rl:d:k=v").arg("t").query(&mut con).unwrap();
+    let tokens = stored_tokens(&mut con, "rl:d:k=v");
     assert!(tokens < 0.1, "{tokens}");
 }
 

@@ -174,11 +174,8 @@ async fn standalone_redis() {
     all_scenarios(&server.addr()).await;
     // The balances behind a_denied_request_charges_nothing, read back from Redis.
     let mut con = redis.connection();
-    let tokens = |key: &str, con: &mut redis::Connection| -> f64 {
-        redis::cmd("HGET").arg(key).arg("t").query(con).unwrap()
-    };
-    assert_eq!(tokens("rl:ref:key3=v", &mut con).round(), 0.0);
-    assert_eq!(tokens("rl:ref:key2=v", &mut con).floor(), 9.0, "20 - 11 admitted, no more");
+    assert_eq!(stored_tokens(&mut con, "rl:ref:key3=v").round(), 0.0);
+    assert_eq!(stored_tokens(&mut con, "rl:ref:key2=v").floor(), 9.0, "20 - 11 admitted, no more");
     // The override's bucket is its own, next to the rule's.
     let keys: Vec<String> = redis::cmd("KEYS").arg("rl:ref:*shadowed=ov").query(&mut con).unwrap();
     let mut keys = keys;

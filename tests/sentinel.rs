@@ -80,7 +80,7 @@ async fn decisions_follow_a_sentinel_failover_and_count_nothing_twice() {
     let mut con = group.replica.connection();
     let keys: Vec<String> = redis::cmd("KEYS").arg("rl:*").query(&mut con).unwrap();
     assert_eq!(keys.len(), 1, "{keys:?}");
-    let tokens: f64 = redis::cmd("HGET").arg(&keys[0]).arg("t").query(&mut con).unwrap();
+    let tokens = stored_tokens(&mut con, &keys[0]);
     let debited = CAPACITY - tokens;
     println!(
         "sentinel failover: {} answers, {admitted} admitted, {denied_by_failure} failure-mode denials; \

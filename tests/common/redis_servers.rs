@@ -305,3 +305,8 @@ pub fn node_query<T: redis::FromRedisValue>(port: u16, args: &[&str]) -> Option<
 pub fn tenant_slot(tenant: &str) -> u16 {
     tollgate::identity::cluster_slot(&format!("rl:{{{tenant}}}:"))
 }
+
+/// The balance the bucket at `key` holds in Redis (its `t` field), as last written.
+pub fn stored_tokens(con: &mut impl redis::ConnectionLike, key: &str) -> f64 {
+    redis::cmd("HGET").arg(key).arg("t").query(con).unwrap_or_else(|e| panic!("bucket {key}: {e}"))
+}
