@@ -151,6 +151,12 @@ pub fn demand_key(bucket_key: &str) -> String {
     format!("{bucket_key}:=rlqs")
 }
 
+/// The key of the RLQS parked leases of the bucket `bucket_key` (`<bucket key>:=rlqs-parked`): in
+/// the bucket's slot, and unlike any bucket's key or demand registry for the same reason.
+pub fn parked_key(bucket_key: &str) -> String {
+    format!("{bucket_key}:=rlqs-parked")
+}
+
 /// Percent-encodes `%`, `{`, `}`, `:`, `=` and control characters of `s`.
 pub fn escape(s: &str) -> String {
     let mut out = String::with_capacity(s.len());

@@ -1,7 +1,9 @@
 //! The Rate Limit Quota Service edge, spoken to by a gRPC client as Envoy would: bucket ids map
 //! to rules as descriptors do, grants are taken from the same Redis buckets the RLS path uses
 //! (one budget whatever the protocol), unknown buckets get the domain's `rlqs_unknown`, and a
-//! draining server closes its streams. Through real Envoys in `tests/rlqs_envoy.rs`.
+//! draining server closes its streams, whose grants the Envoy's next stream settles (on another
+//! replica) when its first report provably continues them. Through real Envoys in
+//! `tests/rlqs_envoy.rs`.
 
 mod common;
 
@@ -87,10 +89,34 @@ struct Stream {
 
 impl Stream {
     async fn open(addr: &str) -> Stream {
+        Self::open_as(addr, None).await
+    }
+
+    /// A stream whose Envoy names itself `name` in the stream's metadata.
+    async fn open_as(addr: &str, name: Option<&str>) -> Stream {
         let mut client = RateLimitQuotaServiceClient::connect(format!("http://{addr}")).await.unwrap();
         let (reports, rx) = mpsc::channel(16);
-        let answers = client.stream_rate_limit_quotas(ReceiverStream::new(rx)).await.unwrap().into_inner();
+        let mut request = tonic::Request::new(ReceiverStream::new(rx));
+        if let Some(name) = name {
+            request.metadata_mut().insert("x-tollgate-envoy", name.parse().unwrap());
+        }
+        let answers = client.stream_rate_limit_quotas(request).await.unwrap().into_inner();
         Stream { reports, answers }
+    }
+
+    /// Closes the Envoy's side and reads every answer the server still sends until it ends the
+    /// stream: the requests of every token bucket among them.
+    async fn close(self) -> u64 {
+        let Stream { reports, mut answers } = self;
+        drop(reports);
+        let mut granted = 0;
+        loop {
+            match tokio::time::timeout(Duration::from_secs(5), answers.message()).await {
+                Ok(Ok(Some(answer))) => granted += tokens(&said(&answer)),
+                Ok(_) => return granted,
+                Err(_) => panic!("the stream stayed open 5 s after the Envoy closed its side"),
+            }
+        }
     }
 
     async fn send(&self, domain: &str, usages: Vec<BucketQuotaUsage>) {
@@ -104,6 +130,11 @@ impl Stream {
         let answer = tokio::time::timeout(Duration::from_secs(5), self.answers.message()).await;
         said(&answer.expect("an answer within 5 s").expect("the stream stands").expect("a message"))
     }
+}
+
+/// Requests in the token buckets of `said`.
+fn tokens(said: &[(BTreeMap<String, String>, Said)]) -> u64 {
+    said.iter().map(|(_, s)| if let Said::Tokens(n) = s { u64::from(*n) } else { 0 }).sum()
 }
 
 /// The grant (or denial) for `id`, skipping other buckets' messages.
@@ -194,4 +225,105 @@ async fn draining_closes_open_streams() {
     assert!(status.success());
     assert!(closed >= Duration::from_secs(1) && closed < Duration::from_secs(2), "closed after {closed:?}");
     assert!(exited < Duration::from_secs(3), "the drain finished {exited:?} after the signal");
+}
+
+/// One Envoy's stream to replica A closes after it used 5 of a 20-request grant (the whole
+/// bucket); the Envoy reopens to replica B. Returns B's token grants and the bucket's balance
+/// after B's stream closed too.
+async fn reopen(second_name: &str, first_elapsed_ms: u64) -> (u64, f64) {
+    let redis = Redis::start();
+    let (_dir, config) = config_file(CONFIG);
+    let a = Tollgate::start(&config, &Backend::Redis(redis.url()), &[]);
+    let b = Tollgate::start(&config, &Backend::Redis(redis.url()), &[]);
+    let search = bucket(&[("tenant", "parked"), ("route", "search")]);
+
+    let mut first = Stream::open_as(&a.addr(), Some("envoy-1")).await;
+    first.send("quota", vec![report(&search, 0, 1, 0)]).await;
+    assert_eq!(grant_for(&mut first, &search).await, Said::Tokens(20), "the whole bucket (capacity 20)");
+    // A's next grants find the bucket empty: DENY_ALL. The Envoy used 5 before that, unreported.
+    assert_eq!(grant_for(&mut first, &search).await, Said::DenyAll);
+    let from_a = first.close().await;
+    assert_eq!(from_a, 0);
+
+    let mut second = Stream::open_as(&b.addr(), Some(second_name)).await;
+    second.send("quota", vec![report(&search, 5, 0, first_elapsed_ms)]).await;
+    let mut from_b = tokens(&second.next().await);
+    // A report once the Envoy has B's first grant settles what A granted.
+    tokio::time::sleep(Duration::from_millis(2 * tollgate::edge::rlqs::session::SETTLE_MARGIN_MS)).await;
+    second.send("quota", vec![report(&search, 0, 0, 1_000)]).await;
+    // B's grants from then on come out of what was given back, if anything was.
+    let started = Instant::now();
+    while started.elapsed() < Duration::from_secs(2) {
+        from_b += tokens(&second.next().await);
+    }
+    from_b += second.close().await;
+    let mut con = redis.connection();
+    let keys: Vec<String> = redis::cmd("KEYS").arg("*parked*route=search").query(&mut con).unwrap();
+    let key = keys.iter().find(|k| !k.contains(":=rlqs")).expect("the bucket's key").clone();
+    // A grant in flight when B's stream closed is given back by the pool a moment later.
+    let mut balance = stored_tokens(&mut con, &key);
+    let settled = Instant::now();
+    while settled.elapsed() < Duration::from_secs(1) {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        balance = stored_tokens(&mut con, &key);
+    }
+    println!("reopened as {second_name} with time_elapsed {first_elapsed_ms} ms: B granted {from_b}, balance {balance:.3}");
+    (from_b, balance)
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_closed_streams_grants_settle_on_the_envoys_next_stream() {
+    // The Envoy's first report on B counts the 5 it used since its last report to A: the 15 left
+    // of A's grant go back to the bucket (refill 0.001/s adds < 0.02 during the test).
+    let (from_b, balance) = reopen("envoy-1", 3_000).await;
+    assert!(
+        (balance + from_b as f64 - 15.0).abs() < 0.05,
+        "20 - 5 used = balance {balance} + B's grants {from_b}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn parked_grants_stay_taken_unless_the_next_stream_provably_continues() {
+    // Another Envoy's stream, and the first report of a restarted Envoy (a new bucket, counted
+    // from zero: under a second), settle nothing: A's 20 stay taken.
+    for (name, elapsed) in [("envoy-2", 3_000), ("envoy-1", 0)] {
+        let (from_b, balance) = reopen(name, elapsed).await;
+        assert_eq!(from_b, 0, "nothing to grant from");
+        assert!(balance < 0.05, "A's grant stays taken: balance {balance}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn parked_leases_are_claimed_once_and_never_when_ambiguous_in_every_store() {
+    use tollgate::store::{RedisStore, RedisTarget, RedisTls};
+    let redis = Redis::start();
+    let cluster = RedisCluster::start();
+    let connect =
+        |target| RedisStore::connect(&target, Duration::from_secs(2), Duration::ZERO, &RedisTls::default());
+    let memory = tollgate::store::MemoryStore::new();
+    let standalone = connect(RedisTarget::Standalone(redis.url())).unwrap();
+    let seeds = cluster.seeds().split(',').map(String::from).collect();
+    let clustered = connect(RedisTarget::Cluster(seeds)).unwrap();
+    let stores: [&dyn tollgate::store::Store; 3] = [&memory, &standalone, &clustered];
+    for store in stores {
+        let lease = tollgate::store::Parked { requests: 7, since_report_ms: 1_000 };
+        store.park_lease("rl:{t}:d:k=v", "name=a", lease, 10_000).await.unwrap();
+        let claimed = store.claim_lease("rl:{t}:d:k=v", "name=a").await.unwrap().expect("parked");
+        assert_eq!(claimed.requests, 7, "{}", store.describe());
+        assert!((1_000..1_500).contains(&claimed.since_report_ms), "{claimed:?}");
+        assert_eq!(store.claim_lease("rl:{t}:d:k=v", "name=a").await.unwrap(), None, "claimed once");
+        // Two streams parked under one name: nobody can tell whose is whose.
+        store.park_lease("rl:{t}:d:k=v", "ip=10.0.0.1", lease, 10_000).await.unwrap();
+        store.park_lease("rl:{t}:d:k=v", "ip=10.0.0.1", lease, 10_000).await.unwrap();
+        assert_eq!(
+            store.claim_lease("rl:{t}:d:k=v", "ip=10.0.0.1").await.unwrap(),
+            None,
+            "{}",
+            store.describe()
+        );
+        // Expired.
+        store.park_lease("rl:{t}:d:k=v", "name=b", lease, 1).await.unwrap();
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        assert_eq!(store.claim_lease("rl:{t}:d:k=v", "name=b").await.unwrap(), None, "{}", store.describe());
+    }
 }

@@ -56,12 +56,21 @@ fn h2_cluster(name: &str, addrs: &[SocketAddr]) -> Value {
 
 /// The rate_limit_quota filter: bucket id {tenant: <x-tenant header>}.
 fn rlqs_filter() -> Value {
+    rlqs_filter_named(None)
+}
+
+/// The rate_limit_quota filter of an Envoy that names itself to tollgate in its stream metadata.
+fn rlqs_filter_named(name: Option<&str>) -> Value {
+    let mut server = json!({"envoy_grpc": {"cluster_name": "tollgate"}});
+    if let Some(name) = name {
+        server["initial_metadata"] = json!([{"key": "x-tollgate-envoy", "value": name}]);
+    }
     let header = json!({"name": "tenant", "typed_config": {"@type": "type.googleapis.com/envoy.type.matcher.v3.HttpRequestHeaderMatchInput", "header_name": "x-tenant"}});
     json!({
         "name": "envoy.filters.http.rate_limit_quota",
         "typed_config": {
             "@type": "type.googleapis.com/envoy.extensions.filters.http.rate_limit_quota.v3.RateLimitQuotaFilterConfig",
-            "rlqs_server": {"envoy_grpc": {"cluster_name": "tollgate"}},
+            "rlqs_server": server,
             "domain": "quota",
             "bucket_matchers": {"matcher_list": {"matchers": [{
                 "predicate": {"single_predicate": {"input": header, "value_match": {"safe_regex": {"google_re2": {}, "regex": ".+"}}}},
@@ -373,6 +382,50 @@ async fn a_killed_replica_and_a_restarted_envoy() {
     assert!(total <= high, "{total} above {high}");
     assert!(after_kill.iter().all(|n| *n > 0), "every Envoy is served after the kill: {after_kill:?}");
     assert!(after_restart > 0, "the restarted Envoy is served");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_drained_replicas_grants_settle_on_the_next() {
+    let _serial = SERIAL.lock().await;
+    let redis = Redis::start();
+    let upstream = upstream().await;
+    let (_dir, config) = config_file(CONFIG);
+    // One named Envoy at 4 requests a second: its grants (twice its demand) go partly unused.
+    let mut rig = rig(&Backend::Redis(redis.url()), &[rlqs_filter_named(Some("envoy-0"))], &config, upstream);
+    let stop = Arc::new(AtomicBool::new(false));
+    let counts: Arc<Counts> = Arc::default();
+    let task = tokio::spawn(load(
+        rig.listeners[0],
+        "acme",
+        4,
+        counts.clone(),
+        Arc::new(AtomicBool::new(true)),
+        stop.clone(),
+    ));
+    // After a report, the replica it streams to drains: the stream is closed, the Envoy reopens
+    // to the other replica, and its first report there counts everything since its last one.
+    tokio::time::sleep(Duration::from_secs(7)).await;
+    let streams = |r: &Tollgate| sample(&r.metrics(), "tollgate_rlqs_streams", &[]);
+    let (from, to) = if streams(&rig.replicas[0]) > 0.0 { (0, 1) } else { (1, 0) };
+    assert_eq!(streams(&rig.replicas[from]), 1.0, "the Envoy streams to one replica");
+    rig.replicas[from].proc.signal("TERM");
+    rig.replicas[from].proc.wait_exit(Duration::from_secs(10)).expect("the replica drains and exits");
+    let adopted = || {
+        sample(&rig.replicas[to].metrics(), "tollgate_rlqs_parked_requests_total", &[("outcome", "adopted")])
+    };
+    let started = std::time::Instant::now();
+    while adopted() == 0.0 && started.elapsed() < Duration::from_secs(12) {
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let waited = started.elapsed();
+    stop.store(true, Ordering::SeqCst);
+    let _ = task.await;
+    let refunded = sample(&rig.replicas[to].metrics(), "tollgate_rlqs_refunded_requests_total", &[]);
+    println!(
+        "replica drained: the other adopted {} parked requests {waited:?} after the exit; refunded {refunded}",
+        adopted()
+    );
+    assert!(adopted() > 0.0, "the Envoy's next stream settled the drained replica's grants");
 }
 
 #[tokio::test(flavor = "multi_thread")]

@@ -6,7 +6,9 @@
 //! protocols reach the same bucket and spend one budget. The client then admits requests on its
 //! own, from tokens it was leased: [`Limiter::lease`] takes a member's share of the bucket up
 //! front, in proportion to the demand every tollgate replica registers for it in the store, and
-//! [`Limiter::give_back`] returns tokens a client can provably no longer use.
+//! [`Limiter::give_back`] returns tokens a client can provably no longer use. When a client's
+//! stream closes, what it may still have used is parked in the store ([`Limiter::park_lease`])
+//! for its next stream, on any replica, to settle ([`Limiter::claim_lease`]).
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -14,7 +16,7 @@ use std::sync::Arc;
 use super::{Limiter, Plan, QueryDescriptor};
 use crate::bucket::{BucketOp, BucketSpec, Charge, Role};
 use crate::config::Domain;
-use crate::store::{LateReply, StoreError};
+use crate::store::{LateReply, Parked, StoreError};
 use crate::telemetry::traces;
 use tracing::Instrument as _;
 
@@ -44,6 +46,9 @@ pub struct Leasable {
 
 /// How long a registered demand stands without being renewed, in milliseconds.
 pub const DEMAND_TTL_MS: u64 = 3_000;
+/// How long a closed stream's grants stay parked for the Envoy's next stream, in milliseconds:
+/// an Envoy reopens at its next report, at most one reporting interval (5 s) later.
+pub const PARKED_TTL_MS: u64 = 10_000;
 
 impl Limiter {
     /// The bucket a quota bucket id of `domain` stands for.
@@ -142,6 +147,17 @@ impl Limiter {
             self.credit(target, spare).await?;
         }
         Ok((requests, owed))
+    }
+
+    /// Parks the grants of `target` that `envoy`'s closed stream may still have used, until its
+    /// next stream claims them ([`PARKED_TTL_MS`]).
+    pub async fn park_lease(&self, target: &Leasable, envoy: &str, parked: Parked) -> Result<(), StoreError> {
+        self.store.park_lease(&target.key, envoy, parked, PARKED_TTL_MS).await
+    }
+
+    /// Takes what `envoy`'s previous stream parked for `target`.
+    pub async fn claim_lease(&self, target: &Leasable, envoy: &str) -> Result<Option<Parked>, StoreError> {
+        self.store.claim_lease(&target.key, envoy).await
     }
 
     /// Gives `requests` requests' tokens back to `target`.

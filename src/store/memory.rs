@@ -10,7 +10,7 @@ use std::sync::{Arc, Mutex};
 
 use futures::future::BoxFuture;
 
-use super::{LateReply, Store, StoreError};
+use super::{LateReply, Parked, Store, StoreError};
 use crate::bucket::{self, Batch, BucketState, GroupOutcome};
 use crate::clock::{Clock, SystemClock};
 
@@ -20,6 +20,14 @@ pub struct MemoryStore {
     buckets: Mutex<Buckets>,
     // RLQS demand registries by bucket key.
     demand: Mutex<HashMap<String, Registry>>,
+    // RLQS parked leases by (bucket key, Envoy), as the Redis hash.
+    parked: Mutex<HashMap<(String, String), ParkedEntry>>,
+}
+
+// A parked lease: (requests, last report at ms), `None` when ambiguous; standing until expiry.
+struct ParkedEntry {
+    lease: Option<(u64, u64)>,
+    expires_at_ms: u64,
 }
 
 /// One bucket's RLQS demand registry: member -> (demand, expires at ms), as the Redis hash.
@@ -48,6 +56,7 @@ impl MemoryStore {
             clock,
             buckets: Mutex::new(Buckets { map: HashMap::new(), sweep_at: 1024 }),
             demand: Mutex::default(),
+            parked: Mutex::default(),
         }
     }
 
@@ -121,6 +130,43 @@ impl Store for MemoryStore {
         members.retain(|_, (_, expires)| *expires > now);
         let total = members.values().map(|(d, _)| d).sum();
         Box::pin(std::future::ready(Ok(total)))
+    }
+
+    fn park_lease<'a>(
+        &'a self,
+        key: &'a str,
+        envoy: &'a str,
+        parked: Parked,
+        ttl_ms: u64,
+    ) -> BoxFuture<'a, Result<(), StoreError>> {
+        let now = self.clock.now_ms();
+        let mut all = self.parked.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        all.retain(|_, entry| entry.expires_at_ms > now);
+        let id = (key.to_owned(), envoy.to_owned());
+        let lease = match all.contains_key(&id) {
+            true => None,
+            false => Some((parked.requests, now.saturating_sub(parked.since_report_ms))),
+        };
+        all.insert(id, ParkedEntry { lease, expires_at_ms: now.saturating_add(ttl_ms) });
+        Box::pin(std::future::ready(Ok(())))
+    }
+
+    fn claim_lease<'a>(
+        &'a self,
+        key: &'a str,
+        envoy: &'a str,
+    ) -> BoxFuture<'a, Result<Option<Parked>, StoreError>> {
+        let now = self.clock.now_ms();
+        let mut all = self.parked.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        let claimed = match all.remove(&(key.to_owned(), envoy.to_owned())) {
+            Some(ParkedEntry { lease: Some((requests, last_report_ms)), expires_at_ms })
+                if expires_at_ms > now =>
+            {
+                Some(Parked { requests, since_report_ms: now.saturating_sub(last_report_ms) })
+            }
+            _ => None,
+        };
+        Box::pin(std::future::ready(Ok(claimed)))
     }
 
     fn ping(&self) -> BoxFuture<'_, Result<(), StoreError>> {

@@ -56,6 +56,26 @@ pub trait Store: Send + Sync + 'static {
         ttl_ms: u64,
     ) -> BoxFuture<'a, Result<f64, StoreError>>;
 
+    /// Parks what the closed Rate Limit Quota stream of `envoy` may still have used of its
+    /// grants from the bucket `key`, standing for `ttl_ms`, so that the Envoy's next stream
+    /// settles it on whichever replica it reaches ([`Parked`]). Parking twice for one Envoy while
+    /// the first stands leaves an entry that settles nothing: two Envoys share the name.
+    fn park_lease<'a>(
+        &'a self,
+        key: &'a str,
+        envoy: &'a str,
+        parked: Parked,
+        ttl_ms: u64,
+    ) -> BoxFuture<'a, Result<(), StoreError>>;
+
+    /// Removes and returns what is parked for `envoy` at the bucket `key`, with the time since
+    /// that stream's last report as of now; `None` if nothing unambiguous stands.
+    fn claim_lease<'a>(
+        &'a self,
+        key: &'a str,
+        envoy: &'a str,
+    ) -> BoxFuture<'a, Result<Option<Parked>, StoreError>>;
+
     /// Checks that the backend answers, for readiness probes.
     fn ping(&self) -> BoxFuture<'_, Result<(), StoreError>>;
 
@@ -67,6 +87,16 @@ pub trait Store: Send + Sync + 'static {
     fn epoch(&self) -> u64 {
         0
     }
+}
+
+/// Grants of a closed Rate Limit Quota stream that its Envoy may still have used: the Envoy's
+/// next usage report counts everything since the stream's last report, so it settles them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Parked {
+    /// Requests granted and neither reported used nor given back.
+    pub requests: u64,
+    /// Milliseconds since the stream's last usage report (when parked; when claimed, as of now).
+    pub since_report_ms: u64,
 }
 
 /// What becomes of tokens a script took when its reply arrives after the caller gave up.

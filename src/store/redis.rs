@@ -33,7 +33,7 @@ use super::cluster::{Cluster, ClusterError};
 use super::coalesce::{Call, Coalescer};
 use super::node::{self, Node, Script};
 use super::sentinel::{Sentinel, SentinelTarget};
-use super::{LateReply, Store, StoreError};
+use super::{LateReply, Parked, Store, StoreError};
 use crate::bucket::{refund, Batch, BucketOp, BucketState, Charge, Group, GroupOutcome, Role, Verdict};
 use crate::identity::cluster_slot;
 use crate::telemetry::logs;
@@ -42,6 +42,8 @@ use crate::telemetry::logs;
 const SCRIPT: &str = include_str!("token_bucket.lua");
 /// The RLQS demand registry script.
 const DEMAND_SCRIPT: &str = include_str!("demand.lua");
+/// The RLQS parked leases script.
+const PARKED_SCRIPT: &str = include_str!("parked.lua");
 /// Reads a bucket without changing it.
 const PEEK_SCRIPT: &str = include_str!("peek.lua");
 
@@ -126,6 +128,7 @@ struct Shared {
     connection: Connection,
     script: Script,
     demand_script: Script,
+    parked_script: Script,
     peek_script: Script,
     deadline: Duration,
     description: String,
@@ -199,6 +202,7 @@ impl RedisStore {
             connection,
             script: Script::new(SCRIPT),
             demand_script: Script::new(DEMAND_SCRIPT),
+            parked_script: Script::new(PARKED_SCRIPT),
             peek_script: Script::new(PEEK_SCRIPT),
             deadline,
             description,
@@ -542,6 +546,48 @@ impl Store for RedisStore {
                     StoreError::Protocol(format!("demand registry: {:?}", String::from_utf8_lossy(&b)))
                 }),
                 other => Err(StoreError::Protocol(format!("demand registry: {other:?}"))),
+            }
+        })
+    }
+
+    fn park_lease<'a>(
+        &'a self,
+        key: &'a str,
+        envoy: &'a str,
+        parked: Parked,
+        ttl_ms: u64,
+    ) -> BoxFuture<'a, Result<(), StoreError>> {
+        Box::pin(async move {
+            let args = [
+                "park".to_owned(),
+                envoy.to_owned(),
+                parked.requests.to_string(),
+                parked.since_report_ms.to_string(),
+                ttl_ms.to_string(),
+            ];
+            let parked_key = crate::identity::parked_key(key);
+            self.shared.eval_on_key(&self.shared.parked_script, &parked_key, &args).await.map(drop)
+        })
+    }
+
+    fn claim_lease<'a>(
+        &'a self,
+        key: &'a str,
+        envoy: &'a str,
+    ) -> BoxFuture<'a, Result<Option<Parked>, StoreError>> {
+        Box::pin(async move {
+            let args = ["claim".to_owned(), envoy.to_owned()];
+            let parked_key = crate::identity::parked_key(key);
+            match self.shared.eval_on_key(&self.shared.parked_script, &parked_key, &args).await? {
+                Value::Nil => Ok(None),
+                Value::Array(v) => match v.as_slice() {
+                    [Value::Int(requests), Value::Int(since)] => Ok(Some(Parked {
+                        requests: (*requests).max(0) as u64,
+                        since_report_ms: (*since).max(0) as u64,
+                    })),
+                    other => Err(StoreError::Protocol(format!("parked lease: {other:?}"))),
+                },
+                other => Err(StoreError::Protocol(format!("parked lease: {other:?}"))),
             }
         })
     }

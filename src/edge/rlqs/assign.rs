@@ -15,6 +15,11 @@
 //! the grants replaced before a report, minus everything the reports say was allowed, minus what
 //! was refunded already. The reports count usage of the live grant too, so this never exceeds
 //! the truth.
+//!
+//! **Streams that close.** What an Envoy may still have used when its stream closes
+//! ([`Ledger::unsettled`]) is parked; a later stream of the same Envoy whose first report counts
+//! everything since the closed stream's last one takes it as its first grant, so the same
+//! arithmetic settles it.
 
 use std::collections::HashMap;
 use std::hash::Hash;
@@ -117,6 +122,12 @@ impl Ledger {
         unused
     }
 
+    /// Requests granted and neither reported used nor refunded: what the Envoy may still have
+    /// used, or may still use, of its grants.
+    pub fn unsettled(&self) -> u64 {
+        self.total_granted().saturating_sub(self.allowed).saturating_sub(self.refunded)
+    }
+
     /// Requests granted in all.
     pub fn total_granted(&self) -> u64 {
         self.dead + self.grants.iter().map(|(_, r)| r).sum::<u64>()
@@ -187,5 +198,20 @@ mod tests {
         l.reported(5_000, 12, 200);
         assert_eq!(l.take_refundable(), 0, "grant 2's 10 minus the 12 more allowed");
         assert_eq!((l.total_granted(), l.total_allowed()), (30, 19));
+        assert_eq!(l.unsettled(), 8, "30 granted, 19 used, 3 refunded");
+    }
+
+    #[test]
+    fn a_parked_lease_settles_as_a_first_grant() {
+        // A closed stream left 12 unsettled; the next stream's first report says 5 were used
+        // since, then a grant of 4 replaces the parked one; the report after settles it.
+        let mut l = Ledger::default();
+        l.granted(0, 12);
+        l.reported(100, 5, 200);
+        assert_eq!(l.take_refundable(), 0, "the parked grant is still live");
+        l.granted(200, 4);
+        l.reported(5_000, 3, 200);
+        assert_eq!(l.take_refundable(), 4, "12 parked, 5 + 3 used: 4 unused");
+        assert_eq!(l.unsettled(), 4, "the live grant");
     }
 }

@@ -10,7 +10,9 @@
 //! ([`session`]); the arithmetic is in [`assign`].
 //!
 //! Streams never end by themselves: when the server drains, every stream is closed (Envoy keeps
-//! its cached assignments and reconnects, to another replica if this one is gone).
+//! its cached assignments and reconnects, to another replica if this one is gone). What a closed
+//! stream's Envoy may still have used of its grants is parked in the store under the Envoy's name
+//! ([`ENVOY_NAME_METADATA`], else its address) for its next stream to settle.
 
 pub mod assign;
 pub mod pool;
@@ -70,7 +72,23 @@ impl RateLimitQuotaService for RateLimitQuotaGrpc {
             closing: self.closing.clone(),
         };
         let id = self.streams.fetch_add(1, Ordering::Relaxed);
-        tokio::spawn(session::run(context, id, request.into_inner(), answers));
+        let envoy = envoy_name(&request);
+        tokio::spawn(session::run(context, id, envoy, request.into_inner(), answers));
         Ok(Response::new(ReceiverStream::new(stream)))
+    }
+}
+
+/// The stream metadata by which an Envoy names itself (`grpc_service.initial_metadata`); without
+/// it, an Envoy is named by its address. Envoys that share an address should each set it.
+pub const ENVOY_NAME_METADATA: &str = "x-tollgate-envoy";
+
+// The name the grants of a closed stream are parked under, for the Envoy's next stream to claim:
+// the name it gives itself, else its IP address (unique per pod in Kubernetes). Two Envoys
+// behind one name make their parked grants ambiguous, and those settle nothing.
+fn envoy_name<T>(request: &Request<T>) -> String {
+    let named = request.metadata().get(ENVOY_NAME_METADATA).and_then(|v| v.to_str().ok());
+    match named {
+        Some(name) if !name.is_empty() && name.len() <= 256 => format!("name={name}"),
+        _ => request.remote_addr().map(|a| format!("ip={}", a.ip())).unwrap_or_default(),
     }
 }

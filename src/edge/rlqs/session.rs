@@ -15,8 +15,13 @@
 //! ticks), and static ones (ALLOW_ALL, DENY_ALL) are renewed with every report, since Envoy falls
 //! back to its no-assignment behavior when an assignment expires.
 //!
-//! The stream ends when the Envoy closes it or the server drains; then its buckets leave the
-//! pool. Grants sent after its last report stay taken: what the Envoy used of them is unknown.
+//! The stream ends when the Envoy closes it, its connection drops or the server drains; then its
+//! buckets leave the pool, grants the pool sent too late are given back, and what the Envoy may
+//! still have used of the others is parked in the store under the Envoy's name. An Envoy that
+//! lives on reopens a stream (to any replica) with a report of everything since its last one;
+//! that stream takes the parked grants into its own ledger, which settles them like its own
+//! ([`adopt_parked`]). Grants of an Envoy that never reports again stay taken: what it used of
+//! them is unknown.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -40,6 +45,8 @@ use super::pool::{Event, MemberId, Pool};
 use crate::clock::Clock;
 use crate::config::{Blanket, FailureMode};
 use crate::limiter::{Leasable, Limiter, QuotaBucket};
+use crate::store::Parked;
+use crate::telemetry::logs::{self, ErrorChain};
 
 /// How long a grant stands: a few ticks, so that a late tick does not leave the Envoy without.
 pub const GRANT_TTL: Duration = Duration::from_secs(3);
@@ -47,6 +54,9 @@ pub const GRANT_TTL: Duration = Duration::from_secs(3);
 pub const STATIC_TTL: Duration = Duration::from_secs(15);
 /// A grant replaced this long before a report is taken as known to the Envoy when it counted.
 pub const SETTLE_MARGIN_MS: u64 = 250;
+/// How much later than its `time_elapsed` says a report may arrive and still count everything
+/// since a closed stream's last report (`time_elapsed` is in whole seconds: up to 1 s is cut).
+pub const CONTINUITY_MARGIN_MS: u64 = 1_500;
 /// A grant's token bucket does not refill: one token a day is the slowest Envoy takes.
 const NO_REFILL: Duration = Duration::from_secs(86_400);
 
@@ -67,12 +77,15 @@ struct Bucket {
     kind: QuotaBucket,
     demand: Demand,
     ledger: Ledger,
+    last_report_ms: u64,
 }
 
-/// Runs the stream `id` until it ends.
+/// Runs the stream `id` of the Envoy named `envoy` (empty: unnamed, nothing is parked) until it
+/// ends.
 pub async fn run(
     context: Context,
     id: u64,
+    envoy: String,
     mut reports: Streaming<RateLimitQuotaUsageReports>,
     answers: mpsc::Sender<Result<RateLimitQuotaResponse, Status>>,
 ) {
@@ -101,6 +114,7 @@ pub async fn run(
                 for usage in report.bucket_quota_usages {
                     let Some(bucket_id) = usage.bucket_id else { continue };
                     let name = name(&bucket_id);
+                    let elapsed = usage.time_elapsed.map_or(0, |d| (d.seconds.max(0) as u64) * 1000 + (d.nanos.max(0) as u64) / 1_000_000);
                     let bucket = match buckets.get_mut(&name) {
                         Some(b) => b,
                         None => {
@@ -111,10 +125,14 @@ pub async fn run(
                                 QuotaBucket::Lease(t) => (t.spec.capacity() + t.spec.refill_per_second()) / t.cost as f64,
                                 _ => 0.0,
                             };
-                            buckets.entry(name.clone()).or_insert(Bucket { id: bucket_id, kind, demand: Demand::unknown(guess), ledger: Ledger::default() })
+                            let mut ledger = Ledger::default();
+                            if let QuotaBucket::Lease(target) = &kind {
+                                adopt_parked(&limiter, target, &envoy, elapsed, clock.now_ms(), &mut ledger).await;
+                            }
+                            buckets.entry(name.clone()).or_insert(Bucket { id: bucket_id, kind, demand: Demand::unknown(guess), ledger, last_report_ms: 0 })
                         }
                     };
-                    let elapsed = usage.time_elapsed.map_or(0, |d| (d.seconds.max(0) as u64) * 1000 + (d.nanos.max(0) as u64) / 1_000_000);
+                    bucket.last_report_ms = clock.now_ms();
                     bucket.demand.report(usage.num_requests_allowed + usage.num_requests_denied, elapsed);
                     metrics::counter!("tollgate_rlqs_allowed_requests_total").increment(usage.num_requests_allowed);
                     match &bucket.kind {
@@ -171,7 +189,76 @@ pub async fn run(
             pool.leave(key, &(id, name.clone()));
         }
     }
+    // Grants the pool sent that the stream did not pass on: the Envoy never had them.
+    events.close();
+    while let Ok(event) = events.try_recv() {
+        if let Event::Grant { bucket, requests } = event {
+            if let Some(Bucket { kind: QuotaBucket::Lease(target), .. }) = buckets.get(&bucket) {
+                pool.give_back(target, requests).await;
+            }
+        }
+    }
+    if !envoy.is_empty() {
+        let now = clock.now_ms();
+        for bucket in buckets.values() {
+            let QuotaBucket::Lease(target) = &bucket.kind else { continue };
+            let requests = bucket.ledger.unsettled();
+            if requests == 0 {
+                continue;
+            }
+            let parked = Parked { requests, since_report_ms: now.saturating_sub(bucket.last_report_ms) };
+            match limiter.park_lease(target, &envoy, parked).await {
+                Ok(()) => metrics::counter!("tollgate_rlqs_parked_requests_total", "outcome" => "parked")
+                    .increment(requests),
+                Err(error) => {
+                    if let Some(held_back) = logs::throttled("rlqs_park_failed") {
+                        tracing::warn!(domain = %target.domain.name, error = %ErrorChain(&error), held_back, "could not park a closed stream's grants; they stay taken");
+                    }
+                }
+            }
+        }
+    }
     metrics::gauge!("tollgate_rlqs_streams").decrement(1.0);
+}
+
+// A bucket this stream reports for the first time may continue a closed stream of the same
+// Envoy. Its parked grants become this stream's first grant if this report counts everything
+// since that stream's last report: Envoy counts from its previous report, so the time since the
+// parked stream's last report must fit in this report's `time_elapsed`. A report covering under
+// a second is not trusted to continue anything: it may be a restarted Envoy's first report of a
+// new bucket, which counts from zero. Parked grants that are not adopted stay taken.
+async fn adopt_parked(
+    limiter: &Limiter,
+    target: &Leasable,
+    envoy: &str,
+    elapsed_ms: u64,
+    now_ms: u64,
+    ledger: &mut Ledger,
+) {
+    if envoy.is_empty() || elapsed_ms < 1_000 {
+        return;
+    }
+    match limiter.claim_lease(target, envoy).await {
+        Ok(Some(parked)) if parked.since_report_ms <= elapsed_ms + CONTINUITY_MARGIN_MS => {
+            ledger.granted(now_ms, parked.requests);
+            metrics::counter!("tollgate_rlqs_parked_requests_total", "outcome" => "adopted")
+                .increment(parked.requests);
+        }
+        Ok(Some(parked)) => {
+            tracing::debug!(
+                envoy,
+                since_report_ms = parked.since_report_ms,
+                elapsed_ms,
+                "a report went missing since the parked stream's last one; its grants stay taken"
+            );
+        }
+        Ok(None) => {}
+        Err(error) => {
+            if let Some(held_back) = logs::throttled("rlqs_claim_failed") {
+                tracing::warn!(domain = %target.domain.name, error = %ErrorChain(&error), held_back, "could not claim a closed stream's grants; they stay taken");
+            }
+        }
+    }
 }
 
 // A bucket id as a stable name: its entries, sorted.
