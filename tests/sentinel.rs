@@ -10,6 +10,9 @@ use common::*;
 
 const CAPACITY: f64 = 1_000_000.0;
 
+/// Requests in flight at any time.
+const CLIENTS: usize = 4;
+
 #[tokio::test(flavor = "multi_thread")]
 async fn decisions_follow_a_sentinel_failover_and_count_nothing_twice() {
     let mut group = SentinelGroup::start();
@@ -29,10 +32,10 @@ async fn decisions_follow_a_sentinel_failover_and_count_nothing_twice() {
         ],
     );
 
-    // Four clients ask without pause; every answer is recorded with its time.
+    // Clients ask without pause; every answer is recorded with its time.
     let answers: Arc<Mutex<Vec<(Instant, i32)>>> = Arc::default();
     let stop_at = Arc::new(Mutex::new(Instant::now() + Duration::from_secs(60)));
-    let clients: Vec<_> = (0..4)
+    let clients: Vec<_> = (0..CLIENTS)
         .map(|_| {
             let (answers, stop_at, addr) = (answers.clone(), stop_at.clone(), server.addr());
             tokio::spawn(async move {
@@ -90,9 +93,16 @@ async fn decisions_follow_a_sentinel_failover_and_count_nothing_twice() {
         resumed.duration_since(killed).as_secs_f64(),
         admitted - debited,
     );
-    // Nothing counted twice, and no failure-mode denial left a debit: at most what was admitted
-    // (plus the 0.001/s refill's rounding).
-    assert!(debited <= admitted + 0.5, "debited {debited} > admitted {admitted}");
+    // Nothing counted twice: at most what was admitted (plus the 0.001/s refill's rounding),
+    // and the requests in flight when the primary died. A script that ran and reached the
+    // replica, but whose reply the kill lost (a killed server resets connections with unread
+    // requests), is answered with the failure mode and its tokens stay taken once (README,
+    // "Exactly once": "the script ran, its reply is lost"). Four clients: at most four.
+    let in_flight = CLIENTS as f64;
+    assert!(
+        debited <= admitted + in_flight + 0.5,
+        "debited {debited} > admitted {admitted} + {in_flight} in flight"
+    );
     // Everything admitted through the new primary is on it.
     assert!(debited >= admitted_after, "debited {debited} < admitted after the failover {admitted_after}");
     assert!(admitted_after > 0.0);
