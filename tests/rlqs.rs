@@ -34,6 +34,8 @@ descriptors:
         token_bucket: {capacity: 20, refill_per_second: 0.001}
   - key: free
     rate_limit: {unlimited: true}
+  - key: slow
+    token_bucket: {capacity: 1, refill_per_second: 0.5}
 "#;
 
 fn bucket(entries: &[(&str, &str)]) -> BucketId {
@@ -326,4 +328,28 @@ async fn parked_leases_are_claimed_once_and_never_when_ambiguous_in_every_store(
         tokio::time::sleep(Duration::from_millis(20)).await;
         assert_eq!(store.claim_lease("rl:{t}:d:k=v", "name=b").await.unwrap(), None, "{}", store.describe());
     }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn an_empty_budget_denies_until_the_refill_is_pushed() {
+    // One request's capacity, refilled every 2 s: the first grant empties the bucket, the next
+    // ticks find it empty (DENY_ALL), and the tick after the refill grants again, pushed by the
+    // server with no report in between.
+    let (_dir, config) = config_file(CONFIG);
+    let server = Tollgate::start(&config, &Backend::Memory, &[]);
+    let mut stream = Stream::open(&server.addr()).await;
+    let slow = bucket(&[("slow", "s")]);
+    stream.send("quota", vec![report(&slow, 0, 1, 0)]).await;
+    assert_eq!(grant_for(&mut stream, &slow).await, Said::Tokens(1));
+    let emptied = Instant::now();
+    assert_eq!(grant_for(&mut stream, &slow).await, Said::DenyAll, "the next tick finds it empty");
+    let lifted = loop {
+        if grant_for(&mut stream, &slow).await == Said::Tokens(1) {
+            break emptied.elapsed();
+        }
+        assert!(emptied.elapsed() < Duration::from_secs(5), "no grant 5 s after emptying");
+    };
+    println!("emptied, then granted again {lifted:?} later (refill after 2 s, ticks every 1 s)");
+    assert!(lifted >= Duration::from_millis(1_900), "not before the refill: {lifted:?}");
+    assert!(lifted <= Duration::from_millis(3_300), "within about a tick of the refill: {lifted:?}");
 }
