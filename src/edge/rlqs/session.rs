@@ -37,6 +37,7 @@ use envoy_types::pb::envoy::service::rate_limit_quota::v3::{
     BucketId, RateLimitQuotaResponse, RateLimitQuotaUsageReports,
 };
 use envoy_types::pb::google::protobuf::{Duration as ProtoDuration, UInt32Value};
+use futures::future::join_all;
 use tokio::sync::{mpsc, watch};
 use tonic::{Status, Streaming};
 
@@ -184,41 +185,60 @@ pub async fn run(
             () = &mut closed => break,
         }
     }
-    for (name, bucket) in &buckets {
+    close_out(&limiter, &pool, clock.now_ms(), id, &envoy, &buckets, events).await;
+    metrics::gauge!("tollgate_rlqs_streams").decrement(1.0);
+}
+
+// The end of the stream `id`: its buckets leave the pool, grants the pool sent that were not
+// passed on go back (the Envoy never had them), and what the Envoy may still have used of the
+// others is parked for its next stream.
+async fn close_out(
+    limiter: &Limiter,
+    pool: &Pool,
+    now: u64,
+    id: u64,
+    envoy: &str,
+    buckets: &HashMap<String, Bucket>,
+    mut events: mpsc::Receiver<Event>,
+) {
+    for (name, bucket) in buckets {
         if let QuotaBucket::Lease(Leasable { key, .. }) = &bucket.kind {
             pool.leave(key, &(id, name.clone()));
         }
     }
-    // Grants the pool sent that the stream did not pass on: the Envoy never had them.
     events.close();
+    let mut unsent: Vec<(&Leasable, u64)> = Vec::new();
     while let Ok(event) = events.try_recv() {
         if let Event::Grant { bucket, requests } = event {
             if let Some(Bucket { kind: QuotaBucket::Lease(target), .. }) = buckets.get(&bucket) {
-                pool.give_back(target, requests).await;
+                unsent.push((target, requests));
             }
         }
     }
-    if !envoy.is_empty() {
-        let now = clock.now_ms();
-        for bucket in buckets.values() {
-            let QuotaBucket::Lease(target) = &bucket.kind else { continue };
-            let requests = bucket.ledger.unsettled();
-            if requests == 0 {
-                continue;
-            }
-            let parked = Parked { requests, since_report_ms: now.saturating_sub(bucket.last_report_ms) };
-            match limiter.park_lease(target, &envoy, parked).await {
-                Ok(()) => metrics::counter!("tollgate_rlqs_parked_requests_total", "outcome" => "parked")
-                    .increment(requests),
-                Err(error) => {
-                    if let Some(held_back) = logs::throttled("rlqs_park_failed") {
-                        tracing::warn!(domain = %target.domain.name, error = %ErrorChain(&error), held_back, "could not park a closed stream's grants; they stay taken");
-                    }
-                }
+    join_all(unsent.into_iter().map(|(target, requests)| pool.give_back(target, requests))).await;
+    if envoy.is_empty() {
+        return;
+    }
+    // All at once: a slow store holds the end of the stream (and a drain) up for one deadline.
+    let parks = buckets.values().filter_map(|bucket| {
+        let QuotaBucket::Lease(target) = &bucket.kind else { return None };
+        let requests = bucket.ledger.unsettled();
+        let since_report_ms = now.saturating_sub(bucket.last_report_ms);
+        (requests > 0).then(|| park(limiter, target, envoy, Parked { requests, since_report_ms }))
+    });
+    join_all(parks).await;
+}
+
+async fn park(limiter: &Limiter, target: &Leasable, envoy: &str, parked: Parked) {
+    match limiter.park_lease(target, envoy, parked).await {
+        Ok(()) => metrics::counter!("tollgate_rlqs_parked_requests_total", "outcome" => "parked")
+            .increment(parked.requests),
+        Err(error) => {
+            if let Some(held_back) = logs::throttled("rlqs_park_failed") {
+                tracing::warn!(domain = %target.domain.name, error = %ErrorChain(&error), held_back, "could not park a closed stream's grants; they stay taken");
             }
         }
     }
-    metrics::gauge!("tollgate_rlqs_streams").decrement(1.0);
 }
 
 // A bucket this stream reports for the first time may continue a closed stream of the same
