@@ -330,23 +330,16 @@ impl Store for HeldStore {
         self.inner.share_demand(key, member, demand, ttl_ms)
     }
 
-    fn park_lease<'a>(
+    fn note_lease<'a>(
         &'a self,
         key: &'a str,
         envoy: &'a str,
-        parked: tollgate::store::Parked,
+        stream: &'a str,
+        note: tollgate::store::LeaseNote,
         ttl_ms: u64,
-    ) -> futures::future::BoxFuture<'a, Result<(), tollgate::store::StoreError>> {
-        self.inner.park_lease(key, envoy, parked, ttl_ms)
-    }
-
-    fn claim_lease<'a>(
-        &'a self,
-        key: &'a str,
-        envoy: &'a str,
     ) -> futures::future::BoxFuture<'a, Result<Option<tollgate::store::Parked>, tollgate::store::StoreError>>
     {
-        self.inner.claim_lease(key, envoy)
+        self.inner.note_lease(key, envoy, stream, note, ttl_ms)
     }
 
     fn ping(&self) -> futures::future::BoxFuture<'_, Result<(), tollgate::store::StoreError>> {

@@ -296,8 +296,8 @@ async fn parked_grants_stay_taken_unless_the_next_stream_provably_continues() {
 }
 
 #[tokio::test(flavor = "multi_thread")]
-async fn parked_leases_are_claimed_once_and_never_when_ambiguous_in_every_store() {
-    use tollgate::store::{RedisStore, RedisTarget, RedisTls};
+async fn parked_leases_are_claimed_once_and_never_when_shared_in_every_store() {
+    use tollgate::store::{LeaseNote, Parked, RedisStore, RedisTarget, RedisTls};
     let redis = Redis::start();
     let cluster = RedisCluster::start();
     let connect =
@@ -307,26 +307,37 @@ async fn parked_leases_are_claimed_once_and_never_when_ambiguous_in_every_store(
     let seeds = cluster.seeds().split(',').map(String::from).collect();
     let clustered = connect(RedisTarget::Cluster(seeds)).unwrap();
     let stores: [&dyn tollgate::store::Store; 3] = [&memory, &standalone, &clustered];
+    let key = "rl:{t}:d:k=v";
+    let lease = Parked { requests: 7, since_report_ms: 1_000 };
     for store in stores {
-        let lease = tollgate::store::Parked { requests: 7, since_report_ms: 1_000 };
-        store.park_lease("rl:{t}:d:k=v", "name=a", lease, 10_000).await.unwrap();
-        let claimed = store.claim_lease("rl:{t}:d:k=v", "name=a").await.unwrap().expect("parked");
-        assert_eq!(claimed.requests, 7, "{}", store.describe());
-        assert!((1_000..1_500).contains(&claimed.since_report_ms), "{claimed:?}");
-        assert_eq!(store.claim_lease("rl:{t}:d:k=v", "name=a").await.unwrap(), None, "claimed once");
-        // Two streams parked under one name: nobody can tell whose is whose.
-        store.park_lease("rl:{t}:d:k=v", "ip=10.0.0.1", lease, 10_000).await.unwrap();
-        store.park_lease("rl:{t}:d:k=v", "ip=10.0.0.1", lease, 10_000).await.unwrap();
+        let note = |envoy: &'static str, stream: &'static str, note: LeaseNote, ttl_ms: u64| {
+            store.note_lease(key, envoy, stream, note, ttl_ms)
+        };
+        let which = store.describe();
+        // One Envoy: its stream closes, its next stream claims what it parked, once.
+        note("name=a", "r1#1", LeaseNote::Seen, 10_000).await.unwrap();
+        note("name=a", "r1#1", LeaseNote::Park(lease), 10_000).await.unwrap();
+        let claimed = note("name=a", "r2#1", LeaseNote::Claim, 10_000).await.unwrap().expect("parked");
+        assert_eq!(claimed.requests, 7, "{which}");
+        assert!((1_000..1_500).contains(&claimed.since_report_ms), "{which}: {claimed:?}");
+        assert_eq!(note("name=a", "r2#2", LeaseNote::Claim, 10_000).await.unwrap(), None, "{which}: once");
+        // Two Envoys behind one address, both alive: one's parked grants are nobody's to claim.
+        note("ip=10.0.0.1", "r1#2", LeaseNote::Seen, 10_000).await.unwrap();
+        note("ip=10.0.0.1", "r2#3", LeaseNote::Seen, 10_000).await.unwrap();
+        note("ip=10.0.0.1", "r1#2", LeaseNote::Park(lease), 10_000).await.unwrap();
         assert_eq!(
-            store.claim_lease("rl:{t}:d:k=v", "ip=10.0.0.1").await.unwrap(),
+            note("ip=10.0.0.1", "r2#4", LeaseNote::Claim, 10_000).await.unwrap(),
             None,
-            "{}",
-            store.describe()
+            "{which}: shared"
         );
+        // Two streams parked under one name.
+        note("name=b", "r1#3", LeaseNote::Park(lease), 10_000).await.unwrap();
+        note("name=b", "r2#5", LeaseNote::Park(lease), 10_000).await.unwrap();
+        assert_eq!(note("name=b", "r1#4", LeaseNote::Claim, 10_000).await.unwrap(), None, "{which}: twice");
         // Expired.
-        store.park_lease("rl:{t}:d:k=v", "name=b", lease, 1).await.unwrap();
+        note("name=c", "r1#5", LeaseNote::Park(lease), 1).await.unwrap();
         tokio::time::sleep(Duration::from_millis(20)).await;
-        assert_eq!(store.claim_lease("rl:{t}:d:k=v", "name=b").await.unwrap(), None, "{}", store.describe());
+        assert_eq!(note("name=c", "r1#6", LeaseNote::Claim, 1).await.unwrap(), None, "{which}: expired");
     }
 }
 

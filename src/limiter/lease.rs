@@ -7,8 +7,8 @@
 //! own, from tokens it was leased: [`Limiter::lease`] takes a member's share of the bucket up
 //! front, in proportion to the demand every tollgate replica registers for it in the store, and
 //! [`Limiter::give_back`] returns tokens a client can provably no longer use. When a client's
-//! stream closes, what it may still have used is parked in the store ([`Limiter::park_lease`])
-//! for its next stream, on any replica, to settle ([`Limiter::claim_lease`]).
+//! stream closes, what it may still have used is parked in the store for its next stream, on any
+//! replica, to settle ([`Limiter::note_lease`]).
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -16,7 +16,7 @@ use std::sync::Arc;
 use super::{Limiter, Plan, QueryDescriptor};
 use crate::bucket::{BucketOp, BucketSpec, Charge, Role};
 use crate::config::Domain;
-use crate::store::{LateReply, Parked, StoreError};
+use crate::store::{LateReply, LeaseNote, Parked, StoreError};
 use crate::telemetry::traces;
 use tracing::Instrument as _;
 
@@ -46,8 +46,9 @@ pub struct Leasable {
 
 /// How long a registered demand stands without being renewed, in milliseconds.
 pub const DEMAND_TTL_MS: u64 = 3_000;
-/// How long a closed stream's grants stay parked for the Envoy's next stream, in milliseconds:
-/// an Envoy reopens at its next report, at most one reporting interval (5 s) later.
+/// How long a closed stream's grants stay parked for the Envoy's next stream, and a stream counts
+/// as alive after its last report, in milliseconds: Envoy reports every 5 s, and reopens a
+/// stream at its next report.
 pub const PARKED_TTL_MS: u64 = 10_000;
 
 impl Limiter {
@@ -149,15 +150,16 @@ impl Limiter {
         Ok((requests, owed))
     }
 
-    /// Parks the grants of `target` that `envoy`'s closed stream may still have used, until its
-    /// next stream claims them ([`PARKED_TTL_MS`]).
-    pub async fn park_lease(&self, target: &Leasable, envoy: &str, parked: Parked) -> Result<(), StoreError> {
-        self.store.park_lease(&target.key, envoy, parked, PARKED_TTL_MS).await
-    }
-
-    /// Takes what `envoy`'s previous stream parked for `target`.
-    pub async fn claim_lease(&self, target: &Leasable, envoy: &str) -> Result<Option<Parked>, StoreError> {
-        self.store.claim_lease(&target.key, envoy).await
+    /// Tells `target`'s parked-lease registry what `stream` of the Envoy named `envoy` did
+    /// ([`LeaseNote`]); a claim returns what a closed stream of that Envoy parked.
+    pub async fn note_lease(
+        &self,
+        target: &Leasable,
+        envoy: &str,
+        stream: &str,
+        note: LeaseNote,
+    ) -> Result<Option<Parked>, StoreError> {
+        self.store.note_lease(&target.key, envoy, stream, note, PARKED_TTL_MS).await
     }
 
     /// Gives `requests` requests' tokens back to `target`.

@@ -10,7 +10,7 @@ use std::sync::{Arc, Mutex};
 
 use futures::future::BoxFuture;
 
-use super::{LateReply, Parked, Store, StoreError};
+use super::{LateReply, LeaseNote, Parked, Store, StoreError};
 use crate::bucket::{self, Batch, BucketState, GroupOutcome};
 use crate::clock::{Clock, SystemClock};
 
@@ -20,18 +20,38 @@ pub struct MemoryStore {
     buckets: Mutex<Buckets>,
     // RLQS demand registries by bucket key.
     demand: Mutex<HashMap<String, Registry>>,
-    // RLQS parked leases by (bucket key, Envoy), as the Redis hash.
-    parked: Mutex<HashMap<(String, String), ParkedEntry>>,
-}
-
-// A parked lease: (requests, last report at ms), `None` when ambiguous; standing until expiry.
-struct ParkedEntry {
-    lease: Option<(u64, u64)>,
-    expires_at_ms: u64,
+    // RLQS parked-lease registries by (bucket key, Envoy name), as the Redis hashes.
+    parked: Mutex<HashMap<(String, String), NameEntry>>,
 }
 
 /// One bucket's RLQS demand registry: member -> (demand, expires at ms), as the Redis hash.
 type Registry = HashMap<String, (f64, u64)>;
+
+// One Envoy name in a bucket's RLQS parked-lease registry: the Redis hash's two fields.
+#[derive(Default)]
+struct NameEntry {
+    // (requests, last report at ms) parked, `None` when parked twice; and standing until ms.
+    parked: Option<(Option<(u64, u64)>, u64)>,
+    // The stream last seen, alive until ms.
+    seen: Option<(String, u64)>,
+    shared_until_ms: u64,
+}
+
+impl NameEntry {
+    fn alive(&self, now: u64) -> bool {
+        self.parked.as_ref().is_some_and(|(_, until)| *until > now)
+            || self.seen.as_ref().is_some_and(|(_, until)| *until > now)
+            || self.shared_until_ms > now
+    }
+
+    // `stream` is alive until `until`; another stream alive now makes the name shared.
+    fn see(&mut self, stream: &str, until: u64, now: u64, ttl_ms: u64) {
+        if self.seen.as_ref().is_some_and(|(other, alive)| other != stream && *alive > now) {
+            self.shared_until_ms = self.shared_until_ms.max(now.saturating_add(6 * ttl_ms));
+        }
+        self.seen = Some((stream.to_owned(), until));
+    }
+}
 
 #[derive(Default)]
 struct Buckets {
@@ -132,39 +152,46 @@ impl Store for MemoryStore {
         Box::pin(std::future::ready(Ok(total)))
     }
 
-    fn park_lease<'a>(
+    fn note_lease<'a>(
         &'a self,
         key: &'a str,
         envoy: &'a str,
-        parked: Parked,
+        stream: &'a str,
+        note: LeaseNote,
         ttl_ms: u64,
-    ) -> BoxFuture<'a, Result<(), StoreError>> {
-        let now = self.clock.now_ms();
-        let mut all = self.parked.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
-        all.retain(|_, entry| entry.expires_at_ms > now);
-        let id = (key.to_owned(), envoy.to_owned());
-        let lease = match all.contains_key(&id) {
-            true => None,
-            false => Some((parked.requests, now.saturating_sub(parked.since_report_ms))),
-        };
-        all.insert(id, ParkedEntry { lease, expires_at_ms: now.saturating_add(ttl_ms) });
-        Box::pin(std::future::ready(Ok(())))
-    }
-
-    fn claim_lease<'a>(
-        &'a self,
-        key: &'a str,
-        envoy: &'a str,
     ) -> BoxFuture<'a, Result<Option<Parked>, StoreError>> {
         let now = self.clock.now_ms();
         let mut all = self.parked.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
-        let claimed = match all.remove(&(key.to_owned(), envoy.to_owned())) {
-            Some(ParkedEntry { lease: Some((requests, last_report_ms)), expires_at_ms })
-                if expires_at_ms > now =>
-            {
-                Some(Parked { requests, since_report_ms: now.saturating_sub(last_report_ms) })
+        if note != LeaseNote::Seen {
+            all.retain(|_, entry| entry.alive(now));
+        }
+        let entry = all.entry((key.to_owned(), envoy.to_owned())).or_default();
+        let alive = now.saturating_add(ttl_ms);
+        let claimed = match note {
+            LeaseNote::Seen => {
+                entry.see(stream, alive, now, ttl_ms);
+                None
             }
-            _ => None,
+            LeaseNote::Park(parked) => {
+                entry.see(stream, now, now, ttl_ms);
+                let standing = entry.parked.as_ref().is_some_and(|(_, until)| *until > now);
+                let lease =
+                    (!standing).then(|| (parked.requests, now.saturating_sub(parked.since_report_ms)));
+                entry.parked = Some((lease, alive));
+                None
+            }
+            LeaseNote::Claim => {
+                let parked = entry.parked.take();
+                entry.see(stream, alive, now, ttl_ms);
+                match parked {
+                    Some((Some((requests, last_report_ms)), until))
+                        if until > now && entry.shared_until_ms <= now =>
+                    {
+                        Some(Parked { requests, since_report_ms: now.saturating_sub(last_report_ms) })
+                    }
+                    _ => None,
+                }
+            }
         };
         Box::pin(std::future::ready(Ok(claimed)))
     }

@@ -56,24 +56,20 @@ pub trait Store: Send + Sync + 'static {
         ttl_ms: u64,
     ) -> BoxFuture<'a, Result<f64, StoreError>>;
 
-    /// Parks what the closed Rate Limit Quota stream of `envoy` may still have used of its
-    /// grants from the bucket `key`, standing for `ttl_ms`, so that the Envoy's next stream
-    /// settles it on whichever replica it reaches ([`Parked`]). Parking twice for one Envoy while
-    /// the first stands leaves an entry that settles nothing: two Envoys share the name.
-    fn park_lease<'a>(
+    /// Tells the parked-lease registry of the bucket `key` what the Rate Limit Quota stream
+    /// `stream` (unique across replicas) of the Envoy named `envoy` did ([`LeaseNote`]); entries
+    /// stand for `ttl_ms`. What an Envoy's closed stream may still have used of its grants is
+    /// parked there for its next stream, on whichever replica it reaches, to claim. A name under
+    /// which two streams were alive at once is shared (two Envoys behind one address): its
+    /// parked entries cannot be told apart, and for a while nothing under it is claimed.
+    /// Returns the parked entry a [`LeaseNote::Claim`] took.
+    fn note_lease<'a>(
         &'a self,
         key: &'a str,
         envoy: &'a str,
-        parked: Parked,
+        stream: &'a str,
+        note: LeaseNote,
         ttl_ms: u64,
-    ) -> BoxFuture<'a, Result<(), StoreError>>;
-
-    /// Removes and returns what is parked for `envoy` at the bucket `key`, with the time since
-    /// that stream's last report as of now; `None` if nothing unambiguous stands.
-    fn claim_lease<'a>(
-        &'a self,
-        key: &'a str,
-        envoy: &'a str,
     ) -> BoxFuture<'a, Result<Option<Parked>, StoreError>>;
 
     /// Checks that the backend answers, for readiness probes.
@@ -87,6 +83,18 @@ pub trait Store: Send + Sync + 'static {
     fn epoch(&self) -> u64 {
         0
     }
+}
+
+/// What a Rate Limit Quota stream tells a bucket's parked-lease registry.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LeaseNote {
+    /// The stream reported the bucket (again).
+    Seen,
+    /// The stream reported the bucket for the first time: take what a closed stream of the same
+    /// Envoy parked.
+    Claim,
+    /// The stream closed with these grants unsettled.
+    Park(Parked),
 }
 
 /// Grants of a closed Rate Limit Quota stream that its Envoy may still have used: the Envoy's

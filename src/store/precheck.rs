@@ -48,7 +48,7 @@ use std::sync::{Arc, Mutex};
 
 use futures::future::BoxFuture;
 
-use super::{LateReply, Parked, Store, StoreError};
+use super::{LateReply, LeaseNote, Parked, Store, StoreError};
 use crate::bucket::{covers, Batch, BucketOp, BucketSpec, Charge, Group, GroupOutcome, Role, Verdict};
 use crate::clock::Clock;
 
@@ -336,22 +336,15 @@ impl Store for Precheck {
         self.inner.share_demand(key, member, demand, ttl_ms)
     }
 
-    fn park_lease<'a>(
+    fn note_lease<'a>(
         &'a self,
         key: &'a str,
         envoy: &'a str,
-        parked: Parked,
+        stream: &'a str,
+        note: LeaseNote,
         ttl_ms: u64,
-    ) -> BoxFuture<'a, Result<(), StoreError>> {
-        self.inner.park_lease(key, envoy, parked, ttl_ms)
-    }
-
-    fn claim_lease<'a>(
-        &'a self,
-        key: &'a str,
-        envoy: &'a str,
     ) -> BoxFuture<'a, Result<Option<Parked>, StoreError>> {
-        self.inner.claim_lease(key, envoy)
+        self.inner.note_lease(key, envoy, stream, note, ttl_ms)
     }
 
     fn ping(&self) -> BoxFuture<'_, Result<(), StoreError>> {

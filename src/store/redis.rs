@@ -33,7 +33,7 @@ use super::cluster::{Cluster, ClusterError};
 use super::coalesce::{Call, Coalescer};
 use super::node::{self, Node, Script};
 use super::sentinel::{Sentinel, SentinelTarget};
-use super::{LateReply, Parked, Store, StoreError};
+use super::{LateReply, LeaseNote, Parked, Store, StoreError};
 use crate::bucket::{refund, Batch, BucketOp, BucketState, Charge, Group, GroupOutcome, Role, Verdict};
 use crate::identity::cluster_slot;
 use crate::telemetry::logs;
@@ -550,44 +550,35 @@ impl Store for RedisStore {
         })
     }
 
-    fn park_lease<'a>(
+    fn note_lease<'a>(
         &'a self,
         key: &'a str,
         envoy: &'a str,
-        parked: Parked,
+        stream: &'a str,
+        note: LeaseNote,
         ttl_ms: u64,
-    ) -> BoxFuture<'a, Result<(), StoreError>> {
-        Box::pin(async move {
-            let args = [
-                "park".to_owned(),
-                envoy.to_owned(),
-                parked.requests.to_string(),
-                parked.since_report_ms.to_string(),
-                ttl_ms.to_string(),
-            ];
-            let parked_key = crate::identity::parked_key(key);
-            self.shared.eval_on_key(&self.shared.parked_script, &parked_key, &args).await.map(drop)
-        })
-    }
-
-    fn claim_lease<'a>(
-        &'a self,
-        key: &'a str,
-        envoy: &'a str,
     ) -> BoxFuture<'a, Result<Option<Parked>, StoreError>> {
         Box::pin(async move {
-            let args = ["claim".to_owned(), envoy.to_owned()];
-            let parked_key = crate::identity::parked_key(key);
-            match self.shared.eval_on_key(&self.shared.parked_script, &parked_key, &args).await? {
-                Value::Nil => Ok(None),
+            let op = match note {
+                LeaseNote::Seen => "seen",
+                LeaseNote::Claim => "claim",
+                LeaseNote::Park(_) => "park",
+            };
+            let mut args = vec![op.to_owned(), envoy.to_owned(), stream.to_owned(), ttl_ms.to_string()];
+            if let LeaseNote::Park(parked) = note {
+                args.extend([parked.requests.to_string(), parked.since_report_ms.to_string()]);
+            }
+            let registry = crate::identity::parked_key(key);
+            match self.shared.eval_on_key(&self.shared.parked_script, &registry, &args).await? {
+                Value::Nil | Value::Int(1) => Ok(None),
                 Value::Array(v) => match v.as_slice() {
                     [Value::Int(requests), Value::Int(since)] => Ok(Some(Parked {
                         requests: (*requests).max(0) as u64,
                         since_report_ms: (*since).max(0) as u64,
                     })),
-                    other => Err(StoreError::Protocol(format!("parked lease: {other:?}"))),
+                    other => Err(StoreError::Protocol(format!("parked leases: {other:?}"))),
                 },
-                other => Err(StoreError::Protocol(format!("parked lease: {other:?}"))),
+                other => Err(StoreError::Protocol(format!("parked leases: {other:?}"))),
             }
         })
     }

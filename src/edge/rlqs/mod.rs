@@ -40,6 +40,7 @@ pub struct RateLimitQuotaGrpc {
     clock: Arc<dyn Clock>,
     closing: watch::Receiver<bool>,
     streams: AtomicU64,
+    replica: String,
 }
 
 impl RateLimitQuotaGrpc {
@@ -51,8 +52,8 @@ impl RateLimitQuotaGrpc {
         clock: Arc<dyn Clock>,
         closing: watch::Receiver<bool>,
     ) -> Self {
-        let pool = Arc::new(Pool::new(limiter.clone(), replica));
-        RateLimitQuotaGrpc { limiter, pool, clock, closing, streams: AtomicU64::new(0) }
+        let pool = Arc::new(Pool::new(limiter.clone(), replica.clone()));
+        RateLimitQuotaGrpc { limiter, pool, clock, closing, streams: AtomicU64::new(0), replica }
     }
 }
 
@@ -72,8 +73,8 @@ impl RateLimitQuotaService for RateLimitQuotaGrpc {
             closing: self.closing.clone(),
         };
         let id = self.streams.fetch_add(1, Ordering::Relaxed);
-        let envoy = envoy_name(&request);
-        tokio::spawn(session::run(context, id, envoy, request.into_inner(), answers));
+        let peer = session::Peer { name: envoy_name(&request), stream: format!("{}#{id}", self.replica) };
+        tokio::spawn(session::run(context, id, peer, request.into_inner(), answers));
         Ok(Response::new(ReceiverStream::new(stream)))
     }
 }
@@ -83,8 +84,8 @@ impl RateLimitQuotaService for RateLimitQuotaGrpc {
 pub const ENVOY_NAME_METADATA: &str = "x-tollgate-envoy";
 
 // The name the grants of a closed stream are parked under, for the Envoy's next stream to claim:
-// the name it gives itself, else its IP address (unique per pod in Kubernetes). Two Envoys
-// behind one name make their parked grants ambiguous, and those settle nothing.
+// the name it gives itself, else its IP address (unique per pod in Kubernetes). A name two live
+// streams share (Envoys behind one address) settles nothing: the store notices the two streams.
 fn envoy_name<T>(request: &Request<T>) -> String {
     let named = request.metadata().get(ENVOY_NAME_METADATA).and_then(|v| v.to_str().ok());
     match named {

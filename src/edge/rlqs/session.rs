@@ -19,9 +19,10 @@
 //! buckets leave the pool, grants the pool sent too late are given back, and what the Envoy may
 //! still have used of the others is parked in the store under the Envoy's name. An Envoy that
 //! lives on reopens a stream (to any replica) with a report of everything since its last one;
-//! that stream takes the parked grants into its own ledger, which settles them like its own
-//! ([`adopt_parked`]). Grants of an Envoy that never reports again stay taken: what it used of
-//! them is unknown.
+//! that stream takes the parked grants into its own ledger, which settles them like its own.
+//! Every report marks the stream alive under the Envoy's name, so that a name two live streams
+//! share (Envoys behind one address) settles nothing. Grants of an Envoy that never reports again
+//! stay taken: what it used of them is unknown.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -46,7 +47,7 @@ use super::pool::{Event, MemberId, Pool};
 use crate::clock::Clock;
 use crate::config::{Blanket, FailureMode};
 use crate::limiter::{Leasable, Limiter, QuotaBucket};
-use crate::store::Parked;
+use crate::store::{LeaseNote, Parked};
 use crate::telemetry::logs::{self, ErrorChain};
 
 /// How long a grant stands: a few ticks, so that a late tick does not leave the Envoy without.
@@ -81,12 +82,20 @@ struct Bucket {
     last_report_ms: u64,
 }
 
-/// Runs the stream `id` of the Envoy named `envoy` (empty: unnamed, nothing is parked) until it
-/// ends.
+/// Who is at the other end of a stream, for the store's parked-lease registries.
+#[derive(Debug, Clone)]
+pub struct Peer {
+    /// The Envoy's name; empty when it has none (then nothing is parked or claimed).
+    pub name: String,
+    /// This stream, unique across replicas.
+    pub stream: String,
+}
+
+/// Runs the stream `id` with `peer` until it ends.
 pub async fn run(
     context: Context,
     id: u64,
-    envoy: String,
+    peer: Peer,
     mut reports: Streaming<RateLimitQuotaUsageReports>,
     answers: mpsc::Sender<Result<RateLimitQuotaResponse, Status>>,
 ) {
@@ -112,12 +121,18 @@ pub async fn run(
                     break;
                 };
                 let mut actions = Vec::new();
+                let mut seen = Vec::new();
                 for usage in report.bucket_quota_usages {
                     let Some(bucket_id) = usage.bucket_id else { continue };
                     let name = name(&bucket_id);
                     let elapsed = usage.time_elapsed.map_or(0, |d| (d.seconds.max(0) as u64) * 1000 + (d.nanos.max(0) as u64) / 1_000_000);
                     let bucket = match buckets.get_mut(&name) {
-                        Some(b) => b,
+                        Some(b) => {
+                            if let QuotaBucket::Lease(target) = &b.kind {
+                                seen.push(target.clone());
+                            }
+                            b
+                        }
                         None => {
                             let kind = limiter.quota_bucket(domain, &bucket_id.bucket).await;
                             // Until a report says otherwise, the Envoy may want all of it:
@@ -128,7 +143,7 @@ pub async fn run(
                             };
                             let mut ledger = Ledger::default();
                             if let QuotaBucket::Lease(target) = &kind {
-                                adopt_parked(&limiter, target, &envoy, elapsed, clock.now_ms(), &mut ledger).await;
+                                adopt_parked(&limiter, target, &peer, elapsed, clock.now_ms(), &mut ledger).await;
                             }
                             buckets.entry(name.clone()).or_insert(Bucket { id: bucket_id, kind, demand: Demand::unknown(guess), ledger, last_report_ms: 0 })
                         }
@@ -158,6 +173,11 @@ pub async fn run(
                         pool.set_demand(&target.key, &(id, name), bucket.demand.rate());
                     }
                 }
+                if !peer.name.is_empty() {
+                    // The stream is alive: while another stream under the same name is too, the
+                    // name is shared and nothing parked under it is claimed.
+                    join_all(seen.iter().map(|target| limiter.note_lease(target, &peer.name, &peer.stream, LeaseNote::Seen))).await;
+                }
                 if !actions.is_empty() && answers.send(Ok(RateLimitQuotaResponse { bucket_action: actions })).await.is_err() {
                     break;
                 }
@@ -185,7 +205,7 @@ pub async fn run(
             () = &mut closed => break,
         }
     }
-    close_out(&limiter, &pool, clock.now_ms(), id, &envoy, &buckets, events).await;
+    close_out(&limiter, &pool, clock.now_ms(), id, &peer, &buckets, events).await;
     metrics::gauge!("tollgate_rlqs_streams").decrement(1.0);
 }
 
@@ -197,7 +217,7 @@ async fn close_out(
     pool: &Pool,
     now: u64,
     id: u64,
-    envoy: &str,
+    peer: &Peer,
     buckets: &HashMap<String, Bucket>,
     mut events: mpsc::Receiver<Event>,
 ) {
@@ -216,7 +236,7 @@ async fn close_out(
         }
     }
     join_all(unsent.into_iter().map(|(target, requests)| pool.give_back(target, requests))).await;
-    if envoy.is_empty() {
+    if peer.name.is_empty() {
         return;
     }
     // All at once: a slow store holds the end of the stream (and a drain) up for one deadline.
@@ -224,14 +244,14 @@ async fn close_out(
         let QuotaBucket::Lease(target) = &bucket.kind else { return None };
         let requests = bucket.ledger.unsettled();
         let since_report_ms = now.saturating_sub(bucket.last_report_ms);
-        (requests > 0).then(|| park(limiter, target, envoy, Parked { requests, since_report_ms }))
+        (requests > 0).then(|| park(limiter, target, peer, Parked { requests, since_report_ms }))
     });
     join_all(parks).await;
 }
 
-async fn park(limiter: &Limiter, target: &Leasable, envoy: &str, parked: Parked) {
-    match limiter.park_lease(target, envoy, parked).await {
-        Ok(()) => metrics::counter!("tollgate_rlqs_parked_requests_total", "outcome" => "parked")
+async fn park(limiter: &Limiter, target: &Leasable, peer: &Peer, parked: Parked) {
+    match limiter.note_lease(target, &peer.name, &peer.stream, LeaseNote::Park(parked)).await {
+        Ok(_) => metrics::counter!("tollgate_rlqs_parked_requests_total", "outcome" => "parked")
             .increment(parked.requests),
         Err(error) => {
             if let Some(held_back) = logs::throttled("rlqs_park_failed") {
@@ -250,27 +270,24 @@ async fn park(limiter: &Limiter, target: &Leasable, envoy: &str, parked: Parked)
 async fn adopt_parked(
     limiter: &Limiter,
     target: &Leasable,
-    envoy: &str,
+    peer: &Peer,
     elapsed_ms: u64,
     now_ms: u64,
     ledger: &mut Ledger,
 ) {
-    if envoy.is_empty() || elapsed_ms < 1_000 {
+    if peer.name.is_empty() {
         return;
     }
-    match limiter.claim_lease(target, envoy).await {
-        Ok(Some(parked)) if parked.since_report_ms <= elapsed_ms + CONTINUITY_MARGIN_MS => {
+    match limiter.note_lease(target, &peer.name, &peer.stream, LeaseNote::Claim).await {
+        Ok(Some(parked))
+            if elapsed_ms >= 1_000 && parked.since_report_ms <= elapsed_ms + CONTINUITY_MARGIN_MS =>
+        {
             ledger.granted(now_ms, parked.requests);
             metrics::counter!("tollgate_rlqs_parked_requests_total", "outcome" => "adopted")
                 .increment(parked.requests);
         }
         Ok(Some(parked)) => {
-            tracing::debug!(
-                envoy,
-                since_report_ms = parked.since_report_ms,
-                elapsed_ms,
-                "a report went missing since the parked stream's last one; its grants stay taken"
-            );
+            tracing::debug!(envoy = %peer.name, since_report_ms = parked.since_report_ms, elapsed_ms, "a report does not continue the parked stream; its grants stay taken");
         }
         Ok(None) => {}
         Err(error) => {
