@@ -176,7 +176,12 @@ pub async fn run(
                 if !peer.name.is_empty() {
                     // The stream is alive: while another stream under the same name is too, the
                     // name is shared and nothing parked under it is claimed.
-                    join_all(seen.iter().map(|target| limiter.note_lease(target, &peer.name, &peer.stream, LeaseNote::Seen))).await;
+                    let noted = join_all(seen.iter().map(|target| limiter.note_lease(target, &peer.name, &peer.stream, LeaseNote::Seen))).await;
+                    if let Some(Err(error)) = noted.into_iter().find(Result::is_err) {
+                        if let Some(held_back) = logs::throttled("rlqs_seen_failed") {
+                            tracing::warn!(error = %ErrorChain(&error), held_back, "could not mark a stream alive in the store");
+                        }
+                    }
                 }
                 if !actions.is_empty() && answers.send(Ok(RateLimitQuotaResponse { bucket_action: actions })).await.is_err() {
                     break;
