@@ -24,6 +24,7 @@ use std::time::Duration;
 use serde_json::{json, Value};
 
 use crate::config::{ChargeRule, Domain, Limit, Rule, RuleSet, Source};
+use crate::edge::rlqs::ENVOY_NAME_METADATA;
 use crate::matcher::Level;
 
 /// Where the verified JWT payload sits in Envoy's dynamic metadata.
@@ -57,6 +58,9 @@ pub struct RenderOptions {
     pub failure_mode_deny: bool,
     /// The filter to configure.
     pub protocol: Protocol,
+    /// With [`Protocol::Rlqs`]: the name this Envoy gives itself in its stream metadata
+    /// (`x-tollgate-envoy`), for Envoys that share an address; unique per Envoy.
+    pub envoy_name: Option<String>,
 }
 
 /// Why a config cannot be rendered.
@@ -233,7 +237,12 @@ pub fn trailer_filter(names: &[String]) -> Value {
 /// the bucket id holds those entries, and tollgate maps the id to the rule that limits it (values,
 /// wildcards and tenant quotas are tollgate's to match). Paths with a `generic_key` mark routes,
 /// and the filter has no per-route switch: such domains render for RLS only.
-pub fn quota_filters(domain: &Domain, jwt: &JwtPayload, cluster: &str) -> Result<Vec<Value>, RenderError> {
+pub fn quota_filters(
+    domain: &Domain,
+    jwt: &JwtPayload,
+    cluster: &str,
+    envoy_name: Option<&str>,
+) -> Result<Vec<Value>, RenderError> {
     let mut paths: Vec<Vec<(String, Source)>> = Vec::new();
     collect_paths(domain, &domain.root, &[], &mut paths)?;
     paths.sort_by_key(|entries| std::cmp::Reverse(entries.len()));
@@ -241,7 +250,11 @@ pub fn quota_filters(domain: &Domain, jwt: &JwtPayload, cluster: &str) -> Result
         let keys: Vec<&str> = marked.iter().map(|(k, _)| k.as_str()).collect();
         return Err(RenderError::RouteMarker { domain: domain.name.clone(), path: keys.join(".") });
     }
-    Ok(paths.iter().map(|entries| quota_filter(domain, cluster, entries, jwt)).collect())
+    let mut server = json!({ "envoy_grpc": { "cluster_name": cluster } });
+    if let Some(name) = envoy_name {
+        server["initial_metadata"] = json!([{ "key": ENVOY_NAME_METADATA, "value": name }]);
+    }
+    Ok(paths.iter().map(|entries| quota_filter(domain, &server, entries, jwt)).collect())
 }
 
 fn collect_paths(
@@ -271,7 +284,7 @@ fn collect_paths(
 
 // The filter for one path: its matcher applies when every entry is present, and builds the
 // bucket id from the entries.
-fn quota_filter(domain: &Domain, cluster: &str, entries: &[(String, Source)], jwt: &JwtPayload) -> Value {
+fn quota_filter(domain: &Domain, server: &Value, entries: &[(String, Source)], jwt: &JwtPayload) -> Value {
     let present = |input: Value| json!({ "single_predicate": { "input": input, "value_match": { "safe_regex": { "google_re2": {}, "regex": ".+" } } } });
     let mut predicates = Vec::new();
     let mut builder = serde_json::Map::new();
@@ -306,7 +319,7 @@ fn quota_filter(domain: &Domain, cluster: &str, entries: &[(String, Source)], jw
         "name": format!("tollgate.rlqs.{name}"),
         "typed_config": {
             "@type": "type.googleapis.com/envoy.extensions.filters.http.rate_limit_quota.v3.RateLimitQuotaFilterConfig",
-            "rlqs_server": { "envoy_grpc": { "cluster_name": cluster } },
+            "rlqs_server": server,
             "domain": domain.name,
             "bucket_matchers": { "matcher_list": { "matchers": [matcher] } },
         },
@@ -407,7 +420,7 @@ pub fn envoy(rules: &RuleSet, options: &RenderOptions, address: &str) -> Result<
     if options.protocol == Protocol::Rlqs {
         return Ok(json!({
             "domain": domain.name,
-            "http_filters": quota_filters(domain, &options.jwt, "tollgate")?,
+            "http_filters": quota_filters(domain, &options.jwt, "tollgate", options.envoy_name.as_deref())?,
             "cluster": tollgate_cluster(host, port),
         }));
     }

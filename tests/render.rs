@@ -234,8 +234,20 @@ descriptors:
     rate_limit: {unit: second, requests_per_unit: 100}
 "#,
     );
-    let r = render(&["envoy", "--config", config.to_str().unwrap(), "--protocol", "rlqs"]).unwrap();
+    let config = config.to_str().unwrap();
+    let unnamed = render(&["envoy", "--config", config, "--protocol", "rlqs"]).unwrap();
+    assert!(unnamed["http_filters"][0]["typed_config"]["rlqs_server"].get("initial_metadata").is_none());
+    // Named, for Envoys that share an address (validated in Envoy below).
+    let r = render(&["envoy", "--config", config, "--protocol", "rlqs", "--envoy-name", "edge-7"]).unwrap();
     let filters = r["http_filters"].as_array().unwrap();
+    for f in filters {
+        assert_eq!(
+            f["typed_config"]["rlqs_server"]["initial_metadata"],
+            json!([{"key": "x-tollgate-envoy", "value": "edge-7"}])
+        );
+    }
+    let err = render(&["envoy", "--config", config, "--envoy-name", "edge-7"]).unwrap_err();
+    assert!(err.contains("use it with --protocol rlqs"), "{err}");
     let names: Vec<&str> = filters.iter().map(|f| f["name"].as_str().unwrap()).collect();
     assert_eq!(
         names,

@@ -58,6 +58,10 @@ enum RenderTarget {
         /// The filter to configure.
         #[arg(long, value_enum, default_value = "rls")]
         protocol: ProtocolArg,
+        /// With --protocol rlqs: the name this Envoy gives itself to tollgate (stream metadata
+        /// x-tollgate-envoy), unique per Envoy; needed only where Envoys share an IP address.
+        #[arg(long)]
+        envoy_name: Option<String>,
     },
     /// An EnvoyFilter for the ingress gateway (--gateway) or the sidecars of one app (--sidecar).
     Istio {
@@ -86,13 +90,19 @@ enum RenderTarget {
 
 pub(super) fn run(args: RenderArgs) -> Outcome {
     let (common, rendered) = match &args.target {
-        RenderTarget::Envoy { common, tollgate_address, jwt_payload_key, protocol } => {
+        RenderTarget::Envoy { common, tollgate_address, jwt_payload_key, protocol, envoy_name } => {
             let rules = RuleSet::load(&common.config)?;
             let mut options = render_options(common, JwtPayload::MetadataKey(jwt_payload_key.clone()));
             options.protocol = match protocol {
+                ProtocolArg::Rls if envoy_name.is_some() => {
+                    anyhow::bail!(
+                        "--envoy-name names an Envoy to the RLQS server: use it with --protocol rlqs"
+                    )
+                }
                 ProtocolArg::Rls => Protocol::Rls,
                 ProtocolArg::Rlqs => Protocol::Rlqs,
             };
+            options.envoy_name = envoy_name.clone();
             (common, tollgate::render::envoy(&rules, &options, tollgate_address)?)
         }
         RenderTarget::Istio {
@@ -128,5 +138,6 @@ fn render_options(common: &RenderCommon, jwt: JwtPayload) -> RenderOptions {
         timeout: common.timeout,
         failure_mode_deny: common.failure_mode_deny,
         protocol: Protocol::Rls,
+        envoy_name: None,
     }
 }
