@@ -324,10 +324,11 @@ impl Store for HeldStore {
         &'a self,
         key: &'a str,
         member: &'a str,
-        demand: f64,
+        note: tollgate::store::DemandNote,
         ttl_ms: u64,
-    ) -> futures::future::BoxFuture<'a, Result<f64, tollgate::store::StoreError>> {
-        self.inner.share_demand(key, member, demand, ttl_ms)
+    ) -> futures::future::BoxFuture<'a, Result<tollgate::store::SharedDemand, tollgate::store::StoreError>>
+    {
+        self.inner.share_demand(key, member, note, ttl_ms)
     }
 
     fn note_lease<'a>(

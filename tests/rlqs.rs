@@ -36,6 +36,8 @@ descriptors:
     rate_limit: {unlimited: true}
   - key: slow
     token_bucket: {capacity: 1, refill_per_second: 0.5}
+  - key: round
+    token_bucket: {capacity: 100, refill_per_second: 100}
 "#;
 
 fn bucket(entries: &[(&str, &str)]) -> BucketId {
@@ -360,7 +362,64 @@ async fn an_empty_budget_denies_until_the_refill_is_pushed() {
         }
         assert!(emptied.elapsed() < Duration::from_secs(5), "no grant 5 s after emptying");
     };
-    println!("emptied, then granted again {lifted:?} later (refill after 2 s, ticks every 1 s)");
+    println!("emptied, then granted again {lifted:?} later (refill after 2 s, a tick every 1 s)");
     assert!(lifted >= Duration::from_millis(1_900), "not before the refill: {lifted:?}");
     assert!(lifted <= Duration::from_millis(3_300), "within about a tick of the refill: {lifted:?}");
+}
+
+#[tokio::test]
+async fn replicas_share_each_round_in_proportion_to_demand_whoever_leases_first() {
+    use std::sync::Arc;
+    use tollgate::clock::ManualClock;
+    use tollgate::limiter::{Limiter, QuotaBucket};
+    use tollgate::store::{MemoryStore, RedisStore, RedisTarget, RedisTls, Store};
+    use tollgate::telemetry::{Telemetry, TelemetryConfig};
+
+    let (_dir, config) = config_file(CONFIG);
+    let redis = Redis::start();
+    let clock = ManualClock::new(1_000_000);
+    let memory: Arc<dyn Store> = Arc::new(MemoryStore::with_clock(Arc::new(clock.clone())));
+    let target = RedisTarget::Standalone(redis.url());
+    let remote: Arc<dyn Store> = Arc::new(
+        RedisStore::connect(&target, Duration::from_secs(2), Duration::ZERO, &RedisTls::default()).unwrap(),
+    );
+    for (store, manual) in [(memory, true), (remote, false)] {
+        let which = store.describe();
+        let limiter = Limiter::new(
+            Arc::new(arc_swap::ArcSwap::from_pointee(tollgate::config::RuleSet::load(&config).unwrap())),
+            store,
+            Arc::new(tollgate::quota::EmbeddedQuotas),
+            Arc::new(Telemetry::without_exporter(TelemetryConfig::default())),
+            false,
+        );
+        let id = HashMap::from([("round".to_string(), "r".to_string())]);
+        let QuotaBucket::Lease(target) = limiter.quota_bucket("quota", &id).await else { panic!("leasable") };
+        // Replica a's Envoys ask 95 requests a second, replica b's 5; a round (500 ms) later the
+        // bucket is full again (100 tokens, refilling 100/s).
+        let lease = |member: &'static str, demand: f64| {
+            let (limiter, target) = (&limiter, &target);
+            async move { limiter.lease(target, member, demand, 1_000, 0.0, 500).await.unwrap().0 }
+        };
+        let next_round = || async {
+            match manual {
+                true => clock.advance(1_000),
+                false => tokio::time::sleep(Duration::from_secs(1)).await,
+            }
+        };
+        // The first round registers both demands.
+        lease("a", 95.0).await;
+        lease("b", 5.0).await;
+        for first in ["a", "b"] {
+            next_round().await;
+            let (a, b) = if first == "a" {
+                let a = lease("a", 95.0).await;
+                (a, lease("b", 5.0).await)
+            } else {
+                let b = lease("b", 5.0).await;
+                (lease("a", 95.0).await, b)
+            };
+            println!("{which}, {first} first: a took {a}, b took {b}");
+            assert_eq!((a, b), (95, 5), "{which}, {first} first: shares of the round, not of the remainder");
+        }
+    }
 }

@@ -22,7 +22,7 @@ use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
 const CAPACITY: f64 = 50.0;
 const RATE: f64 = 10.0;
 /// The README's slack: one tick of refill (a grant taken before a window opens may be used in it).
-const SLACK: f64 = RATE * 1.0;
+const SLACK: f64 = RATE * tollgate::edge::rlqs::pool::TICK.as_secs_f64();
 
 const CONFIG: &str = r#"
 domain: quota

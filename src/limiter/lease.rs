@@ -16,7 +16,7 @@ use std::sync::Arc;
 use super::{Limiter, Plan, QueryDescriptor};
 use crate::bucket::{BucketOp, BucketSpec, Charge, Role};
 use crate::config::Domain;
-use crate::store::{LateReply, LeaseNote, Parked, StoreError};
+use crate::store::{DemandNote, LateReply, LeaseNote, Parked, StoreError};
 use crate::telemetry::traces;
 use tracing::Instrument as _;
 
@@ -74,11 +74,13 @@ impl Limiter {
         }
     }
 
-    /// Takes `member`'s share of what `target` holds now, in whole requests, at most `cap`.
-    /// `demand` (requests per second) is registered for `member` first; the share is its part
-    /// of every member's standing demand. `owed` is the fraction of a request the member was
-    /// entitled to but not given last time (small shares add up over leases instead of
-    /// rounding to nothing); returns the requests taken and what is owed now.
+    /// Takes `member`'s share of what `target` holds this round (members lease once per
+    /// `round_ms`), in whole requests, at most `cap`. `demand` (requests per second) is
+    /// registered for `member` first; the share is its part of every member's standing demand,
+    /// of the bucket's balance plus what the other members took this round, so that whoever
+    /// leases later in a round is not left a share of the remainder. `owed` is the fraction of a
+    /// request the member was entitled to but not given last time (small shares add up over
+    /// leases instead of rounding to nothing); returns the requests taken and what is owed now.
     pub async fn lease(
         &self,
         target: &Leasable,
@@ -86,6 +88,7 @@ impl Limiter {
         demand: f64,
         cap: u64,
         owed: f64,
+        round_ms: u64,
     ) -> Result<(u64, f64), StoreError> {
         // A trace of its own per lease (no request leads to it): the store calls are its children.
         let span = tracing::trace_span!(
@@ -96,7 +99,8 @@ impl Limiter {
             requests = tracing::field::Empty,
             outcome = tracing::field::Empty,
         );
-        let result = self.lease_untraced(target, member, demand, cap, owed).instrument(span.clone()).await;
+        let result =
+            self.lease_untraced(target, member, demand, cap, owed, round_ms).instrument(span.clone()).await;
         match &result {
             Ok((requests, _)) => {
                 span.record("requests", requests);
@@ -116,9 +120,11 @@ impl Limiter {
         demand: f64,
         cap: u64,
         owed: f64,
+        round_ms: u64,
     ) -> Result<(u64, f64), StoreError> {
-        let total = self.store.share_demand(&target.key, member, demand, DEMAND_TTL_MS).await?;
-        let share = if total > 0.0 { (demand / total).clamp(0.0, 1.0) } else { 1.0 };
+        let shared =
+            self.store.share_demand(&target.key, member, DemandNote::Ask(demand), DEMAND_TTL_MS).await?;
+        let share = if shared.total > 0.0 { (demand / shared.total).clamp(0.0, 1.0) } else { 1.0 };
         // What the bucket holds now: a check takes nothing.
         let check = self.op(target, 0.0, Charge::Admitted);
         let balance = match self.store_call(&[vec![check]], LateReply::Keep).await.pop() {
@@ -127,7 +133,9 @@ impl Limiter {
             None => return Ok((0, owed)),
         };
         let cost = target.cost as f64;
-        let entitled = balance.max(0.0) * share / cost + owed;
+        let balance = balance.max(0.0);
+        let round = (balance + shared.taken_by_others) * share;
+        let entitled = round.min(balance) / cost + owed;
         let want = (entitled.floor() as u64).min(cap);
         let owed = (entitled - want as f64).clamp(0.0, 1.0);
         if want == 0 {
@@ -147,6 +155,10 @@ impl Limiter {
         if spare > 0.0 {
             self.credit(target, spare).await?;
         }
+        // Seen by the members that lease after this one in the round. Failing to record it only
+        // makes their next share a little smaller: what was taken stands.
+        let took = DemandNote::Took(requests as f64 * cost);
+        let _ = self.store.share_demand(&target.key, member, took, round_ms).await;
         Ok((requests, owed))
     }
 

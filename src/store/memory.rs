@@ -10,7 +10,7 @@ use std::sync::{Arc, Mutex};
 
 use futures::future::BoxFuture;
 
-use super::{LateReply, LeaseNote, Parked, Store, StoreError};
+use super::{DemandNote, LateReply, LeaseNote, Parked, SharedDemand, Store, StoreError};
 use crate::bucket::{self, Batch, BucketState, GroupOutcome};
 use crate::clock::{Clock, SystemClock};
 
@@ -24,8 +24,15 @@ pub struct MemoryStore {
     parked: Mutex<HashMap<(String, String), NameEntry>>,
 }
 
-/// One bucket's RLQS demand registry: member -> (demand, expires at ms), as the Redis hash.
-type Registry = HashMap<String, (f64, u64)>;
+/// One bucket's RLQS demand registry by member, as the Redis hash.
+type Registry = HashMap<String, Member>;
+
+// A member of a demand registry: (demand, standing until ms), (taken, standing until ms).
+#[derive(Default, Clone, Copy)]
+struct Member {
+    demand: (f64, u64),
+    taken: (f64, u64),
+}
 
 // One Envoy name in a bucket's RLQS parked-lease registry: the Redis hash's two fields.
 #[derive(Default)]
@@ -139,17 +146,31 @@ impl Store for MemoryStore {
         &'a self,
         key: &'a str,
         member: &'a str,
-        demand: f64,
+        note: DemandNote,
         ttl_ms: u64,
-    ) -> BoxFuture<'a, Result<f64, StoreError>> {
+    ) -> BoxFuture<'a, Result<SharedDemand, StoreError>> {
         let now = self.clock.now_ms();
+        let alive = |m: &Member| m.demand.1 > now || m.taken.1 > now;
         let mut registries = self.demand.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
-        registries.retain(|_, members| members.values().any(|(_, expires)| *expires > now));
+        registries.retain(|_, members| members.values().any(alive));
         let members = registries.entry(key.to_owned()).or_default();
-        members.insert(member.to_owned(), (demand, now.saturating_add(ttl_ms)));
-        members.retain(|_, (_, expires)| *expires > now);
-        let total = members.values().map(|(d, _)| d).sum();
-        Box::pin(std::future::ready(Ok(total)))
+        let entry = members.entry(member.to_owned()).or_default();
+        let until = now.saturating_add(ttl_ms);
+        match note {
+            DemandNote::Ask(demand) => entry.demand = (demand, until),
+            DemandNote::Took(tokens) => entry.taken = (tokens, until),
+        }
+        members.retain(|_, m| alive(m));
+        let standing = |(v, until): (f64, u64)| if until > now { v } else { 0.0 };
+        let shared = SharedDemand {
+            total: members.values().map(|m| standing(m.demand)).sum(),
+            taken_by_others: members
+                .iter()
+                .filter(|(k, _)| *k != member)
+                .map(|(_, m)| standing(m.taken))
+                .sum(),
+        };
+        Box::pin(std::future::ready(Ok(shared)))
     }
 
     fn note_lease<'a>(

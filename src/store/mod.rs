@@ -44,17 +44,17 @@ pub trait Store: Send + Sync + 'static {
         late: LateReply,
     ) -> BoxFuture<'a, Vec<Result<GroupOutcome, StoreError>>>;
 
-    /// Records that `member` (a tollgate replica) asks `demand` requests per second of the bucket
-    /// `key`, standing for `ttl_ms`, and returns the sum of every member's standing demand. This
-    /// is how replicas that each see only their own Envoys' Rate Limit Quota streams share a
-    /// bucket in proportion to demand.
+    /// Records in the demand registry of the bucket `key` what `member` (a tollgate replica)
+    /// asks of it or just took ([`DemandNote`]), standing for `ttl_ms`, and returns what every
+    /// member asks and what the others took ([`SharedDemand`]). This is how replicas that each
+    /// see only their own Envoys' Rate Limit Quota streams share a bucket in proportion to demand.
     fn share_demand<'a>(
         &'a self,
         key: &'a str,
         member: &'a str,
-        demand: f64,
+        note: DemandNote,
         ttl_ms: u64,
-    ) -> BoxFuture<'a, Result<f64, StoreError>>;
+    ) -> BoxFuture<'a, Result<SharedDemand, StoreError>>;
 
     /// Tells the parked-lease registry of the bucket `key` what the Rate Limit Quota stream
     /// `stream` (unique across replicas) of the Envoy named `envoy` did ([`LeaseNote`]); entries
@@ -83,6 +83,24 @@ pub trait Store: Send + Sync + 'static {
     fn epoch(&self) -> u64 {
         0
     }
+}
+
+/// What a tollgate replica tells a bucket's demand registry.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum DemandNote {
+    /// Its Envoys ask this many requests per second.
+    Ask(f64),
+    /// It just took this many tokens.
+    Took(f64),
+}
+
+/// A bucket's demand registry, as one member sees it.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct SharedDemand {
+    /// Every member's standing demand, in requests per second.
+    pub total: f64,
+    /// What the other members took in their standing takes, in tokens.
+    pub taken_by_others: f64,
 }
 
 /// What a Rate Limit Quota stream tells a bucket's parked-lease registry.

@@ -48,7 +48,7 @@ use std::sync::{Arc, Mutex};
 
 use futures::future::BoxFuture;
 
-use super::{LateReply, LeaseNote, Parked, Store, StoreError};
+use super::{DemandNote, LateReply, LeaseNote, Parked, SharedDemand, Store, StoreError};
 use crate::bucket::{covers, Batch, BucketOp, BucketSpec, Charge, Group, GroupOutcome, Role, Verdict};
 use crate::clock::Clock;
 
@@ -330,10 +330,10 @@ impl Store for Precheck {
         &'a self,
         key: &'a str,
         member: &'a str,
-        demand: f64,
+        note: DemandNote,
         ttl_ms: u64,
-    ) -> BoxFuture<'a, Result<f64, StoreError>> {
-        self.inner.share_demand(key, member, demand, ttl_ms)
+    ) -> BoxFuture<'a, Result<SharedDemand, StoreError>> {
+        self.inner.share_demand(key, member, note, ttl_ms)
     }
 
     fn note_lease<'a>(

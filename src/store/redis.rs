@@ -33,7 +33,7 @@ use super::cluster::{Cluster, ClusterError};
 use super::coalesce::{Call, Coalescer};
 use super::node::{self, Node, Script};
 use super::sentinel::{Sentinel, SentinelTarget};
-use super::{LateReply, LeaseNote, Parked, Store, StoreError};
+use super::{DemandNote, LateReply, LeaseNote, Parked, SharedDemand, Store, StoreError};
 use crate::bucket::{refund, Batch, BucketOp, BucketState, Charge, Group, GroupOutcome, Role, Verdict};
 use crate::identity::cluster_slot;
 use crate::telemetry::logs;
@@ -534,18 +534,30 @@ impl Store for RedisStore {
         &'a self,
         key: &'a str,
         member: &'a str,
-        demand: f64,
+        note: DemandNote,
         ttl_ms: u64,
-    ) -> BoxFuture<'a, Result<f64, StoreError>> {
+    ) -> BoxFuture<'a, Result<SharedDemand, StoreError>> {
         Box::pin(async move {
             let registry = crate::identity::demand_key(key);
-            let args = [member.to_owned(), demand.to_string(), ttl_ms.to_string()];
+            let (op, amount) = match note {
+                DemandNote::Ask(demand) => ("ask", demand),
+                DemandNote::Took(tokens) => ("took", tokens),
+            };
+            let args = [op.to_owned(), member.to_owned(), amount.to_string(), ttl_ms.to_string()];
             let reply = self.shared.eval_on_key(&self.shared.demand_script, &registry, &args).await?;
-            match reply {
-                Value::BulkString(b) => bulk_number(&b).ok_or_else(|| {
-                    StoreError::Protocol(format!("demand registry: {:?}", String::from_utf8_lossy(&b)))
-                }),
-                other => Err(StoreError::Protocol(format!("demand registry: {other:?}"))),
+            let number = |v: &Value| match v {
+                Value::BulkString(b) => bulk_number(b),
+                _ => None,
+            };
+            match &reply {
+                Value::Array(v) => match v.as_slice() {
+                    [total, others] => match (number(total), number(others)) {
+                        (Some(total), Some(taken_by_others)) => Ok(SharedDemand { total, taken_by_others }),
+                        _ => Err(StoreError::Protocol(format!("demand registry: {reply:?}"))),
+                    },
+                    _ => Err(StoreError::Protocol(format!("demand registry: {reply:?}"))),
+                },
+                _ => Err(StoreError::Protocol(format!("demand registry: {reply:?}"))),
             }
         })
     }

@@ -58,31 +58,51 @@ impl Demand {
 }
 
 /// Splits `total` requests among members in proportion to their demands, never giving one
-/// more than its cap. Fractions a member is owed are carried to the next split in `owed`, so
-/// that small shares add up over ticks instead of rounding to nothing. What is not given out
-/// (caps) is returned as the second value.
+/// more than its cap. What a member is owed or was given beyond its share (fractions of a
+/// request) is carried to the next split in `owed`, so that small shares add up over ticks
+/// instead of rounding to nothing. Whole requests go to the most entitled members first, and
+/// those left after everyone's whole share to the largest fractions, so that when a tick brings
+/// fewer requests than members, who waited longest gets them. What caps leave is returned as
+/// the second value.
 pub fn split<K: Eq + Hash + Clone>(
     total: u64,
     members: &[(K, f64, u64)],
     owed: &mut HashMap<K, f64>,
 ) -> (Vec<(K, u64)>, u64) {
     let demand: f64 = members.iter().map(|(_, d, _)| d.max(0.0)).sum();
-    let mut given = 0;
-    let mut out = Vec::with_capacity(members.len());
-    for (key, d, cap) in members {
-        let share = if demand > 0.0 {
-            total as f64 * d.max(0.0) / demand
-        } else {
-            total as f64 / members.len() as f64
-        };
-        let entitled = owed.get(key).copied().unwrap_or(0.0) + share;
-        let grant = (entitled.floor() as u64).min(*cap).min(total - given);
-        owed.insert(key.clone(), (entitled - grant as f64).clamp(0.0, 1.0));
-        given += grant;
-        out.push((key.clone(), grant));
+    let entitled: Vec<f64> = members
+        .iter()
+        .map(|(key, d, _)| {
+            let share = if demand > 0.0 {
+                total as f64 * d.max(0.0) / demand
+            } else {
+                total as f64 / members.len() as f64
+            };
+            owed.get(key).copied().unwrap_or(0.0) + share
+        })
+        .collect();
+    let mut grants = vec![0u64; members.len()];
+    let mut left = total;
+    let mut order: Vec<usize> = (0..members.len()).collect();
+    order.sort_by(|&a, &b| entitled[b].total_cmp(&entitled[a]));
+    for &i in &order {
+        let whole = (entitled[i].max(0.0).floor() as u64).min(members[i].2).min(left);
+        grants[i] = whole;
+        left -= whole;
+    }
+    let fractions: Vec<f64> = entitled.iter().zip(&grants).map(|(e, g)| e - *g as f64).collect();
+    order.sort_by(|&a, &b| fractions[b].total_cmp(&fractions[a]));
+    for &i in &order {
+        if left > 0 && grants[i] < members[i].2 && fractions[i] > 0.0 {
+            grants[i] += 1;
+            left -= 1;
+        }
+    }
+    for (i, (key, _, _)) in members.iter().enumerate() {
+        owed.insert(key.clone(), (entitled[i] - grants[i] as f64).clamp(-1.0, 1.0));
     }
     owed.retain(|k, _| members.iter().any(|(m, _, _)| m == k));
-    (out, total - given)
+    (members.iter().zip(grants).map(|((key, _, _), g)| (key.clone(), g)).collect(), left)
 }
 
 /// One Envoy's account with one bucket: grants sent, usage reported, refunds made.
@@ -174,6 +194,22 @@ mod tests {
         }
         assert_eq!(totals["a"], 90);
         assert!(totals["b"] >= 4 && totals["c"] >= 4, "small shares add up: {totals:?}");
+    }
+
+    #[test]
+    fn a_request_a_tick_alternates_between_equal_members() {
+        // One request per tick for two members of equal demand: each gets every other one,
+        // whatever their order.
+        let mut owed = HashMap::new();
+        let mut totals: HashMap<&str, u64> = HashMap::new();
+        for _ in 0..10 {
+            let (grants, left) = split(1, &[("a", 5.0, 5), ("b", 5.0, 5)], &mut owed);
+            assert_eq!(left, 0, "the request is given out");
+            for (k, g) in grants {
+                *totals.entry(k).or_default() += g;
+            }
+        }
+        assert_eq!((totals["a"], totals["b"]), (5, 5));
     }
 
     #[test]

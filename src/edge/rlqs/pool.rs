@@ -2,10 +2,11 @@
 //! shared store once per [`TICK`] and split among the streams.
 //!
 //! Per bucket and tick: the demand of this replica's streams is registered in the store beside
-//! other replicas' ([`crate::store::Store::share_demand`]); this replica takes its share of what
-//! the bucket holds ([`Limiter::lease`]); the requests taken are split among its streams in
-//! proportion to their demand, each capped at twice its demand ([`assign::split`]), and what no
-//! stream can use is given back at once. A bucket a stream joins is leased at once, not at the
+//! other replicas' ([`crate::store::Store::share_demand`]); this replica takes its share of the
+//! round, what the bucket holds plus what other replicas took in the last tick
+//! ([`Limiter::lease`]); the requests taken are split among its streams in proportion to their
+//! demand, each capped at twice its demand ([`assign::split`]), and what no stream can use is
+//! given back at once. A bucket a stream joins is leased at once, not at the
 //! next tick, since its Envoy refuses requests until it has an assignment. When the store fails,
 //! the streams are told so and answer with the domain's failure mode.
 //!
@@ -164,7 +165,7 @@ impl Inner {
         };
         let demand: f64 = members.iter().map(|(_, d, _)| d).sum();
         let cap: u64 = members.iter().map(|(_, _, c)| c).sum();
-        match self.limiter.lease(&target, &self.replica, demand, cap, owed).await {
+        match self.limiter.lease(&target, &self.replica, demand, cap, owed, TICK.as_millis() as u64).await {
             Ok((requests, owed)) => {
                 metrics::counter!("tollgate_rlqs_leased_requests_total").increment(requests);
                 let (grants, spare) = {
