@@ -74,8 +74,9 @@ impl Limiter {
         }
     }
 
-    /// Takes `member`'s share of what `target` holds this round (members lease once per
-    /// `round_ms`), in whole requests, at most `cap`. `demand` (requests per second) is
+    /// Takes `member`'s share of what `target` holds this round, in whole requests, at most
+    /// `cap`; members lease once a round, at about the same time, and a take counts for the
+    /// others for `round_ms` (less than a round). `demand` (requests per second) is
     /// registered for `member` first; the share is its part of every member's standing demand,
     /// of the bucket's balance plus what the other members took this round, so that whoever
     /// leases later in a round is not left a share of the remainder. `owed` is the fraction of a

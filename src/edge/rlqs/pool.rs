@@ -1,5 +1,6 @@
 //! This replica's leases: every bucket some stream of this replica asks for, leased from the
-//! shared store once per [`TICK`] and split among the streams.
+//! shared store once per [`TICK`], at the start of each wall-clock round, and split among the
+//! streams.
 //!
 //! Per bucket and tick: the demand of this replica's streams is registered in the store beside
 //! other replicas' ([`crate::store::Store::share_demand`]); this replica takes its share of the
@@ -87,10 +88,8 @@ impl Pool {
         let inner = Arc::new(Inner { limiter, replica, buckets: Mutex::default() });
         let ticking = Arc::downgrade(&inner);
         let ticker = tokio::spawn(async move {
-            let mut every = tokio::time::interval(TICK);
-            every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
             loop {
-                every.tick().await;
+                tokio::time::sleep(until_next_round()).await;
                 let Some(inner) = ticking.upgrade() else { return };
                 let keys: Vec<String> = inner.lock().keys().cloned().collect();
                 join_all(keys.iter().map(|k| inner.lease_round(k))).await;
@@ -145,6 +144,17 @@ impl Pool {
     }
 }
 
+// Every replica leases at the start of each wall-clock round (a multiple of TICK since the Unix
+// epoch; replicas' clocks agree to NTP's precision), so that within a round all see the same
+// refill, and each sees the others' takes of this round only (they stand for half a tick).
+fn until_next_round() -> Duration {
+    let tick = TICK.as_millis() as u64;
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64);
+    Duration::from_millis(tick - now % tick)
+}
+
 impl Inner {
     fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, Bucket>> {
         self.buckets.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
@@ -165,7 +175,8 @@ impl Inner {
         };
         let demand: f64 = members.iter().map(|(_, d, _)| d).sum();
         let cap: u64 = members.iter().map(|(_, _, c)| c).sum();
-        match self.limiter.lease(&target, &self.replica, demand, cap, owed, TICK.as_millis() as u64).await {
+        match self.limiter.lease(&target, &self.replica, demand, cap, owed, TICK.as_millis() as u64 / 2).await
+        {
             Ok((requests, owed)) => {
                 metrics::counter!("tollgate_rlqs_leased_requests_total").increment(requests);
                 let (grants, spare) = {
