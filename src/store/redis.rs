@@ -222,13 +222,7 @@ impl RedisStore {
         let Value::Array(items) = reply else {
             return Err(StoreError::Protocol(format!("expected an array, got {reply:?}")));
         };
-        let number = |i: usize| -> Option<f64> {
-            match items.get(i)? {
-                Value::BulkString(b) => bulk_number(b),
-                Value::Int(n) => Some(*n as f64),
-                _ => None,
-            }
-        };
+        let number = |i: usize| items.get(i).and_then(reply_number);
         let (Some(seconds), Some(micros)) = (number(3), number(4)) else {
             return Err(StoreError::Protocol(format!("expected TIME in the peek reply, got {items:?}")));
         };
@@ -545,20 +539,16 @@ impl Store for RedisStore {
             };
             let args = [op.to_owned(), member.to_owned(), amount.to_string(), ttl_ms.to_string()];
             let reply = self.shared.eval_on_key(&self.shared.demand_script, &registry, &args).await?;
-            let number = |v: &Value| match v {
-                Value::BulkString(b) => bulk_number(b),
+            let parsed = match &reply {
+                Value::Array(v) => match v.as_slice() {
+                    [total, others] => reply_number(total).zip(reply_number(others)),
+                    _ => None,
+                },
                 _ => None,
             };
-            match &reply {
-                Value::Array(v) => match v.as_slice() {
-                    [total, others] => match (number(total), number(others)) {
-                        (Some(total), Some(taken_by_others)) => Ok(SharedDemand { total, taken_by_others }),
-                        _ => Err(StoreError::Protocol(format!("demand registry: {reply:?}"))),
-                    },
-                    _ => Err(StoreError::Protocol(format!("demand registry: {reply:?}"))),
-                },
-                _ => Err(StoreError::Protocol(format!("demand registry: {reply:?}"))),
-            }
+            parsed
+                .map(|(total, taken_by_others)| SharedDemand { total, taken_by_others })
+                .ok_or_else(|| StoreError::Protocol(format!("demand registry: {reply:?}")))
         })
     }
 
@@ -689,4 +679,13 @@ fn float(items: &mut impl Iterator<Item = Value>) -> Result<f64, StoreError> {
 // A number the scripts return as a bulk string (Lua numbers are not exact as integer replies).
 fn bulk_number(bytes: &[u8]) -> Option<f64> {
     std::str::from_utf8(bytes).ok()?.parse().ok()
+}
+
+// A number in a script's reply: a bulk string as above, or an integer.
+fn reply_number(value: &Value) -> Option<f64> {
+    match value {
+        Value::BulkString(b) => bulk_number(b),
+        Value::Int(n) => Some(*n as f64),
+        _ => None,
+    }
 }

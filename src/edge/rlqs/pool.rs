@@ -4,11 +4,11 @@
 //!
 //! Per bucket and tick: the demand of this replica's streams is registered in the store beside
 //! other replicas' ([`crate::store::Store::share_demand`]); this replica takes its share of the
-//! round, what the bucket holds plus what other replicas took in the last tick
-//! ([`Limiter::lease`]); the requests taken are split among its streams in proportion to their
-//! demand, each capped at twice its demand ([`assign::split`]), and what no stream can use is
-//! given back at once. A bucket a stream joins is leased at once, not at the
-//! next tick, since its Envoy refuses requests until it has an assignment. When the store fails,
+//! round, what the bucket holds plus what other replicas took in it ([`Limiter::lease`]); the
+//! requests taken are split among its streams in proportion to their demand, each capped at
+//! twice its demand ([`assign::split`]), and what no stream can use is given back at once. A
+//! bucket a stream joins is leased at once, not at the next tick, since its Envoy refuses
+//! requests until it has an assignment. When the store fails,
 //! the streams are told so and answer with the domain's failure mode.
 //!
 //! The tick task belongs to the pool and stops with it.
