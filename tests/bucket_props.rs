@@ -1,6 +1,10 @@
 //! Properties of the bucket arithmetic for all finite inputs: balances stay within
 //! [floor, capacity] (floor 0, or -max_debt for buckets charged always), spending never raises
 //! the balance, time never lowers it, and waits and TTLs stay within the bound Redis accepts.
+//! And for one bucket written under several specs (replicas in the middle of a quota change):
+//! the bucket never expires before it is full at the largest capacity refilling at the slowest
+//! rate, and the tokens admitted in any window of T seconds stay within
+//! `largest capacity + fastest refill × T`.
 
 use proptest::prelude::*;
 use tollgate::bucket::{evaluate, refill, BucketOp, BucketSpec, BucketState, Charge, Role, MAX_WAIT_MS};
@@ -18,6 +22,7 @@ fn state(spec: BucketSpec) -> impl Strategy<Value = Option<BucketState>> {
         tokens: f * spec.capacity(),
         last_refill_ms: last,
         fastest_refill: spec.refill_per_second(),
+        ..Default::default()
     }))
 }
 
@@ -96,5 +101,59 @@ proptest! {
         prop_assert!(a.tokens <= b.tokens, "{a:?} then {b:?}");
         prop_assert!(b.tokens <= spec.capacity().max(st.map_or(0.0, |s| s.tokens)));
         prop_assert!(a.last_refill_ms <= b.last_refill_ms);
+    }
+}
+
+// Two or three specs of one bucket, as replicas that disagree hold them.
+fn specs() -> impl Strategy<Value = Vec<BucketSpec>> {
+    proptest::collection::vec(
+        (1u32..200, prop_oneof![1u32..50, Just(1_000)])
+            .prop_map(|(c, r)| BucketSpec::new(f64::from(c), f64::from(r) / 10.0).unwrap()),
+        2..=3,
+    )
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(1_000))]
+
+    #[test]
+    fn a_bucket_under_several_specs_keeps_its_debt_and_the_bound(
+        specs in specs(),
+        steps in proptest::collection::vec((0usize..3, 1u32..200, prop_oneof![0u64..2_000, 0u64..200_000]), 1..60),
+    ) {
+        let largest = specs.iter().map(BucketSpec::capacity).fold(0.0, f64::max);
+        let fastest = specs.iter().map(BucketSpec::refill_per_second).fold(0.0, f64::max);
+        // The bucket as a store holds it: state and expiry; gone once its expiry has passed.
+        let mut stored: Option<(BucketState, u64)> = None;
+        let mut admitted: Vec<(u64, f64)> = Vec::new();
+        let mut now = 1_000_000u64;
+        for (which, need, dt) in steps {
+            now += dt;
+            stored = stored.filter(|(_, at)| *at >= now);
+            let spec = specs[which % specs.len()];
+            let e = evaluate(&[vec![op(spec, f64::from(need), Charge::Admitted)]], now, |_| stored);
+            if e.groups[0].admitted {
+                admitted.push((now, f64::from(need)));
+            }
+            if let Some(w) = e.writes.first() {
+                let at = now + w.ttl_ms;
+                prop_assert!(stored.is_none_or(|(_, before)| at >= before), "expiry moved earlier");
+                prop_assert!(w.state.largest_capacity >= spec.capacity());
+                stored = Some((w.state, at));
+            }
+            if let Some((s, at)) = stored {
+                // At its expiry, the balance has refilled to the largest capacity at the slowest rate.
+                let full_by = s.tokens + (at - s.last_refill_ms) as f64 * s.slowest_refill / 1000.0;
+                prop_assert!(full_by >= s.largest_capacity, "expires at {at} with {full_by} < {}: {s:?}", s.largest_capacity);
+            }
+        }
+        for (i, &(from, _)) in admitted.iter().enumerate() {
+            let mut sum = 0.0;
+            for &(to, need) in &admitted[i..] {
+                sum += need;
+                let bound = largest + fastest * (to - from) as f64 / 1000.0;
+                prop_assert!(sum <= bound + 1e-6, "{sum} admitted in [{from}, {to}] > {bound}: {specs:?}");
+            }
+        }
     }
 }

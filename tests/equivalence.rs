@@ -1,11 +1,14 @@
 //! The two implementations of the bucket algorithm, `src/bucket.rs` (memory store) and
 //! `src/store/token_bucket.lua` (Redis), replay the same random operation sequences and must
 //! agree exactly: admissions, per-operation verdicts (forgiven debt included), and for every
-//! bucket a step wrote, the stored balance to the last bit, the refill time, the fastest refill
-//! rate recorded and the expiry.
+//! bucket a step wrote, every stored field to the last bit (balance, refill time, rate in force,
+//! pending rate and when it takes effect, largest capacity, slowest rate) and the expiry.
 //! The sequences cover every role (enforced, shadow, quota mode), both charge modes with debt and
 //! its floor, credits, checks, zero-capacity buckets and extreme specs (a capacity of 1e12
-//! refilling 0.0001 per second, whose TTL would overflow without the cap).
+//! refilling 0.0001 per second, whose TTL would overflow without the cap, and the slowest rate
+//! accepted). Most keys are written under two or three specs (capacity, rate, charge mode), as
+//! replicas in the middle of a quota change write them: pending rate raises, expiries that a
+//! write must not move earlier and lives set by another spec's capacity are all exercised.
 //!
 //! Redis's clock cannot be set, so the memory store follows it: each script run returns the
 //! server time it used, and the memory store's manual clock is set to that time. Long idle
@@ -21,7 +24,7 @@ use std::time::Duration;
 
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
-use tollgate::bucket::{BucketOp, BucketSpec, Charge, Group, Role, MAX_WAIT_MS};
+use tollgate::bucket::{BucketOp, BucketSpec, BucketState, Charge, Group, Role, MAX_WAIT_MS, MIN_REFILL_PER_SECOND};
 use tollgate::clock::ManualClock;
 use tollgate::store::{LateReply, MemoryStore, RedisStore, RedisTarget, RedisTls, Store};
 
@@ -35,7 +38,9 @@ fn buckets(rng: &mut StdRng) -> Vec<Bucket> {
     let capacities = [1.0, 3.0, 10.0, 37.5, 1000.0];
     let rates = [0.001, 0.5, 2.0, 7.3, 1000.0, 1.0 / 3.0];
     let mut all = Vec::new();
+    // Nine specs on five keys: keys 0 to 3 are each written under two specs.
     for i in 0..9 {
+        let k = i % 5;
         let capacity = capacities[rng.random_range(0..capacities.len())];
         let charge = match i % 3 {
             0 => Charge::Always { max_debt: capacity },
@@ -43,7 +48,7 @@ fn buckets(rng: &mut StdRng) -> Vec<Bucket> {
             _ => Charge::Admitted,
         };
         all.push(Bucket {
-            key: format!("rl:{{t{}}}:d:k={i}", i % 3),
+            key: format!("rl:{{t{}}}:d:k={k}", k % 3),
             spec: BucketSpec::new(capacity, rates[rng.random_range(0..rates.len())]).unwrap(),
             charge,
         });
@@ -64,6 +69,14 @@ fn buckets(rng: &mut StdRng) -> Vec<Bucket> {
         spec: BucketSpec::new(1e12, 0.0001).unwrap(),
         charge: Charge::Always { max_debt: 1e12 },
     });
+    // Three specs on one key, the slowest rate accepted among them.
+    for (capacity, rate) in [(10.0, 1000.0), (1000.0, 0.5), (3.0, MIN_REFILL_PER_SECOND)] {
+        all.push(Bucket {
+            key: "rl:{t0}:d:shared".into(),
+            spec: BucketSpec::new(capacity, rate).unwrap(),
+            charge: Charge::Admitted,
+        });
+    }
     all
 }
 
@@ -74,7 +87,13 @@ fn random_batch(rng: &mut StdRng, buckets: &[Bucket]) -> Vec<Group> {
         .map(|_| {
             (0..rng.random_range(1..=4))
                 .map(|_| {
-                    let b = &buckets[rng.random_range(0..buckets.len())];
+                    // The key of three specs gets a third of the operations, its fastest spec one
+                    // in seven of them, so that faster rates often arrive after slower ones.
+                    let b = if rng.random_bool(0.3) {
+                        &buckets[buckets.len() - 3 + [0, 1, 1, 1, 2, 2, 2][rng.random_range(0..7)]]
+                    } else {
+                        &buckets[rng.random_range(0..buckets.len())]
+                    };
                     BucketOp {
                         key: b.key.clone(),
                         spec: b.spec,
@@ -102,6 +121,9 @@ fn store_on(redis: &common::Redis) -> RedisStore {
 async fn replay(seed: u64, redis: &common::Redis) -> usize {
     let mut rng = StdRng::seed_from_u64(seed);
     let buckets = buckets(&mut rng);
+    let mut keys: Vec<&str> = buckets.iter().map(|b| b.key.as_str()).collect();
+    keys.sort();
+    keys.dedup();
     let store = store_on(redis);
     let clock = ManualClock::new(0);
     let memory = MemoryStore::with_clock(Arc::new(clock.clone()));
@@ -112,24 +134,30 @@ async fn replay(seed: u64, redis: &common::Redis) -> usize {
     let mut writes = 0usize;
     let mut seen =
         HashMap::from([("admitted", 0usize), ("denied", 0), ("debt", 0), ("forgiven", 0), ("capped", 0)]);
+    seen.extend([("pending", 0), ("mixed", 0), ("kept longer", 0)]);
 
-    for step in 0..400 {
+    for step in 0..600 {
         if rng.random_bool(0.1) {
             // Let time pass: up to twice the slowest refill of the small buckets.
             let delta = rng.random_range(1..200_000u64);
             // Expiry moves back too, so a bucket expires in Redis exactly when the memory store
             // (whose clock jumps) drops it.
-            for b in &buckets {
-                let last: Option<u64> = redis::cmd("HGET").arg(&b.key).arg("l").query(&mut con).unwrap();
-                if let Some(last) = last {
-                    let _: () =
-                        redis::cmd("HSET").arg(&b.key).arg("l").arg(last - delta).query(&mut con).unwrap();
-                    let expires: i64 = redis::cmd("PEXPIRETIME").arg(&b.key).query(&mut con).unwrap();
-                    let _: () = redis::cmd("PEXPIREAT")
-                        .arg(&b.key)
-                        .arg(expires - delta as i64)
+            for key in &keys {
+                let (last, pending_from): (Option<u64>, Option<u64>) =
+                    redis::cmd("HMGET").arg(key).arg("l").arg("q").query(&mut con).unwrap();
+                if let (Some(last), Some(pending_from)) = (last, pending_from) {
+                    let pending_from = if pending_from > 0 { pending_from - delta } else { 0 };
+                    let _: () = redis::cmd("HSET")
+                        .arg(key)
+                        .arg("l")
+                        .arg(last - delta)
+                        .arg("q")
+                        .arg(pending_from)
                         .query(&mut con)
                         .unwrap();
+                    let expires: i64 = redis::cmd("PEXPIRETIME").arg(key).query(&mut con).unwrap();
+                    let _: () =
+                        redis::cmd("PEXPIREAT").arg(key).arg(expires - delta as i64).query(&mut con).unwrap();
                 }
             }
             shift += delta;
@@ -156,19 +184,49 @@ async fn replay(seed: u64, redis: &common::Redis) -> usize {
             }
             compared += r.verdicts.len();
         }
-        // Every bucket either store wrote in this step: same balance, refill time and expiry.
-        for b in &buckets {
-            let (t, l, r): (Option<String>, Option<u64>, Option<String>) =
-                redis::cmd("HMGET").arg(&b.key).arg("t").arg("l").arg("r").query(&mut con).unwrap();
-            let expires: i64 = redis::cmd("PEXPIRETIME").arg(&b.key).query(&mut con).unwrap();
-            let number = |text: Option<String>| text.unwrap().parse::<f64>().unwrap();
-            let in_redis = (l == Some(redis_now)).then(|| (number(t), number(r), expires));
-            let in_memory = memory
-                .stored(&b.key)
-                .filter(|(s, _)| s.last_refill_ms == redis_now + shift)
-                .map(|(s, expires_at)| (s.tokens, s.fastest_refill, (expires_at - shift) as i64));
-            assert_eq!(in_redis, in_memory, "seed {seed} step {step} key {}: {batch:?}", b.key);
-            writes += usize::from(in_redis.is_some());
+        // Every bucket either store wrote in this step: every field and the expiry the same.
+        for key in &keys {
+            let fields: Vec<Option<String>> = redis::cmd("HMGET")
+                .arg(key)
+                .arg(&["t", "l", "r", "p", "q", "c", "s"])
+                .query(&mut con)
+                .unwrap();
+            let expires: i64 = redis::cmd("PEXPIRETIME").arg(key).query(&mut con).unwrap();
+            let number = |i: usize| fields[i].as_deref().unwrap().parse::<f64>().unwrap();
+            let in_redis = (fields[1].as_deref() == Some(&redis_now.to_string())).then(|| {
+                let state = BucketState {
+                    tokens: number(0),
+                    last_refill_ms: redis_now,
+                    fastest_refill: number(2),
+                    pending_refill: number(3),
+                    pending_from_ms: number(4) as u64,
+                    largest_capacity: number(5),
+                    slowest_refill: number(6),
+                };
+                (state, expires)
+            });
+            let in_memory = memory.stored(key).filter(|(s, _)| s.last_refill_ms == redis_now + shift).map(
+                |(s, expires_at)| {
+                    let pending_from_ms = if s.pending_from_ms > 0 { s.pending_from_ms - shift } else { 0 };
+                    let state = BucketState { last_refill_ms: redis_now, pending_from_ms, ..s };
+                    (state, (expires_at - shift) as i64)
+                },
+            );
+            assert_eq!(in_redis, in_memory, "seed {seed} step {step} key {key}: {batch:?}");
+            if let Some((state, _)) = in_redis {
+                writes += 1;
+                *seen.get_mut("pending").unwrap() += usize::from(state.pending_refill > 0.0);
+                *seen.get_mut("mixed").unwrap() += usize::from(state.slowest_refill < state.fastest_refill);
+            }
+        }
+        for (g, group) in batch.iter().enumerate() {
+            for (op, v) in group.iter().zip(&from_redis[g].verdicts) {
+                // Kept longer than the operation's own spec needs: another spec's life or expiry.
+                let own = ((op.spec.capacity() + op.charge.floor().abs()) / op.spec.refill_per_second() * 1000.0)
+                    .ceil()
+                    + 1000.0;
+                *seen.get_mut("kept longer").unwrap() += usize::from(v.kept_ms as f64 > own && own < 1e15);
+            }
         }
     }
     println!("seed {seed}: {compared} operations and {writes} writes identical; {seen:?}");

@@ -223,7 +223,7 @@ impl RedisStore {
             return Err(StoreError::Protocol(format!("expected an array, got {reply:?}")));
         };
         let number = |i: usize| items.get(i).and_then(reply_number);
-        let (Some(seconds), Some(micros)) = (number(3), number(4)) else {
+        let (Some(seconds), Some(micros)) = (number(7), number(8)) else {
             return Err(StoreError::Protocol(format!("expected TIME in the peek reply, got {items:?}")));
         };
         let state = match (number(0), number(1)) {
@@ -231,10 +231,14 @@ impl RedisStore {
                 tokens,
                 last_refill_ms: last as u64,
                 fastest_refill: number(2).unwrap_or(0.0),
+                pending_refill: number(3).unwrap_or(0.0),
+                pending_from_ms: number(4).unwrap_or(0.0) as u64,
+                largest_capacity: number(5).unwrap_or(0.0),
+                slowest_refill: number(6).unwrap_or(0.0),
             }),
             _ => None,
         };
-        let ttl_ms = number(5).filter(|t| *t >= 0.0).map(|t| t as u64);
+        let ttl_ms = number(9).filter(|t| *t >= 0.0).map(|t| t as u64);
         Ok(Peek { state, now_ms: (seconds * 1000.0 + (micros / 1000.0).floor()) as u64, ttl_ms })
     }
 

@@ -7,37 +7,66 @@
 --       key index (into KEYS), capacity, refill per second, need, role (0 enforced, 1 shadow,
 --       2 quota mode), max debt ('' = charged only when admitted, else charged always).
 -- Reply: now_ms, then per group: admitted (1/0), then per op: allowed (1/0), tokens (exact, as
---        %.17g), retry_after_ms (-1 = never), reset_ms, forgiven tokens (%.17g), fastest refill
---        per second any charge of the bucket used (%.17g), ms after now the key is certainly
+--        %.17g), retry_after_ms (-1 = never), reset_ms, forgiven tokens (%.17g), the fastest
+--        refill per second the bucket may get, in force or pending (%.17g), ms after now the key is certainly
 --        kept (its new TTL if written, else what is left of its expiry; 0 when missing).
--- Bucket hash fields: t = tokens (%.17g), l = last refill (ms since epoch, server clock),
---        r = fastest refill per second of any charge (%.17g).
+-- Bucket hash fields (numbers as %.17g, times as integers, ms since the epoch on the server's
+--        clock): t = tokens, l = last refill, r = refill per second in force (src/bucket
+--        BucketState::fastest_refill), p = a faster pending rate (0: none), q = when p takes
+--        effect, c = largest capacity of any charge, s = slowest refill per second of any charge.
 
 -- TIME makes the script non-deterministic; Redis < 5 needs effects replication for that.
 if redis.replicate_commands then pcall(redis.replicate_commands) end
 local time = redis.call('TIME')
 local now = tonumber(time[1]) * 1000 + math.floor(tonumber(time[2]) / 1000)
 
--- Waits and TTLs are capped at 2^52 ms (bucket.rs MAX_WAIT_MS): now + TTL stays exact.
+-- Waits and TTLs are capped at 2^52 ms (bucket MAX_WAIT_MS): now + TTL stays exact.
 local MAX_WAIT = 4503599627370496
+-- A rate faster than the one in force takes effect this long after a charge first uses it
+-- (bucket RATE_RAISE_DELAY_MS).
+local RAISE_DELAY = 6000
 
--- Committed state per key index: {tokens, last, fastest} or false when no bucket is stored.
+-- Committed state per key index: {tokens, last, in force, pending, pending from, largest
+-- capacity, slowest rate} or false when no bucket is stored.
 local running = {}
 local function load(k)
   local s = running[k]
   if s == nil then
-    local v = redis.call('HMGET', KEYS[k], 't', 'l', 'r')
+    local v = redis.call('HMGET', KEYS[k], 't', 'l', 'r', 'p', 'q', 'c', 's')
     local tokens, last = tonumber(v[1]), tonumber(v[2])
-    if tokens and last then s = {tokens, last, tonumber(v[3]) or 0} else s = false end
+    if tokens and last then
+      s = {tokens, last, tonumber(v[3]) or 0, tonumber(v[4]) or 0, tonumber(v[5]) or 0,
+           tonumber(v[6]) or 0, tonumber(v[7]) or 0}
+    else
+      s = false
+    end
     running[k] = s
   end
   return s
 end
 
 -- A missing bucket is full; a clock step back refills nothing and keeps the later timestamp.
+-- The refill runs at the spec's rate, never faster than the rate in force (0: unknown, no cap),
+-- which a pending rate replaces from the moment it takes effect.
 local function refill(s, cap, rate)
-  if not s then return {cap, now, 0} end
-  return {math.min(cap, s[1] + math.max(0, now - s[2]) * rate), math.max(s[2], now), s[3]}
+  if not s then return {cap, now, 0, 0, 0, 0, 0} end
+  local function capped(in_force)
+    if in_force > 0 then return math.min(rate, in_force / 1000) end
+    return rate
+  end
+  local n = {s[1], s[2], s[3], s[4], s[5], s[6], s[7]}
+  local from = s[2]
+  local grown = 0
+  if s[4] > 0 and s[5] <= now then
+    local split = math.max(s[5], from)
+    grown = (split - from) * capped(s[3])
+    from = split
+    n[3], n[4], n[5] = s[4], 0, 0
+  end
+  grown = grown + math.max(0, now - from) * capped(n[3])
+  n[1] = math.min(cap, s[1] + grown)
+  n[2] = math.max(s[2], now)
+  return n
 end
 
 local function wait(deficit, rate)
@@ -58,14 +87,40 @@ local function floor_of(debt)
   return 0
 end
 
--- Takes need from the state {tokens, last, fastest}, remembering the fastest refill rate; below
--- the floor the rest is forgiven (a balance already below it stays). Returns the tokens forgiven.
+-- Records that a charge used the spec (cap, rps): its capacity and rate count for the bucket's
+-- life, and a rate faster than the ceiling becomes pending.
+local function note_spec(st, cap, rps)
+  st[6] = math.max(st[6], cap)
+  if rps <= 0 then return end
+  if st[3] == 0 then
+    st[3] = rps
+  elseif rps > math.max(st[3], st[4]) then
+    st[4], st[5] = rps, now + RAISE_DELAY
+  end
+  if st[7] == 0 then st[7] = rps else st[7] = math.min(st[7], rps) end
+end
+
+-- Takes need from the state, recording the spec; below the floor the rest is forgiven (a balance
+-- already below it stays). Returns the tokens forgiven.
 local function debit(st, cap, rps, need, debt)
-  st[3] = math.max(st[3], rps)
+  note_spec(st, cap, rps)
   local after = math.min(cap, st[1] - need)
   local kept = math.max(after, math.min(st[1], floor_of(debt)))
   st[1] = kept
   return kept - after
+end
+
+-- How long a bucket written as st by a charge with floor fl must live: until it is full at its
+-- largest capacity at its slowest rate, from its balance or the floor if lower, plus a second.
+local function life(st, fl)
+  local ttl = wait(st[6] - math.min(st[1], fl), st[7] / 1000) + 1000
+  if ttl > MAX_WAIT then return MAX_WAIT end
+  return ttl
+end
+
+-- The ceiling a bound on the balance must use: the rate in force or the pending one.
+local function ceiling(st)
+  return math.max(st[3], st[4])
 end
 
 local out = {now}
@@ -102,7 +157,7 @@ for _ = 1, tonumber(ARGV[1]) do
       quota_ops = quota_ops + 1
       if allowed then quota_allowed = quota_allowed + 1 end
     end
-    ops[i] = {k, cap, rps, rate, need, debt, allowed, st[1], retry, forgiven, st[3]}
+    ops[i] = {k, cap, rps, rate, need, debt, allowed, st[1], retry, forgiven, ceiling(st)}
   end
   local admitted = (not enforced_short) and (quota_ops == 0 or quota_allowed > 0)
 
@@ -121,12 +176,11 @@ for _ = 1, tonumber(ARGV[1]) do
         forgiven = debit(st, cap, rps, need, debt)
         running[k] = st
       end
-      tokens, fastest = st[1], st[3]
+      tokens, fastest = st[1], ceiling(st)
       charged = debt ~= nil
     end
     if charged and need ~= 0 and rate > 0 then
-      local ttl = wait(cap - floor_of(debt), rate) + 1000
-      if ttl > MAX_WAIT then ttl = MAX_WAIT end
+      local ttl = life(running[k], floor_of(debt))
       if dirty[k] == nil or dirty[k] < ttl then dirty[k] = ttl end
     end
     local reset = wait_ms(cap, rate, tokens, cap)
@@ -142,13 +196,36 @@ for _ = 1, tonumber(ARGV[1]) do
   end
 end
 
--- Only charged buckets are written; an idle bucket is full by the time it expires. The expiry
--- is absolute on the clock the balance was computed with, so it is exactly now + TTL.
+-- When key k expires (ms since the epoch), read before it is written: nil when it has no
+-- expiry to keep (missing), MAX_WAIT after now when it has none at all. PEXPIRETIME is Redis 7;
+-- on older servers PTTL counts from a clock reading at most a millisecond past a fresh TIME, so
+-- that TIME plus PTTL plus one is never earlier than the real expiry.
+local function expires_at(k)
+  local ok, at = pcall(redis.call, 'PEXPIRETIME', KEYS[k])
+  if not ok then
+    local ttl = redis.call('PTTL', KEYS[k])
+    if ttl < 0 then at = ttl else
+      local t = redis.call('TIME')
+      at = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000) + ttl + 1
+    end
+  end
+  if at == -1 then return now + MAX_WAIT end
+  if at < 0 then return nil end
+  return at
+end
+
+-- Only charged buckets are written; an idle bucket is full by the time it expires. A write never
+-- moves an expiry earlier: the bucket lives as long as the longest of what it had left and what
+-- this batch's charges need. The expiry is absolute on the clock the balance was computed with.
 for k, ttl in pairs(dirty) do
+  local at = expires_at(k)
+  if at then dirty[k] = math.max(ttl, math.min(math.max(0, at - now), MAX_WAIT)) end
   local s = running[k]
   redis.call('HSET', KEYS[k], 't', string.format('%.17g', s[1]), 'l', string.format('%d', s[2]),
-    'r', string.format('%.17g', s[3]))
-  redis.call('PEXPIREAT', KEYS[k], string.format('%d', now + ttl))
+    'r', string.format('%.17g', s[3]), 'p', string.format('%.17g', s[4]),
+    'q', string.format('%d', s[5]), 'c', string.format('%.17g', s[6]),
+    's', string.format('%.17g', s[7]))
+  redis.call('PEXPIREAT', KEYS[k], string.format('%d', now + dirty[k]))
 end
 
 -- How long after now key k is kept. PEXPIRETIME is Redis 7; on older servers PTTL counts from

@@ -1,8 +1,9 @@
 //! Token-bucket arithmetic: the Rust definition of how a bucket refills, admits and debits.
 //!
-//! A bucket is a stored pair (tokens, last_refill_ms). Nothing refills it in the background: every
-//! evaluation first adds `elapsed × rate` tokens, capped at the capacity, then compares the
-//! balance with the request's need. Missing state means a full bucket, so idle buckets may expire.
+//! A bucket is a stored balance and the time it was last brought up to date. Nothing refills it
+//! in the background: every evaluation first adds `elapsed × rate` tokens, capped at the
+//! capacity, then compares the balance with the request's need. Missing state means a full
+//! bucket, so idle buckets may expire.
 //!
 //! Requests arrive as a [`Batch`] of [`Group`]s, one group per request. A group is
 //! all-or-nothing: if it is denied, none of its [`Charge::Admitted`] operations is debited. An
@@ -12,6 +13,25 @@
 //! whatever the verdict, down to a floor of `-max_debt` (a cost known only after the response).
 //! Groups are evaluated in order, and an operation sees the debits of earlier operations on the
 //! same key, so one request that names the same bucket twice is charged twice.
+//!
+//! **One bucket, several specs.** Every operation carries its own [`BucketSpec`], and one bucket
+//! can be written under several: replicas in the middle of a quota change or a rolling config
+//! change, a cache refresh on one replica. The stored state remembers what those specs need, so
+//! that none of them can make the bucket forget a debt, and the requests admitted in any window
+//! of T seconds stay within `max capacity + max refill × T` over the specs in force:
+//!
+//! * **Life.** A write never moves a bucket's expiry earlier, and keeps it at least until the
+//!   balance, refilled at the slowest rate any charge used, reaches the largest capacity any
+//!   charge used ([`BucketState::largest_capacity`], [`BucketState::slowest_refill`]). A bucket
+//!   that expires is full under every spec that wrote it, so coming back full changes nothing.
+//! * **Capacity.** A balance is capped at the evaluating spec's capacity when it is refilled: a
+//!   lowered capacity clamps the balance at the next evaluation; a raised one lets it refill up
+//!   to the new capacity at the refill rate, never at once.
+//! * **Rate.** A refill never runs faster than the rate the bucket has in force
+//!   ([`BucketState::fastest_refill`]). A charge under a faster rate than that is recorded as
+//!   pending and takes effect [`RATE_RAISE_DELAY_MS`] later. This is what keeps the local
+//!   pre-check exact across replicas: any balance it saw can grow, until its observation is too
+//!   old to be used, no faster than the rates recorded when it saw it.
 //!
 //! Every number that leaves this module is bounded: waits and TTLs are capped at [`MAX_WAIT_MS`],
 //! so a bucket with a huge capacity and a tiny rate keeps its state instead of overflowing an
@@ -23,106 +43,21 @@
 //! point order; `tests/equivalence.rs` replays random operation sequences against both and
 //! requires identical verdicts, balances, refill times and TTLs. Change one, change the other.
 
+mod spec;
+
+pub use self::spec::{BucketSpec, SpecError, MAX_CAPACITY, MAX_WAIT_MS, MIN_REFILL_PER_SECOND};
+
 use std::collections::HashMap;
 
 use serde::Serialize;
 
-/// Capacity (largest burst) and sustained refill rate of one bucket.
-///
-/// Only [`BucketSpec::new`] makes one, so every spec in the program is finite and sane.
-#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
-pub struct BucketSpec {
-    capacity: f64,
-    refill_per_second: f64,
-}
+use self::spec::wait;
 
-/// Largest accepted capacity: beyond 2^53 a balance is no longer exact in an f64.
-pub const MAX_CAPACITY: f64 = 1e15;
-
-/// Longest wait, reset or TTL reported or stored, in milliseconds (2^52 ms, about 142,000
-/// years). An expiry time (now + TTL) then stays below 2^53, exact in an f64 and in Lua's
-/// numbers and far inside what Redis's `PEXPIREAT` accepts, so a bucket that would take longer
-/// to fill keeps its state for good instead of overflowing.
-pub const MAX_WAIT_MS: u64 = 1 << 52;
-
-/// Why a capacity and rate make no bucket.
-#[derive(Debug, Clone, PartialEq, thiserror::Error)]
-pub enum SpecError {
-    /// The capacity is negative, not finite, or above [`MAX_CAPACITY`].
-    #[error("capacity must be between 0 and {MAX_CAPACITY:e}, got {0}")]
-    Capacity(f64),
-    /// The rate is negative or not finite.
-    #[error("refill_per_second must be a non-negative number, got {0}")]
-    Rate(f64),
-    /// A bucket with tokens that never refills.
-    #[error("refill_per_second must be above 0 (a bucket that never refills is a quota, not a rate limit)")]
-    NeverRefills,
-}
-
-impl BucketSpec {
-    /// A checked bucket: finite, non-negative, and refilling unless it is empty for good.
-    pub fn new(capacity: f64, refill_per_second: f64) -> Result<BucketSpec, SpecError> {
-        if !capacity.is_finite() || !(0.0..=MAX_CAPACITY).contains(&capacity) {
-            return Err(SpecError::Capacity(capacity));
-        }
-        if !refill_per_second.is_finite() || refill_per_second < 0.0 {
-            return Err(SpecError::Rate(refill_per_second));
-        }
-        if refill_per_second == 0.0 && capacity > 0.0 {
-            return Err(SpecError::NeverRefills);
-        }
-        Ok(BucketSpec { capacity, refill_per_second })
-    }
-
-    /// Most tokens the bucket can hold; a new bucket starts full.
-    pub fn capacity(&self) -> f64 {
-        self.capacity
-    }
-
-    /// Tokens added per second while the bucket is below capacity.
-    pub fn refill_per_second(&self) -> f64 {
-        self.refill_per_second
-    }
-
-    /// Tokens per millisecond, the unit the algorithm works in.
-    pub fn rate_per_ms(&self) -> f64 {
-        self.refill_per_second / 1000.0
-    }
-
-    /// Milliseconds until a balance of `from` tokens has grown to `to` (0 if it already has);
-    /// `None` if it never will (`to` above the capacity, or no refill).
-    pub fn wait_ms(&self, from: f64, to: f64) -> Option<u64> {
-        if from >= to {
-            return Some(0);
-        }
-        if to > self.capacity || self.refill_per_second <= 0.0 {
-            return None;
-        }
-        Some(wait(to - from, self.rate_per_ms()))
-    }
-
-    /// Milliseconds until a balance of `from` tokens is full again.
-    pub fn reset_ms(&self, from: f64) -> u64 {
-        self.wait_ms(from, self.capacity).unwrap_or(0)
-    }
-
-    /// How long an untouched bucket must live: past this it is full, and a missing bucket is
-    /// treated as full, so expiring it changes nothing. `floor` is the lowest balance the
-    /// bucket can hold (0, or `-max_debt` for buckets charged always).
-    pub fn idle_ttl_ms(&self, floor: f64) -> u64 {
-        wait(self.capacity - floor, self.rate_per_ms()).saturating_add(1000).min(MAX_WAIT_MS)
-    }
-}
-
-// ceil(deficit / rate) in whole milliseconds, capped; the Lua script computes the same.
-fn wait(deficit: f64, rate_per_ms: f64) -> u64 {
-    let ms = (deficit / rate_per_ms).ceil();
-    if ms >= MAX_WAIT_MS as f64 {
-        MAX_WAIT_MS
-    } else {
-        ms as u64
-    }
-}
+/// How long after a charge first uses a refill rate faster than a bucket's rate in force that
+/// rate takes effect, in milliseconds. It must exceed the pre-check's longest use of an
+/// observation ([`crate::store::MAX_AGE_MS`]) with room for clock-rate differences: a faster rate
+/// first used after an observation then never refills the bucket while the observation is used.
+pub const RATE_RAISE_DELAY_MS: u64 = 6_000;
 
 /// The stored state of one bucket.
 #[derive(Debug, Clone, Copy, PartialEq, Default)]
@@ -131,10 +66,26 @@ pub struct BucketState {
     pub tokens: f64,
     /// When the balance was last brought up to date, in clock milliseconds.
     pub last_refill_ms: u64,
-    /// The fastest refill rate (per second) any charge of this bucket used, 0 if unknown. Every
-    /// caller sends its own spec, and replicas can briefly disagree (a quota change still cached
-    /// elsewhere): a bound on the balance that other replicas may raise must use this rate.
+    /// The refill rate (per second) in force: no spec refills the bucket faster. The rate of the
+    /// charge that created the bucket, raised when a pending rate takes effect; 0 if unknown
+    /// (state written by an older version), when each spec refills at its own rate.
     pub fastest_refill: f64,
+    /// A faster rate a charge used, in force from `pending_from_ms` on; 0 if none.
+    pub pending_refill: f64,
+    /// When `pending_refill` takes effect, in clock milliseconds.
+    pub pending_from_ms: u64,
+    /// The largest capacity any charge of the bucket used (0 if unknown).
+    pub largest_capacity: f64,
+    /// The slowest refill rate (per second) any charge of the bucket used (0 if unknown).
+    pub slowest_refill: f64,
+}
+
+impl BucketState {
+    /// The fastest rate the bucket may refill at before [`RATE_RAISE_DELAY_MS`] passes: the rate
+    /// in force or the pending one. A bound on the balance that other replicas may raise uses it.
+    pub fn rate_ceiling(&self) -> f64 {
+        self.fastest_refill.max(self.pending_refill)
+    }
 }
 
 /// How an operation's shortage counts toward its group's admission.
@@ -253,22 +204,33 @@ pub struct Evaluation {
     pub writes: Vec<Write>,
 }
 
-/// Brings a bucket's balance up to `now_ms`.
+/// Brings a bucket's balance up to `now_ms` under `spec`.
 ///
-/// A clock step backwards refills nothing and does not move `last_refill_ms` back, so the same
-/// interval is never refilled twice.
+/// The refill runs at `spec`'s rate, never faster than the rate in force, which a pending raise
+/// replaces from the moment it takes effect. A clock step backwards refills nothing and does not
+/// move `last_refill_ms` back, so the same interval is never refilled twice.
 pub fn refill(state: Option<BucketState>, spec: &BucketSpec, now_ms: u64) -> BucketState {
-    match state {
-        None => BucketState { tokens: spec.capacity, last_refill_ms: now_ms, fastest_refill: 0.0 },
-        Some(s) => {
-            let elapsed = now_ms.saturating_sub(s.last_refill_ms) as f64;
-            BucketState {
-                tokens: spec.capacity.min(s.tokens + elapsed * spec.rate_per_ms()),
-                last_refill_ms: s.last_refill_ms.max(now_ms),
-                fastest_refill: s.fastest_refill,
-            }
-        }
+    let Some(s) = state else {
+        return BucketState { tokens: spec.capacity(), last_refill_ms: now_ms, ..BucketState::default() };
+    };
+    let rate = spec.rate_per_ms();
+    // An unknown rate in force (0) caps nothing.
+    let capped = |in_force: f64| if in_force > 0.0 { rate.min(in_force / 1000.0) } else { rate };
+    let mut next = s;
+    let mut from = s.last_refill_ms;
+    let mut grown = 0.0;
+    if s.pending_refill > 0.0 && s.pending_from_ms <= now_ms {
+        let split = s.pending_from_ms.max(from);
+        grown = (split - from) as f64 * capped(s.fastest_refill);
+        from = split;
+        next.fastest_refill = s.pending_refill;
+        next.pending_refill = 0.0;
+        next.pending_from_ms = 0;
     }
+    grown += now_ms.saturating_sub(from) as f64 * capped(next.fastest_refill);
+    next.tokens = spec.capacity().min(s.tokens + grown);
+    next.last_refill_ms = s.last_refill_ms.max(now_ms);
+    next
 }
 
 /// Whether a balance of `tokens` covers `need`: credits always do; a check (0) needs a
@@ -277,15 +239,41 @@ pub fn covers(tokens: f64, need: f64) -> bool {
     need < 0.0 || tokens >= need
 }
 
-// Takes `op.need` from `state` as its charge mode says, and remembers the op's refill rate if it
-// is the fastest yet; returns the tokens forgiven below the floor. A balance already below this
-// op's floor (left by a deeper one) is not raised to it.
-fn debit(state: &mut BucketState, op: &BucketOp) -> f64 {
-    state.fastest_refill = state.fastest_refill.max(op.spec.refill_per_second);
-    let after = op.spec.capacity.min(state.tokens - op.need);
+// Records that a charge used `spec` at `now_ms`: its capacity and rate count for the bucket's
+// life, and a rate faster than the bucket's ceiling becomes pending. A spec that never refills
+// (capacity 0) is never stored, so its rate counts for nothing.
+fn note_spec(state: &mut BucketState, spec: &BucketSpec, now_ms: u64) {
+    state.largest_capacity = state.largest_capacity.max(spec.capacity());
+    let rate = spec.refill_per_second();
+    if rate <= 0.0 {
+        return;
+    }
+    if state.fastest_refill == 0.0 {
+        state.fastest_refill = rate;
+    } else if rate > state.rate_ceiling() {
+        state.pending_refill = rate;
+        state.pending_from_ms = now_ms.saturating_add(RATE_RAISE_DELAY_MS);
+    }
+    state.slowest_refill = if state.slowest_refill == 0.0 { rate } else { state.slowest_refill.min(rate) };
+}
+
+// Takes `op.need` from `state` as its charge mode says, and records the op's spec; returns the
+// tokens forgiven below the floor. A balance already below this op's floor (left by a deeper one)
+// is not raised to it.
+fn debit(state: &mut BucketState, op: &BucketOp, now_ms: u64) -> f64 {
+    note_spec(state, &op.spec, now_ms);
+    let after = op.spec.capacity().min(state.tokens - op.need);
     let kept = after.max(state.tokens.min(op.charge.floor()));
     state.tokens = kept;
     kept - after
+}
+
+// How long a bucket written as `state` by an operation with debt floor `floor` must live: until
+// its balance (or the floor, if lower) has refilled to the largest capacity at the slowest rate
+// any charge used, plus a second. Past that it is full under every spec that wrote it.
+fn life_ms(state: &BucketState, floor: f64) -> u64 {
+    let lowest = state.tokens.min(floor);
+    wait(state.largest_capacity - lowest, state.slowest_refill / 1000.0).saturating_add(1000).min(MAX_WAIT_MS)
 }
 
 /// The operations that give back what `outcome` took for `group`, each with the index of the
@@ -349,7 +337,7 @@ pub fn evaluate(
                 if allowed { Some(0) } else { op.spec.wait_ms(state.tokens, op.need.max(0.0)) };
             let mut forgiven = 0.0;
             if allowed || matches!(op.charge, Charge::Always { .. }) {
-                forgiven = debit(&mut state, op);
+                forgiven = debit(&mut state, op, now_ms);
             }
             tentative.insert(key, state);
             match op.role {
@@ -366,7 +354,7 @@ pub fn evaluate(
                 retry_after_ms,
                 reset_ms: 0,
                 forgiven,
-                fastest_refill: state.fastest_refill,
+                fastest_refill: state.rate_ceiling(),
                 kept_ms: 0,
             });
         }
@@ -384,15 +372,16 @@ pub fn evaluate(
                 let mut state = refill(running[key], &op.spec, now_ms);
                 verdict.forgiven = 0.0;
                 if always {
-                    verdict.forgiven = debit(&mut state, op);
+                    verdict.forgiven = debit(&mut state, op, now_ms);
                     running.insert(key, Some(state));
                 }
                 verdict.tokens = state.tokens;
-                verdict.fastest_refill = state.fastest_refill;
+                verdict.fastest_refill = state.rate_ceiling();
                 always
             };
-            if charged && op.need != 0.0 && op.spec.refill_per_second > 0.0 {
-                let ttl = op.spec.idle_ttl_ms(op.charge.floor());
+            if charged && op.need != 0.0 && op.spec.refill_per_second() > 0.0 {
+                let written = running[key].expect("a charged bucket has state");
+                let ttl = life_ms(&written, op.charge.floor());
                 let slot = dirty.entry(key).or_insert_with(|| {
                     dirty_order.push(key);
                     0
@@ -404,6 +393,13 @@ pub fn evaluate(
         groups.push(GroupOutcome { admitted, now_ms, verdicts, refunded: false });
     }
 
+    // A write never moves an expiry earlier: the bucket lives as long as the longest of what it
+    // had left and what this batch's charges need.
+    for (key, ttl) in dirty.iter_mut() {
+        if let Some(at) = expiries.get(key) {
+            *ttl = (*ttl).max(at.saturating_sub(now_ms).min(MAX_WAIT_MS));
+        }
+    }
     // Known once every group has run: a later group may write a bucket an earlier one read.
     for (group, outcome) in batch.iter().zip(&mut groups) {
         for (op, verdict) in group.iter().zip(&mut outcome.verdicts) {
@@ -434,9 +430,9 @@ mod tests {
         BucketSpec::new(capacity, refill_per_second).unwrap()
     }
 
-    // A stored bucket that does not expire during the test.
+    // A stored bucket whose expiry has come: whatever a test writes sets the expiry alone.
     fn stored(state: BucketState) -> Option<(BucketState, u64)> {
-        Some((state, u64::MAX))
+        Some((state, 0))
     }
 
     fn op(key: &str, spec: BucketSpec, need: f64) -> BucketOp {
@@ -458,7 +454,14 @@ mod tests {
             e.writes,
             vec![Write {
                 key: "a".into(),
-                state: BucketState { tokens: 7.0, last_refill_ms: 1_000, fastest_refill: 1.0 },
+                state: BucketState {
+                    tokens: 7.0,
+                    last_refill_ms: 1_000,
+                    fastest_refill: 1.0,
+                    largest_capacity: 10.0,
+                    slowest_refill: 1.0,
+                    ..Default::default()
+                },
                 ttl_ms: 11_000,
             }]
         );
@@ -637,12 +640,68 @@ mod tests {
     #[test]
     fn extreme_specs_keep_state_and_bounded_numbers() {
         let s = spec(1e12, 0.0001);
-        assert_eq!(s.idle_ttl_ms(0.0), MAX_WAIT_MS);
         let e = evaluate(&[vec![op("a", s, 6e11)]], 0, |_| None);
         assert_eq!(e.writes[0].ttl_ms, MAX_WAIT_MS);
         assert_eq!(e.groups[0].verdicts[0].reset_ms, MAX_WAIT_MS);
         let at = e.writes[0].state;
         let e = evaluate(&[vec![op("a", s, 6e11)]], 5, |_| stored(at));
         assert_eq!(e.groups[0].verdicts[0].retry_after_ms, Some(MAX_WAIT_MS));
+    }
+    // Stored as `evaluate` wrote it: (state, expiry at).
+    fn written(e: &Evaluation, now_ms: u64) -> Option<(BucketState, u64)> {
+        e.writes.first().map(|w| (w.state, now_ms + w.ttl_ms))
+    }
+
+    #[test]
+    fn a_write_never_moves_the_expiry_earlier() {
+        let (slow, fast) = (spec(100.0, 1.0), spec(100.0, 100.0));
+        let e = evaluate(&[vec![op("a", slow, 100.0)]], 0, |_| None);
+        assert_eq!(e.writes[0].ttl_ms, 101_000);
+        // Written before any spec was recorded (an older version's state): the write keeps it.
+        let bare = BucketState { tokens: 0.0, last_refill_ms: 0, ..Default::default() };
+        let e = evaluate(&[vec![op("a", fast, 1.0)]], 50_000, |_| Some((bare, 400_000)));
+        assert_eq!(e.writes[0].ttl_ms, 350_000, "what was left of its life");
+        assert_eq!(e.groups[0].verdicts[0].kept_ms, 350_000);
+        let e = evaluate(&[vec![op("a", fast, 1.0)]], 50_000, |_| Some((bare, 51_000)));
+        assert_eq!(e.writes[0].ttl_ms, 2_000, "its own life when longer");
+    }
+
+    #[test]
+    fn a_bucket_lives_until_full_at_its_largest_capacity_and_slowest_rate() {
+        // The small spec alone would keep the bucket 2 s; the large one needs 100 s from empty.
+        let (large, small) = (spec(100.0, 1.0), spec(1.0, 1.0));
+        let mut at = written(&evaluate(&[vec![op("a", large, 100.0)]], 0, |_| None), 0);
+        for t in (1..=100u64).map(|s| s * 1_000) {
+            let e = evaluate(&[vec![op("a", small, 1.0)]], t, |_| at);
+            assert!(e.groups[0].admitted, "one token a second at {t} ms");
+            at = written(&e, t);
+        }
+        let (state, expires) = at.unwrap();
+        assert_eq!((state.largest_capacity, state.slowest_refill), (100.0, 1.0));
+        assert_eq!(expires, 100_000 + 101_000, "empty at 100 s: full at the large capacity 100 s later");
+        // Just before it expires, the large spec finds 100 tokens refilled, never more.
+        let e = evaluate(&[vec![op("a", large, 100.0)]], expires - 1_000, |_| at);
+        assert!(e.groups[0].admitted);
+        let e = evaluate(&[vec![op("a", large, 1.0)]], expires - 1_000, |_| written(&e, expires - 1_000));
+        assert!(!e.groups[0].admitted, "no second burst");
+    }
+
+    #[test]
+    fn a_faster_rate_takes_effect_after_the_raise_delay() {
+        let (slow, fast) = (spec(1_000.0, 1.0), spec(1_000.0, 100.0));
+        let at = written(&evaluate(&[vec![op("a", slow, 1_000.0)]], 0, |_| None), 0);
+        // The fast spec's first charge is pending: the bucket still refills at 1 per second.
+        let e = evaluate(&[vec![op("a", fast, 1.0)]], 1_000, |_| at);
+        let state = e.writes[0].state;
+        assert_eq!((state.tokens, state.fastest_refill, state.pending_refill), (0.0, 1.0, 100.0));
+        assert_eq!(state.pending_from_ms, 1_000 + RATE_RAISE_DELAY_MS);
+        assert_eq!(e.groups[0].verdicts[0].fastest_refill, 100.0, "the ceiling a bound must use");
+        let at = written(&e, 1_000);
+        let before = refill(at.map(|(s, _)| s), &fast, 1_000 + RATE_RAISE_DELAY_MS);
+        assert_eq!(before.tokens, 6.0, "1 per second until the raise");
+        let after = refill(at.map(|(s, _)| s), &fast, 2_000 + RATE_RAISE_DELAY_MS);
+        assert_eq!((after.tokens, after.fastest_refill, after.pending_refill), (106.0, 100.0, 0.0));
+        // The slow spec keeps its own rate, under the raised ceiling too.
+        assert_eq!(refill(at.map(|(s, _)| s), &slow, 2_000 + RATE_RAISE_DELAY_MS).tokens, 7.0);
     }
 }
