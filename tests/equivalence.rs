@@ -24,7 +24,9 @@ use std::time::Duration;
 
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
-use tollgate::bucket::{BucketOp, BucketSpec, BucketState, Charge, Group, Role, MAX_WAIT_MS, MIN_REFILL_PER_SECOND};
+use tollgate::bucket::{
+    BucketOp, BucketSpec, BucketState, Charge, Group, Role, MAX_WAIT_MS, MIN_REFILL_PER_SECOND,
+};
 use tollgate::clock::ManualClock;
 use tollgate::store::{LateReply, MemoryStore, RedisStore, RedisTarget, RedisTls, Store};
 
@@ -222,7 +224,8 @@ async fn replay(seed: u64, redis: &common::Redis) -> usize {
         for (g, group) in batch.iter().enumerate() {
             for (op, v) in group.iter().zip(&from_redis[g].verdicts) {
                 // Kept longer than the operation's own spec needs: another spec's life or expiry.
-                let own = ((op.spec.capacity() + op.charge.floor().abs()) / op.spec.refill_per_second() * 1000.0)
+                let own = ((op.spec.capacity() + op.charge.floor().abs()) / op.spec.refill_per_second()
+                    * 1000.0)
                     .ceil()
                     + 1000.0;
                 *seen.get_mut("kept longer").unwrap() += usize::from(v.kept_ms as f64 > own && own < 1e15);

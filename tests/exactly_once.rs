@@ -6,6 +6,8 @@
 //! * a reply that comes after the deadline is refunded when the request was answered by
 //!   `failure_mode: deny`, and kept when `allow` admitted it; a reply that never comes leaves
 //!   what the script took (the documented limit);
+//! * a late reply's refund reaches the pre-check: a denial observed before the refund landed is
+//!   not used to deny what Redis admits after it;
 //! * two replicas with different specs for one bucket: the faster one's refills never make the
 //!   slower one's pre-check deny what Redis admits;
 //! * a capacity of 1e12 refilling 0.0001/s keeps its state in Redis.
@@ -236,6 +238,45 @@ async fn cluster_at_most_once_and_late_refunds() {
     a_lost_reply_is_never_resent(&setup).await;
     late_replies(&setup).await;
     replies_that_never_come(&setup).await;
+}
+
+/// A reply that comes after the deadline is refunded; a denial another request observed before
+/// the refund landed must not make the pre-check deny what Redis then holds.
+async fn a_late_refund_reaches_the_precheck(setup: &Setup) {
+    let dir = configs();
+    let server = Tollgate::start(dir.path(), &setup.backend, &["--redis-timeout", "200ms"]);
+    settle(&server).await;
+    let tenant = "late-refund-precheck";
+    let (proxy, direct) = setup.node_of(tenant);
+    assert_eq!(ask(&server.addr(), hits("deny", tenant, 500)).await.unwrap().overall_code, OK);
+    // A: its script takes the last 500, its reply comes 300 ms late; `deny` answers and refunds.
+    proxy.set(Fault::DelayReplies(Duration::from_millis(300)));
+    assert_eq!(ask(&server.addr(), hits("deny", tenant, 500)).await.unwrap().overall_code, OVER_LIMIT);
+    proxy.set(Fault::Pass);
+    // B: runs while the bucket is empty, its reply queued behind A's: a real denial, observed.
+    let b = ask(&server.addr(), hits("deny", tenant, 500)).await.unwrap().overall_code;
+    for _ in 0..200 {
+        if (tokens(direct, "deny", tenant) - 500.0).abs() < 0.01 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let held = tokens(direct, "deny", tenant);
+    assert!((held - 500.0).abs() < 0.01, "the late reply was refunded: {held}");
+    // C: Redis holds 500; the pre-check must pass the request on.
+    let c = ask(&server.addr(), hits("deny", tenant, 500)).await.unwrap().overall_code;
+    let local = sample(&server.metrics(), "tollgate_precheck_answers_total", &[]);
+    println!(
+        "{}: late refund then a request for the refunded tokens: B {b}, C {c} ({local} local answers)",
+        setup.name()
+    );
+    assert_eq!(c, OK, "Redis held {held} after the refund\n{}", server.log());
+    assert!(tokens(direct, "deny", tenant).abs() < 0.01, "C took the refunded tokens");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_late_refund_reaches_the_precheck_on_standalone_redis() {
+    a_late_refund_reaches_the_precheck(&Setup::standalone()).await;
 }
 
 #[tokio::test(flavor = "multi_thread")]

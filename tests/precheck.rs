@@ -11,7 +11,7 @@ use common::*;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use redis::Commands as _;
-use tollgate::bucket::{BucketOp, BucketSpec, Charge, Group, Role};
+use tollgate::bucket::{BucketOp, BucketSpec, Charge, Group, Role, RATE_RAISE_DELAY_MS};
 use tollgate::clock::ManualClock;
 use tollgate::store::{LateReply, MemoryStore, Precheck, Store, MAX_AGE_MS};
 
@@ -139,9 +139,12 @@ async fn a_changed_quota_is_never_held_to_the_old_observation() {
     assert!(!checked.evaluate(&spend(0.001), GIVE_BACK).await[0].as_ref().unwrap().admitted);
     assert!(!checked.evaluate(&spend(0.001), GIVE_BACK).await[0].as_ref().unwrap().admitted);
     assert_eq!(checked.answered_locally(), 2, "the empty bucket is denied locally");
-    // The quota's rate grows: half a second refills the bucket at the new rate, though the old
-    // observation's rate would bound it to 0.0005 tokens. The pre-check must ask the store.
+    // The quota's rate grows. The store applies a faster rate only RATE_RAISE_DELAY_MS after
+    // it is first asked for, so the old observation stays an upper bound meanwhile; once the new
+    // rate is in force the store admits, and the pre-check must not have answered for it.
     clock.advance(500);
+    assert!(!checked.evaluate(&spend(10.0), GIVE_BACK).await[0].as_ref().unwrap().admitted);
+    clock.advance(RATE_RAISE_DELAY_MS + 100);
     assert!(checked.evaluate(&spend(10.0), GIVE_BACK).await[0].as_ref().unwrap().admitted);
     assert_eq!(checked.answered_locally(), 2);
 }
@@ -272,7 +275,7 @@ async fn an_abusive_tenant_is_denied_locally_with_the_same_answers() {
 }
 
 #[tokio::test(flavor = "multi_thread")]
-async fn a_reloaded_rule_applies_to_the_next_request_despite_the_precheck() {
+async fn a_reloaded_faster_rate_is_never_held_to_an_old_observation() {
     let redis = Redis::start();
     let (dir, config) = config_file(CONFIG);
     let server = Tollgate::start(&config, &Backend::Redis(redis.url()), &[]);
@@ -281,16 +284,31 @@ async fn a_reloaded_rule_applies_to_the_next_request_despite_the_precheck() {
     assert_eq!(answers.iter().filter(|a| a.0 == OK).count(), 5);
     assert!(sample(&server.metrics(), "tollgate_precheck_answers_total", &[]) >= 2.0);
 
-    // Raise the refill rate: a millisecond now refills the bucket at the new rate, which the
-    // observation made under the old rate would rule out.
+    // Raise the refill rate: a millisecond refills the bucket at the new rate once it is in
+    // force, which the observation made under the old rate would rule out.
     std::fs::write(&config, CONFIG.replace("refill_per_second: 0.01", "refill_per_second: 100000")).unwrap();
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
     while sample(&server.metrics(), "tollgate_config_reloads_total", &[("result", "success")]) < 1.0 {
         assert!(std::time::Instant::now() < deadline, "the config was never reloaded");
         tokio::time::sleep(std::time::Duration::from_millis(20)).await;
     }
-    let r = ask(&server.addr(), req("abuse", &["tenant=mallory"], 1)).await.unwrap();
-    assert_eq!(r.overall_code, OK, "the new rate applies at once");
+    // The store puts a faster rate in force RATE_RAISE_DELAY_MS after it is first asked for;
+    // until then and after, every request reaches it.
+    let local = sample(&server.metrics(), "tollgate_precheck_answers_total", &[]);
+    let asked = std::time::Instant::now();
+    let mut code = OVER_LIMIT;
+    while code != OK && asked.elapsed() < std::time::Duration::from_millis(RATE_RAISE_DELAY_MS + 3_000) {
+        code = ask(&server.addr(), req("abuse", &["tenant=mallory"], 1)).await.unwrap().overall_code;
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+    println!("a reloaded faster rate: admitted {:?} after the first request under it", asked.elapsed());
+    assert_eq!(code, OK, "the new rate applies");
+    assert!(asked.elapsed() >= std::time::Duration::from_millis(RATE_RAISE_DELAY_MS - 500));
+    assert_eq!(
+        sample(&server.metrics(), "tollgate_precheck_answers_total", &[]),
+        local,
+        "none answered locally"
+    );
     drop(dir);
 }
 

@@ -199,8 +199,9 @@ pub struct Write {
 pub struct Evaluation {
     /// One outcome per group, in order.
     pub groups: Vec<GroupOutcome>,
-    /// Buckets to write back. Untouched, denied and check-only buckets are not written: their
-    /// stored state, refilled later, yields the same balance.
+    /// Buckets to write back. Untouched, denied and check-only buckets are not written (their
+    /// stored state, refilled later, yields the same balance), unless the operation's rate raised
+    /// the bucket's rate ceiling.
     pub writes: Vec<Write>,
 }
 
@@ -255,6 +256,12 @@ fn note_spec(state: &mut BucketState, spec: &BucketSpec, now_ms: u64) {
         state.pending_from_ms = now_ms.saturating_add(RATE_RAISE_DELAY_MS);
     }
     state.slowest_refill = if state.slowest_refill == 0.0 { rate } else { state.slowest_refill.min(rate) };
+}
+
+// Whether `spec` refills faster than the ceiling of the bucket `state`, whose rate in force is
+// known: then its rate becomes pending.
+fn raises_ceiling(state: &BucketState, spec: &BucketSpec) -> bool {
+    state.fastest_refill > 0.0 && spec.refill_per_second() > state.rate_ceiling()
 }
 
 // Takes `op.need` from `state` as its charge mode says, and records the op's spec; returns the
@@ -323,6 +330,8 @@ pub fn evaluate(
         // Tentative state: this group's debits, visible to its later operations only.
         let mut tentative: HashMap<&str, BucketState> = HashMap::new();
         let mut verdicts = Vec::with_capacity(group.len());
+        // Per operation: it found a stored bucket whose rate ceiling its spec raises.
+        let mut raised = Vec::with_capacity(group.len());
         let (mut enforced_short, mut quota_ops, mut quota_allowed) = (false, 0, 0);
 
         for op in group {
@@ -332,13 +341,17 @@ pub fn evaluate(
                 None => *running.entry(key).or_insert_with(|| load(key)),
             };
             let mut state = refill(before, &op.spec, now_ms);
+            let raises = before.is_some() && raises_ceiling(&state, &op.spec);
             let allowed = covers(state.tokens, op.need);
             let retry_after_ms =
                 if allowed { Some(0) } else { op.spec.wait_ms(state.tokens, op.need.max(0.0)) };
             let mut forgiven = 0.0;
             if allowed || matches!(op.charge, Charge::Always { .. }) {
                 forgiven = debit(&mut state, op, now_ms);
+            } else if raises {
+                note_spec(&mut state, &op.spec, now_ms);
             }
+            raised.push(raises);
             tentative.insert(key, state);
             match op.role {
                 Role::Enforced => enforced_short |= !allowed,
@@ -360,27 +373,36 @@ pub fn evaluate(
         }
         let admitted = !enforced_short && (quota_ops == 0 || quota_allowed > 0);
 
-        for (op, verdict) in group.iter().zip(verdicts.iter_mut()) {
+        for ((op, verdict), raises) in group.iter().zip(verdicts.iter_mut()).zip(raised) {
             let key = op.key.as_str();
             let always = matches!(op.charge, Charge::Always { .. });
-            let charged = if admitted {
+            let (charged, raises) = if admitted {
                 running.insert(key, tentative.get(key).copied());
-                verdict.allowed || always
+                (verdict.allowed || always, raises)
             } else {
                 // A denied group takes only what is charged always, replayed on the committed
-                // state in the group's order.
-                let mut state = refill(running[key], &op.spec, now_ms);
+                // state in the group's order, and records a raised rate ceiling.
+                let committed = running[key];
+                let mut state = refill(committed, &op.spec, now_ms);
+                let raises = committed.is_some() && raises_ceiling(&state, &op.spec);
                 verdict.forgiven = 0.0;
                 if always {
                     verdict.forgiven = debit(&mut state, op, now_ms);
                     running.insert(key, Some(state));
+                } else if raises {
+                    let mut noted = committed.expect("a raise needs a stored bucket");
+                    note_spec(&mut noted, &op.spec, now_ms);
+                    note_spec(&mut state, &op.spec, now_ms);
+                    running.insert(key, Some(noted));
                 }
                 verdict.tokens = state.tokens;
                 verdict.fastest_refill = state.rate_ceiling();
-                always
+                (always, raises)
             };
-            if charged && op.need != 0.0 && op.spec.refill_per_second() > 0.0 {
-                let written = running[key].expect("a charged bucket has state");
+            // Written when charged, and when its spec raised the rate ceiling: a denied request
+            // under a faster rate starts the raise's delay as a charge would.
+            if ((charged && op.need != 0.0) || raises) && op.spec.refill_per_second() > 0.0 {
+                let written = running[key].expect("a written bucket has state");
                 let ttl = life_ms(&written, op.charge.floor());
                 let slot = dirty.entry(key).or_insert_with(|| {
                     dirty_order.push(key);
@@ -703,5 +725,20 @@ mod tests {
         assert_eq!((after.tokens, after.fastest_refill, after.pending_refill), (106.0, 100.0, 0.0));
         // The slow spec keeps its own rate, under the raised ceiling too.
         assert_eq!(refill(at.map(|(s, _)| s), &slow, 2_000 + RATE_RAISE_DELAY_MS).tokens, 7.0);
+    }
+
+    #[test]
+    fn a_denied_request_under_a_faster_rate_starts_the_raise() {
+        let (slow, fast) = (spec(1.0, 0.001), spec(1.0, 10.0));
+        let at = written(&evaluate(&[vec![op("a", slow, 1.0)]], 0, |_| None), 0);
+        let e = evaluate(&[vec![op("a", fast, 1.0)]], 500, |_| at);
+        assert!(!e.groups[0].admitted, "the old rate is in force");
+        let noted = e.writes[0].state;
+        assert_eq!((noted.tokens, noted.last_refill_ms), (0.0, 0), "the balance is not rewritten");
+        assert_eq!((noted.pending_refill, noted.pending_from_ms), (10.0, 500 + RATE_RAISE_DELAY_MS));
+        assert_eq!(e.writes[0].ttl_ms, 1_000_500 - 500, "its life is kept");
+        let later = 600 + RATE_RAISE_DELAY_MS;
+        let e = evaluate(&[vec![op("a", fast, 1.0)]], later, |_| Some((noted, 1_000_500)));
+        assert!(e.groups[0].admitted, "a tenth of a second at 10 per second");
     }
 }

@@ -107,4 +107,3 @@ pub(super) fn wait(deficit: f64, rate_per_ms: f64) -> u64 {
         ms as u64
     }
 }
-

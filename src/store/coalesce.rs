@@ -19,9 +19,13 @@
 //! was sent runs on in its own task until its reply comes (or the connection's longer response
 //! timeout passes). When the reply shows that a group's script run took tokens for a caller that
 //! has already answered, the group's [`LateReply`] decides: `GiveBack` sends the refund at once,
-//! `Keep` leaves the tokens taken. Both are counted in `tollgate_store_late_replies_total`.
+//! `Keep` leaves the tokens taken. Both are counted in `tollgate_store_late_replies_total`. A
+//! refund raises balances nobody was told about, so it moves [`Coalescer::refunds`] before it
+//! is sent and once it is answered: the store's epoch, which voids what a local pre-check
+//! learnt before.
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -53,6 +57,8 @@ pub struct Coalescer {
     max_in_flight: usize,
     deadline: Duration,
     slots: Mutex<HashMap<u16, Queue>>,
+    // Moves twice per late refund: when it is sent and when it is answered.
+    refunds: Arc<AtomicU64>,
 }
 
 #[derive(Default)]
@@ -73,7 +79,20 @@ impl Coalescer {
     /// its own goes out (zero: no coalescing), and gets [`StoreError::Timeout`] after `deadline`.
     pub fn new(call: Call, delay: Duration, deadline: Duration) -> Arc<Coalescer> {
         let max_in_flight = if delay.is_zero() { MAX_IN_FLIGHT_UNCOALESCED } else { MAX_IN_FLIGHT };
-        Arc::new(Coalescer { call, delay, max_in_flight, deadline, slots: Mutex::default() })
+        Arc::new(Coalescer {
+            call,
+            delay,
+            max_in_flight,
+            deadline,
+            slots: Mutex::default(),
+            refunds: Arc::default(),
+        })
+    }
+
+    /// A counter that moves whenever a late refund may have raised balances: before it is sent
+    /// and once it is answered (or failed).
+    pub fn refunds(&self) -> u64 {
+        self.refunds.load(Ordering::SeqCst)
     }
 
     /// Evaluates `groups` (all of slot `slot`) in the next call for that slot.
@@ -193,8 +212,12 @@ impl Coalescer {
         }
         metrics::counter!("tollgate_store_refunds_total", "reason" => "late").increment(1);
         let call = self.call.clone();
+        let refunds = self.refunds.clone();
+        refunds.fetch_add(1, Ordering::SeqCst);
         tokio::spawn(async move {
-            if let Err(error) = call(slot, vec![late_refund]).await {
+            let result = call(slot, vec![late_refund]).await;
+            refunds.fetch_add(1, Ordering::SeqCst);
+            if let Err(error) = result {
                 metrics::counter!("tollgate_store_refund_failures_total").increment(1);
                 if let Some(held_back) = logs::throttled("late_refund_failed") {
                     tracing::error!(error = %ErrorChain(&error), slot, held_back, "could not refund the tokens of a late reply");

@@ -79,7 +79,8 @@ pub trait Store: Send + Sync + 'static {
     fn describe(&self) -> String;
 
     /// A counter that moves whenever the backend's state or clock may have jumped (a failover,
-    /// a reconnection to a restarted server): what was learnt before is not to be trusted.
+    /// a reconnection to a restarted server, a refund the store sent by itself): what was learnt
+    /// before is not to be trusted.
     fn epoch(&self) -> u64 {
         0
     }

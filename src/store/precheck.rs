@@ -11,13 +11,13 @@
 //!
 //! The bound must never be too low, or the pre-check would deny what Redis admits:
 //!
-//! * Rate: replicas can briefly evaluate one bucket under different specs (a quota change still
-//!   cached elsewhere, a rolling config change), and a faster refill through another replica
-//!   raises the balance this one sees. The script records the fastest rate any charge of the
-//!   bucket used ([`crate::bucket::BucketState::fastest_refill`]) and returns it; the bound uses
-//!   the larger of that and this request's own rate. Not covered: a rate faster than any used on
-//!   the bucket before, first used through another replica in the [`MAX_AGE_MS`] after this
-//!   replica's observation.
+//! * Rate: replicas can evaluate one bucket under different specs (a quota change still cached
+//!   elsewhere, a rolling config change), and a faster refill through another replica raises the
+//!   balance this one sees. The store never refills a bucket faster than its rate ceiling (the
+//!   rate in force or a pending one, [`crate::bucket::BucketState::rate_ceiling`]), which the
+//!   script returns with every verdict, and a faster rate first asked for takes effect only
+//!   [`RATE_RAISE_DELAY_MS`] later, longer than any observation is used. The bound uses the
+//!   larger of that ceiling and this request's own rate, so it holds whatever other replicas ask.
 //! * Time: elapsed time is measured locally from *before* the call that made the observation
 //!   (the server read its clock later), stretched by [`DRIFT`] for clock-rate differences, plus
 //!   [`SLACK_MS`] for both clocks' millisecond truncation. A clock that steps (a failover to a
@@ -25,8 +25,10 @@
 //!   ([`Store::epoch`]): observations from an older epoch are not used.
 //! * Credits (`is_negative_hits`, and refunds) raise a balance: one sent through this replica
 //!   drops the observation, and calls that were already running when it completed may not make
-//!   new ones; a credit sent by another replica is not seen. Turn the pre-check off where buckets
-//!   receive credits through several replicas.
+//!   new ones. A refund the store sends itself (the late reply of a call its caller gave up on)
+//!   moves the store's epoch, before it is sent and when it is answered. A credit sent by
+//!   another replica is not seen: turn the pre-check off where buckets receive credits through
+//!   several replicas.
 //! * Expiry: a missing bucket is full at the asker's capacity, which may be larger than the one
 //!   the bucket was last written with. The store reports how long it certainly keeps each bucket
 //!   ([`Verdict::kept_ms`]: the TTL just written, or what is left of the stored one), and an
@@ -49,7 +51,9 @@ use std::sync::{Arc, Mutex};
 use futures::future::BoxFuture;
 
 use super::{DemandNote, LateReply, LeaseNote, Parked, SharedDemand, Store, StoreError};
-use crate::bucket::{covers, Batch, BucketOp, BucketSpec, Charge, Group, GroupOutcome, Role, Verdict};
+use crate::bucket::{
+    covers, Batch, BucketOp, BucketSpec, Charge, Group, GroupOutcome, Role, Verdict, RATE_RAISE_DELAY_MS,
+};
 use crate::clock::Clock;
 
 /// Allowed rate difference between the local clock and the Redis server's clock.
@@ -58,6 +62,10 @@ pub const DRIFT: f64 = 1e-3;
 pub const SLACK_MS: u64 = 2;
 /// Oldest observation used, in milliseconds, whatever the store says it keeps.
 pub const MAX_AGE_MS: u64 = 5_000;
+
+// An observation is used for at most MAX_AGE_MS of local time, which the store's clock may stretch
+// by DRIFT plus SLACK_MS; a raised rate must not take effect within that.
+const _: () = assert!(MAX_AGE_MS + MAX_AGE_MS / 100 + 100 < RATE_RAISE_DELAY_MS);
 
 const SHARDS: usize = 16;
 

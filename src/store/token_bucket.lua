@@ -123,6 +123,11 @@ local function ceiling(st)
   return math.max(st[3], st[4])
 end
 
+-- Whether rps refills faster than the ceiling of a bucket whose rate in force is known.
+local function raises_ceiling(st, rps)
+  return st[3] > 0 and rps > ceiling(st)
+end
+
 local out = {now}
 local dirty = {}
 -- Reply slots to fill with how long each key is kept, once every group has run.
@@ -145,11 +150,16 @@ for _ = 1, tonumber(ARGV[1]) do
     local s = tentative[k]
     if s == nil then s = load(k) end
     local st = refill(s, cap, rate)
+    local raises = s and raises_ceiling(st, rps)
     local allowed = need < 0 or st[1] >= need
     local retry = 0
     if not allowed then retry = wait_ms(cap, rate, st[1], math.max(need, 0)) end
     local forgiven = 0
-    if allowed or debt then forgiven = debit(st, cap, rps, need, debt) end
+    if allowed or debt then
+      forgiven = debit(st, cap, rps, need, debt)
+    elseif raises then
+      note_spec(st, cap, rps)
+    end
     tentative[k] = st
     if role == '0' then
       if not allowed then enforced_short = true end
@@ -157,29 +167,39 @@ for _ = 1, tonumber(ARGV[1]) do
       quota_ops = quota_ops + 1
       if allowed then quota_allowed = quota_allowed + 1 end
     end
-    ops[i] = {k, cap, rps, rate, need, debt, allowed, st[1], retry, forgiven, ceiling(st)}
+    ops[i] = {k, cap, rps, rate, need, debt, allowed, st[1], retry, forgiven, ceiling(st), raises}
   end
   local admitted = (not enforced_short) and (quota_ops == 0 or quota_allowed > 0)
 
   out[#out + 1] = admitted and 1 or 0
   for i = 1, n do
-    local k, cap, rps, rate, need, debt, allowed, tokens, retry, forgiven, fastest = unpack(ops[i])
+    local k, cap, rps, rate, need, debt, allowed, tokens, retry, forgiven, fastest, raises =
+      unpack(ops[i])
     local charged
     if admitted then
       running[k] = tentative[k]
       charged = allowed or debt ~= nil
     else
-      -- A denied group takes only what is charged always, replayed on the committed state.
-      local st = refill(load(k), cap, rate)
+      -- A denied group takes only what is charged always, replayed on the committed state, and
+      -- records a raised rate ceiling.
+      local committed = load(k)
+      local st = refill(committed, cap, rate)
+      raises = committed and raises_ceiling(st, rps)
       forgiven = 0
       if debt then
         forgiven = debit(st, cap, rps, need, debt)
         running[k] = st
+      elseif raises then
+        local noted = {unpack(committed)}
+        note_spec(noted, cap, rps)
+        note_spec(st, cap, rps)
+        running[k] = noted
       end
       tokens, fastest = st[1], ceiling(st)
       charged = debt ~= nil
     end
-    if charged and need ~= 0 and rate > 0 then
+    -- Written when charged, and when its spec raised the rate ceiling.
+    if ((charged and need ~= 0) or raises) and rate > 0 then
       local ttl = life(running[k], floor_of(debt))
       if dirty[k] == nil or dirty[k] < ttl then dirty[k] = ttl end
     end
