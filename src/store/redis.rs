@@ -618,12 +618,15 @@ impl Store for RedisStore {
         self.shared.description.clone()
     }
 
+    // Reconnections and failovers (the server's state or clock may have jumped), and late
+    // refunds (balances rose after they were reported).
     fn epoch(&self) -> u64 {
-        match &self.shared.connection {
+        let connection = match &self.shared.connection {
             Connection::Standalone(node) => node.epoch(),
             Connection::Sentinel(sentinel) => sentinel.epoch(),
             Connection::Cluster(cluster) => cluster.epoch(),
-        }
+        };
+        connection.wrapping_add(self.coalescer.refunds())
     }
 }
 
