@@ -10,8 +10,9 @@
 //! 3. `Limiter::resolve_quotas`: tenant quotas are resolved through the [`QuotaSource`].
 //! 4. `Limiter::evaluate`: every bucket operation of the request forms one all-or-nothing group,
 //!    which the [`Store`] evaluates (one script call per Cluster slot involved).
-//! 5. `Limiter::verdicts`: store failures become the domain's failure mode; shadow rules never
-//!    deny; quota-mode descriptors deny only together; the decision is counted.
+//! 5. `Limiter::verdicts`: store failures become the domain's failure mode, except that a denial
+//!    the store did answer wins over the parts it could not; shadow rules never deny; quota-mode
+//!    descriptors deny only together; the decision is counted.
 //!
 //! Protocol edges (the RLS gRPC service, `POST /json`) translate their requests into a [`Query`]
 //! and the [`Decision`] back; nothing here knows a wire format. Clients that enforce limits
@@ -330,6 +331,13 @@ impl Limiter {
             self.store_call(std::slice::from_ref(&group), late).await.pop().expect("one result per group");
         match result {
             Ok(outcome) => {
+                if !outcome.unanswered.is_empty() {
+                    let mode = domain.failure_mode;
+                    metrics::counter!("tollgate_store_errors_total", "domain" => domain.name.clone(), "kind" => "error", "failure_mode" => mode.to_string()).increment(1);
+                    if let Some(held_back) = logs::throttled("store_part_failed") {
+                        tracing::warn!(domain = %domain.name, failure_mode = %mode, held_back, "a Redis Cluster shard failed for part of a request that another part denied; answering the denial");
+                    }
+                }
                 let forgiven: f64 = outcome.verdicts.iter().map(|v| v.forgiven).sum();
                 if forgiven > 0.0 {
                     metrics::counter!("tollgate_debt_forgiven_tokens_total", "domain" => domain.name.clone())
@@ -378,7 +386,7 @@ impl Limiter {
         let mut descriptors = Vec::with_capacity(plans.len());
         for ((plan, op), d) in plans.iter().zip(op_of).zip(&query.descriptors) {
             let (code, outcome) = match (plan, op, outcome) {
-                (Plan::Bucket(p), Some(i), Ok(Some(group))) => {
+                (Plan::Bucket(p), Some(i), Ok(Some(group))) if !group.unanswered.contains(i) => {
                     let report = BucketReport {
                         limit: limit_info(p),
                         verdict: group.verdicts[*i],

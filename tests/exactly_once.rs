@@ -6,6 +6,8 @@
 //! * a reply that comes after the deadline is refunded when the request was answered by
 //!   `failure_mode: deny`, and kept when `allow` admitted it; a reply that never comes leaves
 //!   what the script took (the documented limit);
+//! * a known denial wins: a request over two Cluster slots, one over its limit and the other
+//!   failing, is denied under `failure_mode: allow`, and the failed part's late tokens come back;
 //! * a late reply's refund reaches the pre-check: a denial observed before the refund landed is
 //!   not used to deny what Redis admits after it;
 //! * two replicas with different specs for one bucket: the faster one's refills never make the
@@ -272,6 +274,50 @@ async fn a_late_refund_reaches_the_precheck(setup: &Setup) {
     );
     assert_eq!(c, OK, "Redis held {held} after the refund\n{}", server.log());
     assert!(tokens(direct, "deny", tenant).abs() < 0.01, "C took the refunded tokens");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_known_denial_wins_over_a_failed_cluster_slot() {
+    let setup = Setup::cluster();
+    let dir = configs();
+    let server = Tollgate::start(dir.path(), &setup.backend, &["--redis-timeout", "100ms"]);
+    settle(&server).await;
+    let empty = "split-empty";
+    let (empty_node, empty_direct) = setup.node_of(empty);
+    let failing = (0..100)
+        .map(|i| format!("split-failing-{i}"))
+        .find(|t| setup.node_of(t).0.port != empty_node.port)
+        .expect("a tenant on another primary");
+    let (failing_node, failing_direct) = setup.node_of(&failing);
+    assert_eq!(ask(&server.addr(), hits("allow", empty, 1000)).await.unwrap().overall_code, OK);
+    assert_eq!(ask(&server.addr(), hits("allow", &failing, 1)).await.unwrap().overall_code, OK);
+    // The failing tenant's shard answers 300 ms late: its script runs, its reply misses the
+    // deadline; the empty tenant's shard answers OVER_LIMIT at once.
+    failing_node.set(Fault::DelayReplies(Duration::from_millis(300)));
+    let mut both = req("allow", &[&format!("tenant={empty}"), &format!("tenant={failing}")], 1);
+    both.descriptors[1].hits_addend = Some(UInt64Value { value: 10 });
+    let r = ask(&server.addr(), both).await.unwrap();
+    failing_node.set(Fault::Pass);
+    let mut left = tokens(failing_direct, "allow", &failing);
+    for _ in 0..100 {
+        if (left - 999.0).abs() < 0.01 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        left = tokens(failing_direct, "allow", &failing);
+    }
+    let errors = sample(&server.metrics(), "tollgate_store_errors_total", &[("domain", "allow")]);
+    println!(
+        "cluster, failure_mode allow: a request over an empty slot and a failing one: {} (statuses {:?}); the failing slot's bucket {left} after its late reply; store errors counted {errors}",
+        r.overall_code,
+        r.statuses.iter().map(|s| s.code).collect::<Vec<_>>()
+    );
+    assert_eq!(r.overall_code, OVER_LIMIT, "the known denial wins");
+    assert!((left - 999.0).abs() < 0.01, "the failed part's late tokens were given back: {left}");
+    assert!(tokens(empty_direct, "allow", empty).abs() < 0.01);
+    assert!(errors >= 1.0, "the failed part is counted");
+    let refunded = sample(&server.metrics(), "tollgate_store_late_replies_total", &[("action", "refunded")]);
+    assert_eq!(refunded, 1.0, "the failed part's script ran; its late reply was refunded");
 }
 
 #[tokio::test(flavor = "multi_thread")]

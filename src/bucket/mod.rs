@@ -181,6 +181,9 @@ pub struct GroupOutcome {
     /// several steps refunds the steps that succeeded when another one denies): balances rose
     /// after they were reported.
     pub refunded: bool,
+    /// Operations the store could not evaluate (a Cluster shard failed) in a group that another
+    /// operation's denial decided: their verdicts are placeholders. Empty otherwise.
+    pub unanswered: Vec<usize>,
 }
 
 /// A bucket whose state a batch changed and that must be written back.
@@ -412,7 +415,7 @@ pub fn evaluate(
             }
             verdict.reset_ms = op.spec.reset_ms(verdict.tokens);
         }
-        groups.push(GroupOutcome { admitted, now_ms, verdicts, refunded: false });
+        groups.push(GroupOutcome { admitted, now_ms, verdicts, refunded: false, unanswered: Vec::new() });
     }
 
     // A write never moves an expiry earlier: the bucket lives as long as the longest of what it

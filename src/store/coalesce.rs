@@ -25,7 +25,7 @@
 //! learnt before.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -70,8 +70,28 @@ struct Queue {
 
 struct Waiter {
     groups: Vec<Group>,
-    late: LateReply,
+    late: Late,
     reply: oneshot::Sender<Reply>,
+}
+
+/// What becomes of the tokens of a reply that comes after its caller gave up, read when it comes.
+#[derive(Debug, Clone)]
+pub enum Late {
+    /// Decided when the call was made.
+    Fixed(LateReply),
+    /// Kept unless the flag is set by then: for the parts of a request split over Cluster slots,
+    /// which another part's denial may decide after this part failed.
+    KeepUnlessDenied(Arc<AtomicBool>),
+}
+
+impl Late {
+    fn now(&self) -> LateReply {
+        match self {
+            Late::Fixed(late) => *late,
+            Late::KeepUnlessDenied(denied) if denied.load(Ordering::SeqCst) => LateReply::GiveBack,
+            Late::KeepUnlessDenied(_) => LateReply::Keep,
+        }
+    }
 }
 
 impl Coalescer {
@@ -96,7 +116,7 @@ impl Coalescer {
     }
 
     /// Evaluates `groups` (all of slot `slot`) in the next call for that slot.
-    pub async fn submit(self: &Arc<Self>, slot: u16, groups: Vec<Group>, late: LateReply) -> Reply {
+    pub async fn submit(self: &Arc<Self>, slot: u16, groups: Vec<Group>, late: Late) -> Reply {
         let (reply, answer) = oneshot::channel();
         {
             let mut slots = self.lock();
@@ -191,7 +211,7 @@ impl Coalescer {
                     if taken.is_empty() {
                         continue;
                     }
-                    let action = match waiter.late {
+                    let action = match waiter.late.now() {
                         LateReply::GiveBack => {
                             late_refund.extend(taken);
                             "refunded"

@@ -198,7 +198,7 @@ impl Precheck {
             server_ms = server_ms.max(seen.server_ms + now.saturating_sub(seen.local_ms));
         }
         let admitted = group.iter().all(|op| op.role == Role::Shadow);
-        Some(GroupOutcome { admitted, now_ms: server_ms, verdicts, refunded: false })
+        Some(GroupOutcome { admitted, now_ms: server_ms, verdicts, refunded: false, unanswered: Vec::new() })
     }
 
     // Remembers what the store reported for the buckets the next equal request would find short.

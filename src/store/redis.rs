@@ -23,6 +23,8 @@
 
 use std::collections::HashMap;
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use futures::future::{join_all, BoxFuture};
@@ -30,7 +32,7 @@ use redis::aio::ConnectionManagerConfig;
 use redis::{ClientTlsConfig, IntoConnectionInfo, TlsCertificates, Value};
 
 use super::cluster::{Cluster, ClusterError};
-use super::coalesce::{Call, Coalescer};
+use super::coalesce::{Call, Coalescer, Late};
 use super::node::{self, Node, Script};
 use super::sentinel::{Sentinel, SentinelTarget};
 use super::{DemandNote, LateReply, LeaseNote, Parked, SharedDemand, Store, StoreError};
@@ -119,8 +121,8 @@ pub struct Peek {
 
 /// Bucket state in Redis.
 pub struct RedisStore {
-    shared: std::sync::Arc<Shared>,
-    coalescer: std::sync::Arc<Coalescer>,
+    shared: Arc<Shared>,
+    coalescer: Arc<Coalescer>,
 }
 
 // What a script call needs, shared with the coalescer's call tasks.
@@ -198,7 +200,7 @@ impl RedisStore {
                 (Connection::Sentinel(Box::new(sentinel)), description)
             }
         };
-        let shared = std::sync::Arc::new(Shared {
+        let shared = Arc::new(Shared {
             connection,
             script: Script::new(SCRIPT),
             demand_script: Script::new(DEMAND_SCRIPT),
@@ -208,7 +210,7 @@ impl RedisStore {
             description,
         });
         let call_shared = shared.clone();
-        let call: Call = std::sync::Arc::new(move |slot: u16, groups: Vec<Group>| {
+        let call: Call = Arc::new(move |slot: u16, groups: Vec<Group>| {
             let shared = call_shared.clone();
             Box::pin(async move { shared.run(slot, &groups.iter().collect::<Vec<_>>()).await })
         });
@@ -267,11 +269,9 @@ impl RedisStore {
         if calls.is_empty() {
             return;
         }
-        let results = join_all(
-            calls
-                .iter()
-                .map(|(slot, back, _)| self.coalescer.submit(*slot, vec![back.clone()], LateReply::Keep)),
-        )
+        let results = join_all(calls.iter().map(|(slot, back, _)| {
+            self.coalescer.submit(*slot, vec![back.clone()], Late::Fixed(LateReply::Keep))
+        }))
         .await;
         combined.refunded = true;
         metrics::counter!("tollgate_store_refunds_total", "reason" => "split").increment(1);
@@ -299,13 +299,16 @@ impl RedisStore {
 
     // One group evaluated slot by slot (it spans several): admitted only if every part is and,
     // with quota-mode operations, one of them had its tokens. Otherwise what the admitted parts
-    // took is refunded before the answer, unless a failed part's request is admitted anyway.
+    // took is refunded before the answer, unless a failed part's request is admitted anyway. A
+    // denial that is known wins over a failed part: the group is denied, its failed operations
+    // listed as unanswered, and `denied` tells their late replies to give their tokens back.
     async fn evaluate_split(
         &self,
         group: &Group,
         parts: Vec<Part>,
         answers: Vec<Result<GroupOutcome, StoreError>>,
         late: LateReply,
+        denied: &AtomicBool,
     ) -> Result<GroupOutcome, StoreError> {
         let mut verdicts = vec![None; group.len()];
         let mut now_ms = 0;
@@ -330,18 +333,28 @@ impl RedisStore {
             .map(|(_, v)| v.is_some_and(|v| v.allowed))
             .collect();
         let admitted = failure.is_none() && parts_admitted && (quota.is_empty() || quota.contains(&true));
+        // An enforced operation that answered short denies the group whatever the rest says.
+        let known_denial = group
+            .iter()
+            .zip(&verdicts)
+            .any(|(op, v)| op.role == Role::Enforced && v.is_some_and(|v| !v.allowed));
+        let unanswered = (0..group.len()).filter(|&i| verdicts[i].is_none()).collect();
         let mut combined = GroupOutcome {
             admitted,
             now_ms,
             verdicts: verdicts.into_iter().map(|v| v.unwrap_or(FAILED)).collect(),
             refunded: false,
+            unanswered,
         };
-        if !admitted && (failure.is_none() || late == LateReply::GiveBack) {
+        if failure.is_some() && known_denial {
+            denied.store(true, Ordering::SeqCst);
+        }
+        if !admitted && (failure.is_none() || known_denial || late == LateReply::GiveBack) {
             self.refund_parts(group, &parts, &answers, &mut combined).await;
         }
         match failure {
-            Some(e) => Err(e),
-            None => Ok(combined),
+            Some(e) if !known_denial => Err(e),
+            _ => Ok(combined),
         }
     }
 }
@@ -491,12 +504,22 @@ impl Store for RedisStore {
                 }
             }
             let owners: Vec<Vec<(usize, usize)>> = calls.iter().map(|c| c.parts.clone()).collect();
+            // Set when a split group is denied by a part that answered while another failed: the
+            // failed parts' late replies then give their tokens back, whatever `late` says.
+            let denied = Arc::new(AtomicBool::new(false));
+            let late_for = |late| match late {
+                LateReply::Keep if split.iter().any(|parts| parts.len() > 1) => {
+                    Late::KeepUnlessDenied(denied.clone())
+                }
+                late => Late::Fixed(late),
+            };
             // The common case, one slot, needs no join.
             let answers = if calls.len() == 1 {
                 let call = calls.pop().expect("one call");
-                vec![self.coalescer.submit(call.slot, call.groups, late).await]
+                vec![self.coalescer.submit(call.slot, call.groups, late_for(late)).await]
             } else {
-                join_all(calls.into_iter().map(|c| self.coalescer.submit(c.slot, c.groups, late))).await
+                join_all(calls.into_iter().map(|c| self.coalescer.submit(c.slot, c.groups, late_for(late))))
+                    .await
             };
             let mut part_answers: Vec<Vec<Option<Result<GroupOutcome, StoreError>>>> =
                 split.iter().map(|parts| parts.iter().map(|_| None).collect()).collect();
@@ -521,7 +544,7 @@ impl Store for RedisStore {
                 results.push(if parts.len() == 1 {
                     answers.pop().expect("one part")
                 } else {
-                    self.evaluate_split(group, parts, answers, late).await
+                    self.evaluate_split(group, parts, answers, late, &denied).await
                 });
             }
             results
@@ -663,7 +686,7 @@ fn parse_reply(reply: Value, batch: &[&Group]) -> Result<Vec<GroupOutcome>, Stor
                 kept_ms: u64::try_from(kept).unwrap_or(0),
             });
         }
-        outcomes.push(GroupOutcome { admitted, now_ms, verdicts, refunded: false });
+        outcomes.push(GroupOutcome { admitted, now_ms, verdicts, refunded: false, unanswered: Vec::new() });
     }
     Ok(outcomes)
 }
