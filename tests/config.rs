@@ -409,6 +409,42 @@ fn a_shared_class_must_have_one_limit() {
     assert!(message.contains("a.yaml:6:14"), "{message}");
 }
 
+/// A class sized by the tenant's quota in two domains of one class scope must resolve to one
+/// bucket for every tier and inline tenant: tiers are per domain, the bucket is not.
+#[test]
+fn a_shared_class_sized_by_tiers_resolves_alike_in_every_domain() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = |domain: &str, pro: u32, tenants: &str| {
+        format!(
+            "domain: {domain}\nclass_scope: shared\ntiers:\n  free: {{default: {{capacity: 10, refill_per_second: 1}}}}\n  pro: {{default: {{capacity: {pro}, refill_per_second: 1}}}}\ndefault_tier: free\n{tenants}descriptors:\n  - key: tenant\n    descriptors:\n      - key: k\n        class: x\n        quota: tenant\n"
+        )
+    };
+    let load = |a: String, b: String| {
+        std::fs::write(dir.path().join("a.yaml"), a).unwrap();
+        std::fs::write(dir.path().join("b.yaml"), b).unwrap();
+        RuleSet::load(dir.path()).map(|_| ()).map_err(|e| e.to_string())
+    };
+    load(file("a", 100, ""), file("b", 100, "")).expect("the same tiers");
+    let message = load(file("a", 100, ""), file("b", 200, "")).unwrap_err();
+    println!("{message}");
+    assert!(
+        message.contains("b.yaml:10:14: class x: class 'x' of class scope 'shared' is sized differently at"),
+        "{message}"
+    );
+    assert!(
+        message.contains("a.yaml:10:14 for tier 'pro' (capacity 200, 1/s here, capacity 100, 1/s there)"),
+        "{message}"
+    );
+    // An inline tenant on a tier in one domain only.
+    let acme = "tenants:\n  acme: {tier: pro}\n";
+    let message = load(file("a", 100, acme), file("b", 100, "")).unwrap_err();
+    assert!(
+        message.contains("for tenant 'acme' (capacity 10, 1/s here, capacity 100, 1/s there)"),
+        "{message}"
+    );
+    load(file("a", 100, acme), file("b", 100, acme)).expect("the same tenant records");
+}
+
 #[test]
 fn directory_errors() {
     let dir = tempfile::tempdir().unwrap();

@@ -179,35 +179,71 @@ impl ClassDef {
 }
 
 // Domains that name the same class scope share its class buckets: each class must be sized the
-// same way wherever it is used.
+// same way wherever it is used, and a class sized by the tenant's quota must resolve to the same
+// bucket in every such domain for every tier and inline tenant (tiers are per domain).
 fn check_shared_classes<'a>(domains: impl Iterator<Item = &'a Arc<Domain>>) -> Result<(), ConfigError> {
-    let mut seen: HashMap<(&str, &str), &ClassDef> = HashMap::new();
+    let mut seen: HashMap<(&str, &str), (&Domain, &ClassDef)> = HashMap::new();
     for domain in domains {
         for (class, def) in &domain.classes {
-            match seen.get(&(domain.class_scope.as_str(), class.as_str())) {
-                Some(first) if !first.same_bucket(def) => {
-                    let (file, line, column) = &def.defined_at;
-                    return Err(ConfigError::Invalid {
-                        file: file.clone(),
-                        position: Some((*line, *column)),
-                        at: format!("class {class}"),
-                        message: format!(
-                            "class '{class}' of class scope '{}' is sized differently at {}:{}:{}; rules sharing a class must agree on its limit",
-                            domain.class_scope,
-                            first.defined_at.0.display(),
-                            first.defined_at.1,
-                            first.defined_at.2
-                        ),
-                    });
-                }
-                Some(_) => {}
-                None => {
-                    seen.insert((domain.class_scope.as_str(), class.as_str()), def);
-                }
+            let Some((first_domain, first)) = seen.get(&(domain.class_scope.as_str(), class.as_str())) else {
+                seen.insert((domain.class_scope.as_str(), class.as_str()), (domain, def));
+                continue;
+            };
+            let differs = if !first.same_bucket(def) {
+                Some(String::new())
+            } else if def.limit == Limit::TenantQuota {
+                quota_difference(first_domain, domain, class)
+            } else {
+                None
+            };
+            if let Some(differs) = differs {
+                let (file, line, column) = &def.defined_at;
+                return Err(ConfigError::Invalid {
+                    file: file.clone(),
+                    position: Some((*line, *column)),
+                    at: format!("class {class}"),
+                    message: format!(
+                        "class '{class}' of class scope '{}' is sized differently at {}:{}:{}{differs}; rules sharing a class must agree on its limit",
+                        domain.class_scope,
+                        first.defined_at.0.display(),
+                        first.defined_at.1,
+                        first.defined_at.2
+                    ),
+                });
             }
         }
     }
     Ok(())
+}
+
+// Where two domains resolve a tenant's quota for `class` differently, as " for <whom> (<here> here,
+// <there> there)": every tier either defines, a tier neither knows (the default tier), and every
+// inline tenant either lists. Quota records from PostgreSQL are per tenant, the same in both.
+fn quota_difference(there: &Domain, here: &Domain, class: &str) -> Option<String> {
+    let differs = |whom: String, pick: &dyn Fn(&Domain) -> Option<BucketSpec>| {
+        let (a, b) = (pick(here), pick(there));
+        (a != b).then(|| format!(" for {whom} ({} here, {} there)", describe(a), describe(b)))
+    };
+    let unknown = || differs("tenants of no known tier".to_owned(), &|d| d.quotas.resolve(None, class));
+    let tier = |tier: &String| {
+        let record = TenantRecord { tier: Some(tier.clone()), ..TenantRecord::default() };
+        differs(format!("tier '{tier}'"), &|d| d.quotas.resolve(Some(&record), class))
+    };
+    let tenant = |tenant: &String| {
+        differs(format!("tenant '{tenant}'"), &|d| {
+            d.quotas.resolve(d.tenants.get(tenant).map(Arc::as_ref), class)
+        })
+    };
+    unknown()
+        .or_else(|| there.quotas.tiers.keys().chain(here.quotas.tiers.keys()).find_map(tier))
+        .or_else(|| there.tenants.keys().chain(here.tenants.keys()).find_map(tenant))
+}
+
+fn describe(spec: Option<BucketSpec>) -> String {
+    match spec {
+        Some(s) => format!("capacity {}, {}/s", s.capacity(), s.refill_per_second()),
+        None => "no tier".to_owned(),
+    }
 }
 
 // The files a config path stands for, in a stable order.
