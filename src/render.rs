@@ -23,7 +23,7 @@ use std::time::Duration;
 
 use serde_json::{json, Value};
 
-use crate::config::{ChargeRule, Domain, Limit, Rule, RuleSet, Source};
+use crate::config::{ChargeRule, Domain, FailureMode, Limit, Rule, RuleSet, Source};
 use crate::edge::rlqs::ENVOY_NAME_METADATA;
 use crate::matcher::Level;
 
@@ -54,7 +54,8 @@ pub struct RenderOptions {
     pub jwt: JwtPayload,
     /// Envoy's deadline for tollgate.
     pub timeout: Duration,
-    /// `failure_mode_deny` of the filter.
+    /// `failure_mode_deny` of the filter for domains whose `failure_mode` is `allow` (a domain
+    /// that fails closed, `deny` or `error`, is always rendered with it).
     pub failure_mode_deny: bool,
     /// The filter to configure.
     pub protocol: Protocol,
@@ -397,7 +398,9 @@ pub fn http_filter(domain: &Domain, cluster: &str, options: &RenderOptions, rate
             "@type": "type.googleapis.com/envoy.extensions.filters.http.ratelimit.v3.RateLimit",
             "domain": domain.name,
             "timeout": format!("{}s", options.timeout.as_secs_f64()),
-            "failure_mode_deny": options.failure_mode_deny,
+            // Envoy's own answer when tollgate cannot be asked matches the domain's answer when
+            // Redis cannot: only `allow` lets the request through uncharged.
+            "failure_mode_deny": options.failure_mode_deny || domain.failure_mode != FailureMode::Allow,
             "rate_limited_as_resource_exhausted": true,
             "rate_limit_service": {
                 "transport_api_version": "V3",

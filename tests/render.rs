@@ -174,6 +174,19 @@ fn render_explains_what_it_cannot_do() {
     assert!(err.contains("source: remote_address needs key: remote_address"), "{err}");
 }
 
+/// What Envoy does when tollgate cannot be asked matches what tollgate answers when Redis cannot:
+/// a domain that fails closed (`deny`, `error`) is rendered with `failure_mode_deny: true`.
+#[test]
+fn envoy_fails_as_the_domain_does() {
+    for (mode, deny) in [("allow", false), ("deny", true), ("error", true)] {
+        let (_dir, config) = config_file(&format!(
+            "domain: d\nfailure_mode: {mode}\ndescriptors:\n  - key: user\n    source: {{request_header: x-user}}\n    rate_limit: {{unit: second, requests_per_unit: 1}}\n"
+        ));
+        let rendered = render(&["envoy", "--config", config.to_str().unwrap()]).unwrap();
+        assert_eq!(rendered["http_filter"]["typed_config"]["failure_mode_deny"], deny, "failure_mode {mode}");
+    }
+}
+
 #[test]
 fn every_source_kind_renders_to_its_envoy_action() {
     let (_dir, config) = config_file(

@@ -29,7 +29,8 @@ struct RenderCommon {
     /// Envoy's deadline for tollgate; keep it above tollgate's --redis-timeout.
     #[arg(long, default_value = "100ms", value_parser = humantime::parse_duration)]
     timeout: Duration,
-    /// Answer 500 instead of letting requests through when tollgate cannot be reached.
+    /// Answer 500 instead of letting requests through when tollgate cannot be reached, also for a
+    /// domain with `failure_mode: allow` (domains with `deny` or `error` always get it).
     #[arg(long)]
     failure_mode_deny: bool,
 }
