@@ -11,7 +11,8 @@
 //! * a late reply's refund reaches the pre-check: a denial observed before the refund landed is
 //!   not used to deny what Redis admits after it;
 //! * two replicas with different specs for one bucket: the faster one's refills never make the
-//!   slower one's pre-check deny what Redis admits;
+//!   slower one's pre-check deny what Redis admits; driven together for 10 s (standalone and
+//!   Cluster), every window of admitted requests stays within the larger spec's bound;
 //! * a capacity of 1e12 refilling 0.0001/s keeps its state in Redis.
 //!
 //! Every test prints what it measured; the README's "Failure behaviour" table quotes them.
@@ -20,6 +21,7 @@ mod common;
 
 use std::time::{Duration, Instant};
 
+use common::load::{Kind, Load};
 use common::proxy::{Fault, FaultProxy};
 use common::*;
 use envoy_types::pb::google::protobuf::UInt64Value;
@@ -351,6 +353,60 @@ async fn a_faster_spec_on_another_replica_never_makes_the_precheck_deny() {
     let local = sample(&slow.metrics(), "tollgate_precheck_answers_total", &[]);
     println!("two replicas, 0.01/s and 100/s on one bucket: the slow one's request after the fast one's refill: {} ({local} local answers so far)", r.overall_code);
     assert_eq!(r.overall_code, OK, "Redis holds tokens; the pre-check must pass the request on");
+}
+
+/// Two replicas started with different rule files for one bucket (a rolling deploy of a changed
+/// limit), driven together for 10 s: in every window of T seconds the admitted requests stay
+/// within `max capacity + max refill × T`, and the bucket read back from Redis holds what the
+/// specs allow.
+async fn replicas_that_disagree(setup: &Setup) {
+    let spec = |capacity: u32, rate: u32| {
+        format!("domain: spec\ndescriptors:\n  - key: tenant\n    token_bucket: {{capacity: {capacity}, refill_per_second: {rate}}}\n")
+    };
+    let (_a_dir, a_config) = config_file(&spec(20, 5));
+    let (_b_dir, b_config) = config_file(&spec(50, 2));
+    let (largest, fastest) = (50.0, 5.0);
+    let a = Tollgate::start(&a_config, &setup.backend, &[]);
+    let b = Tollgate::start(&b_config, &setup.backend, &[]);
+    settle(&a).await;
+    settle(&b).await;
+    let tenant = "disagree";
+    let load = Load::start(&[a.addr(), b.addr()], "spec", &[tenant.to_owned()], 8).await;
+    tokio::time::sleep(Duration::from_secs(10)).await;
+    let answers = load.stop().await;
+    let admitted: Vec<_> = answers.iter().filter(|a| a.kind == Kind::Admitted).collect();
+    let failed = answers.iter().filter(|a| !matches!(a.kind, Kind::Admitted | Kind::Denied)).count();
+    assert_eq!(failed, 0, "every answer a real one");
+    // The admitted requests of a window were decided between the first one's sending and the
+    // last one's answer.
+    let mut worst: f64 = 0.0;
+    for (i, first) in admitted.iter().enumerate() {
+        let from = first.at.saturating_sub(first.latency).as_secs_f64();
+        for (n, last) in admitted[i..].iter().enumerate() {
+            let bound = largest + fastest * (last.at.as_secs_f64() - from);
+            worst = worst.max((n + 1) as f64 / bound);
+        }
+    }
+    let (_, direct) = setup.node_of(tenant);
+    let held = tokens(direct, "spec", tenant);
+    let local = sample(&a.metrics(), "tollgate_precheck_answers_total", &[])
+        + sample(&b.metrics(), "tollgate_precheck_answers_total", &[]);
+    println!(
+        "{}: two replicas (20 at 5/s, 50 at 2/s) on one bucket for 10 s: {} of {} requests admitted, worst window at {:.2} of the larger spec's bound, {local} answered by the pre-checks, bucket holds {held:.3}",
+        setup.name(),
+        admitted.len(),
+        answers.len(),
+        worst
+    );
+    assert!(worst <= 1.0, "a window admitted more than max capacity + max rate x T: {worst:.3}");
+    assert!(admitted.len() as f64 >= 20.0 + 2.0 * 10.0 * 0.8, "the bucket is served: {}", admitted.len());
+    assert!((-0.001..=largest).contains(&held), "the balance stays within the specs: {held}");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn replicas_with_different_rule_files_stay_within_the_larger_spec() {
+    replicas_that_disagree(&Setup::standalone()).await;
+    replicas_that_disagree(&Setup::cluster()).await;
 }
 
 #[tokio::test(flavor = "multi_thread")]

@@ -739,7 +739,7 @@ mod tests {
         let noted = e.writes[0].state;
         assert_eq!((noted.tokens, noted.last_refill_ms), (0.0, 0), "the balance is not rewritten");
         assert_eq!((noted.pending_refill, noted.pending_from_ms), (10.0, 500 + RATE_RAISE_DELAY_MS));
-        assert_eq!(e.writes[0].ttl_ms, 1_000_500 - 500, "its life is kept");
+        assert_eq!(e.writes[0].ttl_ms, 1_001_000, "a full life under its recorded specs");
         let later = 600 + RATE_RAISE_DELAY_MS;
         let e = evaluate(&[vec![op("a", fast, 1.0)]], later, |_| Some((noted, 1_000_500)));
         assert!(e.groups[0].admitted, "a tenth of a second at 10 per second");
