@@ -423,3 +423,107 @@ async fn replicas_share_each_round_in_proportion_to_demand_whoever_leases_first(
         }
     }
 }
+
+/// A stream's answers: the next message, or the status that ended the stream.
+async fn next_or_status(stream: &mut Stream) -> Result<RateLimitQuotaResponse, tonic::Status> {
+    match tokio::time::timeout(Duration::from_secs(10), stream.answers.message()).await {
+        Ok(Ok(Some(message))) => Ok(message),
+        Ok(Ok(None)) => Err(tonic::Status::ok("the stream ended with OK")),
+        Ok(Err(status)) => Err(status),
+        Err(_) => panic!("no answer within 10 s"),
+    }
+}
+
+/// One report naming 10,000 buckets: all resolved together, and every bucket's first
+/// assignment arrives bundled in a handful of messages, not one message per bucket.
+#[tokio::test(flavor = "multi_thread")]
+async fn ten_thousand_buckets_are_answered_in_bundles() {
+    let (_dir, config) = config_file(CONFIG);
+    let server = Tollgate::start(&config, &Backend::Memory, &[]);
+    let mut stream = Stream::open(&server.addr()).await;
+    let ids: Vec<BucketId> = (0..10_000).map(|i| bucket(&[("tenant", &format!("fleet-{i}"))])).collect();
+    let start = Instant::now();
+    stream.send("quota", ids.iter().map(|id| report(id, 0, 1, 0)).collect()).await;
+    let mut assigned: HashMap<BTreeMap<String, String>, Duration> = HashMap::new();
+    let mut messages = 0;
+    while assigned.len() < ids.len() {
+        if start.elapsed() > Duration::from_secs(30) {
+            let missing: Vec<_> = ids.iter().filter(|id| !assigned.contains_key(&key(id))).take(5).collect();
+            panic!("{} of 10,000 assigned after 30 s; missing {missing:?}\n{}", assigned.len(), server.log());
+        }
+        let said = stream.next().await;
+        messages += 1;
+        for (bucket, _) in said {
+            assigned.entry(bucket).or_insert_with(|| start.elapsed());
+        }
+    }
+    let mut times: Vec<Duration> = assigned.values().copied().collect();
+    times.sort();
+    println!(
+        "10,000 buckets in one report (embedded store): every first assignment after {:?} (p50 {:?}) in {messages} messages",
+        times[times.len() - 1],
+        times[times.len() / 2]
+    );
+    assert!(messages < 10, "bundled: {messages} messages for 10,000 buckets");
+    assert!(times[times.len() - 1] < Duration::from_secs(10), "{:?}", times[times.len() - 1]);
+}
+
+/// Reports the protocol does not allow end the stream with a status that says why; counters at
+/// the edge of u64 do not.
+#[tokio::test(flavor = "multi_thread")]
+async fn bad_reports_end_the_stream_with_a_reason() {
+    let (_dir, config) = config_file(CONFIG);
+    let server = Tollgate::start(&config, &Backend::Memory, &[]);
+
+    // Counters that would overflow when added: the stream stands and still answers.
+    let mut stream = Stream::open(&server.addr()).await;
+    let t = bucket(&[("tenant", "huge-counts")]);
+    let huge = BucketQuotaUsage {
+        num_requests_allowed: u64::MAX,
+        num_requests_denied: u64::MAX,
+        ..report(&t, 0, 0, 5_000)
+    };
+    stream.send("quota", vec![huge.clone()]).await;
+    stream.send("quota", vec![huge]).await;
+    assert!(matches!(grant_for(&mut stream, &t).await, Said::Tokens(_) | Said::DenyAll));
+
+    // A usage without a bucket id.
+    let mut stream = Stream::open(&server.addr()).await;
+    let mut orphan = report(&t, 1, 0, 1_000);
+    orphan.bucket_id = None;
+    stream.send("quota", vec![orphan]).await;
+    let status = loop {
+        if let Err(status) = next_or_status(&mut stream).await {
+            break status;
+        }
+    };
+    println!("a usage without a bucket id: {:?} {}", status.code(), status.message());
+    assert_eq!(status.code(), tonic::Code::InvalidArgument, "{status:?}");
+
+    // A report over gRPC's 4 MiB limit.
+    let mut stream = Stream::open(&server.addr()).await;
+    let long = "x".repeat(5 << 20);
+    stream.send("quota", vec![report(&bucket(&[("tenant", &long)]), 1, 0, 1_000)]).await;
+    let status = loop {
+        if let Err(status) = next_or_status(&mut stream).await {
+            break status;
+        }
+    };
+    println!("a 5 MiB report: {:?} {}", status.code(), status.message());
+    assert_eq!(status.code(), tonic::Code::ResourceExhausted, "{status:?}");
+    assert!(server.log().contains("over the size limit"), "logged:\n{}", server.log());
+
+    // A domain that is not loaded: allowed, as RLS allows it, counted.
+    let mut stream = Stream::open(&server.addr()).await;
+    let elsewhere = bucket(&[("tenant", "t")]);
+    stream.send("not-loaded", vec![report(&elsewhere, 1, 0, 1_000)]).await;
+    assert_eq!(grant_for(&mut stream, &elsewhere).await, Said::AllowAll);
+    let counted = sample(&server.metrics(), "tollgate_rlqs_unknown_domain_reports_total", &[]);
+    assert!(counted >= 1.0, "counted: {counted}");
+    assert_eq!(
+        server.log().matches("a domain that is not loaded").count(),
+        1,
+        "logged once:\n{}",
+        server.log()
+    );
+}

@@ -17,11 +17,34 @@ use crate::clock::{Clock, SystemClock};
 /// Bucket state in process memory.
 pub struct MemoryStore {
     clock: Arc<dyn Clock>,
-    buckets: Mutex<Buckets>,
+    buckets: Mutex<Swept<String, Entry>>,
     // RLQS demand registries by bucket key.
-    demand: Mutex<HashMap<String, Registry>>,
+    demand: Mutex<Swept<String, Registry>>,
     // RLQS parked-lease registries by (bucket key, Envoy name), as the Redis hashes.
-    parked: Mutex<HashMap<(String, String), NameEntry>>,
+    parked: Mutex<Swept<(String, String), NameEntry>>,
+}
+
+// A map whose expired entries are dropped whenever it has doubled since the last sweep: memory
+// follows the live entries, and a call costs O(1) amortised however many there are. An expired
+// entry reads as a missing one, so sweeping late changes no answer.
+struct Swept<K, V> {
+    map: HashMap<K, V>,
+    sweep_at: usize,
+}
+
+impl<K: std::hash::Hash + Eq, V> Default for Swept<K, V> {
+    fn default() -> Self {
+        Swept { map: HashMap::new(), sweep_at: 1024 }
+    }
+}
+
+impl<K: std::hash::Hash + Eq, V> Swept<K, V> {
+    fn sweep(&mut self, mut alive: impl FnMut(&V) -> bool) {
+        if self.map.len() >= self.sweep_at {
+            self.map.retain(|_, v| alive(v));
+            self.sweep_at = (self.map.len() * 2).max(1024);
+        }
+    }
 }
 
 /// One bucket's RLQS demand registry by member, as the Redis hash.
@@ -60,12 +83,6 @@ impl NameEntry {
     }
 }
 
-#[derive(Default)]
-struct Buckets {
-    map: HashMap<String, Entry>,
-    sweep_at: usize,
-}
-
 struct Entry {
     state: BucketState,
     expires_at_ms: u64,
@@ -79,12 +96,7 @@ impl MemoryStore {
 
     /// A store on `clock`, for deterministic tests.
     pub fn with_clock(clock: Arc<dyn Clock>) -> Self {
-        MemoryStore {
-            clock,
-            buckets: Mutex::new(Buckets { map: HashMap::new(), sweep_at: 1024 }),
-            demand: Mutex::default(),
-            parked: Mutex::default(),
-        }
+        MemoryStore { clock, buckets: Mutex::default(), demand: Mutex::default(), parked: Mutex::default() }
     }
 
     /// Evaluates `batch` now; the synchronous core of [`Store::evaluate`].
@@ -100,10 +112,7 @@ impl MemoryStore {
             let entry = Entry { state: write.state, expires_at_ms: now.saturating_add(write.ttl_ms) };
             buckets.map.insert(write.key, entry);
         }
-        if buckets.map.len() >= buckets.sweep_at {
-            buckets.map.retain(|_, e| e.expires_at_ms >= now);
-            buckets.sweep_at = (buckets.map.len() * 2).max(1024);
-        }
+        buckets.sweep(|e| e.expires_at_ms >= now);
         evaluation.groups
     }
 
@@ -152,8 +161,8 @@ impl Store for MemoryStore {
         let now = self.clock.now_ms();
         let alive = |m: &Member| m.demand.1 > now || m.taken.1 > now;
         let mut registries = self.demand.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
-        registries.retain(|_, members| members.values().any(alive));
-        let members = registries.entry(key.to_owned()).or_default();
+        registries.sweep(|members| members.values().any(alive));
+        let members = registries.map.entry(key.to_owned()).or_default();
         let entry = members.entry(member.to_owned()).or_default();
         let until = now.saturating_add(ttl_ms);
         match note {
@@ -183,10 +192,8 @@ impl Store for MemoryStore {
     ) -> BoxFuture<'a, Result<Option<Parked>, StoreError>> {
         let now = self.clock.now_ms();
         let mut all = self.parked.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
-        if note != LeaseNote::Seen {
-            all.retain(|_, entry| entry.alive(now));
-        }
-        let entry = all.entry((key.to_owned(), envoy.to_owned())).or_default();
+        all.sweep(|entry| entry.alive(now));
+        let entry = all.map.entry((key.to_owned(), envoy.to_owned())).or_default();
         let alive = now.saturating_add(ttl_ms);
         let claimed = match note {
             LeaseNote::Seen => {

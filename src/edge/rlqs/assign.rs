@@ -126,11 +126,11 @@ impl Ledger {
     /// replaced more than `margin_ms` before it (so that the Envoy had the replacement before it
     /// counted) are settled: their requests count as dead.
     pub fn reported(&mut self, at_ms: u64, allowed: u64, margin_ms: u64) {
-        self.allowed += allowed;
+        self.allowed = self.allowed.saturating_add(allowed);
         let settled = at_ms.saturating_sub(margin_ms);
         // Every grant but the last whose successor was sent before `settled` is dead.
         while self.grants.len() > 1 && self.grants[1].0 <= settled {
-            self.dead += self.grants.remove(0).1;
+            self.dead = self.dead.saturating_add(self.grants.remove(0).1);
         }
     }
 
@@ -150,7 +150,7 @@ impl Ledger {
 
     /// Requests granted in all.
     pub fn total_granted(&self) -> u64 {
-        self.dead + self.grants.iter().map(|(_, r)| r).sum::<u64>()
+        self.grants.iter().fold(self.dead, |sum, (_, r)| sum.saturating_add(*r))
     }
 
     /// Requests reported allowed in all.

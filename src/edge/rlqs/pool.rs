@@ -6,10 +6,14 @@
 //! other replicas' ([`crate::store::Store::share_demand`]); this replica takes its share of the
 //! round, what the bucket holds plus what other replicas took in it ([`Limiter::lease`]); the
 //! requests taken are split among its streams in proportion to their demand, each capped at
-//! twice its demand ([`assign::split`]), and what no stream can use is given back at once. A
-//! bucket a stream joins is leased at once, not at the next tick, since its Envoy refuses
-//! requests until it has an assignment. When the store fails,
-//! the streams are told so and answer with the domain's failure mode.
+//! twice its demand ([`assign::split`]), and what no stream can use is given back at once. The
+//! buckets a stream joins are leased at once, together, not at the next tick, since its Envoy
+//! refuses requests until it has an assignment. When the store fails, the streams are told so
+//! and answer with the domain's failure mode.
+//!
+//! A round's events reach each stream as one batch ([`Events`]), which the stream answers in as
+//! few messages as fit. A stream that takes no batch for a whole tick (an Envoy that reads
+//! nothing) gets nothing: what the batch granted is given back.
 //!
 //! The tick task belongs to the pool and stops with it.
 
@@ -30,6 +34,9 @@ pub const TICK: Duration = Duration::from_secs(1);
 
 /// A stream's bucket: the stream and the bucket id (as its sorted entries) it reported.
 pub type MemberId = (u64, String);
+
+/// What the pool sends a stream: the events of one round, for any number of its buckets.
+pub type Events = Vec<Event>;
 
 /// What the pool tells a stream about one of its buckets.
 #[derive(Debug, Clone)]
@@ -52,7 +59,7 @@ pub enum Event {
 
 struct Member {
     demand: f64,
-    events: mpsc::Sender<Event>,
+    events: mpsc::Sender<Events>,
 }
 
 struct Bucket {
@@ -92,31 +99,40 @@ impl Pool {
                 tokio::time::sleep(until_next_round()).await;
                 let Some(inner) = ticking.upgrade() else { return };
                 let keys: Vec<String> = inner.lock().keys().cloned().collect();
-                join_all(keys.iter().map(|k| inner.lease_round(k))).await;
+                inner.lease_rounds(&keys).await;
             }
         });
         Pool { inner, ticker }
     }
 
-    /// Makes `member` a lessee of `target` with `demand` requests per second; a new member's
-    /// bucket is leased at once.
-    pub fn join(&self, member: MemberId, target: Leasable, demand: f64, events: mpsc::Sender<Event>) {
-        let key = target.key.clone();
-        let fresh = {
-            let mut buckets = self.inner.lock();
-            let bucket = buckets.entry(key.clone()).or_insert_with(|| Bucket {
-                target,
-                members: HashMap::new(),
-                owed: HashMap::new(),
-                owed_replica: 0.0,
-            });
-            bucket.members.insert(member, Member { demand, events }).is_none()
-        };
-        metrics::gauge!("tollgate_rlqs_buckets").set(self.inner.lock().len() as f64);
-        if fresh {
-            let inner = self.inner.clone();
-            tokio::spawn(async move { inner.lease_round(&key).await });
+    /// Makes `member` a lessee of `target` with `demand` requests per second; true if it is new
+    /// (then lease its bucket with [`Pool::lease_now`]).
+    pub fn join(
+        &self,
+        member: MemberId,
+        target: Leasable,
+        demand: f64,
+        events: mpsc::Sender<Events>,
+    ) -> bool {
+        let mut buckets = self.inner.lock();
+        let bucket = buckets.entry(target.key.clone()).or_insert_with(|| Bucket {
+            target,
+            members: HashMap::new(),
+            owed: HashMap::new(),
+            owed_replica: 0.0,
+        });
+        let fresh = bucket.members.insert(member, Member { demand, events }).is_none();
+        metrics::gauge!("tollgate_rlqs_buckets").set(buckets.len() as f64);
+        fresh
+    }
+
+    /// Leases the buckets `keys` now, together, instead of at the next tick.
+    pub fn lease_now(&self, keys: Vec<String>) {
+        if keys.is_empty() {
+            return;
         }
+        let inner = self.inner.clone();
+        tokio::spawn(async move { inner.lease_rounds(&keys).await });
     }
 
     /// Updates `member`'s demand for the bucket `key`.
@@ -155,16 +171,54 @@ fn until_next_round() -> Duration {
     Duration::from_millis(tick - now % tick)
 }
 
+// An event for a member, the channel it goes by, and the grant to give back if it cannot.
+type Delivery = (MemberId, mpsc::Sender<Events>, Event, Option<(Leasable, u64)>);
+
+// One stream's events of a round, and the grants among them to give back if it takes none.
+struct Batch {
+    sender: mpsc::Sender<Events>,
+    events: Events,
+    grants: Vec<(Leasable, u64)>,
+}
+
 impl Inner {
     fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, Bucket>> {
         self.buckets.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 
-    // One lease of the bucket `key` for all its members.
-    async fn lease_round(&self, key: &str) {
+    // One lease of each bucket of `keys` for all its members; each stream gets the round's events
+    // as one batch.
+    async fn lease_rounds(&self, keys: &[String]) {
+        let rounds = join_all(keys.iter().map(|k| self.lease_round(k))).await;
+        let mut batches: HashMap<u64, Batch> = HashMap::new();
+        for (member, sender, event, grant) in rounds.into_iter().flatten() {
+            let batch = batches.entry(member.0).or_insert_with(|| Batch {
+                sender,
+                events: Vec::new(),
+                grants: Vec::new(),
+            });
+            batch.events.push(event);
+            batch.grants.extend(grant);
+        }
+        let sent = join_all(batches.into_values().map(|batch| async move {
+            match batch.sender.send_timeout(batch.events, TICK).await {
+                Ok(()) => Vec::new(),
+                Err(_) => batch.grants,
+            }
+        }))
+        .await;
+        join_all(sent.into_iter().flatten().map(|(target, requests)| async move {
+            self.give_back(&target, requests).await;
+        }))
+        .await;
+    }
+
+    // One lease of the bucket `key` for all its members: the event for each member, with the
+    // grant to give back if it cannot be delivered.
+    async fn lease_round(&self, key: &str) -> Vec<Delivery> {
         let (target, members, owed) = {
             let buckets = self.lock();
-            let Some(bucket) = buckets.get(key) else { return };
+            let Some(bucket) = buckets.get(key) else { return Vec::new() };
             let tick_ms = TICK.as_millis() as u64;
             let members: Vec<(MemberId, f64, u64)> = bucket
                 .members
@@ -190,29 +244,39 @@ impl Inner {
                     }
                 };
                 let mut unsent = spare;
+                let mut deliveries = Vec::new();
                 for (member, requests) in grants {
-                    if !self.send(key, &member, Event::Grant { bucket: member.1.clone(), requests }) {
-                        unsent += requests;
+                    match self.sender(key, &member) {
+                        Some(sender) => {
+                            let event = Event::Grant { bucket: member.1.clone(), requests };
+                            deliveries.push((member, sender, event, Some((target.clone(), requests))));
+                        }
+                        None => unsent += requests,
                     }
                 }
                 self.give_back(&target, unsent).await;
+                deliveries
             }
             Err(error) => {
                 if let Some(held_back) = logs::throttled("rlqs_lease_failed") {
                     tracing::warn!(domain = %target.domain.name, error = %ErrorChain(&error), held_back, "could not lease from the store; applying the failure mode");
                 }
                 let mode = target.domain.failure_mode;
-                for (member, _, _) in members {
-                    self.send(key, &member, Event::StoreFailed { bucket: member.1.clone(), mode });
-                }
+                members
+                    .into_iter()
+                    .filter_map(|(member, _, _)| {
+                        let sender = self.sender(key, &member)?;
+                        let event = Event::StoreFailed { bucket: member.1.clone(), mode };
+                        Some((member, sender, event, None))
+                    })
+                    .collect()
             }
         }
     }
 
-    // Tells a member of `key` about its bucket; false if the member is gone.
-    fn send(&self, key: &str, member: &MemberId, event: Event) -> bool {
-        let sender = self.lock().get(key).and_then(|b| b.members.get(member)).map(|m| m.events.clone());
-        sender.is_some_and(|s| s.try_send(event).is_ok())
+    // The events channel of a member of `key`, if it is still there.
+    fn sender(&self, key: &str, member: &MemberId) -> Option<mpsc::Sender<Events>> {
+        self.lock().get(key).and_then(|b| b.members.get(member)).map(|m| m.events.clone())
     }
 
     async fn give_back(&self, target: &Leasable, requests: u64) {

@@ -34,16 +34,19 @@ use envoy_types::pb::envoy::service::rate_limit_quota::v3::rate_limit_quota_resp
     BucketAction as Action, QuotaAssignmentAction,
 };
 use envoy_types::pb::envoy::service::rate_limit_quota::v3::rate_limit_quota_response::BucketAction;
+use envoy_types::pb::envoy::service::rate_limit_quota::v3::rate_limit_quota_usage_reports::BucketQuotaUsage;
 use envoy_types::pb::envoy::service::rate_limit_quota::v3::{
     BucketId, RateLimitQuotaResponse, RateLimitQuotaUsageReports,
 };
 use envoy_types::pb::google::protobuf::{Duration as ProtoDuration, UInt32Value};
 use futures::future::join_all;
+use futures::StreamExt as _;
+use prost::Message as _;
 use tokio::sync::{mpsc, watch};
 use tonic::{Status, Streaming};
 
 use super::assign::{Demand, Ledger};
-use super::pool::{Event, MemberId, Pool};
+use super::pool::{Event, Events, MemberId, Pool};
 use crate::clock::Clock;
 use crate::config::{Blanket, FailureMode};
 use crate::limiter::{Leasable, Limiter, QuotaBucket};
@@ -91,6 +94,13 @@ pub struct Peer {
     pub stream: String,
 }
 
+/// Most bucket actions' encoded bytes in one response: under gRPC's default 4 MiB message limit,
+/// with room for the message's own framing.
+pub const MAX_RESPONSE_BYTES: usize = 3 << 20;
+/// How many buckets a report names for the first time are resolved at once (rule, quota,
+/// parked grants): together, not one after another, and without flooding the store.
+const FIRST_REPORT_CONCURRENCY: usize = 64;
+
 /// Runs the stream `id` with `peer` until it ends.
 pub async fn run(
     context: Context,
@@ -104,114 +114,261 @@ pub async fn run(
         let _ = closing.wait_for(|c| *c).await;
     };
     tokio::pin!(closed);
-    let (events_tx, mut events) = mpsc::channel::<Event>(256);
-    let mut domain: Option<String> = None;
-    let mut buckets: HashMap<String, Bucket> = HashMap::new();
+    let (events_tx, mut events) = mpsc::channel::<Events>(EVENTS_QUEUE);
+    let mut session = Session {
+        limiter: &limiter,
+        pool: &pool,
+        clock: clock.as_ref(),
+        id,
+        peer: &peer,
+        events: events_tx,
+        domain: None,
+        buckets: HashMap::new(),
+        unknown_domain_logged: false,
+    };
     metrics::gauge!("tollgate_rlqs_streams").increment(1.0);
     loop {
-        tokio::select! {
-            report = reports.message() => {
-                let Ok(Some(report)) = report else { break };
-                metrics::counter!("tollgate_rlqs_reports_total").increment(1);
-                if domain.is_none() && !report.domain.is_empty() {
-                    domain = Some(report.domain.clone());
-                }
-                let Some(domain) = &domain else {
-                    let _ = answers.send(Err(Status::invalid_argument("the first report must name the domain"))).await;
-                    break;
-                };
-                let mut actions = Vec::new();
-                let mut seen = Vec::new();
-                for usage in report.bucket_quota_usages {
-                    let Some(bucket_id) = usage.bucket_id else { continue };
-                    let name = name(&bucket_id);
-                    let elapsed = usage.time_elapsed.map_or(0, |d| (d.seconds.max(0) as u64) * 1000 + (d.nanos.max(0) as u64) / 1_000_000);
-                    let bucket = match buckets.get_mut(&name) {
-                        Some(b) => {
-                            if let QuotaBucket::Lease(target) = &b.kind {
-                                seen.push(target.clone());
-                            }
-                            b
-                        }
-                        None => {
-                            let kind = limiter.quota_bucket(domain, &bucket_id.bucket).await;
-                            // Until a report says otherwise, the Envoy may want all of it:
-                            // the burst now and the refill after.
-                            let guess = match &kind {
-                                QuotaBucket::Lease(t) => (t.spec.capacity() + t.spec.refill_per_second()) / t.cost as f64,
-                                _ => 0.0,
-                            };
-                            let mut ledger = Ledger::default();
-                            if let QuotaBucket::Lease(target) = &kind {
-                                adopt_parked(&limiter, target, &peer, elapsed, clock.now_ms(), &mut ledger).await;
-                            }
-                            buckets.entry(name.clone()).or_insert(Bucket { id: bucket_id, kind, demand: Demand::unknown(guess), ledger, last_report_ms: 0 })
-                        }
-                    };
-                    bucket.last_report_ms = clock.now_ms();
-                    bucket.demand.report(usage.num_requests_allowed + usage.num_requests_denied, elapsed);
-                    metrics::counter!("tollgate_rlqs_allowed_requests_total").increment(usage.num_requests_allowed);
-                    match &bucket.kind {
-                        QuotaBucket::Lease(target) => {
-                            let member: MemberId = (id, name.clone());
-                            bucket.ledger.reported(clock.now_ms(), usage.num_requests_allowed, SETTLE_MARGIN_MS);
-                            let unused = bucket.ledger.take_refundable();
-                            if unused > 0 {
-                                let (pool, target) = (pool.clone(), target.clone());
-                                tokio::spawn(async move { pool.give_back(&target, unused).await });
-                            }
-                            pool.join(member, target.clone(), bucket.demand.rate(), events_tx.clone());
-                        }
-                        QuotaBucket::Unlimited(_) => actions.push(blanket(&bucket.id, Blanket::AllowAll, STATIC_TTL)),
-                        QuotaBucket::Unknown(d) => {
-                            metrics::counter!("tollgate_rlqs_unknown_buckets_total").increment(1);
-                            let answer = d.as_ref().map_or(Blanket::AllowAll, |d| d.rlqs_unknown);
-                            actions.push(blanket(&bucket.id, answer, STATIC_TTL));
-                        }
+        let responses = tokio::select! {
+            report = reports.message() => match report {
+                Ok(Some(report)) => match session.report(report).await {
+                    Ok(actions) => bundle(actions),
+                    Err(status) => {
+                        let _ = answers.send(Err(status)).await;
+                        break;
                     }
-                    if let QuotaBucket::Lease(target) = &bucket.kind {
-                        pool.set_demand(&target.key, &(id, name), bucket.demand.rate());
+                },
+                Ok(None) => break,
+                Err(status) => {
+                    // tonic refuses a message over its decoding limit with OUT_OF_RANGE.
+                    if status.code() == tonic::Code::OutOfRange {
+                        metrics::counter!("tollgate_rlqs_stream_errors_total", "reason" => "too_large").increment(1);
+                        tracing::warn!(envoy = %peer.name, error = %status.message(), "an RLQS usage report over the size limit; ending its stream");
+                        let message = format!("usage report too large: {}", status.message());
+                        let _ = answers.send(Err(Status::resource_exhausted(message))).await;
                     }
-                }
-                if !peer.name.is_empty() {
-                    // The stream is alive: while another stream under the same name is too, the
-                    // name is shared and nothing parked under it is claimed.
-                    let noted = join_all(seen.iter().map(|target| limiter.note_lease(target, &peer.name, &peer.stream, LeaseNote::Seen))).await;
-                    if let Some(Err(error)) = noted.into_iter().find(Result::is_err) {
-                        if let Some(held_back) = logs::throttled("rlqs_seen_failed") {
-                            tracing::warn!(error = %ErrorChain(&error), held_back, "could not mark a stream alive in the store");
-                        }
-                    }
-                }
-                if !actions.is_empty() && answers.send(Ok(RateLimitQuotaResponse { bucket_action: actions })).await.is_err() {
                     break;
                 }
-            }
-            Some(event) = events.recv() => {
-                let actions = match event {
-                    Event::Grant { bucket, requests } => match buckets.get_mut(&bucket) {
-                        Some(b) => {
-                            b.ledger.granted(clock.now_ms(), requests);
-                            grant(&b.id, requests)
-                        }
-                        None => continue,
-                    },
-                    Event::StoreFailed { bucket, mode } => match (buckets.get(&bucket), mode) {
-                        (Some(b), FailureMode::Allow) => vec![blanket(&b.id, Blanket::AllowAll, GRANT_TTL)],
-                        (Some(b), FailureMode::Deny) => vec![blanket(&b.id, Blanket::DenyAll, GRANT_TTL)],
-                        // `error`: no new assignment; Envoy's own expiry behavior applies.
-                        _ => continue,
-                    },
-                };
-                if answers.send(Ok(RateLimitQuotaResponse { bucket_action: actions })).await.is_err() {
-                    break;
+            },
+            Some(batch) = events.recv() => {
+                // Every batch already waiting goes out with this one, in as few messages as fit.
+                let mut actions: Vec<BucketAction> = batch.into_iter().flat_map(|e| session.event(e)).collect();
+                while let Ok(batch) = events.try_recv() {
+                    actions.extend(batch.into_iter().flat_map(|e| session.event(e)));
                 }
+                bundle(actions)
             }
             () = &mut closed => break,
+        };
+        let mut gone = false;
+        for response in responses {
+            if answers.send(Ok(response)).await.is_err() {
+                gone = true;
+                break;
+            }
+        }
+        if gone {
+            break;
         }
     }
+    let Session { buckets, .. } = session;
     close_out(&limiter, &pool, clock.now_ms(), id, &peer, &buckets, events).await;
     metrics::gauge!("tollgate_rlqs_streams").decrement(1.0);
+}
+
+/// Batches waiting for a stream, at most (a round's events are one batch); the pool waits up to
+/// a tick for room, then gives the batch's grants back.
+const EVENTS_QUEUE: usize = 16;
+
+// One stream's state, owned by its task.
+struct Session<'a> {
+    limiter: &'a Limiter,
+    pool: &'a Arc<Pool>,
+    clock: &'a dyn Clock,
+    id: u64,
+    peer: &'a Peer,
+    events: mpsc::Sender<Events>,
+    domain: Option<String>,
+    buckets: HashMap<String, Bucket>,
+    unknown_domain_logged: bool,
+}
+
+impl Session<'_> {
+    // A usage report: the buckets it names for the first time are resolved together, then every
+    // usage is booked. Answers the static assignments it calls for, or the status that ends the
+    // stream.
+    async fn report(&mut self, report: RateLimitQuotaUsageReports) -> Result<Vec<BucketAction>, Status> {
+        metrics::counter!("tollgate_rlqs_reports_total").increment(1);
+        if self.domain.is_none() && !report.domain.is_empty() {
+            self.domain = Some(report.domain.clone());
+        }
+        let Some(domain) = self.domain.clone() else {
+            return Err(Status::invalid_argument("the first report must name the domain"));
+        };
+        if report.bucket_quota_usages.iter().any(|u| u.bucket_id.is_none()) {
+            metrics::counter!("tollgate_rlqs_stream_errors_total", "reason" => "no_bucket_id").increment(1);
+            return Err(Status::invalid_argument("a bucket_quota_usage without a bucket_id"));
+        }
+        let usages: Vec<(String, BucketId, BucketQuotaUsage)> = report
+            .bucket_quota_usages
+            .into_iter()
+            .filter_map(|mut u| {
+                let id = u.bucket_id.take()?;
+                Some((name(&id), id, u))
+            })
+            .collect();
+        self.resolve_fresh(&domain, &usages).await;
+        let now = self.clock.now_ms();
+        let mut actions = Vec::new();
+        let mut seen = Vec::new();
+        let mut fresh = Vec::new();
+        for (name, _, usage) in usages {
+            let Some(bucket) = self.buckets.get_mut(&name) else { continue };
+            let known = bucket.last_report_ms > 0;
+            bucket.last_report_ms = now;
+            let elapsed = elapsed_ms(&usage);
+            bucket
+                .demand
+                .report(usage.num_requests_allowed.saturating_add(usage.num_requests_denied), elapsed);
+            metrics::counter!("tollgate_rlqs_allowed_requests_total").increment(usage.num_requests_allowed);
+            match &bucket.kind {
+                QuotaBucket::Lease(target) => {
+                    if known {
+                        seen.push(target.clone());
+                    }
+                    bucket.ledger.reported(now, usage.num_requests_allowed, SETTLE_MARGIN_MS);
+                    let unused = bucket.ledger.take_refundable();
+                    if unused > 0 {
+                        let (pool, target) = (self.pool.clone(), target.clone());
+                        tokio::spawn(async move { pool.give_back(&target, unused).await });
+                    }
+                    let member: MemberId = (self.id, name.clone());
+                    if self.pool.join(
+                        member.clone(),
+                        target.clone(),
+                        bucket.demand.rate(),
+                        self.events.clone(),
+                    ) {
+                        fresh.push(target.key.clone());
+                    }
+                    self.pool.set_demand(&target.key, &member, bucket.demand.rate());
+                }
+                QuotaBucket::Unlimited(_) => actions.push(blanket(&bucket.id, Blanket::AllowAll, STATIC_TTL)),
+                QuotaBucket::Unknown(d) => {
+                    metrics::counter!("tollgate_rlqs_unknown_buckets_total").increment(1);
+                    // As the RLS path answers a domain it does not serve: OK for everything.
+                    let answer = d.as_ref().map_or(Blanket::AllowAll, |d| d.rlqs_unknown);
+                    actions.push(blanket(&bucket.id, answer, STATIC_TTL));
+                }
+            }
+        }
+        if self.buckets.values().any(|b| matches!(b.kind, QuotaBucket::Unknown(None))) {
+            metrics::counter!("tollgate_rlqs_unknown_domain_reports_total").increment(1);
+            if !self.unknown_domain_logged {
+                self.unknown_domain_logged = true;
+                tracing::warn!(domain = %domain, envoy = %self.peer.name, "an RLQS stream reports for a domain that is not loaded; its buckets are allowed, as RLS allows that domain");
+            }
+        }
+        // The Envoy refuses these buckets' requests until it has an assignment.
+        self.pool.lease_now(fresh);
+        self.mark_alive(&seen).await;
+        Ok(actions)
+    }
+
+    // The buckets of `usages` this stream has not seen yet: what each stands for, and for a leased
+    // one, the grants a closed stream of the same Envoy parked. Resolved concurrently.
+    async fn resolve_fresh(&mut self, domain: &str, usages: &[(String, BucketId, BucketQuotaUsage)]) {
+        let mut fresh: Vec<(String, BucketId, u64)> = Vec::new();
+        for (name, id, usage) in usages {
+            if !self.buckets.contains_key(name) && !fresh.iter().any(|f| &f.0 == name) {
+                fresh.push((name.clone(), id.clone(), elapsed_ms(usage)));
+            }
+        }
+        let (limiter, peer, now) = (self.limiter, self.peer, self.clock.now_ms());
+        let resolved: Vec<(String, Bucket)> = futures::stream::iter(fresh)
+            .map(|(name, id, elapsed)| async move {
+                let kind = limiter.quota_bucket(domain, &id.bucket).await;
+                // Until a report says otherwise, the Envoy may want all of it: the burst now and
+                // the refill after.
+                let guess = match &kind {
+                    QuotaBucket::Lease(t) => (t.spec.capacity() + t.spec.refill_per_second()) / t.cost as f64,
+                    _ => 0.0,
+                };
+                let mut ledger = Ledger::default();
+                if let QuotaBucket::Lease(target) = &kind {
+                    adopt_parked(limiter, target, peer, elapsed, now, &mut ledger).await;
+                }
+                (name, Bucket { id, kind, demand: Demand::unknown(guess), ledger, last_report_ms: 0 })
+            })
+            .buffer_unordered(FIRST_REPORT_CONCURRENCY)
+            .collect()
+            .await;
+        self.buckets.extend(resolved);
+    }
+
+    // The stream is alive: while another stream under the same name is too, the name is shared
+    // and nothing parked under it is claimed.
+    async fn mark_alive(&self, seen: &[Leasable]) {
+        if self.peer.name.is_empty() {
+            return;
+        }
+        let (limiter, peer) = (self.limiter, self.peer);
+        let noted = join_all(
+            seen.iter().map(|target| limiter.note_lease(target, &peer.name, &peer.stream, LeaseNote::Seen)),
+        )
+        .await;
+        if let Some(Err(error)) = noted.into_iter().find(Result::is_err) {
+            if let Some(held_back) = logs::throttled("rlqs_seen_failed") {
+                tracing::warn!(error = %ErrorChain(&error), held_back, "could not mark a stream alive in the store");
+            }
+        }
+    }
+
+    // What the pool said about one bucket, as assignments.
+    fn event(&mut self, event: Event) -> Vec<BucketAction> {
+        match event {
+            Event::Grant { bucket, requests } => match self.buckets.get_mut(&bucket) {
+                Some(b) => {
+                    b.ledger.granted(self.clock.now_ms(), requests);
+                    grant(&b.id, requests)
+                }
+                None => Vec::new(),
+            },
+            Event::StoreFailed { bucket, mode } => match (self.buckets.get(&bucket), mode) {
+                (Some(b), FailureMode::Allow) => vec![blanket(&b.id, Blanket::AllowAll, GRANT_TTL)],
+                (Some(b), FailureMode::Deny) => vec![blanket(&b.id, Blanket::DenyAll, GRANT_TTL)],
+                // `error`: no new assignment; Envoy's own expiry behavior applies.
+                _ => Vec::new(),
+            },
+        }
+    }
+}
+
+// `actions` in as few responses as fit [`MAX_RESPONSE_BYTES`]; a bucket's actions (DENY_ALL and
+// its token bucket) stay in one response, as Envoy needs them together.
+fn bundle(actions: Vec<BucketAction>) -> Vec<RateLimitQuotaResponse> {
+    let mut responses: Vec<RateLimitQuotaResponse> = Vec::new();
+    let mut size = 0;
+    for action in actions {
+        let bytes = action.encoded_len() + 8;
+        let same_bucket = responses
+            .last()
+            .and_then(|r| r.bucket_action.last())
+            .is_some_and(|a| a.bucket_id == action.bucket_id);
+        if responses.is_empty() || (size + bytes > MAX_RESPONSE_BYTES && !same_bucket) {
+            responses.push(RateLimitQuotaResponse::default());
+            size = 0;
+        }
+        size += bytes;
+        responses.last_mut().expect("a response").bucket_action.push(action);
+    }
+    responses
+}
+
+// A usage's `time_elapsed` in milliseconds.
+fn elapsed_ms(usage: &BucketQuotaUsage) -> u64 {
+    usage.time_elapsed.as_ref().map_or(0, |d| {
+        (d.seconds.max(0) as u64).saturating_mul(1000).saturating_add((d.nanos.max(0) as u64) / 1_000_000)
+    })
 }
 
 // The end of the stream `id`: its buckets leave the pool, grants the pool sent that were not
@@ -224,7 +381,7 @@ async fn close_out(
     id: u64,
     peer: &Peer,
     buckets: &HashMap<String, Bucket>,
-    mut events: mpsc::Receiver<Event>,
+    mut events: mpsc::Receiver<Events>,
 ) {
     for (name, bucket) in buckets {
         if let QuotaBucket::Lease(Leasable { key, .. }) = &bucket.kind {
@@ -233,10 +390,12 @@ async fn close_out(
     }
     events.close();
     let mut unsent: Vec<(&Leasable, u64)> = Vec::new();
-    while let Ok(event) = events.try_recv() {
-        if let Event::Grant { bucket, requests } = event {
-            if let Some(Bucket { kind: QuotaBucket::Lease(target), .. }) = buckets.get(&bucket) {
-                unsent.push((target, requests));
+    while let Ok(batch) = events.try_recv() {
+        for event in batch {
+            if let Event::Grant { bucket, requests } = event {
+                if let Some(Bucket { kind: QuotaBucket::Lease(target), .. }) = buckets.get(&bucket) {
+                    unsent.push((target, requests));
+                }
             }
         }
     }
