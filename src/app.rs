@@ -48,6 +48,8 @@ pub struct Settings {
     pub dynamic_metadata: bool,
     /// Most decisions in flight.
     pub max_inflight: usize,
+    /// How long an RLQS bucket may go without usage before its Envoys are told to abandon it.
+    pub rlqs_abandon_after: Duration,
     /// Bounds of the per-tenant metric series.
     pub telemetry: TelemetryConfig,
     /// Install the process-wide Prometheus recorder (once per process; off for a second `App`
@@ -69,12 +71,16 @@ impl Settings {
             shadow_mode: false,
             dynamic_metadata: false,
             max_inflight: 10_000,
+            rlqs_abandon_after: DEFAULT_RLQS_ABANDON_AFTER,
             telemetry: TelemetryConfig::default(),
             exporter: false,
             watch: false,
         }
     }
 }
+
+/// `serve`'s default for how long an RLQS bucket may go unused before it is abandoned.
+pub const DEFAULT_RLQS_ABANDON_AFTER: Duration = Duration::from_secs(300);
 
 /// How to reach Redis.
 #[derive(Debug, Clone)]
@@ -145,6 +151,7 @@ pub struct App {
     pub tls: Option<Arc<ReloadingTls>>,
     max_inflight: usize,
     dynamic_metadata: bool,
+    rlqs_abandon_after: Duration,
     _watches: Vec<Watch>,
 }
 
@@ -218,6 +225,7 @@ impl App {
             tls,
             max_inflight: settings.max_inflight,
             dynamic_metadata: settings.dynamic_metadata,
+            rlqs_abandon_after: settings.rlqs_abandon_after,
             _watches: watches,
         })
     }
@@ -230,6 +238,7 @@ impl App {
             telemetry: self.telemetry.clone(),
             max_inflight: self.max_inflight,
             dynamic_metadata: self.dynamic_metadata,
+            rlqs_abandon_after: self.rlqs_abandon_after,
         }
     }
 

@@ -101,6 +101,8 @@ pub struct Service {
     pub telemetry: Arc<Telemetry>,
     /// Send envoyproxy/ratelimit's response dynamic metadata.
     pub dynamic_metadata: bool,
+    /// How long an RLQS bucket may go without usage before its Envoys are told to abandon it.
+    pub rlqs_abandon_after: Duration,
 }
 
 // This process's name in the store's RLQS demand registries: unique among replicas.
@@ -136,7 +138,7 @@ pub async fn run(
         let _ = rx.wait_for(|stop| *stop).await;
     };
 
-    let Service { rules, limiter, telemetry, max_inflight, dynamic_metadata } = service;
+    let Service { rules, limiter, telemetry, max_inflight, dynamic_metadata, rlqs_abandon_after } = service;
     let rls = Arc::new(RateLimitGrpc::new(limiter.clone(), max_inflight, dynamic_metadata));
     let state = HttpState {
         rules,
@@ -152,6 +154,7 @@ pub async fn run(
         limiter.clone(),
         replica_name(),
         Arc::new(MonotonicClock::new()),
+        rlqs_abandon_after,
         stop_rx.clone(),
     );
     let routes = tonic::transport::Server::builder()

@@ -527,3 +527,41 @@ async fn bad_reports_end_the_stream_with_a_reason() {
         server.log()
     );
 }
+
+/// A bucket no report counts a request for during `--rlqs-abandon-after` is abandoned on the
+/// stream that reports it, its state dropped (the live-bucket gauge falls); a request for it
+/// later starts it afresh.
+#[tokio::test(flavor = "multi_thread")]
+async fn idle_buckets_are_abandoned_and_come_back_fresh() {
+    let (_dir, config) = config_file(CONFIG);
+    let server = Tollgate::start(&config, &Backend::Memory, &["--rlqs-abandon-after", "2s"]);
+    let mut stream = Stream::open(&server.addr()).await;
+    let (idle, busy) = (bucket(&[("tenant", "idle")]), bucket(&[("tenant", "busy")]));
+    stream.send("quota", vec![report(&idle, 1, 0, 0), report(&busy, 1, 0, 0)]).await;
+    assert!(matches!(grant_for(&mut stream, &idle).await, Said::Tokens(_)));
+    assert_eq!(sample(&server.metrics(), "tollgate_rlqs_buckets", &[]), 2.0);
+    // Reports every half second: the busy bucket counts requests, the idle one none.
+    let start = Instant::now();
+    let abandoned = loop {
+        assert!(start.elapsed() < Duration::from_secs(6), "never abandoned");
+        stream.send("quota", vec![report(&idle, 0, 0, 500), report(&busy, 1, 0, 500)]).await;
+        let message = next_or_status(&mut stream).await.expect("the stream stands");
+        let gone = message.bucket_action.iter().find(|a| {
+            matches!(a.bucket_action, Some(Action::AbandonAction(_)))
+                && a.bucket_id.as_ref().map(key) == Some(key(&idle))
+        });
+        if gone.is_some() {
+            break start.elapsed();
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    };
+    let metrics = server.metrics();
+    println!("abandon after 2 s: the idle bucket abandoned {abandoned:?} after its last request");
+    assert!(abandoned >= Duration::from_millis(1_500), "{abandoned:?}");
+    assert_eq!(sample(&metrics, "tollgate_rlqs_abandoned_buckets_total", &[]), 1.0);
+    assert_eq!(sample(&metrics, "tollgate_rlqs_buckets", &[]), 1.0, "only the busy bucket is live");
+    // A request for it again: a new bucket, a fresh grant.
+    stream.send("quota", vec![report(&idle, 0, 1, 0)]).await;
+    assert!(matches!(grant_for(&mut stream, &idle).await, Said::Tokens(_)));
+    assert_eq!(sample(&server.metrics(), "tollgate_rlqs_buckets", &[]), 2.0);
+}

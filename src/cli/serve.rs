@@ -47,6 +47,10 @@ pub(super) struct ServeArgs {
     /// Most buckets the pre-check remembers.
     #[arg(long, env = "TOLLGATE_PRECHECK_BUCKETS", default_value_t = 100_000)]
     precheck_buckets: usize,
+    /// An RLQS bucket with no usage in any report for this long is abandoned: its Envoys are told
+    /// to drop it, and tollgate drops its state (a request for it later starts it afresh).
+    #[arg(long, env = "TOLLGATE_RLQS_ABANDON_AFTER", default_value = "5m", value_parser = humantime::parse_duration)]
+    rlqs_abandon_after: Duration,
     /// Most decisions in progress at once; beyond it requests are refused with RESOURCE_EXHAUSTED.
     #[arg(long, env = "TOLLGATE_MAX_INFLIGHT", default_value_t = 10_000)]
     max_inflight: usize,
@@ -121,6 +125,7 @@ impl ServeArgs {
             shadow_mode: self.shadow_mode,
             dynamic_metadata: self.response_dynamic_metadata,
             max_inflight: self.max_inflight,
+            rlqs_abandon_after: self.rlqs_abandon_after,
             telemetry: TelemetryConfig {
                 top_denied: self.top_denied_tenants,
                 top_denied_window: self.top_denied_window,

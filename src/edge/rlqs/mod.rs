@@ -20,6 +20,7 @@ pub mod session;
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
+use std::time::Duration;
 
 use envoy_types::pb::envoy::service::rate_limit_quota::v3::rate_limit_quota_service_server::RateLimitQuotaService;
 use envoy_types::pb::envoy::service::rate_limit_quota::v3::{
@@ -38,6 +39,7 @@ pub struct RateLimitQuotaGrpc {
     limiter: Arc<Limiter>,
     pool: Arc<Pool>,
     clock: Arc<dyn Clock>,
+    abandon_after: Duration,
     closing: watch::Receiver<bool>,
     streams: AtomicU64,
     replica: String,
@@ -45,15 +47,25 @@ pub struct RateLimitQuotaGrpc {
 
 impl RateLimitQuotaGrpc {
     /// A service leasing through `limiter` as `replica` (its name in the store's demand
-    /// registries); every stream ends when `closing` turns true.
+    /// registries); a bucket without usage for `abandon_after` is abandoned; every stream ends
+    /// when `closing` turns true.
     pub fn new(
         limiter: Arc<Limiter>,
         replica: String,
         clock: Arc<dyn Clock>,
+        abandon_after: Duration,
         closing: watch::Receiver<bool>,
     ) -> Self {
         let pool = Arc::new(Pool::new(limiter.clone(), replica.clone()));
-        RateLimitQuotaGrpc { limiter, pool, clock, closing, streams: AtomicU64::new(0), replica }
+        RateLimitQuotaGrpc {
+            limiter,
+            pool,
+            clock,
+            abandon_after,
+            closing,
+            streams: AtomicU64::new(0),
+            replica,
+        }
     }
 }
 
@@ -70,6 +82,7 @@ impl RateLimitQuotaService for RateLimitQuotaGrpc {
             limiter: self.limiter.clone(),
             pool: self.pool.clone(),
             clock: self.clock.clone(),
+            abandon_after: self.abandon_after,
             closing: self.closing.clone(),
         };
         let id = self.streams.fetch_add(1, Ordering::Relaxed);

@@ -31,7 +31,7 @@ use std::time::Duration;
 use envoy_types::pb::envoy::r#type::v3::rate_limit_strategy::{BlanketRule, Strategy};
 use envoy_types::pb::envoy::r#type::v3::{RateLimitStrategy, TokenBucket};
 use envoy_types::pb::envoy::service::rate_limit_quota::v3::rate_limit_quota_response::bucket_action::{
-    BucketAction as Action, QuotaAssignmentAction,
+    AbandonAction, BucketAction as Action, QuotaAssignmentAction,
 };
 use envoy_types::pb::envoy::service::rate_limit_quota::v3::rate_limit_quota_response::BucketAction;
 use envoy_types::pb::envoy::service::rate_limit_quota::v3::rate_limit_quota_usage_reports::BucketQuotaUsage;
@@ -73,6 +73,8 @@ pub struct Context {
     pub pool: Arc<Pool>,
     /// Time for reports and grants.
     pub clock: Arc<dyn Clock>,
+    /// How long a bucket may go without usage before it is abandoned.
+    pub abandon_after: Duration,
     /// Set when the server drains.
     pub closing: watch::Receiver<bool>,
 }
@@ -83,6 +85,8 @@ struct Bucket {
     demand: Demand,
     ledger: Ledger,
     last_report_ms: u64,
+    // When a report last counted a request for it (or it was first reported).
+    last_used_ms: u64,
 }
 
 /// Who is at the other end of a stream, for the store's parked-lease registries.
@@ -109,7 +113,7 @@ pub async fn run(
     mut reports: Streaming<RateLimitQuotaUsageReports>,
     answers: mpsc::Sender<Result<RateLimitQuotaResponse, Status>>,
 ) {
-    let Context { limiter, pool, clock, mut closing } = context;
+    let Context { limiter, pool, clock, abandon_after, mut closing } = context;
     let closed = async move {
         let _ = closing.wait_for(|c| *c).await;
     };
@@ -122,6 +126,7 @@ pub async fn run(
         id,
         peer: &peer,
         events: events_tx,
+        abandon_after_ms: abandon_after.as_millis().try_into().unwrap_or(u64::MAX),
         domain: None,
         buckets: HashMap::new(),
         unknown_domain_logged: false,
@@ -187,6 +192,7 @@ struct Session<'a> {
     id: u64,
     peer: &'a Peer,
     events: mpsc::Sender<Events>,
+    abandon_after_ms: u64,
     domain: Option<String>,
     buckets: HashMap<String, Bucket>,
     unknown_domain_logged: bool,
@@ -221,14 +227,22 @@ impl Session<'_> {
         let mut actions = Vec::new();
         let mut seen = Vec::new();
         let mut fresh = Vec::new();
+        let mut abandoned = Vec::new();
         for (name, _, usage) in usages {
             let Some(bucket) = self.buckets.get_mut(&name) else { continue };
             let known = bucket.last_report_ms > 0;
             bucket.last_report_ms = now;
             let elapsed = elapsed_ms(&usage);
-            bucket
-                .demand
-                .report(usage.num_requests_allowed.saturating_add(usage.num_requests_denied), elapsed);
+            let requests = usage.num_requests_allowed.saturating_add(usage.num_requests_denied);
+            if requests > 0 || !known {
+                bucket.last_used_ms = now;
+            }
+            if now.saturating_sub(bucket.last_used_ms) >= self.abandon_after_ms {
+                actions.push(abandon(&bucket.id));
+                abandoned.push(name);
+                continue;
+            }
+            bucket.demand.report(requests, elapsed);
             metrics::counter!("tollgate_rlqs_allowed_requests_total").increment(usage.num_requests_allowed);
             match &bucket.kind {
                 QuotaBucket::Lease(target) => {
@@ -268,6 +282,9 @@ impl Session<'_> {
                 tracing::warn!(domain = %domain, envoy = %self.peer.name, "an RLQS stream reports for a domain that is not loaded; its buckets are allowed, as RLS allows that domain");
             }
         }
+        for name in abandoned {
+            self.abandon(&name);
+        }
         // The Envoy refuses these buckets' requests until it has an assignment.
         self.pool.lease_now(fresh);
         self.mark_alive(&seen).await;
@@ -297,7 +314,15 @@ impl Session<'_> {
                 if let QuotaBucket::Lease(target) = &kind {
                     adopt_parked(limiter, target, peer, elapsed, now, &mut ledger).await;
                 }
-                (name, Bucket { id, kind, demand: Demand::unknown(guess), ledger, last_report_ms: 0 })
+                let bucket = Bucket {
+                    id,
+                    kind,
+                    demand: Demand::unknown(guess),
+                    ledger,
+                    last_report_ms: 0,
+                    last_used_ms: 0,
+                };
+                (name, bucket)
             })
             .buffer_unordered(FIRST_REPORT_CONCURRENCY)
             .collect()
@@ -320,6 +345,17 @@ impl Session<'_> {
             if let Some(held_back) = logs::throttled("rlqs_seen_failed") {
                 tracing::warn!(error = %ErrorChain(&error), held_back, "could not mark a stream alive in the store");
             }
+        }
+    }
+
+    // Drops the bucket `name`, which its Envoy was told to abandon: it leaves the pool, and what
+    // its grants may still hold stays taken (the Envoy's last requests under them are never
+    // reported). A request for it later starts it afresh.
+    fn abandon(&mut self, name: &str) {
+        let Some(bucket) = self.buckets.remove(name) else { return };
+        metrics::counter!("tollgate_rlqs_abandoned_buckets_total").increment(1);
+        if let QuotaBucket::Lease(target) = &bucket.kind {
+            self.pool.leave(&target.key, &(self.id, name.to_owned()));
         }
     }
 
@@ -481,6 +517,11 @@ fn assignment(id: &BucketId, strategy: Strategy, lives: Duration) -> BucketActio
             rate_limit_strategy: Some(RateLimitStrategy { strategy: Some(strategy) }),
         })),
     }
+}
+
+// Tells the Envoy to drop the bucket: its cached assignment and usage.
+fn abandon(id: &BucketId) -> BucketAction {
+    BucketAction { bucket_id: Some(id.clone()), bucket_action: Some(Action::AbandonAction(AbandonAction {})) }
 }
 
 fn blanket(id: &BucketId, rule: Blanket, lives: Duration) -> BucketAction {
