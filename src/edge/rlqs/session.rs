@@ -15,6 +15,12 @@
 //! ticks), and static ones (ALLOW_ALL, DENY_ALL) are renewed with every report, since Envoy falls
 //! back to its no-assignment behavior when an assignment expires.
 //!
+//! The pool's events of one round arrive as one batch, and go out in as few responses as fit
+//! [`MAX_RESPONSE_BYTES`]. A bucket no report counts a request for during the abandon period gets
+//! `abandon_action` and leaves the stream's state. A report the protocol does not allow ends the
+//! stream with a status that says why: over the message size limit (RESOURCE_EXHAUSTED), a usage
+//! without a bucket id (INVALID_ARGUMENT), no domain in the first report (INVALID_ARGUMENT).
+//!
 //! The stream ends when the Envoy closes it, its connection drops or the server drains; then its
 //! buckets leave the pool, grants the pool sent too late are given back, and what the Envoy may
 //! still have used of the others is parked in the store under the Envoy's name. An Envoy that
