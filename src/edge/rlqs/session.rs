@@ -47,6 +47,7 @@ use envoy_types::pb::envoy::service::rate_limit_quota::v3::{
 use envoy_types::pb::google::protobuf::{Duration as ProtoDuration, UInt32Value};
 use futures::future::join_all;
 use futures::StreamExt as _;
+use indexmap::IndexMap;
 use prost::Message as _;
 use tokio::sync::{mpsc, watch};
 use tonic::{Status, Streaming};
@@ -160,13 +161,12 @@ pub async fn run(
                     break;
                 }
             },
-            Some(batch) = events.recv() => {
+            Some(mut batch) = events.recv() => {
                 // Every batch already waiting goes out with this one, in as few messages as fit.
-                let mut actions: Vec<BucketAction> = batch.into_iter().flat_map(|e| session.event(e)).collect();
-                while let Ok(batch) = events.try_recv() {
-                    actions.extend(batch.into_iter().flat_map(|e| session.event(e)));
+                while let Ok(more) = events.try_recv() {
+                    batch.extend(more);
                 }
-                bundle(actions)
+                bundle(session.events(batch))
             }
             () = &mut closed => break,
         };
@@ -363,6 +363,25 @@ impl Session<'_> {
         if let QuotaBucket::Lease(target) = &bucket.kind {
             self.pool.leave(&target.key, &(self.id, name.to_owned()));
         }
+    }
+
+    // What the pool said, as assignments: the latest event per bucket, so that no response
+    // carries two assignments for one bucket. A grant superseded before it was sent goes back
+    // (the Envoy never had it).
+    fn events(&mut self, events: Events) -> Vec<BucketAction> {
+        let mut latest: IndexMap<String, Event> = IndexMap::new();
+        for event in events {
+            let bucket = match &event {
+                Event::Grant { bucket, .. } | Event::StoreFailed { bucket, .. } => bucket.clone(),
+            };
+            if let Some(Event::Grant { requests, .. }) = latest.insert(bucket.clone(), event) {
+                if let Some(Bucket { kind: QuotaBucket::Lease(target), .. }) = self.buckets.get(&bucket) {
+                    let (pool, target) = (self.pool.clone(), target.clone());
+                    tokio::spawn(async move { pool.give_back(&target, requests).await });
+                }
+            }
+        }
+        latest.into_values().flat_map(|event| self.event(event)).collect()
     }
 
     // What the pool said about one bucket, as assignments.
