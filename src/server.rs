@@ -85,7 +85,7 @@ pub enum ServeError {
 pub enum Shutdown {
     /// Go unready, wait this long for load balancers to notice, then drain.
     Drain(Duration),
-    /// Drain in-flight requests without waiting first (an operator's Ctrl-C).
+    /// Drain in-flight requests without waiting first (Ctrl-C where SIGTERM cannot be watched).
     Immediate,
 }
 

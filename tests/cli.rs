@@ -238,3 +238,23 @@ async fn sigterm_goes_unready_before_it_stops() {
     let status = server.proc.wait_exit(Duration::from_secs(10)).expect("exits after the drain");
     assert!(status.success(), "{status:?}");
 }
+
+/// Ctrl-C drains like SIGTERM; a second Ctrl-C exits at once.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_second_sigint_exits_at_once() {
+    let (_dir, config) = config_file("domain: d\n");
+    let mut server = Tollgate::start(&config, &Backend::Memory, &["--drain-delay", "30s"]);
+    server.proc.signal("INT");
+    wait_until("/readyz 503 while draining", 100, Duration::from_millis(10), || {
+        http_get(server.http, "/readyz").is_some_and(|(s, _)| s == 503)
+    });
+    assert_eq!(ask(&server.addr(), req("d", &["a=1"], 1)).await.unwrap().overall_code, OK, "still serving");
+    let second = std::time::Instant::now();
+    server.proc.signal("INT");
+    let status = server.proc.wait_exit(Duration::from_secs(5)).expect("exits at once, not after 30 s");
+    println!(
+        "Ctrl-C then Ctrl-C with a 30 s drain delay: exit {status:?} {:?} after the second",
+        second.elapsed()
+    );
+    assert_eq!(status.code(), Some(130));
+}

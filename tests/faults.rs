@@ -272,14 +272,21 @@ async fn slots_migrate_to_a_new_node_during_traffic() {
 }
 
 #[tokio::test(flavor = "multi_thread")]
-async fn sigterm_under_load_drops_nothing() {
+async fn sigterm_and_sigint_under_load_drop_nothing() {
+    for signal in ["TERM", "INT"] {
+        drains_under_load(signal).await;
+    }
+}
+
+// `signal` under load: unready at once, then a drain that drops no request.
+async fn drains_under_load(signal: &str) {
     let _serial = SERIAL.lock().await;
     let (_dir, config) = config_file(CONFIG);
     let mut server = Tollgate::start(&config, &Backend::Memory, &["--drain-delay", "1s"]);
     let load = Load::start(&[server.addr()], "f", &tenants(100, "s-"), 16).await;
     tokio::time::sleep(Duration::from_millis(500)).await;
     let term_at = load.start.elapsed();
-    server.proc.signal("TERM");
+    server.proc.signal(signal);
     // What a load balancer does: stop sending once the instance reports unready.
     wait_until("/readyz to report draining", 200, Duration::from_millis(5), || {
         http_get(server.http, "/readyz").is_some_and(|(s, _)| s == 503)
@@ -291,7 +298,7 @@ async fn sigterm_under_load_drops_nothing() {
     let status = server.proc.wait_exit(Duration::from_secs(10)).expect("exits after the drain");
     let errors = count(&answers, |a| matches!(a.kind, Kind::Error(_)));
     println!(
-        "SIGTERM under load (drain delay 1 s): unready {:?} after the signal; {} requests sent (500 ms of them while draining), {errors} errors; exit {status}",
+        "SIG{signal} under load (drain delay 1 s): unready {:?} after the signal; {} requests sent (500 ms of them while draining), {errors} errors; exit {status}",
         unready_at - term_at,
         answers.len()
     );

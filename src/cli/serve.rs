@@ -163,7 +163,9 @@ pub(super) fn run(args: ServeArgs, json: bool) -> Outcome {
     served
 }
 
-// SIGTERM (an orchestrator) drains after the delay; SIGINT (a person at a terminal) at once.
+// SIGTERM (an orchestrator) and SIGINT (Ctrl-C at a terminal) both drain after the delay, so
+// that no request in flight is dropped; a second SIGINT exits at once, for a person who will not
+// wait.
 async fn shutdown_signal(drain_delay: Duration) -> Shutdown {
     use tokio::signal::unix::{signal, SignalKind};
     let mut term = match signal(SignalKind::terminate()) {
@@ -175,7 +177,16 @@ async fn shutdown_signal(drain_delay: Duration) -> Shutdown {
         }
     };
     tokio::select! {
-        _ = term.recv() => Shutdown::Drain(drain_delay),
-        _ = tokio::signal::ctrl_c() => Shutdown::Immediate,
+        _ = term.recv() => {}
+        _ = tokio::signal::ctrl_c() => {
+            tracing::info!("Ctrl-C: draining (press Ctrl-C again to exit at once)");
+            tokio::spawn(async {
+                if tokio::signal::ctrl_c().await.is_ok() {
+                    tracing::warn!("second Ctrl-C: exiting without draining");
+                    std::process::exit(130);
+                }
+            });
+        }
     }
+    Shutdown::Drain(drain_delay)
 }
