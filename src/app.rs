@@ -24,9 +24,10 @@ use crate::quota::postgres::{PostgresQuotas, QuotaError};
 use crate::quota::{EmbeddedQuotas, QuotaSource};
 use crate::reload::{Reloader, Watch};
 use crate::server::{self, Listeners, ServeError, Service, Shutdown};
-use crate::store::{ConnectError, MemoryStore, Precheck, RedisStore, RedisTarget, RedisTls, Store};
+use crate::store::{health, ConnectError, MemoryStore, Precheck, RedisStore, RedisTarget, RedisTls, Store};
 use crate::telemetry::{Telemetry, TelemetryConfig};
 use crate::tls::{ReloadingTls, TlsError, TlsFiles};
+use tokio_util::task::AbortOnDropHandle;
 
 /// Connections to the quota database per process; lookups are rare (one per tenant per TTL).
 const QUOTA_DB_CONNECTIONS: usize = 8;
@@ -153,6 +154,7 @@ pub struct App {
     dynamic_metadata: bool,
     rlqs_abandon_after: Duration,
     _watches: Vec<Watch>,
+    _store_health: AbortOnDropHandle<()>,
 }
 
 /// The store `redis` describes (the embedded one for `None`), with the pre-check in front of
@@ -187,6 +189,8 @@ impl App {
         });
         let store = store(settings.redis.as_ref()).map_err(StartError::Redis)?;
         tracing::info!(store = %store.describe(), shadow_mode = settings.shadow_mode, "store configured");
+        // Says at once, and on every change, whether the store answers and why not.
+        let store_health = health::watch(store.clone());
         let quotas: Arc<dyn QuotaSource> = match &settings.quotas {
             Some(q) => {
                 let db = PostgresQuotas::connect(&q.url, QUOTA_DB_CONNECTIONS, q.ca.as_deref())
@@ -227,6 +231,7 @@ impl App {
             dynamic_metadata: settings.dynamic_metadata,
             rlqs_abandon_after: settings.rlqs_abandon_after,
             _watches: watches,
+            _store_health: store_health,
         })
     }
 

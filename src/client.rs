@@ -4,6 +4,8 @@ use std::fmt::Write as _;
 
 use tonic::transport::{Certificate, ClientTlsConfig, Endpoint, Identity};
 
+use crate::edge::rls::headers::FAILURE_MODE_HEADER;
+
 use envoy_types::pb::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::Entry;
 use envoy_types::pb::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor;
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::rate_limit::Unit;
@@ -105,6 +107,12 @@ pub fn over_limit(response: &RateLimitResponse) -> bool {
 pub fn render(request: &RateLimitRequest, response: &RateLimitResponse) -> String {
     let code = |c: i32| Code::try_from(c).map(|c| c.as_str_name()).unwrap_or("UNKNOWN");
     let mut out = format!("overall: {}\n", code(response.overall_code));
+    let failure_mode =
+        response.response_headers_to_add.iter().find(|h| h.key.eq_ignore_ascii_case(FAILURE_MODE_HEADER));
+    if let Some(mode) = failure_mode {
+        let _ =
+            writeln!(out, "answered by the failure mode ({}): the server's store did not answer", mode.value);
+    }
     for (i, status) in response.statuses.iter().enumerate() {
         let entries = request
             .descriptors

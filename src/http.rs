@@ -23,7 +23,7 @@ use serde_json::{json, Value};
 use crate::config::RuleSet;
 use crate::edge::rls::json;
 use crate::edge::rls::RateLimitGrpc;
-use crate::store::Store;
+use crate::store::{health, Store};
 use crate::telemetry::Telemetry;
 
 /// What the endpoints look at.
@@ -63,7 +63,8 @@ async fn readyz(State(state): State<HttpState>) -> Response {
     }
     match state.store.ping().await {
         Ok(()) => "ready\n".into_response(),
-        Err(e) => (StatusCode::SERVICE_UNAVAILABLE, format!("store unreachable: {e}\n")).into_response(),
+        Err(e) => (StatusCode::SERVICE_UNAVAILABLE, format!("store unreachable: {}\n", health::explain(&e)))
+            .into_response(),
     }
 }
 

@@ -182,6 +182,23 @@ async fn ask_prints_codes_statuses_and_headers() {
     assert!(code == 2 && stderr.contains("'novalue' is not key=value"), "{stderr}");
 }
 
+/// An answer the failure mode gave is marked, for `ask` and for Envoy's clients.
+#[tokio::test(flavor = "multi_thread")]
+async fn ask_marks_an_answer_the_failure_mode_gave() {
+    let (_dir, config) = config_file("domain: d\nfailure_mode: allow\ndescriptors:\n  - key: a\n    rate_limit: {unit: second, requests_per_unit: 3}\n");
+    let closed = format!("redis://127.0.0.1:{}", free_port());
+    let server = Tollgate::start_unready(&config, &Backend::Memory, &["--redis-url", &closed]);
+    let (code, stdout, _) =
+        tollgate_code(&["ask", "--addr", &server.addr(), "--domain", "d", "--descriptor", "a=1"]);
+    println!("{stdout}");
+    assert_eq!(code, 0);
+    assert!(
+        stdout.contains("answered by the failure mode (allow): the server's store did not answer"),
+        "{stdout}"
+    );
+    assert!(stdout.contains("X-Tollgate-Failure-Mode: allow"), "{stdout}");
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn side_endpoints_and_grpc_health() {
     let redis = Redis::start();

@@ -288,3 +288,61 @@ async fn redis_cluster_as_a_least_privilege_acl_user() {
         assert!(log.is_empty(), "node {port}: tollgate needed a command outside its ACL: {log:?}");
     }
 }
+
+/// A store that does not answer says why, at startup, in one log line, in `/readyz` and in a
+/// metric: a wrong password, a CA that does not sign the server's certificate, a closed port.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_failing_store_says_why() {
+    let pki = TestPki::new();
+    let acl = format!("user default off\nuser probe on >probe ~* +ping\n{TOLLGATE_ACL}\n");
+    let redis = Redis::start_tls(&pki, &acl);
+    let other = TestPki::new();
+    let cases = [
+        (
+            "wrong password",
+            format!("rediss://tollgate:wrong-pw-3c1d@127.0.0.1:{}", redis.port),
+            Some(pki.path_str("ca.pem")),
+            "authentication",
+            "authentication refused",
+        ),
+        (
+            "wrong CA",
+            format!("rediss://tollgate:tollgate-secret@127.0.0.1:{}", redis.port),
+            Some(other.path_str("ca.pem")),
+            "tls",
+            "TLS failed",
+        ),
+        (
+            "closed port",
+            format!("redis://127.0.0.1:{}", free_port()),
+            None,
+            "connection_refused",
+            "connection refused",
+        ),
+    ];
+    for (what, url, ca, label, words) in cases {
+        let (_dir, config) = config_file(CONFIG);
+        let mut args = vec!["--redis-url".to_owned(), url];
+        if let Some(ca) = ca {
+            args.extend(["--redis-ca".to_owned(), ca]);
+        }
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        let server = Tollgate::start_unready(&config, &Backend::Memory, &args);
+        wait_until("the cause in the log", 200, Duration::from_millis(20), || server.log().contains(words));
+        let (status, body) = http_get(server.http, "/readyz").unwrap();
+        let metrics = server.metrics();
+        let counted = sample(&metrics, "tollgate_store_down_total", &[("cause", label)]);
+        let log = server.log();
+        let line = log.lines().find(|l| l.contains("does not answer")).unwrap_or_default().to_owned();
+        println!("{what}: /readyz {status} {}; log: {line}", body.trim());
+        assert_eq!(status, 503);
+        assert!(body.contains(words), "{what}: {body}");
+        assert_eq!(counted, 1.0, "{what}: counted once");
+        assert_eq!(sample(&metrics, "tollgate_store_up", &[]), 0.0);
+        assert_eq!(log.matches("does not answer").count(), 1, "{what}: one line, not one per ping:\n{log}");
+        assert!(
+            !log.contains("tollgate-secret") && !log.contains("wrong-pw-3c1d"),
+            "{what}: no password in the log"
+        );
+    }
+}

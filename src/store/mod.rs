@@ -17,6 +17,7 @@
 
 mod cluster;
 mod coalesce;
+pub mod health;
 mod memory;
 mod node;
 mod precheck;

@@ -1,5 +1,9 @@
 //! Response headers that tell clients where they stand.
 //!
+//! Whatever the domain's sets, an answer the failure mode gave (the store did not answer) carries
+//! [`FAILURE_MODE_HEADER`] with the mode (`allow` or `deny`), so that a caller, `tollgate ask`,
+//! and Envoy's access logs can tell it from a real decision.
+//!
 //! Envoy copies these onto the response: the upstream's on OK, the 429 on OVER_LIMIT. Per domain
 //! (`response_headers:`) three sets can be chosen:
 //!
@@ -25,10 +29,17 @@ use tonic_types::{ErrorDetails, StatusExt};
 
 use crate::limiter::{BucketReport, Code, Decision, Outcome};
 
+/// Set on an answer the failure mode gave, with the mode.
+pub const FAILURE_MODE_HEADER: &str = "X-Tollgate-Failure-Mode";
+
 /// The headers for `decision`, as (name, value) pairs.
 pub fn response_headers(decision: &Decision) -> Vec<(&'static str, String)> {
     let Some(domain) = &decision.domain else { return Vec::new() };
     let sets = domain.headers;
+    let failed = decision.descriptors.iter().find_map(|d| match &d.outcome {
+        Outcome::StoreFailed { mode, .. } => Some(mode.to_string()),
+        _ => None,
+    });
     let buckets: Vec<&BucketReport> = decision
         .descriptors
         .iter()
@@ -43,6 +54,9 @@ pub fn response_headers(decision: &Decision) -> Vec<(&'static str, String)> {
         Code::Ok => Vec::new(),
     };
     let mut headers = Vec::new();
+    if let Some(mode) = failed {
+        headers.push((FAILURE_MODE_HEADER, mode));
+    }
 
     let candidates = if denying.is_empty() { &buckets } else { &denying };
     let most_constrained = candidates.iter().min_by(|a, b| {

@@ -1,0 +1,138 @@
+//! Whether the store answers, and if it does not, why, in words an operator can act on.
+//!
+//! A store that fails at startup (a wrong password, a wrong CA, a closed port) must not fail
+//! silently: [`watch`] pings it at once and every [`INTERVAL`], and logs one line whenever its
+//! state changes, naming the cause ([`Cause`]) and the error chain, never credentials; the
+//! metrics `tollgate_store_up` and `tollgate_store_down_total{cause}` follow it. `/readyz` names
+//! the same cause ([`Cause::of`]) in its body.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use redis::{ErrorKind, ServerErrorKind};
+use tokio_util::task::AbortOnDropHandle;
+
+use super::{Store, StoreError};
+use crate::telemetry::logs::ErrorChain;
+
+/// How often the store is pinged.
+pub const INTERVAL: Duration = Duration::from_secs(1);
+
+/// Why a store does not answer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Cause {
+    /// The server refused the credentials (`WRONGPASS`, `NOAUTH`).
+    Authentication,
+    /// The credentials lack a permission the scripts need (an ACL).
+    Permission,
+    /// The TLS handshake failed: certificate verification, or a server that does not speak TLS.
+    Tls,
+    /// Nothing listens at the address.
+    ConnectionRefused,
+    /// The host name does not resolve.
+    Dns,
+    /// No answer within the deadline.
+    Timeout,
+    /// A Redis Cluster slot has no node, or the Cluster says it is down.
+    ClusterCoverage,
+    /// Anything else (the error chain says what).
+    Other,
+}
+
+impl Cause {
+    /// The cause of `error`.
+    pub fn of(error: &StoreError) -> Cause {
+        let redis = match error {
+            StoreError::Timeout(_) => return Cause::Timeout,
+            StoreError::NoOwner(_) => return Cause::ClusterCoverage,
+            StoreError::Protocol(_) => return Cause::Other,
+            StoreError::Redis(e) => e,
+        };
+        let text = ErrorChain(redis).to_string().to_ascii_lowercase();
+        match redis.kind() {
+            ErrorKind::AuthenticationFailed => return Cause::Authentication,
+            ErrorKind::Server(ServerErrorKind::NoPerm) => return Cause::Permission,
+            ErrorKind::Server(ServerErrorKind::ClusterDown) => return Cause::ClusterCoverage,
+            _ => {}
+        }
+        if text.contains("wrongpass") || text.contains("noauth") || text.contains("invalid username-password")
+        {
+            Cause::Authentication
+        } else if text.contains("noperm") {
+            Cause::Permission
+        } else if text.contains("certificate") || text.contains("tls") || text.contains("handshake") {
+            Cause::Tls
+        } else if redis.is_connection_refusal() || text.contains("connection refused") {
+            Cause::ConnectionRefused
+        } else if text.contains("lookup")
+            || text.contains("name or service not known")
+            || text.contains("resolve")
+        {
+            Cause::Dns
+        } else if redis.is_timeout() {
+            Cause::Timeout
+        } else {
+            Cause::Other
+        }
+    }
+
+    /// The metric label.
+    pub fn label(self) -> &'static str {
+        match self {
+            Cause::Authentication => "authentication",
+            Cause::Permission => "permission",
+            Cause::Tls => "tls",
+            Cause::ConnectionRefused => "connection_refused",
+            Cause::Dns => "dns",
+            Cause::Timeout => "timeout",
+            Cause::ClusterCoverage => "cluster_coverage",
+            Cause::Other => "other",
+        }
+    }
+
+    /// What an operator reads.
+    pub fn describe(self) -> &'static str {
+        match self {
+            Cause::Authentication => "authentication refused (check the password or ACL user)",
+            Cause::Permission => "permission denied by the ACL (see README, Security)",
+            Cause::Tls => "TLS failed (check the CA, the client certificate, and that the server speaks TLS)",
+            Cause::ConnectionRefused => "connection refused (nothing listens at the address)",
+            Cause::Dns => "the host name does not resolve",
+            Cause::Timeout => "no answer within the deadline",
+            Cause::ClusterCoverage => "the Redis Cluster does not cover every slot",
+            Cause::Other => "the store failed",
+        }
+    }
+}
+
+/// One line for `/readyz` and the logs: the cause, then the error chain.
+pub fn explain(error: &StoreError) -> String {
+    format!("{}: {}", Cause::of(error).describe(), ErrorChain(error))
+}
+
+/// Pings `store` now and every [`INTERVAL`], logging each change of state; stops when the handle
+/// is dropped.
+pub fn watch(store: Arc<dyn Store>) -> AbortOnDropHandle<()> {
+    AbortOnDropHandle::new(tokio::spawn(async move {
+        let mut last: Option<Option<Cause>> = None;
+        loop {
+            let now = match store.ping().await {
+                Ok(()) => None,
+                Err(error) => {
+                    let cause = Cause::of(&error);
+                    if last != Some(Some(cause)) {
+                        metrics::counter!("tollgate_store_down_total", "cause" => cause.label()).increment(1);
+                        tracing::error!(store = %store.describe(), cause = cause.label(), error = %ErrorChain(&error), "the store does not answer: {}", cause.describe());
+                    }
+                    Some(cause)
+                }
+            };
+            if now.is_none() && last != Some(None) {
+                tracing::info!(store = %store.describe(), "the store answers");
+            }
+            metrics::gauge!("tollgate_store_up").set(if now.is_none() { 1.0 } else { 0.0 });
+            last = Some(now);
+            tokio::time::sleep(INTERVAL).await;
+        }
+    }))
+}
