@@ -285,6 +285,19 @@ async fn kept_ms_falls_back_to_pttl_without_pexpiretime() {
     for (written, read) in &kept {
         assert!(*read <= *written && written - read < 1_000, "{kept:?}");
     }
+    // A write never moves an expiry earlier, on either server: a key kept far longer than its
+    // spec needs (as an earlier, slower spec may have left it) keeps that expiry.
+    for redis in [&modern, &older] {
+        let store = store_on(redis);
+        let mut con = redis.connection();
+        let far: i64 = 900_000_000;
+        let _: () = redis::cmd("PEXPIRE").arg("rl:kept:k=v").arg(far).query(&mut con).unwrap();
+        let again = store.evaluate(&[vec![op(1.0)]], LateReply::Keep).await.pop().unwrap().unwrap();
+        assert!(again.admitted);
+        let ttl: i64 = redis::cmd("PTTL").arg("rl:kept:k=v").query(&mut con).unwrap();
+        assert!(ttl > far - 1_000 && ttl <= far + 2, "the expiry stands: {ttl} of {far}");
+        assert!(again.verdicts[0].kept_ms as i64 >= far - 1_000, "{again:?}");
+    }
     // The two servers' buckets were written a few milliseconds apart; their read-backs agree to
     // within the time between the calls and the millisecond PTTL gives away.
     let (a, b) = (kept[0].1 as i64, kept[1].1 as i64);

@@ -371,8 +371,33 @@ async fn replicas_that_disagree(setup: &Setup) {
     settle(&a).await;
     settle(&b).await;
     let tenant = "disagree";
+    let (_, direct) = setup.node_of(tenant);
     let load = Load::start(&[a.addr(), b.addr()], "spec", &[tenant.to_owned()], 8).await;
-    tokio::time::sleep(Duration::from_secs(10)).await;
+    // Meanwhile, what the bucket holds, refilled to now at its rate in force: under this load
+    // every token is spent as it comes, unless a pre-check denies what Redis would admit, which
+    // lets tokens pile up for as long as its observation stands.
+    let sampler = tokio::task::spawn_blocking(move || {
+        let key = format!("rl:{{{tenant}}}:spec:tenant={tenant}");
+        // Sampled once the first burst is spent (the balance first under one token).
+        let mut most: Option<f64> = None;
+        let end = Instant::now() + Duration::from_secs(10);
+        while Instant::now() < end {
+            let fields: Option<(Option<f64>, Option<u64>, Option<f64>)> =
+                node_query(direct, &["HMGET", &key, "t", "l", "r"]);
+            let time: Option<(u64, u64)> = node_query(direct, &["TIME"]);
+            if let (Some((Some(t), Some(l), Some(r))), Some((s, us))) = (fields, time) {
+                let now = s * 1000 + us / 1000;
+                let held = t + now.saturating_sub(l) as f64 * r / 1000.0;
+                most = match most {
+                    Some(m) => Some(m.max(held)),
+                    None => (held < 1.0).then_some(held),
+                };
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        most.expect("the first burst was spent")
+    });
+    let most_held = sampler.await.unwrap();
     let answers = load.stop().await;
     let admitted: Vec<_> = answers.iter().filter(|a| a.kind == Kind::Admitted).collect();
     let failed = answers.iter().filter(|a| !matches!(a.kind, Kind::Admitted | Kind::Denied)).count();
@@ -387,12 +412,11 @@ async fn replicas_that_disagree(setup: &Setup) {
             worst = worst.max((n + 1) as f64 / bound);
         }
     }
-    let (_, direct) = setup.node_of(tenant);
     let held = tokens(direct, "spec", tenant);
     let local = sample(&a.metrics(), "tollgate_precheck_answers_total", &[])
         + sample(&b.metrics(), "tollgate_precheck_answers_total", &[]);
     println!(
-        "{}: two replicas (20 at 5/s, 50 at 2/s) on one bucket for 10 s: {} of {} requests admitted, worst window at {:.2} of the larger spec's bound, {local} answered by the pre-checks, bucket holds {held:.3}",
+        "{}: two replicas (20 at 5/s, 50 at 2/s) on one bucket for 10 s: {} of {} requests admitted, worst window at {:.2} of the larger spec's bound, {local} answered by the pre-checks, at most {most_held:.2} tokens unspent at any sample, bucket holds {held:.3}",
         setup.name(),
         admitted.len(),
         answers.len(),
@@ -401,6 +425,9 @@ async fn replicas_that_disagree(setup: &Setup) {
     assert!(worst <= 1.0, "a window admitted more than max capacity + max rate x T: {worst:.3}");
     assert!(admitted.len() as f64 >= 20.0 + 2.0 * 10.0 * 0.8, "the bucket is served: {}", admitted.len());
     assert!((-0.001..=largest).contains(&held), "the balance stays within the specs: {held}");
+    // A token refilled while every request was denied locally would wait up to 5 s (the
+    // pre-check's longest use of an observation): at 5 per second, 25 tokens.
+    assert!(most_held < 5.0, "tokens piled up unspent ({most_held:.2}): a pre-check denied what Redis held");
 }
 
 #[tokio::test(flavor = "multi_thread")]
