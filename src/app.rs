@@ -187,6 +187,7 @@ impl App {
         } else {
             Telemetry::without_exporter(settings.telemetry)
         });
+        crate::telemetry::register_domains(&rules);
         let store = store(settings.redis.as_ref()).map_err(StartError::Redis)?;
         tracing::info!(store = %store.describe(), shadow_mode = settings.shadow_mode, "store configured");
         // Says at once, and on every change, whether the store answers and why not.

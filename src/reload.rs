@@ -138,7 +138,9 @@ impl Reloader {
         if trigger == Trigger::Files && sources.fingerprint() == self.rules.load().fingerprint() {
             return Ok(false);
         }
-        self.rules.store(Arc::new(RuleSet::compile(sources)?));
+        let rules = RuleSet::compile(sources)?;
+        crate::telemetry::register_domains(&rules);
+        self.rules.store(Arc::new(rules));
         Ok(true)
     }
 

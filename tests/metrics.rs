@@ -214,7 +214,9 @@ fn dashboard_and_readme_cover_exactly_the_exported_metrics() {
 /// data"; only the series labelled by what traffic brings (domain, rule, tenant) wait for it.
 #[test]
 fn every_metric_is_exported_at_zero_at_startup() {
-    let (_dir, config) = config_file("domain: d\n");
+    let (_dir, config) = config_file(
+        "domain: d\nfailure_mode: deny\ndescriptors:\n  - key: a\n    rate_limit: {unit: second, requests_per_unit: 3}\n",
+    );
     let server = Tollgate::start(&config, &Backend::Memory, &[]);
     let (status, body) = http_get(server.http, "/metrics").unwrap();
     assert_eq!(status, 200);
@@ -237,4 +239,24 @@ fn every_metric_is_exported_at_zero_at_startup() {
         }
     }
     assert!(missing.is_empty(), "not exported at startup: {missing:?}\n{body}");
+    // The loaded domain's and rule's labelled series, each decision its rule can make.
+    for series in [
+        r#"tollgate_decisions_total{domain="d",rule="a",decision="ok"} 0"#,
+        r#"tollgate_decisions_total{domain="d",rule="a",decision="over_limit"} 0"#,
+        r#"tollgate_decisions_total{domain="d",rule="a",decision="failed_closed"} 0"#,
+        r#"tollgate_store_errors_total{domain="d",kind="timeout",failure_mode="deny"} 0"#,
+        r#"tollgate_debt_forgiven_tokens_total{domain="d"} 0"#,
+    ] {
+        assert!(body.lines().any(|l| l == series), "{series} missing:\n{body}");
+    }
+    // A domain a reload brings in gets its series at once.
+    std::fs::write(
+        &config,
+        "domain: e\ndescriptors:\n  - key: b\n    rate_limit: {unit: second, requests_per_unit: 3}\n",
+    )
+    .unwrap();
+    let reloaded = r#"tollgate_decisions_total{domain="e",rule="b",decision="failed_open"} 0"#;
+    wait_until("the reloaded domain's series", 250, std::time::Duration::from_millis(20), || {
+        http_get(server.http, "/metrics").is_some_and(|(_, body)| body.lines().any(|l| l == reloaded))
+    });
 }

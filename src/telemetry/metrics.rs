@@ -19,7 +19,7 @@ use metrics_exporter_prometheus::{BuildError, PrometheusBuilder, PrometheusHandl
 use tokio_util::task::AbortOnDropHandle;
 
 use super::top_denied::TopDenied;
-use crate::config::FailureMode;
+use crate::config::{FailureMode, RuleSet};
 use crate::limiter::{Decision, Outcome, Query};
 
 /// Histogram buckets in seconds: fine enough for p50/p99 from 50 µs to 100 ms, then coarse.
@@ -239,8 +239,8 @@ pub const METRICS: &[(&str, Kind, &str)] = &[
 ];
 
 /// Series that exist from startup at 0, so that dashboards and alerts see 0 rather than no
-/// data. The metrics labelled by domain, rule or tenant (decisions, store errors, forgiven debt,
-/// top denied tenants) get their series with their first event, since traffic names them.
+/// data. Those labelled by domain and rule are registered per loaded domain
+/// ([`register_domains`]); those labelled by tenant get their series with their first event.
 const AT_ZERO: &[(&str, &[(&str, &str)])] = &[
     ("tollgate_invalid_requests_total", &[]),
     ("tollgate_overload_rejections_total", &[]),
@@ -297,15 +297,38 @@ const AT_ZERO: &[(&str, &[(&str, &str)])] = &[
     ("tollgate_store_duration_seconds", &[]),
 ];
 
-/// The metrics whose series only traffic creates (their labels come from requests); every other
-/// metric is registered at 0 at startup.
-pub const LABELLED_BY_TRAFFIC: &[&str] = &[
-    "tollgate_decisions_total",
-    "tollgate_tenant_decisions_total",
-    "tollgate_top_denied_tenant_hits",
-    "tollgate_debt_forgiven_tokens_total",
-    "tollgate_store_errors_total",
-];
+/// The metrics whose series only traffic creates (their labels name tenants); every other metric
+/// is registered at 0 at startup, those labelled by domain and rule for every loaded one
+/// ([`register_domains`]).
+pub const LABELLED_BY_TRAFFIC: &[&str] =
+    &["tollgate_tenant_decisions_total", "tollgate_top_denied_tenant_hits"];
+
+/// Registers at 0 the series of every domain and rule of `rules` (at startup and after each
+/// reload), so that dashboards and alerts see 0 rather than no data: the decisions each rule can
+/// make, the store errors by the domain's failure mode, forgiven debt.
+pub fn register_domains(rules: &RuleSet) {
+    for domain in rules.domains() {
+        let failed = match domain.failure_mode {
+            FailureMode::Allow => "failed_open",
+            FailureMode::Deny => "failed_closed",
+            FailureMode::Error => "error",
+        };
+        let paths =
+            std::iter::once(("", false)).chain(domain.rules.iter().map(|r| (r.path.as_str(), r.shadow_mode)));
+        for (rule, shadow) in paths {
+            let denied = if shadow { "shadow_over_limit" } else { "over_limit" };
+            for decision in ["ok", denied, failed] {
+                counter!("tollgate_decisions_total", "domain" => domain.name.clone(), "rule" => rule.to_owned(), "decision" => decision)
+                    .increment(0);
+            }
+        }
+        for kind in ["error", "timeout"] {
+            counter!("tollgate_store_errors_total", "domain" => domain.name.clone(), "kind" => kind, "failure_mode" => domain.failure_mode.to_string())
+                .increment(0);
+        }
+        counter!("tollgate_debt_forgiven_tokens_total", "domain" => domain.name.clone()).increment(0);
+    }
+}
 
 fn register_at_zero() {
     for (name, labels) in AT_ZERO {

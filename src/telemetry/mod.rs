@@ -6,4 +6,6 @@ mod metrics;
 pub mod top_denied;
 pub mod traces;
 
-pub use self::metrics::{Kind, Telemetry, TelemetryConfig, LABELLED_BY_TRAFFIC, LATENCY_BUCKETS, METRICS};
+pub use self::metrics::{
+    register_domains, Kind, Telemetry, TelemetryConfig, LABELLED_BY_TRAFFIC, LATENCY_BUCKETS, METRICS,
+};
