@@ -256,7 +256,7 @@ fn every_metric_is_exported_at_zero_at_startup() {
     )
     .unwrap();
     let reloaded = r#"tollgate_decisions_total{domain="e",rule="b",decision="failed_open"} 0"#;
-    wait_until("the reloaded domain's series", 250, std::time::Duration::from_millis(20), || {
+    wait_until("the reloaded domain's series", 250, Duration::from_millis(20), || {
         http_get(server.http, "/metrics").is_some_and(|(_, body)| body.lines().any(|l| l == reloaded))
     });
 }
