@@ -51,6 +51,9 @@ pub struct Settings {
     pub max_inflight: usize,
     /// How long an RLQS bucket may go without usage before its Envoys are told to abandon it.
     pub rlqs_abandon_after: Duration,
+    /// Serve `POST /json` and `GET /config` on the plaintext HTTP port even with mutual TLS on
+    /// gRPC.
+    pub http_unauthenticated: bool,
     /// Bounds of the per-tenant metric series.
     pub telemetry: TelemetryConfig,
     /// Install the process-wide Prometheus recorder (once per process; off for a second `App`
@@ -73,6 +76,7 @@ impl Settings {
             dynamic_metadata: false,
             max_inflight: 10_000,
             rlqs_abandon_after: DEFAULT_RLQS_ABANDON_AFTER,
+            http_unauthenticated: false,
             telemetry: TelemetryConfig::default(),
             exporter: false,
             watch: false,
@@ -153,6 +157,7 @@ pub struct App {
     max_inflight: usize,
     dynamic_metadata: bool,
     rlqs_abandon_after: Duration,
+    http_unauthenticated: bool,
     _watches: Vec<Watch>,
     _store_health: AbortOnDropHandle<()>,
 }
@@ -231,6 +236,7 @@ impl App {
             max_inflight: settings.max_inflight,
             dynamic_metadata: settings.dynamic_metadata,
             rlqs_abandon_after: settings.rlqs_abandon_after,
+            http_unauthenticated: settings.http_unauthenticated,
             _watches: watches,
             _store_health: store_health,
         })
@@ -245,6 +251,7 @@ impl App {
             max_inflight: self.max_inflight,
             dynamic_metadata: self.dynamic_metadata,
             rlqs_abandon_after: self.rlqs_abandon_after,
+            http_unauthenticated: self.http_unauthenticated,
         }
     }
 

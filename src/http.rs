@@ -8,13 +8,20 @@
 //! * `GET /metrics`: Prometheus text exposition.
 //! * `POST /json`: a rate-limit decision in JSON, as envoyproxy/ratelimit serves it (see
 //!   [`crate::edge::rls::json`]).
+//!
+//! `POST /json` spends any tenant's tokens and `GET /config` shows every rule and tenant, so they
+//! are guarded as strongly as the gRPC port ([`Access`]): when gRPC requires client certificates,
+//! this plaintext port refuses them (403, saying where they are served) unless the operator opts
+//! in, and the gRPC port serves them over its mutual TLS ([`budget_router`]). Probes and
+//! `/metrics` stay open to kubelets and Prometheus.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use arc_swap::ArcSwap;
-use axum::extract::{DefaultBodyLimit, State};
+use axum::extract::{DefaultBodyLimit, Request, State};
 use axum::http::{header, StatusCode};
+use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
@@ -39,15 +46,35 @@ pub struct HttpState {
     pub telemetry: Arc<Telemetry>,
     /// The RLS edge `POST /json` asks.
     pub rls: Arc<RateLimitGrpc>,
+    /// Who may use `POST /json` and `GET /config` on this port.
+    pub access: Access,
 }
 
-/// The side-endpoint router.
+/// Who may use the endpoints that spend or reveal tenants' budgets on the plaintext HTTP port.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Access {
+    /// Anyone who reaches the port (gRPC is open too, or the operator opted in).
+    Open,
+    /// Nobody: gRPC requires client certificates, and these endpoints are served there.
+    MutualTlsOnly,
+}
+
+/// The side-endpoint router of the HTTP port.
 pub fn router(state: HttpState) -> Router {
+    let access = state.access;
     Router::new()
         .route("/healthz", get(|| async { "ok\n" }))
         .route("/readyz", get(readyz))
-        .route("/config", get(config))
         .route("/metrics", get(metrics))
+        .merge(budget_router(state.clone()).route_layer(middleware::from_fn_with_state(access, guard)))
+        .with_state(state)
+}
+
+/// `POST /json` and `GET /config`, unguarded: for the HTTP port behind [`guard`], and for the
+/// gRPC port when it requires client certificates (its TLS is the guard).
+pub fn budget_router<S>(state: HttpState) -> Router<S> {
+    Router::new()
+        .route("/config", get(config))
         .route(
             "/json",
             post(json::handle)
@@ -55,6 +82,21 @@ pub fn router(state: HttpState) -> Router {
                 .layer(DefaultBodyLimit::max(json::MAX_BODY_BYTES)),
         )
         .with_state(state)
+}
+
+// Refuses what `access` does not allow, saying where it is served.
+async fn guard(State(access): State<Access>, request: Request, next: Next) -> Response {
+    match access {
+        Access::Open => next.run(request).await,
+        Access::MutualTlsOnly => (
+            StatusCode::FORBIDDEN,
+            format!(
+                "{} spends or reveals tenants' budgets: with --tls-client-ca it is served on the gRPC port, over mutual TLS (https with a client certificate); --http-unauthenticated serves it here too\n",
+                request.uri().path()
+            ),
+        )
+            .into_response(),
+    }
 }
 
 async fn readyz(State(state): State<HttpState>) -> Response {

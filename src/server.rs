@@ -22,13 +22,14 @@ use envoy_types::pb::envoy::service::rate_limit_quota::v3::rate_limit_quota_serv
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_server::RateLimitServiceServer;
 use tokio::net::TcpListener;
 use tokio::sync::watch;
+use tonic::service::Routes;
 use tonic::transport::server::TcpIncoming;
 
 use crate::clock::MonotonicClock;
 use crate::config::RuleSet;
 use crate::edge::rlqs::RateLimitQuotaGrpc;
 use crate::edge::rls::RateLimitGrpc;
-use crate::http::{self, HttpState};
+use crate::http::{self, Access, HttpState};
 use crate::limiter::Limiter;
 use crate::telemetry::Telemetry;
 use crate::tls::ReloadingTls;
@@ -103,6 +104,9 @@ pub struct Service {
     pub dynamic_metadata: bool,
     /// How long an RLQS bucket may go without usage before its Envoys are told to abandon it.
     pub rlqs_abandon_after: Duration,
+    /// Serve `POST /json` and `GET /config` on the plaintext HTTP port even when gRPC requires
+    /// client certificates.
+    pub http_unauthenticated: bool,
 }
 
 // This process's name in the store's RLQS demand registries: unique among replicas.
@@ -138,15 +142,28 @@ pub async fn run(
         let _ = rx.wait_for(|stop| *stop).await;
     };
 
-    let Service { rules, limiter, telemetry, max_inflight, dynamic_metadata, rlqs_abandon_after } = service;
+    let Service {
+        rules,
+        limiter,
+        telemetry,
+        max_inflight,
+        dynamic_metadata,
+        rlqs_abandon_after,
+        http_unauthenticated,
+    } = service;
     let rls = Arc::new(RateLimitGrpc::new(limiter.clone(), max_inflight, dynamic_metadata));
+    // With mutual TLS on gRPC, what spends or reveals tenants' budgets is served there, and the
+    // plaintext HTTP port refuses it unless the operator opted in.
+    let mutual = tls.as_ref().is_some_and(|t| t.mutual());
     let state = HttpState {
         rules,
         store: limiter.store().clone(),
         draining: draining.clone(),
         telemetry: telemetry.clone(),
         rls: rls.clone(),
+        access: if mutual && !http_unauthenticated { Access::MutualTlsOnly } else { Access::Open },
     };
+    let budget = mutual.then(|| http::budget_router(HttpState { access: Access::Open, ..state.clone() }));
     let http_server =
         axum::serve(http_listener, http::router(state)).with_graceful_shutdown(stopped(stop_rx.clone()));
     // RLQS streams never end by themselves: they close when the servers stop.
@@ -157,10 +174,14 @@ pub async fn run(
         rlqs_abandon_after,
         stop_rx.clone(),
     );
-    let routes = tonic::transport::Server::builder()
-        .add_service(health_service)
+    let grpc_routes = Routes::new(health_service)
         .add_service(RateLimitServiceServer::from_arc(rls))
         .add_service(RateLimitQuotaServiceServer::new(rlqs));
+    let grpc_routes = match budget {
+        Some(budget) => Routes::from(grpc_routes.into_axum_router().merge(budget)),
+        None => grpc_routes,
+    };
+    let routes = tonic::transport::Server::builder().add_routes(grpc_routes);
     let grpc_server: Pin<Box<dyn Future<Output = Result<(), tonic::transport::Error>> + Send>> = match &tls {
         Some(tls) => {
             Box::pin(routes.serve_with_incoming_shutdown(tls.incoming(grpc_listener), stopped(stop_rx)))

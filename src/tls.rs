@@ -96,6 +96,11 @@ impl Contents {
 }
 
 impl ReloadingTls {
+    /// Whether clients must present a certificate (mutual TLS).
+    pub fn mutual(&self) -> bool {
+        self.files.client_ca.is_some()
+    }
+
     /// Loads `files`; fails if they do not make a valid configuration.
     pub fn load(files: TlsFiles) -> Result<Arc<ReloadingTls>, TlsError> {
         let contents = Contents::read(&files)?;

@@ -346,3 +346,93 @@ async fn a_failing_store_says_why() {
         );
     }
 }
+
+/// `curl` over TLS to `url` with `pki`'s CA and, with `identity`, its client certificate;
+/// (HTTP status, body), status 0 when the handshake fails.
+fn curl_tls(pki: &TestPki, identity: bool, url: &str, body: Option<&str>) -> (u16, String) {
+    let mut cmd = std::process::Command::new("curl");
+    cmd.args([
+        "-s",
+        "-o",
+        "-",
+        "-w",
+        "\n%{http_code}",
+        "--max-time",
+        "5",
+        "--cacert",
+        &pki.path_str("ca.pem"),
+    ]);
+    if identity {
+        cmd.args(["--cert", &pki.path_str("client.pem"), "--key", &pki.path_str("client.key")]);
+    }
+    if let Some(body) = body {
+        cmd.args(["-H", "content-type: application/json", "--data", body]);
+    }
+    let out = cmd.arg(url).output().expect("curl runs");
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    let (body, status) = text.rsplit_once('\n').unwrap_or(("", "0"));
+    (status.trim().parse().unwrap_or(0), body.to_owned())
+}
+
+/// With mutual TLS on gRPC, nothing on the plaintext HTTP port spends or reveals a tenant's
+/// budget: `POST /json` and `GET /config` are refused there (nothing debited, read back from
+/// Redis) and served on the gRPC port to clients with a certificate; probes and `/metrics` stay
+/// open. `--http-unauthenticated` opens them on the HTTP port again.
+#[tokio::test(flavor = "multi_thread")]
+async fn no_side_door_past_mutual_tls() {
+    let pki = TestPki::new();
+    let redis = Redis::start();
+    let (_dir, config) = config_file(CONFIG);
+    let mtls = [
+        "--tls-cert",
+        &pki.path_str("server.pem"),
+        "--tls-key",
+        &pki.path_str("server.key"),
+        "--tls-client-ca",
+        &pki.path_str("ca.pem"),
+    ];
+    let server = Tollgate::start_unready(&config, &Backend::Redis(redis.url()), &mtls);
+    let body = r#"{"domain": "s", "descriptors": [{"entries": [{"key": "k", "value": "side"}]}]}"#;
+    let key = "rl:s:k=side";
+    // The balance, to a hundredth of a token (2 an hour refill a little meanwhile).
+    let tokens = || {
+        node_query::<Option<String>>(redis.port, &["HGET", key, "t"])
+            .flatten()
+            .map(|t| format!("{:.2}", t.parse::<f64>().unwrap()))
+    };
+
+    let refused = http_post(server.http, "/json", body.as_bytes());
+    println!("plaintext POST /json past mTLS: {} {}", refused.status, refused.body.trim());
+    assert_eq!(refused.status, 403);
+    assert!(refused.body.contains("served on the gRPC port, over mutual TLS"), "{}", refused.body);
+    assert_eq!(tokens(), None, "nothing debited");
+    let (status, config_body) = http_get(server.http, "/config").unwrap();
+    assert_eq!(status, 403, "{config_body}");
+    for open in ["/healthz", "/readyz", "/metrics"] {
+        assert_eq!(http_get(server.http, open).map(|(s, _)| s), Some(200), "{open} needs no certificate");
+    }
+
+    // The authenticated way: the gRPC port, with a client certificate.
+    let url = format!("https://localhost:{}/json", server.grpc.port());
+    let (status, answer) = curl_tls(&pki, true, &url, Some(body));
+    println!("POST /json over mTLS on the gRPC port: {status} {answer}");
+    assert_eq!(status, 200, "{answer}");
+    assert!(answer.contains("\"overallCode\":\"OK\""), "{answer}");
+    assert_eq!(tokens().as_deref(), Some("1.00"), "one of the 2 tokens taken");
+    let (status, config_body) =
+        curl_tls(&pki, true, &format!("https://localhost:{}/config", server.grpc.port()), None);
+    assert!(status == 200 && config_body.contains("\"domain\":\"s\""), "{status} {config_body}");
+    let (status, _) = curl_tls(&pki, false, &url, Some(body));
+    assert_eq!(status, 0, "no client certificate, no handshake");
+    assert_eq!(tokens().as_deref(), Some("1.00"));
+
+    // Opted in: the plaintext port serves it again.
+    let (_dir2, config2) = config_file(CONFIG);
+    let open = Tollgate::start_unready(
+        &config2,
+        &Backend::Redis(redis.url()),
+        &[&mtls[..], &["--http-unauthenticated"]].concat(),
+    );
+    assert_eq!(http_post(open.http, "/json", body.as_bytes()).status, 200);
+    assert_eq!(tokens().as_deref(), Some("0.00"));
+}

@@ -60,9 +60,15 @@ pub(super) struct ServeArgs {
     /// The private key (PEM) of --tls-cert.
     #[arg(long, env = "TOLLGATE_TLS_KEY", requires = "tls_cert")]
     tls_key: Option<PathBuf>,
-    /// Require client certificates signed by this CA (PEM): mutual TLS.
+    /// Require client certificates signed by this CA (PEM): mutual TLS. Then `POST /json` and
+    /// `GET /config` are served on the gRPC port (over the same mutual TLS), and refused (403) on
+    /// the plaintext HTTP port.
     #[arg(long, env = "TOLLGATE_TLS_CLIENT_CA", requires = "tls_cert")]
     tls_client_ca: Option<PathBuf>,
+    /// With --tls-client-ca, still serve `POST /json` and `GET /config` on the plaintext HTTP
+    /// port, to anyone who reaches it.
+    #[arg(long, env = "TOLLGATE_HTTP_UNAUTHENTICATED")]
+    http_unauthenticated: bool,
     /// Evaluate and count every limit, but never answer OVER_LIMIT.
     #[arg(long, env = "TOLLGATE_SHADOW_MODE")]
     shadow_mode: bool,
@@ -126,6 +132,7 @@ impl ServeArgs {
             dynamic_metadata: self.response_dynamic_metadata,
             max_inflight: self.max_inflight,
             rlqs_abandon_after: self.rlqs_abandon_after,
+            http_unauthenticated: self.http_unauthenticated,
             telemetry: TelemetryConfig {
                 top_denied: self.top_denied_tenants,
                 top_denied_window: self.top_denied_window,
