@@ -187,8 +187,9 @@ impl Inner {
     }
 
     // One lease of each bucket of `keys` for all its members; each stream gets the round's events
-    // as one batch.
-    async fn lease_rounds(&self, keys: &[String]) {
+    // as one batch, delivered in a task of its own, so that a stream that reads nothing holds up
+    // only its own grants, not the next round.
+    async fn lease_rounds(self: &Arc<Self>, keys: &[String]) {
         let rounds = join_all(keys.iter().map(|k| self.lease_round(k))).await;
         let mut batches: HashMap<u64, Batch> = HashMap::new();
         for (member, sender, event, grant) in rounds.into_iter().flatten() {
@@ -200,17 +201,17 @@ impl Inner {
             batch.events.push(event);
             batch.grants.extend(grant);
         }
-        let sent = join_all(batches.into_values().map(|batch| async move {
-            match batch.sender.send_timeout(batch.events, TICK).await {
-                Ok(()) => Vec::new(),
-                Err(_) => batch.grants,
-            }
-        }))
-        .await;
-        join_all(sent.into_iter().flatten().map(|(target, requests)| async move {
-            self.give_back(&target, requests).await;
-        }))
-        .await;
+        for batch in batches.into_values() {
+            let inner = self.clone();
+            tokio::spawn(async move {
+                if batch.sender.send_timeout(batch.events, TICK).await.is_err() {
+                    join_all(
+                        batch.grants.iter().map(|(target, requests)| inner.give_back(target, *requests)),
+                    )
+                    .await;
+                }
+            });
+        }
     }
 
     // One lease of the bucket `key` for all its members: the event for each member, with the
