@@ -23,7 +23,6 @@ use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_server::R
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 use tonic::service::Routes;
-use tonic::transport::server::TcpIncoming;
 
 use crate::clock::MonotonicClock;
 use crate::config::RuleSet;
@@ -182,15 +181,16 @@ pub async fn run(
         None => grpc_routes,
     };
     let routes = tonic::transport::Server::builder().add_routes(grpc_routes);
-    let grpc_server: Pin<Box<dyn Future<Output = Result<(), tonic::transport::Error>> + Send>> = match &tls {
-        Some(tls) => {
-            Box::pin(routes.serve_with_incoming_shutdown(tls.incoming(grpc_listener), stopped(stop_rx)))
-        }
-        None => Box::pin(routes.serve_with_incoming_shutdown(
-            TcpIncoming::from(grpc_listener).with_nodelay(Some(true)),
-            stopped(stop_rx),
-        )),
-    };
+    let grpc_server: Pin<Box<dyn Future<Output = Result<(), tonic::transport::Error>> + Send>> =
+        match &tls {
+            Some(tls) => {
+                Box::pin(routes.serve_with_incoming_shutdown(tls.incoming(grpc_listener), stopped(stop_rx)))
+            }
+            None => Box::pin(routes.serve_with_incoming_shutdown(
+                crate::tls::plaintext_incoming(grpc_listener),
+                stopped(stop_rx),
+            )),
+        };
 
     let lifecycle = async move {
         let how = shutdown.await;

@@ -29,7 +29,7 @@ use tokio_rustls::TlsAcceptor;
 use tokio_stream::wrappers::ReceiverStream;
 
 use crate::reload::{parent, Trigger, Watch};
-use crate::telemetry::logs::ErrorChain;
+use crate::telemetry::logs::{self, ErrorChain};
 
 /// Longest a client may take to complete its handshake.
 const HANDSHAKE_DEADLINE: Duration = Duration::from_secs(10);
@@ -177,6 +177,13 @@ impl ReloadingTls {
                 let acceptor = TlsAcceptor::from(this.config.load_full());
                 let tx = tx.clone();
                 tokio::spawn(async move {
+                    if opens_with(&tcp).await == Opening::Plaintext {
+                        metrics::counter!("tollgate_tls_handshake_failures_total").increment(1);
+                        if let Some(held_back) = logs::throttled("plaintext_on_tls_port") {
+                            tracing::warn!(%peer, held_back, "a client spoke plaintext to the TLS gRPC port; it must use TLS (Envoy: a transport_socket on the tollgate cluster)");
+                        }
+                        return;
+                    }
                     match tokio::time::timeout(HANDSHAKE_DEADLINE, acceptor.accept(tcp)).await {
                         Ok(Ok(stream)) => {
                             let _ = tx.send(Ok(stream)).await;
@@ -187,13 +194,69 @@ impl ReloadingTls {
                                 Ok(Err(e)) => e.to_string(),
                                 _ => "handshake timed out".into(),
                             };
-                            tracing::debug!(%peer, %error, "TLS handshake failed");
+                            if let Some(held_back) = logs::throttled("tls_handshake_failed") {
+                                tracing::warn!(%peer, %error, held_back, "TLS handshake failed");
+                            }
                         }
                     }
                 });
             }
         });
         ReceiverStream::new(rx)
+    }
+}
+
+/// Connections accepted on a plaintext `listener`, for the gRPC server; ends when the server stops
+/// taking them. A client that opens with a TLS handshake is told nothing it could read, so
+/// tollgate says it in its log (at most once a second) and closes the connection.
+pub fn plaintext_incoming(listener: TcpListener) -> ReceiverStream<Result<TcpStream, std::io::Error>> {
+    let (tx, rx) = mpsc::channel(64);
+    tokio::spawn(async move {
+        loop {
+            let accepted = tokio::select! {
+                accepted = listener.accept() => accepted,
+                () = tx.closed() => return,
+            };
+            let (tcp, peer) = match accepted {
+                Ok(conn) => conn,
+                Err(error) => {
+                    tracing::warn!(%error, "accept failed");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    continue;
+                }
+            };
+            let _ = tcp.set_nodelay(true);
+            let tx = tx.clone();
+            tokio::spawn(async move {
+                if opens_with(&tcp).await == Opening::Tls {
+                    if let Some(held_back) = logs::throttled("tls_on_plaintext_port") {
+                        tracing::warn!(%peer, held_back, "a client opened TLS on the plaintext gRPC port; serve TLS with --tls-cert/--tls-key, or connect without TLS");
+                    }
+                    return;
+                }
+                let _ = tx.send(Ok(tcp)).await;
+            });
+        }
+    });
+    ReceiverStream::new(rx)
+}
+
+// How a connection opens: a TLS handshake record starts with 0x16; an HTTP/2 client starts with
+// its preface ("PRI ..."). Decided from the first byte, waiting for it at most the handshake
+// deadline (then it is left to the server).
+#[derive(Debug, PartialEq, Eq)]
+enum Opening {
+    Tls,
+    Plaintext,
+    Unknown,
+}
+
+async fn opens_with(tcp: &TcpStream) -> Opening {
+    let mut first = [0u8; 1];
+    match tokio::time::timeout(HANDSHAKE_DEADLINE, tcp.peek(&mut first)).await {
+        Ok(Ok(1)) if first[0] == 0x16 => Opening::Tls,
+        Ok(Ok(1)) => Opening::Plaintext,
+        _ => Opening::Unknown,
     }
 }
 

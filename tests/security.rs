@@ -436,3 +436,42 @@ async fn no_side_door_past_mutual_tls() {
     assert_eq!(http_post(open.http, "/json", body.as_bytes()).status, 200);
     assert_eq!(tokens().as_deref(), Some("0.00"));
 }
+
+/// A client on the wrong side of TLS gets a clear line in tollgate's log, once however often it
+/// retries: plaintext on the TLS port, TLS on the plaintext port.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_client_on_the_wrong_side_of_tls_is_named_in_the_log() {
+    let pki = TestPki::new();
+    let (_dir, config) = config_file(CONFIG);
+    let tls_args = ["--tls-cert", &pki.path_str("server.pem"), "--tls-key", &pki.path_str("server.key")];
+    let tls = Tollgate::start(&config, &Backend::Memory, &tls_args);
+    let plain = Tollgate::start(&config, &Backend::Memory, &[]);
+    for _ in 0..5 {
+        assert!(ask_with(&tls.addr(), req("s", &["k=1"], 1), None).await.is_err());
+        assert!(ask_with(&plain.addr(), req("s", &["k=1"], 1), Some(&tls_client(&pki, false)))
+            .await
+            .is_err());
+    }
+    // Plaintext clients still work on the plaintext port.
+    assert_eq!(ask(&plain.addr(), req("s", &["k=1"], 1)).await.unwrap().overall_code, OK);
+    wait_until("both lines", 100, Duration::from_millis(20), || {
+        tls.log().contains("spoke plaintext to the TLS gRPC port")
+            && plain.log().contains("opened TLS on the plaintext gRPC port")
+    });
+    let (tls_log, plain_log) = (tls.log(), plain.log());
+    println!(
+        "{}\n{}",
+        tls_log.lines().find(|l| l.contains("spoke plaintext")).unwrap(),
+        plain_log.lines().find(|l| l.contains("opened TLS")).unwrap()
+    );
+    assert_eq!(
+        tls_log.matches("spoke plaintext to the TLS gRPC port").count(),
+        1,
+        "rate-limited:\n{tls_log}"
+    );
+    assert_eq!(
+        plain_log.matches("opened TLS on the plaintext gRPC port").count(),
+        1,
+        "rate-limited:\n{plain_log}"
+    );
+}
