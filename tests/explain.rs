@@ -124,3 +124,18 @@ async fn explain_reads_the_owning_node_of_a_cluster() {
     let tokens: f64 = balance.split_whitespace().nth(1).unwrap().parse().unwrap();
     assert!((8.0..8.1).contains(&tokens), "{balance}");
 }
+
+/// A domain the config does not have is most likely a typo: said, and a non-zero exit.
+#[test]
+fn an_unknown_domain_exits_non_zero() {
+    let (_dir, config) = config_file(CONFIG);
+    let out = Command::new(tollgate_bin())
+        .args(["explain", "--config", config.to_str().unwrap(), "--domain", "typo", "--descriptor", "k=v"])
+        .env("RUST_LOG", "off")
+        .output()
+        .unwrap();
+    let (stdout, stderr) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert_eq!(out.status.code(), Some(1), "{stdout}{stderr}");
+    assert!(stdout.contains("domain typo: not configured"), "{stdout}");
+    assert!(stderr.contains("domain typo is not in"), "{stderr}");
+}

@@ -119,7 +119,11 @@ fn operator_cli_round_trip() {
     let (_, stdout, _) = quota(&pg, &["delete", "--tenant", "t42"]);
     assert_eq!(stdout, "deleted 1 row(s)\n");
     let (_, stdout, _) = quota(&pg, &["get", "--tenant", "t42"]);
-    assert!(stdout.contains("no rows"), "{stdout}");
+    assert!(stdout.contains("no rows in the quota database (it gets its inline record"), "{stdout}");
+    let (_, stdout, _) = quota(&pg, &["delete", "--tenant", "solo"]);
+    assert!(stdout.starts_with("deleted "), "{stdout}");
+    let (_, stdout, _) = quota(&pg, &["list"]);
+    assert!(stdout.starts_with("no tenants in the quota database"), "an empty list says so: {stdout}");
 
     let out = Command::new(tollgate_bin())
         .args(["quota", "list"])

@@ -106,6 +106,11 @@ pub(super) fn run(args: ExplainArgs) -> Outcome {
             println!("\ndescriptor {i} [{}]", entries.join(","));
             print_descriptor(explained, &file, args.hits, store.as_ref()).await?;
         }
+        if explanation.domain.is_none() {
+            // Most likely a typo: say so in the exit code too, for scripts.
+            eprintln!("domain {} is not in {}", args.domain, args.config.display());
+            return anyhow::Ok(ExitCode::from(1));
+        }
         anyhow::Ok(ExitCode::SUCCESS)
     })
 }

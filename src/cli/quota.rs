@@ -85,11 +85,19 @@ pub(super) fn run(args: QuotaArgs) -> Outcome {
             QuotaAction::Get { tenant } => {
                 let listings = db.list(Some(&tenant)).await?;
                 if listings.is_empty() {
-                    println!("tenant {tenant}: no rows (it gets its domain's default tier)");
+                    println!(
+                        "tenant {tenant}: no rows in the quota database (it gets its inline record in a domain file, if it has one, else each domain's default tier)"
+                    );
                 }
                 print_listings(&listings);
             }
-            QuotaAction::List => print_listings(&db.list(None).await?),
+            QuotaAction::List => {
+                let listings = db.list(None).await?;
+                if listings.is_empty() {
+                    println!("no tenants in the quota database (every tenant gets its inline record or its domain's default tier)");
+                }
+                print_listings(&listings);
+            }
             QuotaAction::Delete { tenant, class } => {
                 let deleted = db.delete(&tenant, class.as_deref()).await?;
                 println!("deleted {deleted} row(s)");
