@@ -216,20 +216,21 @@ for _ = 1, tonumber(ARGV[1]) do
   end
 end
 
--- When key k expires (ms since the epoch), read before it is written: nil when it has no
--- expiry to keep (missing), MAX_WAIT after now when it has none at all. PEXPIRETIME is Redis 7;
--- on older servers PTTL counts from a clock reading at most a millisecond past a fresh TIME, so
--- that TIME plus PTTL plus one is never earlier than the real expiry.
-local function expires_at(k)
+-- When key k expires (ms since the epoch): nil when it is missing, false when it has no expiry.
+-- PEXPIRETIME is Redis 7; on older servers PTTL counts from a clock reading up to a millisecond
+-- past a fresh TIME, and `late` picks the later end of that millisecond (a write must never move
+-- an expiry earlier), else the earlier one (how long a key is certainly kept).
+local function expiry(k, late)
   local ok, at = pcall(redis.call, 'PEXPIRETIME', KEYS[k])
   if not ok then
     local ttl = redis.call('PTTL', KEYS[k])
     if ttl < 0 then at = ttl else
       local t = redis.call('TIME')
-      at = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000) + ttl + 1
+      at = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000) + ttl
+      if late then at = at + 1 end
     end
   end
-  if at == -1 then return now + MAX_WAIT end
+  if at == -1 then return false end
   if at < 0 then return nil end
   return at
 end
@@ -238,7 +239,8 @@ end
 -- moves an expiry earlier: the bucket lives as long as the longest of what it had left and what
 -- this batch's charges need. The expiry is absolute on the clock the balance was computed with.
 for k, ttl in pairs(dirty) do
-  local at = expires_at(k)
+  local at = expiry(k, true)
+  if at == false then at = now + MAX_WAIT end
   if at then dirty[k] = math.max(ttl, math.min(math.max(0, at - now), MAX_WAIT)) end
   local s = running[k]
   redis.call('HSET', KEYS[k], 't', string.format('%.17g', s[1]), 'l', string.format('%d', s[2]),
@@ -248,21 +250,16 @@ for k, ttl in pairs(dirty) do
   redis.call('PEXPIREAT', KEYS[k], string.format('%d', now + dirty[k]))
 end
 
--- How long after now key k is kept. PEXPIRETIME is Redis 7; on older servers PTTL counts from
--- the command's clock reading, which may be a millisecond later than TIME's: one is taken off.
+-- How long after now key k is certainly kept.
 local function kept(k)
   if dirty[k] then return dirty[k] end
   if not running[k] then return 0 end
-  local ok, at = pcall(redis.call, 'PEXPIRETIME', KEYS[k])
-  if ok then
-    if at == -1 then return MAX_WAIT end
-    if at < 0 then return 0 end
-    return math.max(0, at - now)
-  end
-  local ttl = redis.call('PTTL', KEYS[k])
-  if ttl == -1 then return MAX_WAIT end
-  return math.max(0, ttl - 1)
+  local at = expiry(k, false)
+  if at == false then return MAX_WAIT end
+  if not at then return 0 end
+  return math.max(0, at - now)
 end
+
 for _, slot in ipairs(pending) do
   out[slot[1]] = kept(slot[2])
 end
