@@ -151,58 +151,39 @@ impl ReloadingTls {
     }
 
     /// TLS connections accepted on `listener`, for the gRPC server; ends when the server stops
-    /// taking them.
+    /// taking them. A client that speaks plaintext here, or fails its handshake, is named in the
+    /// log (at most once a second).
     pub fn incoming(
         self: &Arc<Self>,
         listener: TcpListener,
     ) -> ReceiverStream<Result<TlsStream<TcpStream>, std::io::Error>> {
-        let (tx, rx) = mpsc::channel(64);
         let this = self.clone();
-        tokio::spawn(async move {
-            loop {
-                let accepted = tokio::select! {
-                    accepted = listener.accept() => accepted,
-                    () = tx.closed() => return,
-                };
-                let (tcp, peer) = match accepted {
-                    Ok(conn) => conn,
-                    Err(error) => {
-                        // Out of file descriptors and the like: back off instead of spinning.
-                        tracing::warn!(%error, "accept failed");
-                        tokio::time::sleep(Duration::from_millis(50)).await;
-                        continue;
+        accept_each(listener, move |tcp, peer| {
+            let acceptor = TlsAcceptor::from(this.config.load_full());
+            async move {
+                if opens_with(&tcp).await == Opening::Plaintext {
+                    metrics::counter!("tollgate_tls_handshake_failures_total").increment(1);
+                    if let Some(held_back) = logs::throttled("plaintext_on_tls_port") {
+                        tracing::warn!(%peer, held_back, "a client spoke plaintext to the TLS gRPC port; it must use TLS (Envoy: a transport_socket on the tollgate cluster)");
                     }
-                };
-                let _ = tcp.set_nodelay(true);
-                let acceptor = TlsAcceptor::from(this.config.load_full());
-                let tx = tx.clone();
-                tokio::spawn(async move {
-                    if opens_with(&tcp).await == Opening::Plaintext {
+                    return None;
+                }
+                match tokio::time::timeout(HANDSHAKE_DEADLINE, acceptor.accept(tcp)).await {
+                    Ok(Ok(stream)) => Some(stream),
+                    failed => {
                         metrics::counter!("tollgate_tls_handshake_failures_total").increment(1);
-                        if let Some(held_back) = logs::throttled("plaintext_on_tls_port") {
-                            tracing::warn!(%peer, held_back, "a client spoke plaintext to the TLS gRPC port; it must use TLS (Envoy: a transport_socket on the tollgate cluster)");
+                        let error = match failed {
+                            Ok(Err(e)) => e.to_string(),
+                            _ => "handshake timed out".into(),
+                        };
+                        if let Some(held_back) = logs::throttled("tls_handshake_failed") {
+                            tracing::warn!(%peer, %error, held_back, "TLS handshake failed");
                         }
-                        return;
+                        None
                     }
-                    match tokio::time::timeout(HANDSHAKE_DEADLINE, acceptor.accept(tcp)).await {
-                        Ok(Ok(stream)) => {
-                            let _ = tx.send(Ok(stream)).await;
-                        }
-                        failed => {
-                            metrics::counter!("tollgate_tls_handshake_failures_total").increment(1);
-                            let error = match failed {
-                                Ok(Err(e)) => e.to_string(),
-                                _ => "handshake timed out".into(),
-                            };
-                            if let Some(held_back) = logs::throttled("tls_handshake_failed") {
-                                tracing::warn!(%peer, %error, held_back, "TLS handshake failed");
-                            }
-                        }
-                    }
-                });
+                }
             }
-        });
-        ReceiverStream::new(rx)
+        })
     }
 }
 
@@ -210,6 +191,25 @@ impl ReloadingTls {
 /// taking them. A client that opens with a TLS handshake is told nothing it could read, so
 /// tollgate says it in its log (at most once a second) and closes the connection.
 pub fn plaintext_incoming(listener: TcpListener) -> ReceiverStream<Result<TcpStream, std::io::Error>> {
+    accept_each(listener, |tcp, peer| async move {
+        if opens_with(&tcp).await == Opening::Tls {
+            if let Some(held_back) = logs::throttled("tls_on_plaintext_port") {
+                tracing::warn!(%peer, held_back, "a client opened TLS on the plaintext gRPC port; serve TLS with --tls-cert/--tls-key, or connect without TLS");
+            }
+            return None;
+        }
+        Some(tcp)
+    })
+}
+
+// Accepts connections on `listener` until the server stops taking them, and hands each, in a task
+// of its own, to `admit`, which says what of it the server gets.
+fn accept_each<T, F, Fut>(listener: TcpListener, admit: F) -> ReceiverStream<Result<T, std::io::Error>>
+where
+    T: Send + 'static,
+    F: Fn(TcpStream, std::net::SocketAddr) -> Fut + Send + 'static,
+    Fut: std::future::Future<Output = Option<T>> + Send + 'static,
+{
     let (tx, rx) = mpsc::channel(64);
     tokio::spawn(async move {
         loop {
@@ -220,21 +220,18 @@ pub fn plaintext_incoming(listener: TcpListener) -> ReceiverStream<Result<TcpStr
             let (tcp, peer) = match accepted {
                 Ok(conn) => conn,
                 Err(error) => {
+                    // Out of file descriptors and the like: back off instead of spinning.
                     tracing::warn!(%error, "accept failed");
                     tokio::time::sleep(Duration::from_millis(50)).await;
                     continue;
                 }
             };
             let _ = tcp.set_nodelay(true);
-            let tx = tx.clone();
+            let (tx, admitted) = (tx.clone(), admit(tcp, peer));
             tokio::spawn(async move {
-                if opens_with(&tcp).await == Opening::Tls {
-                    if let Some(held_back) = logs::throttled("tls_on_plaintext_port") {
-                        tracing::warn!(%peer, held_back, "a client opened TLS on the plaintext gRPC port; serve TLS with --tls-cert/--tls-key, or connect without TLS");
-                    }
-                    return;
+                if let Some(conn) = admitted.await {
+                    let _ = tx.send(Ok(conn)).await;
                 }
-                let _ = tx.send(Ok(tcp)).await;
             });
         }
     });
