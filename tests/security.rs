@@ -125,17 +125,11 @@ async fn certificates_are_reloaded_without_a_restart() {
 #[tokio::test(flavor = "multi_thread")]
 async fn envoy_reaches_tollgate_over_mtls() {
     let pki = TestPki::new();
+    let mtls = pki.mtls_args();
     let tollgate = Tollgate::start(
         std::path::Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/examples")),
         &Backend::Memory,
-        &[
-            "--tls-cert",
-            &pki.path_str("server.pem"),
-            "--tls-key",
-            &pki.path_str("server.key"),
-            "--tls-client-ca",
-            &pki.path_str("ca.pem"),
-        ],
+        &mtls.iter().map(String::as_str).collect::<Vec<_>>(),
     );
     let upstream = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let upstream_addr = upstream.local_addr().unwrap();
@@ -383,14 +377,8 @@ async fn no_side_door_past_mutual_tls() {
     let pki = TestPki::new();
     let redis = Redis::start();
     let (_dir, config) = config_file(CONFIG);
-    let mtls = [
-        "--tls-cert",
-        &pki.path_str("server.pem"),
-        "--tls-key",
-        &pki.path_str("server.key"),
-        "--tls-client-ca",
-        &pki.path_str("ca.pem"),
-    ];
+    let mtls = pki.mtls_args();
+    let mtls: Vec<&str> = mtls.iter().map(String::as_str).collect();
     let server = Tollgate::start_unready(&config, &Backend::Redis(redis.url()), &mtls);
     let body = r#"{"domain": "s", "descriptors": [{"entries": [{"key": "k", "value": "side"}]}]}"#;
     let key = "rl:s:k=side";

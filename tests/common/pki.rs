@@ -39,4 +39,13 @@ impl TestPki {
     pub fn path_str(&self, file: &str) -> String {
         self.path(file).to_str().unwrap().to_owned()
     }
+
+    /// tollgate's flags for gRPC over mutual TLS with this PKI's server certificate and CA.
+    pub fn mtls_args(&self) -> Vec<String> {
+        ["--tls-cert", "server.pem", "--tls-key", "server.key", "--tls-client-ca", "ca.pem"]
+            .iter()
+            .enumerate()
+            .map(|(i, a)| if i % 2 == 0 { (*a).to_owned() } else { self.path_str(a) })
+            .collect()
+    }
 }
