@@ -332,10 +332,9 @@ impl Limiter {
         match result {
             Ok(outcome) => {
                 if !outcome.unanswered.is_empty() {
-                    let mode = domain.failure_mode;
-                    metrics::counter!("tollgate_store_errors_total", "domain" => domain.name.clone(), "kind" => "error", "failure_mode" => mode.to_string()).increment(1);
+                    count_store_error(domain, "error");
                     if let Some(held_back) = logs::throttled("store_part_failed") {
-                        tracing::warn!(domain = %domain.name, failure_mode = %mode, held_back, "a Redis Cluster shard failed for part of a request that another part denied; answering the denial");
+                        tracing::warn!(domain = %domain.name, held_back, "a Redis Cluster shard failed for part of a request that another part denied; answering the denial");
                     }
                 }
                 let forgiven: f64 = outcome.verdicts.iter().map(|v| v.forgiven).sum();
@@ -346,10 +345,12 @@ impl Limiter {
                 Ok(Some(outcome))
             }
             Err(error) => {
-                let kind = if matches!(error, StoreError::Timeout(_)) { "timeout" } else { "error" };
-                let mode = domain.failure_mode;
-                metrics::counter!("tollgate_store_errors_total", "domain" => domain.name.clone(), "kind" => kind, "failure_mode" => mode.to_string()).increment(1);
+                count_store_error(
+                    domain,
+                    if matches!(error, StoreError::Timeout(_)) { "timeout" } else { "error" },
+                );
                 if let Some(held_back) = logs::throttled("store_failed") {
+                    let mode = domain.failure_mode;
                     tracing::warn!(domain = %domain.name, error = %ErrorChain(&error), failure_mode = %mode, held_back, "store failed; applying the failure mode");
                 }
                 Err(error)
@@ -408,6 +409,12 @@ impl Limiter {
         }
         Decision { overall: overall(&descriptors), descriptors, domain: Some(domain.clone()) }
     }
+}
+
+// Counts a store failure (`kind`: error or timeout) in `domain`, by the failure mode it applies.
+fn count_store_error(domain: &Domain, kind: &'static str) {
+    metrics::counter!("tollgate_store_errors_total", "domain" => domain.name.clone(), "kind" => kind, "failure_mode" => domain.failure_mode.to_string())
+        .increment(1);
 }
 
 // Records the decision on the current trace span (the edge's), if one is being traced: the

@@ -254,7 +254,7 @@ fn note_spec(state: &mut BucketState, spec: &BucketSpec, now_ms: u64) {
     }
     if state.fastest_refill == 0.0 {
         state.fastest_refill = rate;
-    } else if rate > state.rate_ceiling() {
+    } else if raises_ceiling(state, spec) {
         state.pending_refill = rate;
         state.pending_from_ms = now_ms.saturating_add(RATE_RAISE_DELAY_MS);
     }

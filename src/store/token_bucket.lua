@@ -87,6 +87,16 @@ local function floor_of(debt)
   return 0
 end
 
+-- The ceiling a bound on the balance must use: the rate in force or the pending one.
+local function ceiling(st)
+  return math.max(st[3], st[4])
+end
+
+-- Whether rps refills faster than the ceiling of a bucket whose rate in force is known.
+local function raises_ceiling(st, rps)
+  return st[3] > 0 and rps > ceiling(st)
+end
+
 -- Records that a charge used the spec (cap, rps): its capacity and rate count for the bucket's
 -- life, and a rate faster than the ceiling becomes pending.
 local function note_spec(st, cap, rps)
@@ -94,7 +104,7 @@ local function note_spec(st, cap, rps)
   if rps <= 0 then return end
   if st[3] == 0 then
     st[3] = rps
-  elseif rps > math.max(st[3], st[4]) then
+  elseif raises_ceiling(st, rps) then
     st[4], st[5] = rps, now + RAISE_DELAY
   end
   if st[7] == 0 then st[7] = rps else st[7] = math.min(st[7], rps) end
@@ -116,16 +126,6 @@ local function life(st, fl)
   local ttl = wait(st[6] - math.min(st[1], fl), st[7] / 1000) + 1000
   if ttl > MAX_WAIT then return MAX_WAIT end
   return ttl
-end
-
--- The ceiling a bound on the balance must use: the rate in force or the pending one.
-local function ceiling(st)
-  return math.max(st[3], st[4])
-end
-
--- Whether rps refills faster than the ceiling of a bucket whose rate in force is known.
-local function raises_ceiling(st, rps)
-  return st[3] > 0 and rps > ceiling(st)
 end
 
 local out = {now}
