@@ -175,20 +175,26 @@ pub async fn run(
             }
             () = &mut closed => break,
         };
-        let mut gone = false;
-        for response in responses {
-            if answers.send(Ok(response)).await.is_err() {
-                gone = true;
-                break;
-            }
-        }
-        if gone {
+        if !send_all(&answers, responses).await {
             break;
         }
     }
     let Session { buckets, .. } = session;
     close_out(&limiter, &pool, clock.now_ms(), id, &peer, &buckets, events).await;
     metrics::gauge!("tollgate_rlqs_streams").decrement(1.0);
+}
+
+// Sends `responses` in order; false once the Envoy is gone.
+async fn send_all(
+    answers: &mpsc::Sender<Result<RateLimitQuotaResponse, Status>>,
+    responses: Vec<RateLimitQuotaResponse>,
+) -> bool {
+    for response in responses {
+        if answers.send(Ok(response)).await.is_err() {
+            return false;
+        }
+    }
+    true
 }
 
 /// Batches waiting for a stream, at most (a round's events are one batch); the pool waits up to
@@ -286,7 +292,8 @@ impl Session<'_> {
                 }
             }
         }
-        if self.buckets.values().any(|b| matches!(b.kind, QuotaBucket::Unknown(None))) {
+        // One lookup, not a walk over every bucket the stream holds.
+        if self.limiter.rules().domain(&domain).is_none() {
             metrics::counter!("tollgate_rlqs_unknown_domain_reports_total").increment(1);
             if !self.unknown_domain_logged {
                 self.unknown_domain_logged = true;
