@@ -89,6 +89,32 @@ fn rendering_the_llm_example_reproduces_the_shipped_llm_gateway() {
     assert!(rendered["virtual_host"].is_null() && rendered["routes"].is_null(), "all at the filter level");
 }
 
+#[test]
+fn rendering_the_grpc_example_for_rlqs_reproduces_the_shipped_rlqs_proxy() {
+    let rendered =
+        render(&["envoy", "--config", &examples(), "--domain", "grpc-api", "--protocol", "rlqs"]).unwrap();
+    let shipped = repo_yaml("envoy/rlqs-proxy.yaml");
+    let hcm = &shipped["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"];
+    let filters = hcm["http_filters"].as_array().unwrap();
+    let names: Vec<&str> = filters.iter().map(|f| f["name"].as_str().unwrap()).collect();
+    assert_eq!(names.first(), Some(&"envoy.filters.http.jwt_authn"), "the claims are verified first");
+    assert_eq!(names.last(), Some(&"envoy.filters.http.router"));
+    assert_eq!(&json!(filters[1..filters.len() - 1]), &rendered["http_filters"]);
+    let cluster = shipped["static_resources"]["clusters"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|c| c["name"] == "tollgate")
+        .unwrap();
+    assert_eq!(cluster["load_assignment"], rendered["cluster"]["load_assignment"]);
+    assert_eq!(
+        cluster["typed_extension_protocol_options"],
+        rendered["cluster"]["typed_extension_protocol_options"]
+    );
+    let (ok, output) = envoy_validate(&shipped);
+    assert!(ok, "{output}");
+}
+
 /// A bootstrap around a rendered filter, cluster and rate_limits.
 fn bootstrap(rendered: &Value) -> Value {
     let mut cluster = rendered["cluster"].clone();
@@ -172,6 +198,19 @@ fn render_explains_what_it_cannot_do() {
     let (_dir, config) = config_file("domain: d\ndescriptors:\n  - key: ip\n    source: remote_address\n");
     let err = render(&["envoy", "--config", config.to_str().unwrap()]).unwrap_err();
     assert!(err.contains("source: remote_address needs key: remote_address"), "{err}");
+    // A placeholder is not an issuer: no token could match the policy it would render.
+    let err = render(&[
+        "istio",
+        "--config",
+        &examples(),
+        "--domain",
+        "api-gateway",
+        "--gateway",
+        "--jwt-issuer",
+        "...",
+    ])
+    .unwrap_err();
+    assert!(err.contains("an issuer is an http(s) URL"), "{err}");
 }
 
 /// What Envoy does when tollgate cannot be asked matches what tollgate answers when Redis cannot:
@@ -253,7 +292,7 @@ descriptors:
     // Named, for Envoys that share an address (validated in Envoy below).
     let r = render(&["envoy", "--config", config, "--protocol", "rlqs", "--envoy-name", "edge-7"]).unwrap();
     let filters = r["http_filters"].as_array().unwrap();
-    for f in filters {
+    for f in filters.iter().filter(|f| f["typed_config"].get("rlqs_server").is_some()) {
         assert_eq!(
             f["typed_config"]["rlqs_server"]["initial_metadata"],
             json!([{"key": "x-tollgate-envoy", "value": "edge-7"}])
@@ -264,17 +303,31 @@ descriptors:
     let names: Vec<&str> = filters.iter().map(|f| f["name"].as_str().unwrap()).collect();
     assert_eq!(
         names,
-        vec!["tollgate.rlqs.tenant.path", "tollgate.rlqs.tenant", "tollgate.rlqs.remote_address"],
-        "one filter per limit, the most specific first"
+        vec![
+            "tollgate.rlqs.jwt_claims",
+            "tollgate.rlqs.tenant.path",
+            "tollgate.rlqs.tenant",
+            "tollgate.rlqs.remote_address"
+        ],
+        "the claims copied to filter state, then one filter per limit, the most specific first"
     );
-    let settings = &filters[0]["typed_config"]["bucket_matchers"]["matcher_list"]["matchers"][0]["on_match"]
+    // A bucket id is built from strings: the claim is read from filter state, where the first
+    // filter copies it (Envoy's dynamic metadata input yields no string, and never matched).
+    let copy = &filters[0]["typed_config"]["on_request_headers"][0];
+    assert_eq!(copy["object_key"], "tollgate.jwt_payload.tenant");
+    assert_eq!(
+        copy["format_string"]["text_format_source"]["inline_string"],
+        "%DYNAMIC_METADATA(envoy.filters.http.jwt_authn:jwt_payload:tenant)%"
+    );
+    let settings = &filters[1]["typed_config"]["bucket_matchers"]["matcher_list"]["matchers"][0]["on_match"]
         ["action"]["typed_config"];
     let ids = settings["bucket_id_builder"]["bucket_id_builder"].as_object().unwrap();
     assert_eq!(ids.keys().collect::<Vec<_>>(), vec!["tenant", "path"]);
+    assert_eq!(ids["tenant"]["custom_value"]["typed_config"]["key"], "tollgate.jwt_payload.tenant");
     assert_eq!(settings["no_assignment_behavior"]["fallback_rate_limit"]["blanket_rule"], "DENY_ALL");
     // In an Envoy bootstrap, in place of the ratelimit filter.
     let mut rendered = r.clone();
-    rendered["http_filter"] = filters[0].clone();
+    rendered["http_filter"] = filters[1].clone();
     rendered["routes"] = json!({});
     let mut config = bootstrap(&rendered);
     let chain = &mut config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]

@@ -77,8 +77,9 @@ enum RenderTarget {
         /// The namespace of those pods.
         #[arg(long, default_value = "default")]
         namespace: String,
-        /// The issuer of the RequestAuthentication that verifies the JWT (the metadata key of its payload).
-        #[arg(long)]
+        /// The issuer of the RequestAuthentication that verifies the JWT (the metadata key of its
+        /// payload): its http(s) URL, as in the tokens' `iss` claim.
+        #[arg(long, value_parser = issuer_url)]
         jwt_issuer: String,
         /// tollgate's Service host.
         #[arg(long, default_value = "tollgate.tollgate.svc.cluster.local")]
@@ -140,5 +141,15 @@ fn render_options(common: &RenderCommon, jwt: JwtPayload) -> RenderOptions {
         failure_mode_deny: common.failure_mode_deny,
         protocol: Protocol::Rls,
         envoy_name: None,
+    }
+}
+
+// An issuer is an http(s) URL (Istio discovers the issuer's keys from it); a placeholder such as
+// `...` is refused rather than rendered into a policy no token can match.
+fn issuer_url(value: &str) -> Result<String, String> {
+    match url::Url::parse(value) {
+        Ok(url) if matches!(url.scheme(), "https" | "http") && url.host().is_some() => Ok(value.to_owned()),
+        Ok(url) => Err(format!("an issuer is an http(s) URL with a host, not a {} URL", url.scheme())),
+        Err(e) => Err(format!("an issuer is an http(s) URL, e.g. https://auth.example.com ({e})")),
     }
 }

@@ -23,9 +23,12 @@ use std::time::Duration;
 
 use serde_json::{json, Value};
 
+mod rlqs;
+
 use crate::config::{ChargeRule, Domain, FailureMode, Limit, Rule, RuleSet, Source};
-use crate::edge::rlqs::ENVOY_NAME_METADATA;
 use crate::matcher::Level;
+
+pub use self::rlqs::quota_filters;
 
 /// Where the verified JWT payload sits in Envoy's dynamic metadata.
 #[derive(Debug, Clone)]
@@ -229,131 +232,6 @@ pub fn trailer_filter(names: &[String]) -> Value {
             "default_source_code": { "inline_string": script },
         },
     })
-}
-
-/// The rate_limit_quota filters for one domain: one per distinct path of entry keys that some
-/// rule limits, the most specific first, each with one bucket matcher. Envoy puts a request in
-/// one bucket per filter, so a request that several limits apply to (tenant and client address)
-/// goes through several filters. A filter applies when every entry its path reads is present;
-/// the bucket id holds those entries, and tollgate maps the id to the rule that limits it (values,
-/// wildcards and tenant quotas are tollgate's to match). Paths with a `generic_key` mark routes,
-/// and the filter has no per-route switch: such domains render for RLS only.
-pub fn quota_filters(
-    domain: &Domain,
-    jwt: &JwtPayload,
-    cluster: &str,
-    envoy_name: Option<&str>,
-) -> Result<Vec<Value>, RenderError> {
-    let mut paths: Vec<Vec<(String, Source)>> = Vec::new();
-    collect_paths(domain, &domain.root, &[], &mut paths)?;
-    paths.sort_by_key(|entries| std::cmp::Reverse(entries.len()));
-    if let Some(marked) = paths.iter().find(|p| p.iter().any(|(_, s)| matches!(s, Source::GenericKey(_)))) {
-        let keys: Vec<&str> = marked.iter().map(|(k, _)| k.as_str()).collect();
-        return Err(RenderError::RouteMarker { domain: domain.name.clone(), path: keys.join(".") });
-    }
-    let mut server = json!({ "envoy_grpc": { "cluster_name": cluster } });
-    if let Some(name) = envoy_name {
-        server["initial_metadata"] = json!([{ "key": ENVOY_NAME_METADATA, "value": name }]);
-    }
-    Ok(paths.iter().map(|entries| quota_filter(domain, &server, entries, jwt)).collect())
-}
-
-fn collect_paths(
-    domain: &Domain,
-    level: &Level,
-    above: &[(String, Option<Source>)],
-    out: &mut Vec<Vec<(String, Source)>>,
-) -> Result<(), RenderError> {
-    for node in level.nodes() {
-        let mut path = above.to_vec();
-        path.push((node.key.clone(), node.source.clone()));
-        if let Some(rule) = node.rule.as_ref().filter(|r| r.limit != Limit::Unlimited) {
-            let entries: Option<Vec<(String, Source)>> =
-                path.iter().map(|(k, s)| s.clone().map(|s| (k.clone(), s))).collect();
-            let entries = entries.ok_or_else(|| RenderError::NoSource {
-                domain: domain.name.clone(),
-                path: rule.path.clone(),
-            })?;
-            if !out.contains(&entries) {
-                out.push(entries);
-            }
-        }
-        collect_paths(domain, &node.children, &path, out)?;
-    }
-    Ok(())
-}
-
-// The filter for one path: its matcher applies when every entry is present, and builds the
-// bucket id from the entries.
-fn quota_filter(domain: &Domain, server: &Value, entries: &[(String, Source)], jwt: &JwtPayload) -> Value {
-    let present = |input: Value| json!({ "single_predicate": { "input": input, "value_match": { "safe_regex": { "google_re2": {}, "regex": ".+" } } } });
-    let mut predicates = Vec::new();
-    let mut builder = serde_json::Map::new();
-    for (key, source) in entries {
-        let input = quota_input(key, source, jwt);
-        predicates.push(present(input.clone()));
-        builder.insert(key.clone(), json!({ "custom_value": input }));
-    }
-    let predicate = match predicates.len() {
-        1 => predicates.pop().expect("one"),
-        _ => json!({ "and_matcher": { "predicate": predicates } }),
-    };
-    let name: Vec<&str> = entries.iter().map(|(k, _)| k.as_str()).collect();
-    let name = name.join(".");
-    let matcher = json!({
-        "predicate": predicate,
-        "on_match": { "action": {
-            "name": name,
-            "typed_config": {
-                "@type": "type.googleapis.com/envoy.extensions.filters.http.rate_limit_quota.v3.RateLimitQuotaBucketSettings",
-                "bucket_id_builder": { "bucket_id_builder": builder },
-                "reporting_interval": "5s",
-                // Until tollgate's first assignment, and if assignments stop: refuse, so that
-                // nothing is admitted that the shared budget did not cover.
-                "no_assignment_behavior": { "fallback_rate_limit": { "blanket_rule": "DENY_ALL" } },
-                "expired_assignment_behavior": { "fallback_rate_limit": { "blanket_rule": "DENY_ALL" } },
-                "deny_response_settings": { "http_status": { "code": 429 } },
-            },
-        }},
-    });
-    json!({
-        "name": format!("tollgate.rlqs.{name}"),
-        "typed_config": {
-            "@type": "type.googleapis.com/envoy.extensions.filters.http.rate_limit_quota.v3.RateLimitQuotaFilterConfig",
-            "rlqs_server": server,
-            "domain": domain.name,
-            "bucket_matchers": { "matcher_list": { "matchers": [matcher] } },
-        },
-    })
-}
-
-// The matching input that reads entry `key` from `source` (never a constant: those are refused).
-fn quota_input(key: &str, source: &Source, jwt: &JwtPayload) -> Value {
-    let header = |name: &str| {
-        json!({ "name": key, "typed_config": {
-            "@type": "type.googleapis.com/envoy.type.matcher.v3.HttpRequestHeaderMatchInput",
-            "header_name": name,
-        }})
-    };
-    match source {
-        Source::JwtClaim(claim) => {
-            let outer = match jwt {
-                JwtPayload::MetadataKey(k) | JwtPayload::Issuer(k) => k,
-            };
-            json!({ "name": key, "typed_config": {
-                "@type": "type.googleapis.com/envoy.extensions.matching.common_inputs.network.v3.DynamicMetadataInput",
-                "filter": "envoy.filters.http.jwt_authn",
-                "path": [{ "key": outer }, { "key": claim }],
-            }})
-        }
-        Source::RequestHeader(name) => header(name),
-        Source::Path => header(":path"),
-        Source::Method => header(":method"),
-        Source::RemoteAddress => json!({ "name": key, "typed_config": {
-            "@type": "type.googleapis.com/envoy.extensions.matching.common_inputs.network.v3.SourceIPInput",
-        }}),
-        Source::GenericKey(_) => unreachable!("quota_filters refuses route markers"),
-    }
 }
 
 /// The Envoy action that produces entry `key` from `source`.

@@ -1,0 +1,169 @@
+//! The README's walkthrough, run as printed: every shell block tagged `<!-- readme-test: NAME -->`
+//! is executed, in order, against the servers the README says to start, and what the README
+//! says they print is checked. The only changes: the debug build stands in for
+//! `cargo run --release` (a release build takes minutes), and the service the README leaves
+//! running binds 127.0.0.1 (through its env variables, not its flags).
+//!
+//! The walkthrough uses fixed ports (8000-8091, 9901-9903, 10000-10002, 6390), below the
+//! harness's range (20000+), so one test runs it all, one part after another.
+
+mod common;
+
+use std::path::Path;
+use std::process::{Command, Stdio};
+use std::time::Duration;
+
+use common::*;
+
+const README: &str = include_str!("../README.md");
+
+/// The tagged blocks: (tag, the block's text).
+fn tagged_blocks() -> Vec<(String, String)> {
+    let mut blocks = Vec::new();
+    let mut lines = README.lines();
+    while let Some(line) = lines.next() {
+        let Some(tag) = line.strip_prefix("<!-- readme-test: ").and_then(|t| t.strip_suffix(" -->")) else {
+            continue;
+        };
+        let fence = lines.next().unwrap_or_default();
+        assert!(fence.starts_with("```"), "the block tagged {tag} must follow its tag: {fence}");
+        let body: Vec<&str> = lines.by_ref().take_while(|l| !l.starts_with("```")).collect();
+        blocks.push((tag.to_owned(), body.join("\n") + "\n"));
+    }
+    blocks
+}
+
+fn block(tag: &str) -> String {
+    let found: Vec<String> = tagged_blocks().into_iter().filter(|(t, _)| t == tag).map(|(_, b)| b).collect();
+    assert_eq!(found.len(), 1, "one README block tagged {tag}");
+    found.into_iter().next().unwrap()
+}
+
+fn with_debug_build(text: &str) -> String {
+    let bin = format!("{} ", tollgate_bin());
+    text.replace("cargo run --release -q -- ", &bin).replace("cargo run --release -- ", &bin)
+}
+
+/// PATH with the debug build's directory first: the README's `tollgate` is the binary on PATH.
+fn path_with_tollgate() -> String {
+    let bin = Path::new(tollgate_bin()).parent().unwrap().display().to_string();
+    format!("{bin}:{}", std::env::var("PATH").unwrap_or_default())
+}
+
+/// Runs a block with bash in the repository, as a reader would paste it, and returns what it
+/// printed. Whatever it starts in the background is stopped (by PID) when it ends; the whole
+/// block gets `limit`.
+fn run(tag: &str, limit: Duration) -> String {
+    let script = format!("trap 'kill $(jobs -p) 2>/dev/null; wait' EXIT\n{}", with_debug_build(&block(tag)));
+    let out = tempfile::NamedTempFile::new().unwrap();
+    let mut bash = Proc::spawn(
+        tag,
+        Command::new("bash")
+            .arg("-c")
+            .arg(&script)
+            .current_dir(env!("CARGO_MANIFEST_DIR"))
+            .env("PATH", path_with_tollgate())
+            .env("RUST_LOG", "warn")
+            .stdout(Stdio::from(out.reopen().unwrap()))
+            .stderr(Stdio::inherit()),
+    );
+    let status = bash.wait_exit(limit);
+    let printed = std::fs::read_to_string(out.path()).unwrap();
+    assert!(
+        status.is_some(),
+        "the README block {tag} did not finish within {limit:?}; it printed:\n{printed}"
+    );
+    println!("--- {tag}\n{printed}");
+    printed
+}
+
+/// The HTTP status codes a `curl -w '%{http_code} '` loop printed on one line.
+fn codes(line: &str) -> Vec<u16> {
+    line.split_whitespace().map(|c| c.parse().unwrap_or_else(|_| panic!("not a status: {line}"))).collect()
+}
+
+fn leading(codes: &[u16], code: u16) -> usize {
+    codes.iter().take_while(|c| **c == code).count()
+}
+
+#[test]
+fn the_walkthrough_works_as_printed() {
+    // Start here: the first command serves (left running for the rest); the second is the test
+    // suite itself, which CI runs.
+    let start = block("start");
+    let mut commands = start.lines().map(|l| l.split('#').next().unwrap().trim());
+    let serve = commands.next().unwrap();
+    assert_eq!(commands.next(), Some("scripts/test"));
+    let ci = std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join(".ci/run")).unwrap();
+    assert!(ci.contains("exec scripts/test"), "CI runs the README's test command");
+    let serve = with_debug_build(serve);
+    let mut words = serve.split_whitespace();
+    let _service = Proc::spawn(
+        "tollgate",
+        Command::new(words.next().unwrap())
+            .args(words)
+            .current_dir(env!("CARGO_MANIFEST_DIR"))
+            .env("TOLLGATE_GRPC_ADDR", "127.0.0.1:8081")
+            .env("TOLLGATE_HTTP_ADDR", "127.0.0.1:8080")
+            .env("RUST_LOG", "warn"),
+    );
+    let http = "127.0.0.1:8080".parse().unwrap();
+    wait_until("the README's service", 300, Duration::from_millis(100), || {
+        http_get(http, "/readyz").is_some_and(|(status, _)| status == 200)
+    });
+
+    // The first answer is exactly the one printed.
+    assert_eq!(run("ask", Duration::from_secs(30)), block("ask output"));
+
+    let over = run("over-limit", Duration::from_secs(30));
+    let exits: Vec<&str> = over.lines().filter(|l| l.starts_with("exit ")).collect();
+    assert_eq!(exits, ["exit 0", "exit 1"], "{over}");
+    // 51 s right after the first ask; less the longer the service took in between.
+    let retry: u64 =
+        over.lines().find_map(|l| l.trim().strip_prefix("Retry-After: ")).unwrap().parse().unwrap();
+    assert!((49..=51).contains(&retry), "{over}");
+
+    let rls = run("envoy-rls", Duration::from_secs(180));
+    let lines: Vec<&str> = rls.lines().collect();
+    let loop_codes = codes(lines[0]);
+    assert_eq!(loop_codes.len(), 25);
+    let admitted = leading(&loop_codes, 200);
+    assert!((20..=22).contains(&admitted), "twenty 200s, a refill or two more: {rls}");
+    assert!(loop_codes[admitted..].iter().all(|c| *c == 429), "then 429s: {rls}");
+    let headers = lines[1..].join("\n").to_lowercase();
+    for expected in ["http/1.1 429", "retry-after: 1", "x-ratelimit-limit: 20", "x-ratelimit-remaining: 0"] {
+        assert!(headers.contains(expected), "{expected}: {rls}");
+    }
+
+    let rlqs = run("envoy-rlqs", Duration::from_secs(60));
+    let lines: Vec<&str> = rlqs.lines().collect();
+    assert_eq!(lines[0], "429", "no assignment before the first report: {rlqs}");
+    let loop_codes = codes(lines[1]);
+    let admitted = leading(&loop_codes, 200);
+    assert!((10..=11).contains(&admitted), "the balance of 10, a refill more at most: {rlqs}");
+    assert!(loop_codes[admitted..].iter().all(|c| *c == 429), "then 429s: {rlqs}");
+    assert!(
+        lines.contains(&"tollgate_rlqs_streams 1") && lines.contains(&"tollgate_rlqs_buckets 1"),
+        "{rlqs}"
+    );
+    let leased = lines.iter().find_map(|l| l.strip_prefix("tollgate_rlqs_leased_requests_total ")).unwrap();
+    assert!(leased.parse::<u64>().unwrap() >= 10, "{rlqs}");
+
+    let llm = run("envoy-llm", Duration::from_secs(60));
+    let lines: Vec<&str> = llm.lines().collect();
+    assert_eq!(codes(lines[0]), [200, 200, 429], "{llm}");
+    let headers = lines[1..].join("\n").to_lowercase();
+    assert!(headers.contains("http/1.1 429"), "{llm}");
+    let retry: u64 =
+        headers.lines().find_map(|l| l.strip_prefix("retry-after: ")).unwrap().trim().parse().unwrap();
+    assert!((1..=2).contains(&retry), "{llm}");
+
+    // The render commands type as printed, and each prints a config.
+    let render = run("render", Duration::from_secs(30));
+    assert_eq!(render.matches("# Generated by `tollgate render`").count(), 4, "{render}");
+
+    let redis = run("redis", Duration::from_secs(60));
+    assert!(redis.contains("overall: OK") && redis.contains("remaining=50"), "{redis}");
+    let fields: Vec<&str> = redis.lines().rev().take(3).collect();
+    assert_eq!(fields, ["50", "200", "50"], "t, c, s: {redis}");
+}
