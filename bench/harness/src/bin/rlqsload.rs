@@ -1,0 +1,387 @@
+//! A neutral Rate Limit Quota client for tollgate's RLQS scale benchmark: it stands in for a fleet
+//! of Envoys, one stream per tollgate replica, each reporting the same `--buckets` bucket ids
+//! (`{tenant: q<i>}`), and enforces what it is assigned as Envoy 1.40 does.
+//!
+//! Per stream: a first report naming every bucket (one denied request each, as Envoy reports a
+//! new bucket's first request), then a report every 5 s. `--hot` of the buckets want `--demand`
+//! requests per second each (per stream) and admit what their assignment allows, in 100 ms steps;
+//! the others stay idle (usage 0). An assignment is applied as Envoy applies it: DENY_ALL then a
+//! token bucket in one response starts a fresh, full bucket; an identical token bucket is carried
+//! over; a changed one is rebuilt at the old fill ratio; an assignment expires after its TTL.
+//!
+//! It measures what the targets are stated in: the time from the first report to each
+//! bucket's first assignment, failure-mode assignments (ALLOW_ALL: the bench domain fails open
+//! and has no unlimited rule), buckets that were ever left without a live assignment, each hot
+//! bucket's admitted requests (over all streams, for the whole run of T s) against its bound
+//! `capacity + rate × (T + 1)`, and Redis's own work over the measured window after the warm-up
+//! (`INFO commandstats`, so the commands a script runs count too, and `INFO cpu`). Prints one
+//! line of `key=value` results.
+
+use std::collections::HashMap;
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use envoy_types::pb::envoy::r#type::v3::rate_limit_strategy::{BlanketRule, Strategy};
+use envoy_types::pb::envoy::service::rate_limit_quota::v3::rate_limit_quota_response::bucket_action::BucketAction as Action;
+use envoy_types::pb::envoy::service::rate_limit_quota::v3::rate_limit_quota_service_client::RateLimitQuotaServiceClient;
+use envoy_types::pb::envoy::service::rate_limit_quota::v3::rate_limit_quota_usage_reports::BucketQuotaUsage;
+use envoy_types::pb::envoy::service::rate_limit_quota::v3::{
+    BucketId, RateLimitQuotaResponse, RateLimitQuotaUsageReports,
+};
+use envoy_types::pb::google::protobuf::Duration as ProtoDuration;
+use hdrhistogram::Histogram;
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::ReceiverStream;
+
+struct Args {
+    addrs: Vec<String>,
+    redis: String,
+    domain: String,
+    buckets: usize,
+    hot: usize,
+    demand: f64,
+    capacity: f64,
+    rate: f64,
+    duration: Duration,
+    warmup: Duration,
+}
+
+fn parse(mut argv: impl Iterator<Item = String>) -> Args {
+    let mut a = Args {
+        addrs: vec!["127.0.0.1:8081".into()],
+        redis: "127.0.0.1:6379".into(),
+        domain: "rlqs".into(),
+        buckets: 1000,
+        hot: 0,
+        demand: 30.0,
+        capacity: 50.0,
+        rate: 10.0,
+        duration: Duration::from_secs(30),
+        warmup: Duration::from_secs(10),
+    };
+    while let Some(flag) = argv.next() {
+        let mut value = || argv.next().unwrap_or_else(|| panic!("{flag} needs a value"));
+        match flag.as_str() {
+            "--addrs" => a.addrs = value().split(',').map(str::to_owned).collect(),
+            "--redis" => a.redis = value(),
+            "--domain" => a.domain = value(),
+            "--buckets" => a.buckets = value().parse().unwrap(),
+            "--hot" => a.hot = value().parse().unwrap(),
+            "--demand" => a.demand = value().parse().unwrap(),
+            "--capacity" => a.capacity = value().parse().unwrap(),
+            "--rate" => a.rate = value().parse().unwrap(),
+            "--duration" => a.duration = Duration::from_secs_f64(value().parse().unwrap()),
+            "--warmup" => a.warmup = Duration::from_secs_f64(value().parse().unwrap()),
+            other => panic!("unknown flag {other}"),
+        }
+    }
+    a
+}
+
+/// What one Envoy holds for one bucket.
+#[derive(Debug, Clone, Default)]
+struct Local {
+    /// When the first assignment arrived, in ms since the start.
+    first_ms: Option<u64>,
+    /// When the live assignment expires; 0: none yet.
+    expires_ms: u64,
+    /// Whether the live assignment is ALLOW_ALL.
+    allow_all: bool,
+    /// The token bucket: max tokens, tokens per ms, tokens now, when last refilled.
+    max: f64,
+    per_ms: f64,
+    tokens: f64,
+    last_ms: u64,
+    /// Since the last report.
+    allowed: u64,
+    denied: u64,
+    /// Since the start.
+    admitted: u64,
+    /// Whether a live assignment was ever missing after the first one.
+    lapsed: bool,
+}
+
+impl Local {
+    fn refill(&mut self, now: u64) {
+        self.tokens = (self.tokens + (now.saturating_sub(self.last_ms)) as f64 * self.per_ms).min(self.max);
+        self.last_ms = now;
+    }
+
+    fn live(&self, now: u64) -> bool {
+        now < self.expires_ms
+    }
+
+    /// Admits up to `want` requests now; returns how many.
+    fn admit(&mut self, now: u64, want: u64) -> u64 {
+        if !self.live(now) {
+            return 0;
+        }
+        if self.allow_all {
+            return want;
+        }
+        self.refill(now);
+        let n = (self.tokens.floor() as u64).min(want);
+        self.tokens -= n as f64;
+        n
+    }
+}
+
+#[derive(Default)]
+struct Totals {
+    failure_assignments: u64,
+    messages: u64,
+}
+
+fn ms_of(d: &Option<ProtoDuration>) -> u64 {
+    d.as_ref().map_or(0, |d| d.seconds.max(0) as u64 * 1000 + d.nanos.max(0) as u64 / 1_000_000)
+}
+
+/// Applies one response to the stream's buckets, as Envoy 1.40 does.
+fn apply(response: &RateLimitQuotaResponse, now: u64, locals: &mut [Local], totals: &mut Totals) {
+    totals.messages += 1;
+    let mut denied_first: Vec<usize> = Vec::new();
+    for action in &response.bucket_action {
+        let Some(index) = action
+            .bucket_id
+            .as_ref()
+            .and_then(|id| id.bucket.get("tenant"))
+            .and_then(|t| t.strip_prefix('q'))
+            .and_then(|i| i.parse::<usize>().ok())
+            .filter(|i| *i < locals.len())
+        else {
+            continue;
+        };
+        let local = &mut locals[index];
+        let Some(Action::QuotaAssignmentAction(q)) = &action.bucket_action else {
+            // abandon_action: Envoy drops the bucket.
+            *local = Local { first_ms: local.first_ms, admitted: local.admitted, ..Local::default() };
+            continue;
+        };
+        local.first_ms.get_or_insert(now);
+        local.expires_ms = now + ms_of(&q.assignment_time_to_live);
+        match q.rate_limit_strategy.as_ref().and_then(|s| s.strategy.as_ref()) {
+            Some(Strategy::BlanketRule(r)) if *r == BlanketRule::AllowAll as i32 => {
+                totals.failure_assignments += 1;
+                local.allow_all = true;
+            }
+            Some(Strategy::BlanketRule(_)) => {
+                local.allow_all = false;
+                local.max = 0.0;
+                local.tokens = 0.0;
+                local.per_ms = 0.0;
+                denied_first.push(index);
+            }
+            Some(Strategy::TokenBucket(b)) => {
+                let max = b.max_tokens as f64;
+                let fill_s = b.fill_interval.as_ref().map_or(1, |d| d.seconds.max(1)) as f64;
+                let per_ms = b.tokens_per_fill.as_ref().map_or(1, |v| v.value) as f64 / fill_s / 1000.0;
+                local.refill(now);
+                if denied_first.contains(&index) {
+                    local.tokens = max;
+                } else if local.max != max || local.per_ms != per_ms {
+                    local.tokens = if local.max > 0.0 { local.tokens / local.max * max } else { max };
+                }
+                local.allow_all = false;
+                local.max = max;
+                local.per_ms = per_ms;
+                local.last_ms = now;
+            }
+            _ => {}
+        }
+    }
+}
+
+fn usages(locals: &mut [Local], elapsed_ms: u64) -> Vec<BucketQuotaUsage> {
+    locals
+        .iter_mut()
+        .enumerate()
+        .map(|(i, l)| {
+            let usage = BucketQuotaUsage {
+                bucket_id: Some(BucketId { bucket: HashMap::from([("tenant".to_owned(), format!("q{i}"))]) }),
+                time_elapsed: Some(ProtoDuration {
+                    seconds: (elapsed_ms / 1000) as i64,
+                    nanos: ((elapsed_ms % 1000) * 1_000_000) as i32,
+                }),
+                num_requests_allowed: l.allowed,
+                num_requests_denied: l.denied,
+            };
+            l.allowed = 0;
+            l.denied = 0;
+            usage
+        })
+        .collect()
+}
+
+/// One stream: returns its buckets' state at the end.
+async fn stream(args: Arc<Args>, addr: String, start: Instant, totals: Arc<Mutex<Totals>>) -> Vec<Local> {
+    let now_ms = || start.elapsed().as_millis() as u64;
+    let mut client = RateLimitQuotaServiceClient::connect(format!("http://{addr}"))
+        .await
+        .unwrap()
+        .max_decoding_message_size(64 << 20);
+    let (reports, rx) = mpsc::channel(4);
+    let mut answers = client
+        .stream_rate_limit_quotas(tonic::Request::new(ReceiverStream::new(rx)))
+        .await
+        .unwrap()
+        .into_inner();
+    let mut locals = vec![Local::default(); args.buckets];
+    for l in &mut locals {
+        l.denied = 1;
+    }
+    let first = usages(&mut locals, 0);
+    reports
+        .send(RateLimitQuotaUsageReports { domain: args.domain.clone(), bucket_quota_usages: first })
+        .await
+        .unwrap();
+    let step = Duration::from_millis(100);
+    let mut ticker = tokio::time::interval(step);
+    let mut last_report = now_ms();
+    let per_step = args.demand * step.as_secs_f64();
+    let mut owed = vec![0.0f64; args.hot];
+    let end = args.warmup + args.duration;
+    loop {
+        tokio::select! {
+            answer = answers.message() => match answer {
+                Ok(Some(response)) => {
+                    let mut t = totals.lock().unwrap();
+                    apply(&response, now_ms(), &mut locals, &mut t);
+                }
+                other => panic!("the stream to {addr} ended: {other:?}"),
+            },
+            _ = ticker.tick() => {
+                let now = now_ms();
+                if start.elapsed() >= end {
+                    return locals;
+                }
+                for (i, local) in locals.iter_mut().enumerate() {
+                    if local.first_ms.is_some() && !local.live(now) {
+                        local.lapsed = true;
+                    }
+                    if i < args.hot {
+                        owed[i] += per_step;
+                        let want = owed[i].floor() as u64;
+                        owed[i] -= want as f64;
+                        let got = local.admit(now, want);
+                        local.allowed += got;
+                        local.denied += want - got;
+                        local.admitted += got;
+                    }
+                }
+                if now - last_report >= 5_000 {
+                    let elapsed = now - last_report;
+                    last_report = now;
+                    let usages = usages(&mut locals, elapsed);
+                    let report = RateLimitQuotaUsageReports { domain: args.domain.clone(), bucket_quota_usages: usages };
+                    if reports.send(report).await.is_err() {
+                        panic!("the stream to {addr} closed");
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// One INFO section from Redis, by a raw RESP call (the harness takes no Redis client).
+fn redis_info(addr: &str, section: &str) -> String {
+    let mut conn = TcpStream::connect(addr).expect("redis");
+    conn.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    write!(conn, "INFO {section}\r\n").unwrap();
+    let mut reply = Vec::new();
+    let mut buf = [0u8; 65536];
+    loop {
+        let n = conn.read(&mut buf).unwrap();
+        reply.extend_from_slice(&buf[..n]);
+        let text = String::from_utf8_lossy(&reply);
+        if let Some((head, body)) = text.split_once("\r\n") {
+            let len: usize = head.trim_start_matches('$').parse().unwrap();
+            if body.len() >= len {
+                return body[..len].to_owned();
+            }
+        }
+        if n == 0 {
+            panic!("redis closed the connection");
+        }
+    }
+}
+
+/// Every command Redis ran so far (scripts' commands included), and its CPU seconds.
+fn redis_work(addr: &str) -> (u64, f64) {
+    let calls = redis_info(addr, "commandstats")
+        .lines()
+        .filter_map(|l| l.split_once("calls=")?.1.split(',').next()?.parse::<u64>().ok())
+        .sum();
+    let cpu = redis_info(addr, "cpu")
+        .lines()
+        .filter(|l| l.starts_with("used_cpu_user:") || l.starts_with("used_cpu_sys:"))
+        .filter_map(|l| l.split_once(':')?.1.trim().parse::<f64>().ok())
+        .sum();
+    (calls, cpu)
+}
+
+fn percentile(h: &Histogram<u64>, q: f64) -> u64 {
+    if h.is_empty() {
+        0
+    } else {
+        h.value_at_quantile(q)
+    }
+}
+
+#[tokio::main]
+async fn main() {
+    let args = Arc::new(parse(std::env::args().skip(1)));
+    let start = Instant::now();
+    let totals = Arc::new(Mutex::new(Totals::default()));
+    let streams: Vec<_> = args
+        .addrs
+        .iter()
+        .map(|addr| tokio::spawn(stream(args.clone(), addr.clone(), start, totals.clone())))
+        .collect();
+    tokio::time::sleep(args.warmup).await;
+    let (calls0, cpu0) = redis_work(&args.redis);
+    let measured = Instant::now();
+    let mut ends = Vec::new();
+    for s in streams {
+        ends.push(s.await.unwrap());
+    }
+    let window = measured.elapsed().as_secs_f64();
+    let (calls1, cpu1) = redis_work(&args.redis);
+    let mut first = Histogram::<u64>::new(3).unwrap();
+    let (mut unassigned, mut lapsed) = (0, 0);
+    for locals in &ends {
+        for l in locals {
+            match l.first_ms {
+                Some(ms) => first.record(ms).unwrap(),
+                None => unassigned += 1,
+            }
+            lapsed += usize::from(l.lapsed);
+        }
+    }
+    // Over the whole run, from the first report: the bucket starts full, as the bound allows.
+    let bound = args.capacity + args.rate * (start.elapsed().as_secs_f64() + 1.0);
+    let ratios: Vec<f64> = (0..args.hot)
+        .map(|i| ends.iter().map(|locals| locals[i].admitted).sum::<u64>() as f64 / bound)
+        .collect();
+    let pairs = (args.buckets * args.addrs.len()) as f64;
+    let t = totals.lock().unwrap();
+    println!(
+        "buckets={} streams={} first_p50_ms={} first_p99_ms={} first_max_ms={} unassigned={} failure_assignments={} lapsed={} messages={} redis_commands_per_s={:.0} redis_commands_per_pair_per_s={:.3} redis_cpu_percent={:.1} hot={} hot_ratio_min={:.3} hot_ratio_max={:.3}",
+        args.buckets,
+        args.addrs.len(),
+        percentile(&first, 0.5),
+        percentile(&first, 0.99),
+        first.max(),
+        unassigned,
+        t.failure_assignments,
+        lapsed,
+        t.messages,
+        (calls1 - calls0) as f64 / window,
+        (calls1 - calls0) as f64 / window / pairs,
+        (cpu1 - cpu0) / window * 100.0,
+        args.hot,
+        if ratios.is_empty() { 0.0 } else { ratios.iter().copied().fold(f64::INFINITY, f64::min) },
+        ratios.iter().copied().fold(0.0, f64::max),
+    );
+}
