@@ -6,7 +6,8 @@
 //! * with 90/5/5 % demand, the busy Envoy's share follows its demand within two reports;
 //! * one Envoy on the RLS filter and two on RLQS spend one budget together;
 //! * a tollgate replica killed mid-run: Envoy moves its stream and assignments go on; Redis
-//!   stopped: `failure_mode: deny` denies, and grants resume when it is back.
+//!   stopped: `failure_mode: deny` denies, and grants resume when it is back;
+//! * one Envoy with 10,000 new buckets keeps its one connection and stream to tollgate.
 
 mod common;
 
@@ -474,4 +475,75 @@ async fn redis_down_denies_and_grants_resume() {
     assert_eq!(while_down, 0, "DENY_ALL while the store is down");
     assert!(after > 0, "grants resume");
     drop(redis);
+}
+
+/// One request per tenant of `tenants`, in turn, over one keep-alive connection: the statuses.
+async fn request_each(addr: SocketAddr, tenants: Vec<String>) -> Vec<u16> {
+    let socket = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let (read, mut write) = socket.into_split();
+    let mut read = BufReader::new(read);
+    let mut statuses = Vec::with_capacity(tenants.len());
+    for tenant in tenants {
+        let request = format!("GET / HTTP/1.1\r\nhost: t\r\nx-tenant: {tenant}\r\n\r\n");
+        write.write_all(request.as_bytes()).await.unwrap();
+        statuses.push(read_response(&mut read).await.expect("an answer"));
+    }
+    statuses
+}
+
+/// A real Envoy with 10,000 buckets on one stream. The first request of each bucket is refused
+/// (no assignment yet) and reported at once; tollgate answers in bundled messages, and Envoy keeps
+/// its one connection and stream (before bundling, one message per bucket per second made it end
+/// the connection with GOAWAY ENHANCE_YOUR_CALM) while every bucket gets its assignment.
+#[tokio::test(flavor = "multi_thread")]
+async fn an_envoy_with_10000_buckets_keeps_its_stream() {
+    const BUCKETS: usize = 10_000;
+    let _serial = SERIAL.lock().await;
+    let upstream = upstream().await;
+    let (_dir, config) = config_file(CONFIG);
+    let tollgate = Tollgate::start(&config, &Backend::Memory, &[]);
+    let (listener, admin) = (loopback(), loopback());
+    let _envoy =
+        Envoy::start(&envoy_config(listener, admin, rlqs_filter(), &[tollgate.grpc], upstream), admin);
+    let started = std::time::Instant::now();
+    let tenants: Vec<String> = (0..BUCKETS).map(|i| format!("t{i}")).collect();
+    let chunks = tenants.chunks(BUCKETS / 8).map(|c| request_each(listener, c.to_vec()));
+    let firsts: Vec<u16> = futures::future::join_all(chunks).await.concat();
+    assert!(firsts.iter().all(|s| *s == 429), "DENY_ALL until a bucket's first assignment");
+    let opened = started.elapsed();
+    // Every bucket admits once its assignment is there; ask again those that do not yet.
+    let mut waiting = tenants;
+    for _ in 0..20 {
+        let chunks = waiting.chunks(waiting.len().div_ceil(8)).map(|c| request_each(listener, c.to_vec()));
+        let statuses: Vec<u16> = futures::future::join_all(chunks).await.concat();
+        waiting = waiting.into_iter().zip(statuses).filter(|(_, s)| *s != 200).map(|(t, _)| t).collect();
+        if waiting.is_empty() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    let stats =
+        http_get(admin, "/stats?filter=^cluster\\.tollgate\\.upstream_cx_(total|close_notify)$").unwrap().1;
+    let stat = |name: &str| {
+        let prefix = format!("cluster.tollgate.{name}: ");
+        stats.lines().find_map(|l| l.strip_prefix(&prefix)).unwrap_or("?").trim().to_owned()
+    };
+    let metrics = http_get(tollgate.http, "/metrics").unwrap().1;
+    let gauge = |name: &str| {
+        metrics.lines().find_map(|l| l.strip_prefix(&format!("{name} "))).unwrap_or("?").to_owned()
+    };
+    println!(
+        "10,000 buckets through one Envoy: first requests sent in {opened:?}, all assigned after {:?}; {} still waiting; Envoy: {} connection(s) to tollgate, {} GOAWAY; tollgate: {} stream(s), {} buckets",
+        started.elapsed(),
+        waiting.len(),
+        stat("upstream_cx_total"),
+        stat("upstream_cx_close_notify"),
+        gauge("tollgate_rlqs_streams"),
+        gauge("tollgate_rlqs_buckets"),
+    );
+    assert!(waiting.is_empty(), "{} buckets never got an assignment", waiting.len());
+    assert_eq!(stat("upstream_cx_total"), "1", "one connection to tollgate, never replaced");
+    assert_eq!(stat("upstream_cx_close_notify"), "0", "no GOAWAY from tollgate");
+    assert_eq!(gauge("tollgate_rlqs_streams"), "1");
+    assert_eq!(gauge("tollgate_rlqs_buckets"), BUCKETS.to_string());
 }
