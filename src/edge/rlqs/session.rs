@@ -46,7 +46,7 @@ use envoy_types::pb::envoy::service::rate_limit_quota::v3::{
 };
 use envoy_types::pb::google::protobuf::{Duration as ProtoDuration, UInt32Value};
 use futures::future::join_all;
-use futures::StreamExt as _;
+use futures::{FutureExt as _, StreamExt as _};
 use indexmap::IndexMap;
 use prost::Message as _;
 use tokio::sync::{mpsc, watch};
@@ -144,16 +144,27 @@ pub async fn run(
         unknown_domain_logged: false,
     };
     metrics::gauge!("tollgate_rlqs_streams").increment(1.0);
+    // A message read while gathering reports that is not one (the end, an error): next.
+    let mut held: Option<Result<Option<RateLimitQuotaUsageReports>, Status>> = None;
     loop {
+        let next = async {
+            match held.take() {
+                Some(message) => message,
+                None => reports.message().await,
+            }
+        };
         let responses = tokio::select! {
-            report = reports.message() => match report {
-                Ok(Some(report)) => match session.report(report).await {
-                    Ok(actions) => bundle(actions),
-                    Err(status) => {
-                        let _ = answers.send(Err(status)).await;
-                        break;
+            report = next => match report {
+                Ok(Some(mut report)) => {
+                    held = gather(&mut reports, &mut report);
+                    match session.report(report).await {
+                        Ok(actions) => bundle(actions),
+                        Err(status) => {
+                            let _ = answers.send(Err(status)).await;
+                            break;
+                        }
                     }
-                },
+                }
                 Ok(None) => break,
                 Err(status) => {
                     // tonic refuses a message over its decoding limit with OUT_OF_RANGE.
@@ -182,6 +193,32 @@ pub async fn run(
     let Session { buckets, .. } = session;
     close_out(&limiter, &pool, clock.now_ms(), id, &peer, &buckets, events).await;
     metrics::gauge!("tollgate_rlqs_streams").decrement(1.0);
+}
+
+/// Most usages gathered into one report (see [`gather`]).
+const MAX_GATHERED_USAGES: usize = 4096;
+
+// Appends to `report` the usages of every report already waiting on the stream, up to
+// [`MAX_GATHERED_USAGES`], so that they are resolved and leased together: Envoy reports each new
+// bucket's first request at once, in a message of its own, and thousands of them one at a time
+// would each wait for the ones before. Returns a message read that is not a report (the stream's
+// end, an error), to be handled next.
+fn gather(
+    reports: &mut Streaming<RateLimitQuotaUsageReports>,
+    report: &mut RateLimitQuotaUsageReports,
+) -> Option<Result<Option<RateLimitQuotaUsageReports>, Status>> {
+    while report.bucket_quota_usages.len() < MAX_GATHERED_USAGES {
+        match reports.message().now_or_never()? {
+            Ok(Some(more)) => {
+                if report.domain.is_empty() {
+                    report.domain = more.domain;
+                }
+                report.bucket_quota_usages.extend(more.bucket_quota_usages);
+            }
+            other => return Some(other),
+        }
+    }
+    None
 }
 
 // Sends `responses` in order; false once the Envoy is gone.
