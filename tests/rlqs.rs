@@ -529,7 +529,8 @@ async fn bad_reports_end_the_stream_with_a_reason() {
 }
 
 /// A bucket no report counts a request for during `--rlqs-abandon-after` is abandoned on the
-/// stream that reports it, its state dropped (the live-bucket gauge falls); a request for it
+/// stream that reports it, its state dropped (the live-bucket gauge falls); a report without
+/// requests sent before the Envoy had the abandon_action does not revive it; a request for it
 /// later starts it afresh.
 #[tokio::test(flavor = "multi_thread")]
 async fn idle_buckets_are_abandoned_and_come_back_fresh() {
@@ -560,6 +561,19 @@ async fn idle_buckets_are_abandoned_and_come_back_fresh() {
     assert!(abandoned >= Duration::from_millis(1_500), "{abandoned:?}");
     assert_eq!(sample(&metrics, "tollgate_rlqs_abandoned_buckets_total", &[]), 1.0);
     assert_eq!(sample(&metrics, "tollgate_rlqs_buckets", &[]), 1.0, "only the busy bucket is live");
+    // A report sent before the Envoy had the abandon_action (no request since) does not bring it
+    // back: the Envoy would drop every assignment for it.
+    // (An unlimited bucket in the same report: its ALLOW_ALL says the report was processed.)
+    let marker = bucket(&[("free", "x")]);
+    stream
+        .send("quota", vec![report(&idle, 0, 0, 500), report(&busy, 1, 0, 500), report(&marker, 1, 0, 0)])
+        .await;
+    assert_eq!(grant_for(&mut stream, &marker).await, Said::AllowAll);
+    assert_eq!(
+        sample(&server.metrics(), "tollgate_rlqs_buckets", &[]),
+        1.0,
+        "a stale report revives nothing"
+    );
     // A request for it again: a new bucket, a fresh grant.
     stream.send("quota", vec![report(&idle, 0, 1, 0)]).await;
     assert!(matches!(grant_for(&mut stream, &idle).await, Said::Tokens(_)));

@@ -1,6 +1,10 @@
 //! This replica's leases: every bucket some stream of this replica asks for, leased from the
-//! shared store once per [`TICK`], at the start of each wall-clock round, and split among the
-//! streams.
+//! shared store once per [`TICK`], at its phase of each wall-clock round, and split among the
+//! streams. A bucket's phase is one of [`PHASES`] slices of the tick, from its key's Cluster slot:
+//! every replica leases a given bucket at the same moment (they see each other's takes of the
+//! round), while different buckets' calls are spread over the tick instead of all queueing at its
+//! start, where they missed the store's deadline (1,000 buckets on 3 replicas: 23,659
+//! failure-mode answers in 20 s, with Redis at 13 % of a core).
 //!
 //! Per bucket and tick: the demand of this replica's streams is registered in the store beside
 //! other replicas' ([`crate::store::Store::share_demand`]); this replica takes its share of the
@@ -31,6 +35,8 @@ use crate::telemetry::logs::{self, ErrorChain};
 
 /// How often buckets are leased (and Envoys get fresh grants).
 pub const TICK: Duration = Duration::from_secs(1);
+/// Slices of a tick over which buckets are leased, each at the slice its key falls in.
+pub const PHASES: u64 = 10;
 
 /// A stream's bucket: the stream and the bucket id (as its sorted entries) it reported.
 pub type MemberId = (u64, String);
@@ -96,10 +102,13 @@ impl Pool {
         let ticking = Arc::downgrade(&inner);
         let ticker = tokio::spawn(async move {
             loop {
-                tokio::time::sleep(until_next_round()).await;
+                let (wait, phase) = until_next_phase();
+                tokio::time::sleep(wait).await;
                 let Some(inner) = ticking.upgrade() else { return };
-                let keys: Vec<String> = inner.lock().keys().cloned().collect();
-                inner.lease_rounds(&keys).await;
+                let keys: Vec<String> =
+                    inner.lock().keys().filter(|k| phase_of(k) == phase).cloned().collect();
+                // A phase's leases run on their own, so that a slow store holds up no other phase.
+                tokio::spawn(async move { inner.lease_rounds(&keys).await });
             }
         });
         Pool { inner, ticker }
@@ -160,15 +169,23 @@ impl Pool {
     }
 }
 
-// Every replica leases at the start of each wall-clock round (a multiple of TICK since the Unix
-// epoch; replicas' clocks agree to NTP's precision), so that within a round all see the same
-// refill, and each sees the others' takes of this round only (they stand for half a tick).
-fn until_next_round() -> Duration {
-    let tick = TICK.as_millis() as u64;
+// Every replica leases a bucket at its phase of each wall-clock round (rounds are multiples of
+// TICK since the Unix epoch; replicas' clocks agree to NTP's precision), so that within a round
+// all see the same refill, and each sees the others' takes of this round only (they stand for
+// half a tick). Returns how long until the next phase starts, and which phase that is.
+fn until_next_phase() -> (Duration, u64) {
+    let slice = TICK.as_millis() as u64 / PHASES;
     let now = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_millis() as u64);
-    Duration::from_millis(tick - now % tick)
+    let next = now / slice + 1;
+    (Duration::from_millis(next * slice - now), next % PHASES)
+}
+
+// The phase of the bucket `key`: from its Cluster slot, so that a tenant's buckets (one slot)
+// are leased together.
+fn phase_of(key: &str) -> u64 {
+    u64::from(crate::identity::cluster_slot(key)) % PHASES
 }
 
 // An event for a member, the channel it goes by, and the grant to give back if it cannot.

@@ -141,6 +141,7 @@ pub async fn run(
         abandon_after_ms: abandon_after.as_millis().try_into().unwrap_or(u64::MAX),
         domain: None,
         buckets: HashMap::new(),
+        recently_abandoned: HashMap::new(),
         unknown_domain_logged: false,
     };
     metrics::gauge!("tollgate_rlqs_streams").increment(1.0);
@@ -195,6 +196,9 @@ pub async fn run(
     metrics::gauge!("tollgate_rlqs_streams").decrement(1.0);
 }
 
+/// How long after an abandon_action a report of the bucket without requests is taken as sent
+/// before the Envoy had it: two reporting intervals.
+const STALE_REPORT_MS: u64 = 10_000;
 /// Most usages gathered into one report (see [`gather`]).
 const MAX_GATHERED_USAGES: usize = 4096;
 
@@ -249,6 +253,8 @@ struct Session<'a> {
     abandon_after_ms: u64,
     domain: Option<String>,
     buckets: HashMap<String, Bucket>,
+    // Buckets abandoned within the last STALE_REPORT_MS, and when.
+    recently_abandoned: HashMap<String, u64>,
     unknown_domain_logged: bool,
 }
 
@@ -268,6 +274,8 @@ impl Session<'_> {
             metrics::counter!("tollgate_rlqs_stream_errors_total", "reason" => "no_bucket_id").increment(1);
             return Err(Status::invalid_argument("a bucket_quota_usage without a bucket_id"));
         }
+        let now = self.clock.now_ms();
+        self.recently_abandoned.retain(|_, at| now.saturating_sub(*at) < STALE_REPORT_MS);
         let usages: Vec<(String, BucketId, BucketQuotaUsage)> = report
             .bucket_quota_usages
             .into_iter()
@@ -275,9 +283,9 @@ impl Session<'_> {
                 let id = u.bucket_id.take()?;
                 Some((name(&id), id, u))
             })
+            .filter(|(name, _, u)| !self.stale(name, u))
             .collect();
         self.resolve_fresh(&domain, &usages).await;
-        let now = self.clock.now_ms();
         let mut actions = Vec::new();
         let mut seen = Vec::new();
         let mut fresh = Vec::new();
@@ -403,11 +411,23 @@ impl Session<'_> {
         }
     }
 
+    // Whether `usage` of the bucket `name` is a report the Envoy sent before it had this stream's
+    // abandon_action: no request since (an Envoy that dropped the bucket reports it again only
+    // with the request that starts it afresh). Taken for a new bucket, it would be leased every
+    // tick for an Envoy that drops every assignment for it, and its grants never settled.
+    fn stale(&self, name: &str, usage: &BucketQuotaUsage) -> bool {
+        !self.buckets.contains_key(name)
+            && self.recently_abandoned.contains_key(name)
+            && usage.num_requests_allowed == 0
+            && usage.num_requests_denied == 0
+    }
+
     // Drops the bucket `name`, which its Envoy was told to abandon: it leaves the pool, and what
     // its grants may still hold stays taken (the Envoy's last requests under them are never
     // reported). A request for it later starts it afresh.
     fn abandon(&mut self, name: &str) {
         let Some(bucket) = self.buckets.remove(name) else { return };
+        self.recently_abandoned.insert(name.to_owned(), self.clock.now_ms());
         metrics::counter!("tollgate_rlqs_abandoned_buckets_total").increment(1);
         if let QuotaBucket::Lease(target) = &bucket.kind {
             self.pool.leave(&target.key, &(self.id, name.to_owned()));
