@@ -26,6 +26,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use futures::future::join_all;
+use futures::StreamExt as _;
 use tokio::sync::mpsc;
 
 use super::assign;
@@ -37,6 +38,10 @@ use crate::telemetry::logs::{self, ErrorChain};
 pub const TICK: Duration = Duration::from_secs(1);
 /// Slices of a tick over which buckets are leased, each at the slice its key falls in.
 pub const PHASES: u64 = 10;
+/// Most buckets one lease task leases at once. A stream's first report may name thousands of
+/// buckets; leased all at once, their calls queue past the store's deadline and answer with the
+/// failure mode, while a bounded number in flight finish in order within it.
+const LEASES_IN_FLIGHT: usize = 64;
 
 /// A stream's bucket: the stream and the bucket id (as its sorted entries) it reported.
 pub type MemberId = (u64, String);
@@ -207,7 +212,14 @@ impl Inner {
     // as one batch, delivered in a task of its own, so that a stream that reads nothing holds up
     // only its own grants, not the next round.
     async fn lease_rounds(self: &Arc<Self>, keys: &[String]) {
-        let rounds = join_all(keys.iter().map(|k| self.lease_round(k))).await;
+        let rounds: Vec<Vec<Delivery>> = futures::stream::iter(keys.to_vec())
+            .map(|key| {
+                let inner = self.clone();
+                async move { inner.lease_round(&key).await }
+            })
+            .buffer_unordered(LEASES_IN_FLIGHT)
+            .collect()
+            .await;
         let mut batches: HashMap<u64, Batch> = HashMap::new();
         for (member, sender, event, grant) in rounds.into_iter().flatten() {
             let batch = batches.entry(member.0).or_insert_with(|| Batch {
