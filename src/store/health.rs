@@ -29,6 +29,8 @@ pub enum Cause {
     Tls,
     /// Nothing listens at the address.
     ConnectionRefused,
+    /// An open connection was closed under it (the server went away, or a proxy dropped it).
+    ConnectionLost,
     /// The host name does not resolve.
     Dns,
     /// No answer within the deadline.
@@ -64,6 +66,8 @@ impl Cause {
             Cause::Tls
         } else if redis.is_connection_refusal() || text.contains("connection refused") {
             Cause::ConnectionRefused
+        } else if redis.is_connection_dropped() {
+            Cause::ConnectionLost
         } else if text.contains("lookup")
             || text.contains("name or service not known")
             || text.contains("resolve")
@@ -83,6 +87,7 @@ impl Cause {
             Cause::Permission => "permission",
             Cause::Tls => "tls",
             Cause::ConnectionRefused => "connection_refused",
+            Cause::ConnectionLost => "connection_lost",
             Cause::Dns => "dns",
             Cause::Timeout => "timeout",
             Cause::ClusterCoverage => "cluster_coverage",
@@ -97,6 +102,7 @@ impl Cause {
             Cause::Permission => "permission denied by the ACL (see README, Security)",
             Cause::Tls => "TLS failed (check the CA, the client certificate, and that the server speaks TLS)",
             Cause::ConnectionRefused => "connection refused (nothing listens at the address)",
+            Cause::ConnectionLost => "the connection dropped (the server went away or closed it)",
             Cause::Dns => "the host name does not resolve",
             Cause::Timeout => "no answer within the deadline",
             Cause::ClusterCoverage => "the Redis Cluster does not cover every slot",
@@ -135,4 +141,19 @@ pub fn watch(store: Arc<dyn Store>) -> AbortOnDropHandle<()> {
             tokio::time::sleep(INTERVAL).await;
         }
     }))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_dropped_connection_is_named() {
+        for kind in [std::io::ErrorKind::BrokenPipe, std::io::ErrorKind::ConnectionReset] {
+            let error = StoreError::Redis(std::io::Error::new(kind, "gone").into());
+            assert_eq!(Cause::of(&error), Cause::ConnectionLost, "{kind:?}");
+        }
+        let refused = std::io::Error::new(std::io::ErrorKind::ConnectionRefused, "no");
+        assert_eq!(Cause::of(&StoreError::Redis(refused.into())), Cause::ConnectionRefused);
+    }
 }
