@@ -65,6 +65,7 @@ fn parse(mut argv: impl Iterator<Item = String>) -> Args {
         let mut value = || argv.next().unwrap_or_else(|| panic!("{flag} needs a value"));
         match flag.as_str() {
             "--addrs" => a.addrs = value().split(',').map(str::to_owned).collect(),
+            // One address, or a Cluster's primaries comma-separated: their work is summed.
             "--redis" => a.redis = value(),
             "--domain" => a.domain = value(),
             "--buckets" => a.buckets = value().parse().unwrap(),
@@ -307,18 +308,22 @@ fn redis_info(addr: &str, section: &str) -> String {
     }
 }
 
-/// Every command Redis ran so far (scripts' commands included), and its CPU seconds.
-fn redis_work(addr: &str) -> (u64, f64) {
-    let calls = redis_info(addr, "commandstats")
-        .lines()
-        .filter_map(|l| l.split_once("calls=")?.1.split(',').next()?.parse::<u64>().ok())
-        .sum();
-    let cpu = redis_info(addr, "cpu")
-        .lines()
-        .filter(|l| l.starts_with("used_cpu_user:") || l.starts_with("used_cpu_sys:"))
-        .filter_map(|l| l.split_once(':')?.1.trim().parse::<f64>().ok())
-        .sum();
-    (calls, cpu)
+/// Every command the Redis servers at `addrs` (comma-separated: a Cluster's primaries) ran so far,
+/// scripts' commands included, and their CPU seconds, summed.
+fn redis_work(addrs: &str) -> (u64, f64) {
+    let mut total = (0, 0.0);
+    for addr in addrs.split(',') {
+        total.0 += redis_info(addr, "commandstats")
+            .lines()
+            .filter_map(|l| l.split_once("calls=")?.1.split(',').next()?.parse::<u64>().ok())
+            .sum::<u64>();
+        total.1 += redis_info(addr, "cpu")
+            .lines()
+            .filter(|l| l.starts_with("used_cpu_user:") || l.starts_with("used_cpu_sys:"))
+            .filter_map(|l| l.split_once(':')?.1.trim().parse::<f64>().ok())
+            .sum::<f64>();
+    }
+    total
 }
 
 fn percentile(h: &Histogram<u64>, q: f64) -> u64 {
