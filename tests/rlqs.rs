@@ -579,3 +579,39 @@ async fn idle_buckets_are_abandoned_and_come_back_fresh() {
     assert!(matches!(grant_for(&mut stream, &idle).await, Said::Tokens(_)));
     assert_eq!(sample(&server.metrics(), "tollgate_rlqs_buckets", &[]), 2.0);
 }
+
+/// Leases wait for the store longer than requests do: with every Redis reply 150 ms late, past the
+/// 50 ms request deadline, an RLS request gets the failure mode, while a lease, which no request
+/// waits on, still answers with a grant taken from the bucket (before, a burst of leases queued
+/// past the request deadline into failure answers).
+#[tokio::test(flavor = "multi_thread")]
+async fn leases_wait_longer_than_requests_for_a_slow_store() {
+    let redis = Redis::start();
+    let proxy = proxy::FaultProxy::start(redis.port);
+    let (_dir, config) = config_file(CONFIG);
+    let backend = Backend::Redis(format!("redis://127.0.0.1:{}", proxy.port));
+    let server = Tollgate::start(&config, &backend, &["--redis-timeout", "50ms"]);
+    // One lease first, so that every script is loaded (a NOSCRIPT costs two more round trips).
+    let mut stream = Stream::open(&server.addr()).await;
+    let warm = bucket(&[("tenant", "t7")]);
+    stream.send("quota", vec![report(&warm, 0, 1, 0)]).await;
+    assert!(matches!(grant_for(&mut stream, &warm).await, Said::Tokens(_)));
+    proxy.set(proxy::Fault::DelayReplies(Duration::from_millis(150)));
+    let r = ask(&server.addr(), req("quota", &["tenant=t9"], 1)).await.unwrap();
+    let failure_mode = r.response_headers_to_add.iter().any(|h| h.key == "X-Tollgate-Failure-Mode");
+    assert!(failure_mode, "the request's deadline passed: {r:?}");
+    let t = bucket(&[("tenant", "t8")]);
+    let start = Instant::now();
+    stream.send("quota", vec![report(&t, 0, 1, 0)]).await;
+    // Every assignment for it until a grant: never the failure mode's ALLOW_ALL. (A grant of 0,
+    // DENY_ALL, may come first when the next second's lease of the bucket overlaps the first.)
+    let mut said = Vec::new();
+    while !matches!(said.last(), Some(Said::Tokens(n)) if *n > 0) {
+        assert!(start.elapsed() < Duration::from_secs(5), "no grant: {said:?}");
+        said.push(grant_for(&mut stream, &t).await);
+    }
+    println!("a lease through replies 150 ms late: {said:?} after {:?}", start.elapsed());
+    assert!(!said.contains(&Said::AllowAll), "never the failure mode: {said:?}\n{}", server.log());
+    let tokens = stored_tokens(&mut redis.connection(), "rl:{t8}:quota:tenant=t8");
+    assert!(tokens < 50.0, "the grant was taken from the bucket: {tokens}");
+}

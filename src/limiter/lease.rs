@@ -12,11 +12,12 @@
 
 use std::collections::HashMap;
 use std::sync::Arc;
+use std::time::Duration;
 
 use super::{Limiter, Plan, QueryDescriptor};
 use crate::bucket::{BucketOp, BucketSpec, Charge, Role};
 use crate::config::Domain;
-use crate::store::{DemandNote, LateReply, LeaseNote, Parked, StoreError};
+use crate::store::{self, DemandNote, LateReply, LeaseNote, Parked, StoreError};
 use crate::telemetry::traces;
 use tracing::Instrument as _;
 
@@ -46,6 +47,10 @@ pub struct Leasable {
 
 /// How long a registered demand stands without being renewed, in milliseconds.
 pub const DEMAND_TTL_MS: u64 = 3_000;
+/// How long a lease's store calls may take: no request waits on them (a late one delays a grant),
+/// so not the request deadline, under which a burst of leases queued into failure answers; within
+/// the second that a reply past its caller's deadline can still be refunded in.
+pub const BACKGROUND_DEADLINE: Duration = Duration::from_millis(500);
 /// How long a closed stream's grants stay parked for the Envoy's next stream, and a stream counts
 /// as alive after its last report, in milliseconds: Envoy reports every 5 s, and reopens a
 /// stream at its next report.
@@ -100,8 +105,8 @@ impl Limiter {
             requests = tracing::field::Empty,
             outcome = tracing::field::Empty,
         );
-        let result =
-            self.lease_untraced(target, member, demand, cap, owed, round_ms).instrument(span.clone()).await;
+        let calls = self.lease_untraced(target, member, demand, cap, owed, round_ms).instrument(span.clone());
+        let result = store::with_deadline(BACKGROUND_DEADLINE, calls).await;
         match &result {
             Ok((requests, _)) => {
                 span.record("requests", requests);
@@ -172,12 +177,14 @@ impl Limiter {
         stream: &str,
         note: LeaseNote,
     ) -> Result<Option<Parked>, StoreError> {
-        self.store.note_lease(&target.key, envoy, stream, note, PARKED_TTL_MS).await
+        let call = self.store.note_lease(&target.key, envoy, stream, note, PARKED_TTL_MS);
+        store::with_deadline(BACKGROUND_DEADLINE, call).await
     }
 
     /// Gives `requests` requests' tokens back to `target`.
     pub async fn give_back(&self, target: &Leasable, requests: u64) -> Result<(), StoreError> {
-        self.credit(target, requests as f64 * target.cost as f64).await
+        store::with_deadline(BACKGROUND_DEADLINE, self.credit(target, requests as f64 * target.cost as f64))
+            .await
     }
 
     async fn credit(&self, target: &Leasable, tokens: f64) -> Result<(), StoreError> {

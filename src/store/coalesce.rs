@@ -133,10 +133,11 @@ impl Coalescer {
                 });
             }
         }
-        match tokio::time::timeout(self.deadline, answer).await {
+        let deadline = super::deadline_or(self.deadline);
+        match tokio::time::timeout(deadline, answer).await {
             Ok(Ok(reply)) => reply,
             Ok(Err(_)) => Err(StoreError::Protocol("the call was abandoned".into())),
-            Err(_) => Err(StoreError::Timeout(self.deadline)),
+            Err(_) => Err(StoreError::Timeout(deadline)),
         }
     }
 

@@ -14,6 +14,10 @@
 //!
 //! Results are per group so that a Cluster shard that is down fails only the groups whose keys
 //! live on it.
+//!
+//! A call waits for the store at most the deadline the store was built with (`--redis-timeout`),
+//! the one a request answered by the failure mode can afford. Work no request waits on (RLQS
+//! leases) runs under a longer one of its own, [`with_deadline`].
 
 mod cluster;
 mod coalesce;
@@ -33,6 +37,24 @@ pub use self::precheck::{Precheck, MAX_AGE_MS};
 pub use self::redis::{ConnectError, Peek, RedisStore, RedisTarget, RedisTls};
 pub use self::sentinel::SentinelTarget;
 use crate::bucket::{Batch, GroupOutcome};
+
+tokio::task_local! {
+    static DEADLINE: Duration;
+}
+
+/// Runs `calls` with every store call it makes (in this task) waiting up to `deadline` instead of
+/// the store's own: for background work, where a late answer delays a lease but answers no
+/// request, and the request deadline turned queueing under a burst into failure answers. Keep it
+/// within [`redis::late_window`] of the store's deadline, so that a reply past it can still be
+/// refunded.
+pub async fn with_deadline<F: std::future::Future>(deadline: Duration, calls: F) -> F::Output {
+    DEADLINE.scope(deadline, calls).await
+}
+
+/// How long a call made now waits: the task's [`with_deadline`], else `default`.
+fn deadline_or(default: Duration) -> Duration {
+    DEADLINE.try_with(|d| *d).unwrap_or(default)
+}
 
 /// A backend holding bucket state.
 pub trait Store: Send + Sync + 'static {

@@ -435,9 +435,10 @@ impl Shared {
         let keys = [key];
         let call = node::Call { keys: &keys, args };
         let slot = self.connection.slot(key);
-        tokio::time::timeout(self.deadline, self.eval(script, slot, &call))
+        let deadline = super::deadline_or(self.deadline);
+        tokio::time::timeout(deadline, self.eval(script, slot, &call))
             .await
-            .map_err(|_| StoreError::Timeout(self.deadline))?
+            .map_err(|_| StoreError::Timeout(deadline))?
     }
 
     // Runs `script` once on the node of `slot`.
