@@ -39,6 +39,15 @@ pub enum JwtPayload {
     Issuer(String),
 }
 
+impl JwtPayload {
+    /// The key the payload is stored under in jwt_authn's dynamic metadata.
+    fn key(&self) -> &str {
+        match self {
+            JwtPayload::MetadataKey(k) | JwtPayload::Issuer(k) => k,
+        }
+    }
+}
+
 /// Which Envoy filter a render configures.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Protocol {
@@ -238,9 +247,6 @@ pub fn trailer_filter(names: &[String]) -> Value {
 fn action(key: &str, source: &Source, jwt: &JwtPayload) -> Value {
     match source {
         Source::JwtClaim(claim) => {
-            let outer = match jwt {
-                JwtPayload::MetadataKey(k) | JwtPayload::Issuer(k) => k,
-            };
             // Without a value Envoy builds no descriptor and skips the call: a token without the
             // claim would go unlimited. The default sends such tokens to one shared bucket.
             json!({ "metadata": {
@@ -248,7 +254,7 @@ fn action(key: &str, source: &Source, jwt: &JwtPayload) -> Value {
                 "source": "DYNAMIC",
                 "metadata_key": {
                     "key": "envoy.filters.http.jwt_authn",
-                    "path": [{ "key": outer }, { "key": claim }],
+                    "path": [{ "key": jwt.key() }, { "key": claim }],
                 },
                 "default_value": format!("_no_{claim}_claim"),
             }})

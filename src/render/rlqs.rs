@@ -58,16 +58,9 @@ pub fn quota_filters(
     Ok(filters)
 }
 
-// The payload key of the verified JWT in jwt_authn's dynamic metadata.
-fn payload_key(jwt: &JwtPayload) -> &str {
-    match jwt {
-        JwtPayload::MetadataKey(k) | JwtPayload::Issuer(k) => k,
-    }
-}
-
 // Where a claim is copied to in filter state, as a string the bucket matchers can read.
 fn claim_state_key(jwt: &JwtPayload, claim: &str) -> String {
-    format!("tollgate.{}.{claim}", payload_key(jwt))
+    format!("tollgate.{}.{claim}", jwt.key())
 }
 
 // The filter that copies `claims` from the verified JWT payload into filter state; it must run
@@ -76,8 +69,7 @@ fn claims_to_filter_state(claims: &[&str], jwt: &JwtPayload) -> Value {
     let values: Vec<Value> = claims
         .iter()
         .map(|claim| {
-            let format =
-                format!("%DYNAMIC_METADATA(envoy.filters.http.jwt_authn:{}:{claim})%", payload_key(jwt));
+            let format = format!("%DYNAMIC_METADATA(envoy.filters.http.jwt_authn:{}:{claim})%", jwt.key());
             json!({
                 "object_key": claim_state_key(jwt, claim),
                 "factory_key": "envoy.string",
