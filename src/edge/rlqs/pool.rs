@@ -75,6 +75,8 @@ struct Member {
 
 struct Bucket {
     target: Leasable,
+    // Its phase of the tick ([`phase_of`] its key).
+    phase: u64,
     members: HashMap<MemberId, Member>,
     // Fractions of a request owed to each member, and to this replica by the store.
     owed: HashMap<MemberId, f64>,
@@ -111,7 +113,7 @@ impl Pool {
                 tokio::time::sleep(wait).await;
                 let Some(inner) = ticking.upgrade() else { return };
                 let keys: Vec<String> =
-                    inner.lock().keys().filter(|k| phase_of(k) == phase).cloned().collect();
+                    inner.lock().iter().filter(|(_, b)| b.phase == phase).map(|(k, _)| k.clone()).collect();
                 // A phase's leases run on their own, so that a slow store holds up no other phase.
                 tokio::spawn(async move { inner.lease_rounds(&keys).await });
             }
@@ -130,6 +132,7 @@ impl Pool {
     ) -> bool {
         let mut buckets = self.inner.lock();
         let bucket = buckets.entry(target.key.clone()).or_insert_with(|| Bucket {
+            phase: phase_of(&target.key),
             target,
             members: HashMap::new(),
             owed: HashMap::new(),
