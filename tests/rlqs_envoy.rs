@@ -171,11 +171,7 @@ async fn load(
                 next += p;
                 tokio::time::sleep_until(next).await;
             }
-            let request = format!("GET / HTTP/1.1\r\nhost: t\r\nx-tenant: {tenant}\r\n\r\n");
-            if write.write_all(request.as_bytes()).await.is_err() {
-                break;
-            }
-            let Some(status) = read_response(&mut read).await else { break };
+            let Some(status) = get(&mut write, &mut read, tenant).await else { break };
             if counting.load(Ordering::Relaxed) {
                 match status {
                     200 => &counts.ok,
@@ -186,6 +182,17 @@ async fn load(
             }
         }
     }
+}
+
+/// One keep-alive request for `tenant`: its status, `None` once the connection is gone.
+async fn get(
+    write: &mut tokio::net::tcp::OwnedWriteHalf,
+    read: &mut BufReader<tokio::net::tcp::OwnedReadHalf>,
+    tenant: &str,
+) -> Option<u16> {
+    let request = format!("GET / HTTP/1.1\r\nhost: t\r\nx-tenant: {tenant}\r\n\r\n");
+    write.write_all(request.as_bytes()).await.ok()?;
+    read_response(read).await
 }
 
 async fn read_response(read: &mut BufReader<tokio::net::tcp::OwnedReadHalf>) -> Option<u16> {
@@ -487,9 +494,7 @@ async fn request_each(addr: SocketAddr, tenants: Vec<String>) -> Vec<u16> {
     let mut read = BufReader::new(read);
     let mut statuses = Vec::with_capacity(tenants.len());
     for tenant in tenants {
-        let request = format!("GET / HTTP/1.1\r\nhost: t\r\nx-tenant: {tenant}\r\n\r\n");
-        write.write_all(request.as_bytes()).await.unwrap();
-        statuses.push(read_response(&mut read).await.expect("an answer"));
+        statuses.push(get(&mut write, &mut read, &tenant).await.expect("an answer"));
     }
     statuses
 }
