@@ -81,6 +81,9 @@ struct Bucket {
     // Fractions of a request owed to each member, and to this replica by the store.
     owed: HashMap<MemberId, f64>,
     owed_replica: f64,
+    // When it was last leased: a bucket leased at a join skips its phase's tick if that comes
+    // within half a tick, which would replace the join's grant before the Envoy could use it.
+    leased_at: Option<std::time::Instant>,
 }
 
 /// The leased buckets of this replica.
@@ -112,8 +115,13 @@ impl Pool {
                 let (wait, phase) = until_next_phase();
                 tokio::time::sleep(wait).await;
                 let Some(inner) = ticking.upgrade() else { return };
-                let keys: Vec<String> =
-                    inner.lock().iter().filter(|(_, b)| b.phase == phase).map(|(k, _)| k.clone()).collect();
+                let recent = |b: &Bucket| b.leased_at.is_some_and(|at| at.elapsed() < TICK / 2);
+                let keys: Vec<String> = inner
+                    .lock()
+                    .iter()
+                    .filter(|(_, b)| b.phase == phase && !recent(b))
+                    .map(|(k, _)| k.clone())
+                    .collect();
                 // A phase's leases run on their own, so that a slow store holds up no other phase.
                 tokio::spawn(async move { inner.lease_rounds(&keys).await });
             }
@@ -137,6 +145,7 @@ impl Pool {
             members: HashMap::new(),
             owed: HashMap::new(),
             owed_replica: 0.0,
+            leased_at: None,
         });
         let fresh = bucket.members.insert(member, Member { demand, events }).is_none();
         metrics::gauge!("tollgate_rlqs_buckets").set(buckets.len() as f64);
@@ -250,8 +259,9 @@ impl Inner {
     // grant to give back if it cannot be delivered.
     async fn lease_round(&self, key: &str) -> Vec<Delivery> {
         let (target, members, owed) = {
-            let buckets = self.lock();
-            let Some(bucket) = buckets.get(key) else { return Vec::new() };
+            let mut buckets = self.lock();
+            let Some(bucket) = buckets.get_mut(key) else { return Vec::new() };
+            bucket.leased_at = Some(std::time::Instant::now());
             let tick_ms = TICK.as_millis() as u64;
             let members: Vec<(MemberId, f64, u64)> = bucket
                 .members
