@@ -373,7 +373,9 @@ fn dockerfile_copies_what_exists() {
     assert!(copies >= 3);
     assert!(dockerfile.contains("USER nonroot") && dockerfile.contains("cargo build --release --locked"));
     // Everything the crate includes at compile time is inside what the Dockerfile copies.
-    for included in ["src/store/token_bucket.lua", "migrations/0001_tollgate_quotas.sql"] {
+    for included in
+        ["src/store/redis/bucket.lua", "src/store/redis/hold.lua", "migrations/0001_tollgate_quotas.sql"]
+    {
         assert!(repo(included).exists());
     }
 }

@@ -25,10 +25,10 @@ use std::time::Duration;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use tollgate::bucket::{
-    BucketOp, BucketSpec, BucketState, Charge, Group, Role, MAX_WAIT_MS, MIN_REFILL_PER_SECOND,
+    BucketOp, BucketSpec, BucketState, Charge, Group, Hold, HoldOp, Role, MAX_WAIT_MS, MIN_REFILL_PER_SECOND,
 };
 use tollgate::clock::ManualClock;
-use tollgate::store::{LateReply, MemoryStore, RedisStore, RedisTarget, RedisTls, Store};
+use tollgate::store::{parse_holds, LateReply, MemoryStore, RedisStore, RedisTarget, RedisTls, Store};
 
 struct Bucket {
     key: String,
@@ -109,6 +109,33 @@ fn random_batch(rng: &mut StdRng, buckets: &[Bucket]) -> Vec<Group> {
         .collect()
 }
 
+// Up to three replicas' random holds on random buckets: taken, grown, shrunk, renewed, released,
+// some short enough to expire between steps.
+fn random_holds(rng: &mut StdRng, buckets: &[Bucket]) -> Vec<HoldOp> {
+    let parts = [0.0, 0.1, 0.3, 0.5, 1.0, 2.0];
+    (0..rng.random_range(1..=3))
+        .map(|_| {
+            let b = &buckets[rng.random_range(0..buckets.len())];
+            HoldOp {
+                key: b.key.clone(),
+                spec: b.spec,
+                replica: ["a", "b", "c"][rng.random_range(0..3)].into(),
+                capacity: b.spec.capacity() * parts[rng.random_range(0..parts.len())],
+                unit: [0.0, 1.0, 3.0][rng.random_range(0..3)],
+                refill_per_second: b.spec.refill_per_second() * parts[rng.random_range(0..parts.len())],
+                ttl_ms: [300, 5_000, 60_000, 900_000][rng.random_range(0..4)],
+                demand: [0.0, 0.5, 3.0][rng.random_range(0..3)],
+                fresh: rng.random_bool(0.2),
+            }
+        })
+        .collect()
+}
+
+// The holds of a bucket's `h` field.
+fn holds_in(field: Option<&str>) -> Vec<Hold> {
+    parse_holds(field.unwrap_or("")).unwrap()
+}
+
 // The Redis store on `redis`, without coalescing, so that each call is one script run.
 fn store_on(redis: &common::Redis) -> RedisStore {
     RedisStore::connect(
@@ -118,6 +145,67 @@ fn store_on(redis: &common::Redis) -> RedisStore {
         &RedisTls::default(),
     )
     .unwrap()
+}
+
+/// Requires every bucket either store wrote at `redis_now` to be the same in both: every field,
+/// the holds and the expiry. Returns how many there were.
+fn compare_stored(
+    keys: &[&str],
+    con: &mut redis::Connection,
+    memory: &MemoryStore,
+    redis_now: u64,
+    shift: u64,
+    step: &str,
+    seen: &mut HashMap<&'static str, usize>,
+) -> usize {
+    let mut writes = 0;
+    for key in keys {
+        let fields: Vec<Option<String>> =
+            redis::cmd("HMGET").arg(key).arg(&["t", "l", "r", "p", "q", "c", "s", "h"]).query(con).unwrap();
+        let expires: i64 = redis::cmd("PEXPIRETIME").arg(key).query(con).unwrap();
+        let number = |i: usize| fields[i].as_deref().unwrap().parse::<f64>().unwrap();
+        let in_redis = (fields[1].as_deref() == Some(&redis_now.to_string())).then(|| {
+            let state = BucketState {
+                tokens: number(0),
+                last_refill_ms: redis_now,
+                fastest_refill: number(2),
+                pending_refill: number(3),
+                pending_from_ms: number(4) as u64,
+                largest_capacity: number(5),
+                slowest_refill: number(6),
+                holds: holds_in(fields[7].as_deref()),
+            };
+            (state, expires)
+        });
+        let in_memory = memory.stored(key).filter(|(s, _)| s.last_refill_ms == redis_now + shift).map(
+            |(s, expires_at)| {
+                let pending_from_ms = if s.pending_from_ms > 0 { s.pending_from_ms - shift } else { 0 };
+                let holds = s
+                    .holds
+                    .iter()
+                    .map(|h| Hold {
+                        expires_at_ms: h.expires_at_ms - shift,
+                        since_ms: h.since_ms - shift,
+                        ..h.clone()
+                    })
+                    .collect();
+                let state = BucketState { last_refill_ms: redis_now, pending_from_ms, holds, ..s };
+                (state, (expires_at - shift) as i64)
+            },
+        );
+        assert_eq!(in_redis, in_memory, "{step} key {key}");
+        if let Some((state, _)) = in_redis {
+            writes += 1;
+            *seen.get_mut("pending").unwrap() += usize::from(state.pending_refill > 0.0);
+            *seen.get_mut("mixed").unwrap() += usize::from(state.slowest_refill < state.fastest_refill);
+            *seen.get_mut("held verdict").unwrap() +=
+                usize::from(state.holds.iter().any(|h| h.expires_at_ms > redis_now));
+            *seen.get_mut("hold expired").unwrap() +=
+                usize::from(state.holds.iter().any(|h| h.expires_at_ms <= redis_now));
+            *seen.get_mut("banked").unwrap() += usize::from(state.holds.iter().any(|h| h.banked > 0.0));
+        }
+    }
+    writes
 }
 
 /// Replays seed `seed`'s random batches on both stores, requiring identical results; returns how
@@ -139,6 +227,7 @@ async fn replay(seed: u64, redis: &common::Redis) -> HashMap<&'static str, usize
     let mut seen =
         HashMap::from([("admitted", 0usize), ("denied", 0), ("debt", 0), ("forgiven", 0), ("capped", 0)]);
     seen.extend([("pending", 0), ("mixed", 0), ("kept longer", 0)]);
+    seen.extend([("held", 0), ("hold cut", 0), ("held verdict", 0), ("hold expired", 0), ("banked", 0)]);
 
     for step in 0..600 {
         if rng.random_bool(0.1) {
@@ -147,8 +236,8 @@ async fn replay(seed: u64, redis: &common::Redis) -> HashMap<&'static str, usize
             // Expiry moves back too, so a bucket expires in Redis exactly when the memory store
             // (whose clock jumps) drops it.
             for key in &keys {
-                let (last, pending_from): (Option<u64>, Option<u64>) =
-                    redis::cmd("HMGET").arg(key).arg("l").arg("q").query(&mut con).unwrap();
+                let (last, pending_from, held): (Option<u64>, Option<u64>, Option<String>) =
+                    redis::cmd("HMGET").arg(key).arg("l").arg("q").arg("h").query(&mut con).unwrap();
                 if let (Some(last), Some(pending_from)) = (last, pending_from) {
                     let pending_from = if pending_from > 0 { pending_from - delta } else { 0 };
                     let _: () = redis::cmd("HSET")
@@ -159,12 +248,56 @@ async fn replay(seed: u64, redis: &common::Redis) -> HashMap<&'static str, usize
                         .arg(pending_from)
                         .query(&mut con)
                         .unwrap();
+                    if held.is_some() {
+                        let moved: Vec<String> = holds_in(held.as_deref())
+                            .into_iter()
+                            .map(|h| {
+                                let (at, since) = (h.expires_at_ms - delta, h.since_ms - delta);
+                                let (c, r, d, b) = (h.capacity, h.refill_per_second, h.demand, h.banked);
+                                format!("{} {c:.17e} {r:.17e} {at} {d:.17e} {b:.17e} {since}", h.replica)
+                            })
+                            .collect();
+                        let _: () = redis::cmd("HSET")
+                            .arg(key)
+                            .arg("h")
+                            .arg(moved.join(" "))
+                            .query(&mut con)
+                            .unwrap();
+                    }
                     let expires: i64 = redis::cmd("PEXPIRETIME").arg(key).query(&mut con).unwrap();
                     let _: () =
                         redis::cmd("PEXPIREAT").arg(key).arg(expires - delta as i64).query(&mut con).unwrap();
                 }
             }
             shift += delta;
+            continue;
+        }
+        if rng.random_bool(0.15) {
+            let holds = random_holds(&mut rng, &buckets);
+            let from_redis: Vec<_> =
+                store.hold(&holds).await.into_iter().map(|r| r.expect("redis answers")).collect();
+            let redis_now = from_redis[0].now_ms;
+            clock.set(redis_now + shift);
+            let from_memory = memory.hold(&holds).await;
+            for ((op, r), m) in holds.iter().zip(&from_redis).zip(from_memory) {
+                let m = m.unwrap();
+                assert_eq!(
+                    (r.capacity, r.refill_per_second, r.others),
+                    (m.capacity, m.refill_per_second, m.others),
+                    "seed {seed} step {step}: {holds:?}"
+                );
+                *seen.get_mut("held").unwrap() += usize::from(r.capacity > 0.0);
+                *seen.get_mut("hold cut").unwrap() += usize::from(r.capacity < op.capacity);
+            }
+            compare_stored(
+                &keys,
+                &mut con,
+                &memory,
+                redis_now,
+                shift,
+                &format!("seed {seed} step {step}: {holds:?}"),
+                &mut seen,
+            );
             continue;
         }
         let batch = random_batch(&mut rng, &buckets);
@@ -188,41 +321,15 @@ async fn replay(seed: u64, redis: &common::Redis) -> HashMap<&'static str, usize
             }
             compared += r.verdicts.len();
         }
-        // Every bucket either store wrote in this step: every field and the expiry the same.
-        for key in &keys {
-            let fields: Vec<Option<String>> = redis::cmd("HMGET")
-                .arg(key)
-                .arg(&["t", "l", "r", "p", "q", "c", "s"])
-                .query(&mut con)
-                .unwrap();
-            let expires: i64 = redis::cmd("PEXPIRETIME").arg(key).query(&mut con).unwrap();
-            let number = |i: usize| fields[i].as_deref().unwrap().parse::<f64>().unwrap();
-            let in_redis = (fields[1].as_deref() == Some(&redis_now.to_string())).then(|| {
-                let state = BucketState {
-                    tokens: number(0),
-                    last_refill_ms: redis_now,
-                    fastest_refill: number(2),
-                    pending_refill: number(3),
-                    pending_from_ms: number(4) as u64,
-                    largest_capacity: number(5),
-                    slowest_refill: number(6),
-                };
-                (state, expires)
-            });
-            let in_memory = memory.stored(key).filter(|(s, _)| s.last_refill_ms == redis_now + shift).map(
-                |(s, expires_at)| {
-                    let pending_from_ms = if s.pending_from_ms > 0 { s.pending_from_ms - shift } else { 0 };
-                    let state = BucketState { last_refill_ms: redis_now, pending_from_ms, ..s };
-                    (state, (expires_at - shift) as i64)
-                },
-            );
-            assert_eq!(in_redis, in_memory, "seed {seed} step {step} key {key}: {batch:?}");
-            if let Some((state, _)) = in_redis {
-                writes += 1;
-                *seen.get_mut("pending").unwrap() += usize::from(state.pending_refill > 0.0);
-                *seen.get_mut("mixed").unwrap() += usize::from(state.slowest_refill < state.fastest_refill);
-            }
-        }
+        writes += compare_stored(
+            &keys,
+            &mut con,
+            &memory,
+            redis_now,
+            shift,
+            &format!("seed {seed} step {step}: {batch:?}"),
+            &mut seen,
+        );
         for (g, group) in batch.iter().enumerate() {
             for (op, v) in group.iter().zip(&from_redis[g].verdicts) {
                 // Kept longer than the operation's own spec needs: another spec's life or expiry.

@@ -220,7 +220,11 @@ async fn redis_restarts_with_an_empty_script_cache() {
 }
 
 fn tollgate_script_sha() -> String {
-    redis::Script::new(include_str!("../src/store/token_bucket.lua")).get_hash().to_owned()
+    let source = concat!(
+        include_str!("../src/store/redis/bucket.lua"),
+        include_str!("../src/store/redis/token_bucket.lua")
+    );
+    redis::Script::new(source).get_hash().to_owned()
 }
 
 #[tokio::test(flavor = "multi_thread")]

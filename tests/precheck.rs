@@ -338,6 +338,14 @@ impl Store for HeldStore {
         })
     }
 
+    fn hold<'a>(
+        &'a self,
+        ops: &'a [tollgate::bucket::HoldOp],
+    ) -> futures::future::BoxFuture<'a, Vec<Result<tollgate::bucket::HoldOutcome, tollgate::store::StoreError>>>
+    {
+        self.inner.hold(ops)
+    }
+
     fn share_demand<'a>(
         &'a self,
         key: &'a str,

@@ -39,19 +39,22 @@
 //!
 //! This module is the memory backend's algorithm, and the one Rust home of the bucket arithmetic:
 //! the pre-check and the response headers call it. The Redis backend runs the same algorithm as a
-//! Lua script (`src/store/token_bucket.lua`), operation for operation and in the same floating
+//! Lua script (`src/store/redis/bucket.lua`), operation for operation and in the same floating
 //! point order; `tests/equivalence.rs` replays random operation sequences against both and
 //! requires identical verdicts, balances, refill times and TTLs. Change one, change the other.
 
+mod hold;
 mod spec;
 
+pub use self::hold::{held_at, hold, Hold, HoldOp, HoldOutcome, Others};
 pub use self::spec::{BucketSpec, SpecError, MAX_CAPACITY, MAX_WAIT_MS, MIN_REFILL_PER_SECOND};
 
 use std::collections::HashMap;
 
 use serde::Serialize;
 
-use self::spec::wait;
+use self::hold::held_for_ms;
+use self::spec::{wait, wait_between};
 
 /// How long after a charge first uses a refill rate faster than a bucket's rate in force that
 /// rate takes effect, in milliseconds. It must exceed the pre-check's longest use of an
@@ -60,7 +63,7 @@ use self::spec::wait;
 pub const RATE_RAISE_DELAY_MS: u64 = 6_000;
 
 /// The stored state of one bucket.
-#[derive(Debug, Clone, Copy, PartialEq, Default)]
+#[derive(Debug, Clone, PartialEq, Default)]
 pub struct BucketState {
     /// Balance as of `last_refill_ms`; negative only for buckets charged always (debt).
     pub tokens: f64,
@@ -78,6 +81,9 @@ pub struct BucketState {
     pub largest_capacity: f64,
     /// The slowest refill rate (per second) any charge of the bucket used (0 if unknown).
     pub slowest_refill: f64,
+    /// Replicas' held shares ([`hold`]), in the order first taken; expired ones stay until the
+    /// next hold op drops them.
+    pub holds: Vec<Hold>,
 }
 
 impl BucketState {
@@ -211,30 +217,61 @@ pub struct Evaluation {
 /// Brings a bucket's balance up to `now_ms` under `spec`.
 ///
 /// The refill runs at `spec`'s rate, never faster than the rate in force, which a pending raise
-/// replaces from the moment it takes effect. A clock step backwards refills nothing and does not
-/// move `last_refill_ms` back, so the same interval is never refilled twice.
-pub fn refill(state: Option<BucketState>, spec: &BucketSpec, now_ms: u64) -> BucketState {
+/// replaces from the moment it takes effect, less what live holds take; the balance is capped at
+/// the capacity less what they hold. The interval is walked in pieces between the moments those
+/// change (the raise, each hold's expiry), so a hold counts until the millisecond it expires. A
+/// clock step backwards refills nothing and does not move `last_refill_ms` back, so the same
+/// interval is never refilled twice.
+pub fn refill(state: Option<&BucketState>, spec: &BucketSpec, now_ms: u64) -> BucketState {
     let Some(s) = state else {
         return BucketState { tokens: spec.capacity(), last_refill_ms: now_ms, ..BucketState::default() };
     };
     let rate = spec.rate_per_ms();
     // An unknown rate in force (0) caps nothing.
     let capped = |in_force: f64| if in_force > 0.0 { rate.min(in_force / 1000.0) } else { rate };
-    let mut next = s;
+    let mut next = s.clone();
     let mut from = s.last_refill_ms;
-    let mut grown = 0.0;
-    if s.pending_refill > 0.0 && s.pending_from_ms <= now_ms {
-        let split = s.pending_from_ms.max(from);
-        grown = (split - from) as f64 * capped(s.fastest_refill);
-        from = split;
-        next.fastest_refill = s.pending_refill;
-        next.pending_refill = 0.0;
-        next.pending_from_ms = 0;
+    let mut tokens = s.tokens;
+    loop {
+        let mut to = now_ms.max(from);
+        if next.pending_refill > 0.0 && next.pending_from_ms > from && next.pending_from_ms < to {
+            to = next.pending_from_ms;
+        }
+        for h in &s.holds {
+            if h.expires_at_ms > from && h.expires_at_ms < to {
+                to = h.expires_at_ms;
+            }
+        }
+        if next.pending_refill > 0.0 && next.pending_from_ms <= from && from < now_ms {
+            take_effect(&mut next);
+        }
+        let (held_capacity, held_rate) = held_at(&s.holds, from);
+        let grow = (capped(next.fastest_refill) - held_rate / 1000.0).max(0.0);
+        tokens = (spec.capacity() - held_capacity).max(0.0).min(tokens + (to - from) as f64 * grow);
+        from = to;
+        if from >= now_ms {
+            break;
+        }
     }
-    grown += now_ms.saturating_sub(from) as f64 * capped(next.fastest_refill);
-    next.tokens = spec.capacity().min(s.tokens + grown);
+    if next.pending_refill > 0.0 && next.pending_from_ms <= now_ms {
+        take_effect(&mut next);
+    }
+    next.tokens = tokens;
     next.last_refill_ms = s.last_refill_ms.max(now_ms);
     next
+}
+
+// The pending rate becomes the rate in force.
+fn take_effect(state: &mut BucketState) {
+    state.fastest_refill = state.pending_refill;
+    state.pending_refill = 0.0;
+    state.pending_from_ms = 0;
+}
+
+/// What is left of `spec` beside the holds alive at `now_ms`: capacity, and refill per ms.
+fn unheld(state: &BucketState, spec: &BucketSpec, now_ms: u64) -> (f64, f64) {
+    let (held_capacity, held_rate) = held_at(&state.holds, now_ms);
+    ((spec.capacity() - held_capacity).max(0.0), (spec.rate_per_ms() - held_rate / 1000.0).max(0.0))
 }
 
 /// Whether a balance of `tokens` covers `need`: credits always do; a check (0) needs a
@@ -246,7 +283,7 @@ pub fn covers(tokens: f64, need: f64) -> bool {
 // Records that a charge used `spec` at `now_ms`: its capacity and rate count for the bucket's
 // life, and a rate faster than the bucket's ceiling becomes pending. A spec that never refills
 // (capacity 0) is never stored, so its rate counts for nothing.
-fn note_spec(state: &mut BucketState, spec: &BucketSpec, now_ms: u64) {
+pub(crate) fn note_spec(state: &mut BucketState, spec: &BucketSpec, now_ms: u64) {
     state.largest_capacity = state.largest_capacity.max(spec.capacity());
     let rate = spec.refill_per_second();
     if rate <= 0.0 {
@@ -267,23 +304,28 @@ fn raises_ceiling(state: &BucketState, spec: &BucketSpec) -> bool {
     state.fastest_refill > 0.0 && spec.refill_per_second() > state.rate_ceiling()
 }
 
-// Takes `op.need` from `state` as its charge mode says, and records the op's spec; returns the
-// tokens forgiven below the floor. A balance already below this op's floor (left by a deeper one)
-// is not raised to it.
-fn debit(state: &mut BucketState, op: &BucketOp, now_ms: u64) -> f64 {
+// Takes `op.need` from `state` as its charge mode says, capped at `capacity` (what the holds
+// leave), and records the op's spec; returns the tokens forgiven below the floor. A balance
+// already below this op's floor (left by a deeper one) is not raised to it.
+fn debit(state: &mut BucketState, op: &BucketOp, capacity: f64, now_ms: u64) -> f64 {
     note_spec(state, &op.spec, now_ms);
-    let after = op.spec.capacity().min(state.tokens - op.need);
+    let after = capacity.min(state.tokens - op.need);
     let kept = after.max(state.tokens.min(op.charge.floor()));
     state.tokens = kept;
     kept - after
 }
 
-// How long a bucket written as `state` by an operation with debt floor `floor` must live: until
-// its balance (or the floor, if lower) has refilled to the largest capacity at the slowest rate
-// any charge used, plus a second. Past that it is full under every spec that wrote it.
-fn life_ms(state: &BucketState, floor: f64) -> u64 {
+// How long a bucket written as `state` at `now_ms` by an operation with debt floor `floor` must
+// live: until its balance (or the floor, if lower) has refilled to the largest capacity at the
+// slowest rate any charge used, plus a second, counted from when the last live hold expires
+// (until then the holds may take all of its refill). Past that it is full under every spec that
+// wrote it.
+pub(crate) fn life_ms(state: &BucketState, floor: f64, now_ms: u64) -> u64 {
     let lowest = state.tokens.min(floor);
-    wait(state.largest_capacity - lowest, state.slowest_refill / 1000.0).saturating_add(1000).min(MAX_WAIT_MS)
+    wait(state.largest_capacity - lowest, state.slowest_refill / 1000.0)
+        .saturating_add(1000)
+        .saturating_add(held_for_ms(&state.holds, now_ms))
+        .min(MAX_WAIT_MS)
 }
 
 /// The operations that give back what `outcome` took for `group`, each with the index of the
@@ -335,26 +377,31 @@ pub fn evaluate(
         let mut verdicts = Vec::with_capacity(group.len());
         // Per operation: it found a stored bucket whose rate ceiling its spec raises.
         let mut raised = Vec::with_capacity(group.len());
+        // Per operation: the capacity and rate per ms the holds leave its spec.
+        let mut rooms = Vec::with_capacity(group.len());
         let (mut enforced_short, mut quota_ops, mut quota_allowed) = (false, 0, 0);
 
         for op in group {
             let key = op.key.as_str();
             let before = match tentative.get(key) {
-                Some(s) => Some(*s),
-                None => *running.entry(key).or_insert_with(|| load(key)),
+                Some(s) => Some(s),
+                None => running.entry(key).or_insert_with(|| load(key)).as_ref(),
             };
             let mut state = refill(before, &op.spec, now_ms);
             let raises = before.is_some() && raises_ceiling(&state, &op.spec);
+            let room = unheld(&state, &op.spec, now_ms);
             let allowed = covers(state.tokens, op.need);
             let retry_after_ms =
-                if allowed { Some(0) } else { op.spec.wait_ms(state.tokens, op.need.max(0.0)) };
+                if allowed { Some(0) } else { wait_between(room.0, room.1, state.tokens, op.need.max(0.0)) };
             let mut forgiven = 0.0;
             if allowed || matches!(op.charge, Charge::Always { .. }) {
-                forgiven = debit(&mut state, op, now_ms);
+                forgiven = debit(&mut state, op, room.0, now_ms);
             } else if raises {
                 note_spec(&mut state, &op.spec, now_ms);
             }
             raised.push(raises);
+            rooms.push(room);
+            let (tokens, fastest_refill) = (state.tokens, state.rate_ceiling());
             tentative.insert(key, state);
             match op.role {
                 Role::Enforced => enforced_short |= !allowed,
@@ -366,54 +413,58 @@ pub fn evaluate(
             }
             verdicts.push(Verdict {
                 allowed,
-                tokens: state.tokens,
+                tokens,
                 retry_after_ms,
                 reset_ms: 0,
                 forgiven,
-                fastest_refill: state.rate_ceiling(),
+                fastest_refill,
                 kept_ms: 0,
             });
         }
         let admitted = !enforced_short && (quota_ops == 0 || quota_allowed > 0);
 
-        for ((op, verdict), raises) in group.iter().zip(verdicts.iter_mut()).zip(raised) {
+        for (((op, verdict), raises), room) in group.iter().zip(verdicts.iter_mut()).zip(raised).zip(rooms) {
             let key = op.key.as_str();
             let always = matches!(op.charge, Charge::Always { .. });
             let (charged, raises) = if admitted {
-                running.insert(key, tentative.get(key).copied());
+                running.insert(key, tentative.get(key).cloned());
                 (verdict.allowed || always, raises)
             } else {
                 // A denied group takes only what is charged always, replayed on the committed
                 // state in the group's order, and records a raised rate ceiling.
-                let committed = running[key];
+                let committed = running[key].as_ref();
                 let mut state = refill(committed, &op.spec, now_ms);
                 let raises = committed.is_some() && raises_ceiling(&state, &op.spec);
                 verdict.forgiven = 0.0;
                 if always {
-                    verdict.forgiven = debit(&mut state, op, now_ms);
+                    verdict.forgiven = debit(&mut state, op, room.0, now_ms);
+                    verdict.tokens = state.tokens;
+                    verdict.fastest_refill = state.rate_ceiling();
                     running.insert(key, Some(state));
-                } else if raises {
-                    let mut noted = committed.expect("a raise needs a stored bucket");
-                    note_spec(&mut noted, &op.spec, now_ms);
-                    note_spec(&mut state, &op.spec, now_ms);
-                    running.insert(key, Some(noted));
+                } else {
+                    if raises {
+                        let mut noted = committed.expect("a raise needs a stored bucket").clone();
+                        note_spec(&mut noted, &op.spec, now_ms);
+                        note_spec(&mut state, &op.spec, now_ms);
+                        running.insert(key, Some(noted));
+                    }
+                    verdict.tokens = state.tokens;
+                    verdict.fastest_refill = state.rate_ceiling();
                 }
-                verdict.tokens = state.tokens;
-                verdict.fastest_refill = state.rate_ceiling();
                 (always, raises)
             };
             // Written when charged, and when its spec raised the rate ceiling: a denied request
             // under a faster rate starts the raise's delay as a charge would.
             if ((charged && op.need != 0.0) || raises) && op.spec.refill_per_second() > 0.0 {
-                let written = running[key].expect("a written bucket has state");
-                let ttl = life_ms(&written, op.charge.floor());
+                let written = running[key].as_ref().expect("a written bucket has state");
+                let ttl = life_ms(written, op.charge.floor(), now_ms);
                 let slot = dirty.entry(key).or_insert_with(|| {
                     dirty_order.push(key);
                     0
                 });
                 *slot = (*slot).max(ttl);
             }
-            verdict.reset_ms = op.spec.reset_ms(verdict.tokens);
+            verdict.reset_ms = wait_between(room.0, room.1, verdict.tokens, room.0).unwrap_or(0);
         }
         groups.push(GroupOutcome { admitted, now_ms, verdicts, refunded: false, unanswered: Vec::new() });
     }
@@ -440,7 +491,7 @@ pub fn evaluate(
         .into_iter()
         .map(|key| Write {
             key: key.to_owned(),
-            state: running[key].expect("a debited bucket has state"),
+            state: running[key].clone().expect("a debited bucket has state"),
             ttl_ms: dirty[key],
         })
         .collect();
@@ -495,16 +546,16 @@ mod tests {
     #[test]
     fn refill_is_lazy_capped_and_ignores_clock_steps_back() {
         let s = BucketState { tokens: 2.0, last_refill_ms: 10_000, ..Default::default() };
-        assert_eq!(refill(Some(s), &spec(10.0, 2.0), 12_000).tokens, 6.0);
-        assert_eq!(refill(Some(s), &spec(10.0, 2.0), 60_000).tokens, 10.0);
-        let back = refill(Some(s), &spec(10.0, 2.0), 5_000);
+        assert_eq!(refill(Some(&s), &spec(10.0, 2.0), 12_000).tokens, 6.0);
+        assert_eq!(refill(Some(&s), &spec(10.0, 2.0), 60_000).tokens, 10.0);
+        let back = refill(Some(&s), &spec(10.0, 2.0), 5_000);
         assert_eq!(back, BucketState { tokens: 2.0, last_refill_ms: 10_000, ..Default::default() });
     }
 
     #[test]
     fn denial_reports_wait_and_writes_nothing() {
         let s = BucketState { tokens: 1.0, last_refill_ms: 0, ..Default::default() };
-        let e = evaluate(&[vec![op("a", spec(10.0, 2.0), 4.0)]], 0, |_| stored(s));
+        let e = evaluate(&[vec![op("a", spec(10.0, 2.0), 4.0)]], 0, |_| stored(s.clone()));
         let v = e.groups[0].verdicts[0];
         assert!(!e.groups[0].admitted && !v.allowed);
         assert_eq!(v.retry_after_ms, Some(1_500));
@@ -524,7 +575,7 @@ mod tests {
         let e = evaluate(
             &[vec![op("tenant", spec(10.0, 1.0), 1.0), op("export", spec(5.0, 1.0), 5.0)]],
             0,
-            |k| (k == "export").then_some((empty, u64::MAX)),
+            |k| (k == "export").then_some((empty.clone(), u64::MAX)),
         );
         assert!(!e.groups[0].admitted);
         assert!(e.groups[0].verdicts[0].allowed);
@@ -545,7 +596,7 @@ mod tests {
     fn quota_mode_denies_only_when_every_quota_bucket_is_short() {
         let empty = BucketState { tokens: 0.0, last_refill_ms: 0, ..Default::default() };
         let quota = |key: &str| BucketOp { role: Role::Quota, ..op(key, spec(5.0, 1.0), 1.0) };
-        let load = |k: &str| (k == "q1").then_some((empty, u64::MAX));
+        let load = |k: &str| (k == "q1").then_some((empty.clone(), u64::MAX));
         let e = evaluate(&[vec![quota("q1"), quota("q2")]], 0, load);
         assert!(e.groups[0].admitted, "q2 has tokens");
         assert_eq!((e.groups[0].verdicts[0].allowed, e.groups[0].verdicts[1].tokens), (false, 4.0));
@@ -580,9 +631,9 @@ mod tests {
     #[test]
     fn credit_and_check_only() {
         let s = BucketState { tokens: 1.0, last_refill_ms: 0, ..Default::default() };
-        let e = evaluate(&[vec![op("a", spec(5.0, 1.0), -10.0)]], 0, |_| stored(s));
+        let e = evaluate(&[vec![op("a", spec(5.0, 1.0), -10.0)]], 0, |_| stored(s.clone()));
         assert_eq!(e.groups[0].verdicts[0].tokens, 5.0, "credit is capped at capacity");
-        let e = evaluate(&[vec![op("a", spec(5.0, 1.0), 0.0)]], 0, |_| stored(s));
+        let e = evaluate(&[vec![op("a", spec(5.0, 1.0), 0.0)]], 0, |_| stored(s.clone()));
         assert!(e.groups[0].verdicts[0].allowed);
         assert!(e.writes.is_empty(), "a check changes nothing");
     }
@@ -599,10 +650,10 @@ mod tests {
         let s = spec(1_000.0, 10.0);
         // Check, charge 600, check, charge 600: the second charge goes into debt.
         let start = BucketState { tokens: 1_000.0, last_refill_ms: 0, ..Default::default() };
-        let e = evaluate(&[vec![always("a", s, 600.0, 1_000.0)]], 0, |_| stored(start));
+        let e = evaluate(&[vec![always("a", s, 600.0, 1_000.0)]], 0, |_| stored(start.clone()));
         assert_eq!(e.groups[0].verdicts[0].tokens, 400.0);
         let at = BucketState { tokens: 400.0, last_refill_ms: 0, ..Default::default() };
-        let e = evaluate(&[vec![always("a", s, 600.0, 1_000.0)]], 0, |_| stored(at));
+        let e = evaluate(&[vec![always("a", s, 600.0, 1_000.0)]], 0, |_| stored(at.clone()));
         let v = e.groups[0].verdicts[0];
         assert!(!v.allowed && !e.groups[0].admitted, "600 > 400: denied, yet charged");
         assert_eq!((v.tokens, v.forgiven), (-200.0, 0.0));
@@ -610,12 +661,12 @@ mod tests {
         assert_eq!(e.writes[0].ttl_ms, 201_000, "lives until full from the floor");
         // A check while in debt is denied until the balance is back to zero.
         let debt = BucketState { tokens: -200.0, last_refill_ms: 0, ..Default::default() };
-        let e = evaluate(&[vec![always("a", s, 0.0, 1_000.0)]], 0, |_| stored(debt));
+        let e = evaluate(&[vec![always("a", s, 0.0, 1_000.0)]], 0, |_| stored(debt.clone()));
         let v = e.groups[0].verdicts[0];
         assert_eq!((v.allowed, v.retry_after_ms), (false, Some(20_000)));
         assert!(e.writes.is_empty());
         // Past the floor the rest is forgiven.
-        let e = evaluate(&[vec![always("a", s, 5_000.0, 1_000.0)]], 0, |_| stored(debt));
+        let e = evaluate(&[vec![always("a", s, 5_000.0, 1_000.0)]], 0, |_| stored(debt.clone()));
         let v = e.groups[0].verdicts[0];
         assert_eq!((v.tokens, v.forgiven, v.retry_after_ms), (-1_000.0, 4_200.0, None));
     }
@@ -623,7 +674,7 @@ mod tests {
     #[test]
     fn a_shallow_floor_never_lifts_a_deeper_debt() {
         let debt = BucketState { tokens: -50.0, last_refill_ms: 0, ..Default::default() };
-        let e = evaluate(&[vec![always("a", spec(100.0, 1.0), 10.0, 0.0)]], 0, |_| stored(debt));
+        let e = evaluate(&[vec![always("a", spec(100.0, 1.0), 10.0, 0.0)]], 0, |_| stored(debt.clone()));
         let v = e.groups[0].verdicts[0];
         assert_eq!((v.tokens, v.forgiven), (-50.0, 10.0));
     }
@@ -635,7 +686,7 @@ mod tests {
         let e = evaluate(
             &[vec![op("plain", s, 1.0), always("metered", s, 3.0, 10.0), op("short", s, 1.0)]],
             0,
-            |k| (k == "short").then_some((empty, u64::MAX)),
+            |k| (k == "short").then_some((empty.clone(), u64::MAX)),
         );
         let g = &e.groups[0];
         assert!(!g.admitted);
@@ -655,8 +706,9 @@ mod tests {
             back.iter().map(|o| (o.key.as_str(), o.need)).collect::<Vec<_>>(),
             vec![("a", -3.0), ("c", 1.0)]
         );
-        let after =
-            evaluate(&[back], 0, |k| e.writes.iter().find(|w| w.key == k).map(|w| (w.state, w.ttl_ms)));
+        let after = evaluate(&[back], 0, |k| {
+            e.writes.iter().find(|w| w.key == k).map(|w| (w.state.clone(), w.ttl_ms))
+        });
         assert_eq!(after.groups[0].verdicts[0].tokens, 10.0);
         let denied = GroupOutcome { admitted: false, ..e.groups[0].clone() };
         assert!(refund(&group, &denied).is_empty(), "a denied group took nothing");
@@ -668,13 +720,13 @@ mod tests {
         let e = evaluate(&[vec![op("a", s, 6e11)]], 0, |_| None);
         assert_eq!(e.writes[0].ttl_ms, MAX_WAIT_MS);
         assert_eq!(e.groups[0].verdicts[0].reset_ms, MAX_WAIT_MS);
-        let at = e.writes[0].state;
-        let e = evaluate(&[vec![op("a", s, 6e11)]], 5, |_| stored(at));
+        let at = e.writes[0].state.clone();
+        let e = evaluate(&[vec![op("a", s, 6e11)]], 5, |_| stored(at.clone()));
         assert_eq!(e.groups[0].verdicts[0].retry_after_ms, Some(MAX_WAIT_MS));
     }
     // Stored as `evaluate` wrote it: (state, expiry at).
     fn written(e: &Evaluation, now_ms: u64) -> Option<(BucketState, u64)> {
-        e.writes.first().map(|w| (w.state, now_ms + w.ttl_ms))
+        e.writes.first().map(|w| (w.state.clone(), now_ms + w.ttl_ms))
     }
 
     #[test]
@@ -684,10 +736,10 @@ mod tests {
         assert_eq!(e.writes[0].ttl_ms, 101_000);
         // Written before any spec was recorded (an older version's state): the write keeps it.
         let bare = BucketState { tokens: 0.0, last_refill_ms: 0, ..Default::default() };
-        let e = evaluate(&[vec![op("a", fast, 1.0)]], 50_000, |_| Some((bare, 400_000)));
+        let e = evaluate(&[vec![op("a", fast, 1.0)]], 50_000, |_| Some((bare.clone(), 400_000)));
         assert_eq!(e.writes[0].ttl_ms, 350_000, "what was left of its life");
         assert_eq!(e.groups[0].verdicts[0].kept_ms, 350_000);
-        let e = evaluate(&[vec![op("a", fast, 1.0)]], 50_000, |_| Some((bare, 51_000)));
+        let e = evaluate(&[vec![op("a", fast, 1.0)]], 50_000, |_| Some((bare.clone(), 51_000)));
         assert_eq!(e.writes[0].ttl_ms, 2_000, "its own life when longer");
     }
 
@@ -697,15 +749,15 @@ mod tests {
         let (large, small) = (spec(100.0, 1.0), spec(1.0, 1.0));
         let mut at = written(&evaluate(&[vec![op("a", large, 100.0)]], 0, |_| None), 0);
         for t in (1..=100u64).map(|s| s * 1_000) {
-            let e = evaluate(&[vec![op("a", small, 1.0)]], t, |_| at);
+            let e = evaluate(&[vec![op("a", small, 1.0)]], t, |_| at.clone());
             assert!(e.groups[0].admitted, "one token a second at {t} ms");
             at = written(&e, t);
         }
-        let (state, expires) = at.unwrap();
+        let (state, expires) = at.clone().unwrap();
         assert_eq!((state.largest_capacity, state.slowest_refill), (100.0, 1.0));
         assert_eq!(expires, 100_000 + 101_000, "empty at 100 s: full at the large capacity 100 s later");
         // Just before it expires, the large spec finds 100 tokens refilled, never more.
-        let e = evaluate(&[vec![op("a", large, 100.0)]], expires - 1_000, |_| at);
+        let e = evaluate(&[vec![op("a", large, 100.0)]], expires - 1_000, |_| at.clone());
         assert!(e.groups[0].admitted);
         let e = evaluate(&[vec![op("a", large, 1.0)]], expires - 1_000, |_| written(&e, expires - 1_000));
         assert!(!e.groups[0].admitted, "no second burst");
@@ -716,32 +768,32 @@ mod tests {
         let (slow, fast) = (spec(1_000.0, 1.0), spec(1_000.0, 100.0));
         let at = written(&evaluate(&[vec![op("a", slow, 1_000.0)]], 0, |_| None), 0);
         // The fast spec's first charge is pending: the bucket still refills at 1 per second.
-        let e = evaluate(&[vec![op("a", fast, 1.0)]], 1_000, |_| at);
-        let state = e.writes[0].state;
+        let e = evaluate(&[vec![op("a", fast, 1.0)]], 1_000, |_| at.clone());
+        let state = e.writes[0].state.clone();
         assert_eq!((state.tokens, state.fastest_refill, state.pending_refill), (0.0, 1.0, 100.0));
         assert_eq!(state.pending_from_ms, 1_000 + RATE_RAISE_DELAY_MS);
         assert_eq!(e.groups[0].verdicts[0].fastest_refill, 100.0, "the ceiling a bound must use");
         let at = written(&e, 1_000);
-        let before = refill(at.map(|(s, _)| s), &fast, 1_000 + RATE_RAISE_DELAY_MS);
+        let before = refill(at.as_ref().map(|(s, _)| s), &fast, 1_000 + RATE_RAISE_DELAY_MS);
         assert_eq!(before.tokens, 6.0, "1 per second until the raise");
-        let after = refill(at.map(|(s, _)| s), &fast, 2_000 + RATE_RAISE_DELAY_MS);
+        let after = refill(at.as_ref().map(|(s, _)| s), &fast, 2_000 + RATE_RAISE_DELAY_MS);
         assert_eq!((after.tokens, after.fastest_refill, after.pending_refill), (106.0, 100.0, 0.0));
         // The slow spec keeps its own rate, under the raised ceiling too.
-        assert_eq!(refill(at.map(|(s, _)| s), &slow, 2_000 + RATE_RAISE_DELAY_MS).tokens, 7.0);
+        assert_eq!(refill(at.as_ref().map(|(s, _)| s), &slow, 2_000 + RATE_RAISE_DELAY_MS).tokens, 7.0);
     }
 
     #[test]
     fn a_denied_request_under_a_faster_rate_starts_the_raise() {
         let (slow, fast) = (spec(1.0, 0.001), spec(1.0, 10.0));
         let at = written(&evaluate(&[vec![op("a", slow, 1.0)]], 0, |_| None), 0);
-        let e = evaluate(&[vec![op("a", fast, 1.0)]], 500, |_| at);
+        let e = evaluate(&[vec![op("a", fast, 1.0)]], 500, |_| at.clone());
         assert!(!e.groups[0].admitted, "the old rate is in force");
-        let noted = e.writes[0].state;
+        let noted = e.writes[0].state.clone();
         assert_eq!((noted.tokens, noted.last_refill_ms), (0.0, 0), "the balance is not rewritten");
         assert_eq!((noted.pending_refill, noted.pending_from_ms), (10.0, 500 + RATE_RAISE_DELAY_MS));
         assert_eq!(e.writes[0].ttl_ms, 1_001_000, "a full life under its recorded specs");
         let later = 600 + RATE_RAISE_DELAY_MS;
-        let e = evaluate(&[vec![op("a", fast, 1.0)]], later, |_| Some((noted, 1_000_500)));
+        let e = evaluate(&[vec![op("a", fast, 1.0)]], later, |_| Some((noted.clone(), 1_000_500)));
         assert!(e.groups[0].admitted, "a tenth of a second at 10 per second");
     }
 }

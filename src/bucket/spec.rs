@@ -82,19 +82,25 @@ impl BucketSpec {
     /// Milliseconds until a balance of `from` tokens has grown to `to` (0 if it already has);
     /// `None` if it never will (`to` above the capacity, or no refill).
     pub fn wait_ms(&self, from: f64, to: f64) -> Option<u64> {
-        if from >= to {
-            return Some(0);
-        }
-        if to > self.capacity || self.refill_per_second <= 0.0 {
-            return None;
-        }
-        Some(wait(to - from, self.rate_per_ms()))
+        wait_between(self.capacity, self.rate_per_ms(), from, to)
     }
 
     /// Milliseconds until a balance of `from` tokens is full again.
     pub fn reset_ms(&self, from: f64) -> u64 {
         self.wait_ms(from, self.capacity).unwrap_or(0)
     }
+}
+
+/// Milliseconds until a balance of `from` tokens has grown to `to` in a bucket of `capacity`
+/// refilling `rate_per_ms` (0 if it already has); `None` if it never will.
+pub(super) fn wait_between(capacity: f64, rate_per_ms: f64, from: f64, to: f64) -> Option<u64> {
+    if from >= to {
+        return Some(0);
+    }
+    if to > capacity || rate_per_ms <= 0.0 {
+        return None;
+    }
+    Some(wait(to - from, rate_per_ms))
 }
 
 /// ceil(deficit / rate) in whole milliseconds, capped at [`MAX_WAIT_MS`]; the Lua script computes

@@ -193,7 +193,7 @@ async fn print_descriptor(
             limit.spec.capacity()
         ),
         Some(state) => {
-            let now = refill(Some(state), &limit.spec, peek.now_ms);
+            let now = refill(Some(&state), &limit.spec, peek.now_ms);
             let full_in = limit.spec.reset_ms(now.tokens) as f64 / 1000.0;
             let expires = peek
                 .ttl_ms

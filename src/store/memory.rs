@@ -11,7 +11,7 @@ use std::sync::{Arc, Mutex};
 use futures::future::BoxFuture;
 
 use super::{DemandNote, LateReply, LeaseNote, Parked, SharedDemand, Store, StoreError};
-use crate::bucket::{self, Batch, BucketState, GroupOutcome};
+use crate::bucket::{self, Batch, BucketState, GroupOutcome, HoldOp, HoldOutcome};
 use crate::clock::{Clock, SystemClock};
 
 /// Bucket state in process memory.
@@ -106,7 +106,7 @@ impl MemoryStore {
         let map = &buckets.map;
         let evaluation = bucket::evaluate(batch, now, |key| {
             // Alive through its expiry millisecond, as Redis keeps a key until its clock passes it.
-            map.get(key).filter(|e| e.expires_at_ms >= now).map(|e| (e.state, e.expires_at_ms))
+            map.get(key).filter(|e| e.expires_at_ms >= now).map(|e| (e.state.clone(), e.expires_at_ms))
         });
         for write in evaluation.writes {
             let entry = Entry { state: write.state, expires_at_ms: now.saturating_add(write.ttl_ms) };
@@ -120,7 +120,7 @@ impl MemoryStore {
     /// Redis's `HMGET` and `PEXPIRETIME` show for the same bucket (for equivalence tests).
     pub fn stored(&self, key: &str) -> Option<(BucketState, u64)> {
         let buckets = self.buckets.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
-        buckets.map.get(key).map(|e| (e.state, e.expires_at_ms))
+        buckets.map.get(key).map(|e| (e.state.clone(), e.expires_at_ms))
     }
 
     /// Number of buckets held, expired or not (for memory tests).
@@ -222,6 +222,24 @@ impl Store for MemoryStore {
             }
         };
         Box::pin(std::future::ready(Ok(claimed)))
+    }
+
+    fn hold<'a>(&'a self, ops: &'a [HoldOp]) -> BoxFuture<'a, Vec<Result<HoldOutcome, StoreError>>> {
+        let now = self.clock.now_ms();
+        let mut buckets = self.buckets.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        let outcomes = ops
+            .iter()
+            .map(|op| {
+                let stored = buckets.map.get(&op.key).filter(|e| e.expires_at_ms >= now);
+                let (outcome, write) = bucket::hold(stored.map(|e| (&e.state, e.expires_at_ms)), op, now);
+                if let Some(write) = write {
+                    let entry = Entry { state: write.state, expires_at_ms: now.saturating_add(write.ttl_ms) };
+                    buckets.map.insert(write.key, entry);
+                }
+                Ok(outcome)
+            })
+            .collect();
+        Box::pin(std::future::ready(outcomes))
     }
 
     fn ping(&self) -> BoxFuture<'_, Result<(), StoreError>> {

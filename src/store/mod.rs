@@ -34,9 +34,9 @@ use futures::future::BoxFuture;
 
 pub use self::memory::MemoryStore;
 pub use self::precheck::{Precheck, MAX_AGE_MS};
-pub use self::redis::{ConnectError, Peek, RedisStore, RedisTarget, RedisTls};
+pub use self::redis::{parse_holds, ConnectError, Peek, RedisStore, RedisTarget, RedisTls};
 pub use self::sentinel::SentinelTarget;
-use crate::bucket::{Batch, GroupOutcome};
+use crate::bucket::{Batch, GroupOutcome, HoldOp, HoldOutcome};
 
 tokio::task_local! {
     static DEADLINE: Duration;
@@ -94,6 +94,11 @@ pub trait Store: Send + Sync + 'static {
         note: LeaseNote,
         ttl_ms: u64,
     ) -> BoxFuture<'a, Result<Option<Parked>, StoreError>>;
+
+    /// Sets replicas' holds on buckets ([`crate::bucket::hold`]), each op on its own, atomic
+    /// with every other call on its bucket; one result per op, in order. A hold op sets a hold to
+    /// an absolute size, so one whose reply was lost can simply be sent again.
+    fn hold<'a>(&'a self, ops: &'a [HoldOp]) -> BoxFuture<'a, Vec<Result<HoldOutcome, StoreError>>>;
 
     /// Checks that the backend answers, for readiness probes.
     fn ping(&self) -> BoxFuture<'_, Result<(), StoreError>>;

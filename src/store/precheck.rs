@@ -52,7 +52,8 @@ use futures::future::BoxFuture;
 
 use super::{DemandNote, LateReply, LeaseNote, Parked, SharedDemand, Store, StoreError};
 use crate::bucket::{
-    covers, Batch, BucketOp, BucketSpec, Charge, Group, GroupOutcome, Role, Verdict, RATE_RAISE_DELAY_MS,
+    covers, Batch, BucketOp, BucketSpec, Charge, Group, GroupOutcome, HoldOp, HoldOutcome, Role, Verdict,
+    RATE_RAISE_DELAY_MS,
 };
 use crate::clock::Clock;
 
@@ -353,6 +354,12 @@ impl Store for Precheck {
         ttl_ms: u64,
     ) -> BoxFuture<'a, Result<Option<Parked>, StoreError>> {
         self.inner.note_lease(key, envoy, stream, note, ttl_ms)
+    }
+
+    // Holds only ever lower what the shared part of a bucket holds and refills (a shrink returns
+    // capacity and rate, never tokens), so what the pre-check learnt stays a sound bound.
+    fn hold<'a>(&'a self, ops: &'a [HoldOp]) -> BoxFuture<'a, Vec<Result<HoldOutcome, StoreError>>> {
+        self.inner.hold(ops)
     }
 
     fn ping(&self) -> BoxFuture<'_, Result<(), StoreError>> {

@@ -21,6 +21,10 @@
 //! Calls go through the coalescer (`coalesce.rs`), which also bounds the calls in flight per
 //! slot; with coalescing off it never holds a call back to batch it.
 
+mod hold;
+
+pub use self::hold::parse_holds;
+
 use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -36,12 +40,16 @@ use super::coalesce::{Call, Coalescer, Late};
 use super::node::{self, Node, Script};
 use super::sentinel::{Sentinel, SentinelTarget};
 use super::{DemandNote, LateReply, LeaseNote, Parked, SharedDemand, Store, StoreError};
-use crate::bucket::{refund, Batch, BucketOp, BucketState, Charge, Group, GroupOutcome, Role, Verdict};
+use crate::bucket::{
+    refund, Batch, BucketOp, BucketState, Charge, Group, GroupOutcome, HoldOp, HoldOutcome, Role, Verdict,
+};
 use crate::identity::cluster_slot;
 use crate::telemetry::logs;
 
 /// The bucket script, loaded once per process.
-const SCRIPT: &str = include_str!("token_bucket.lua");
+const SCRIPT: &str = concat!(include_str!("bucket.lua"), include_str!("token_bucket.lua"));
+/// The RLQS held-shares script.
+const HOLD_SCRIPT: &str = concat!(include_str!("bucket.lua"), include_str!("hold.lua"));
 /// The RLQS demand registry script.
 const DEMAND_SCRIPT: &str = include_str!("demand.lua");
 /// The RLQS parked leases script.
@@ -109,7 +117,7 @@ impl RedisTls {
 }
 
 /// A bucket as stored, read without changing it.
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct Peek {
     /// The stored state; `None` if no bucket is stored (a missing bucket is full).
     pub state: Option<BucketState>,
@@ -132,6 +140,7 @@ struct Shared {
     demand_script: Script,
     parked_script: Script,
     peek_script: Script,
+    hold_script: Script,
     deadline: Duration,
     description: String,
 }
@@ -206,6 +215,7 @@ impl RedisStore {
             demand_script: Script::new(DEMAND_SCRIPT),
             parked_script: Script::new(PARKED_SCRIPT),
             peek_script: Script::new(PEEK_SCRIPT),
+            hold_script: Script::new(HOLD_SCRIPT),
             deadline,
             description,
         });
@@ -237,6 +247,10 @@ impl RedisStore {
                 pending_from_ms: number(4).unwrap_or(0.0) as u64,
                 largest_capacity: number(5).unwrap_or(0.0),
                 slowest_refill: number(6).unwrap_or(0.0),
+                holds: match items.get(10) {
+                    Some(Value::BulkString(h)) => parse_holds(&String::from_utf8_lossy(h))?,
+                    _ => Vec::new(),
+                },
             }),
             _ => None,
         };
@@ -441,6 +455,21 @@ impl Shared {
             .map_err(|_| StoreError::Timeout(deadline))?
     }
 
+    // Runs `script` once on the node of `slot` with `keys` (all in it), within the deadline.
+    async fn eval_in_slot(
+        &self,
+        script: &Script,
+        slot: u16,
+        keys: &[&str],
+        args: &[String],
+    ) -> Result<Value, StoreError> {
+        let call = node::Call { keys, args };
+        let deadline = super::deadline_or(self.deadline);
+        tokio::time::timeout(deadline, self.eval(script, slot, &call))
+            .await
+            .map_err(|_| StoreError::Timeout(deadline))?
+    }
+
     // Runs `script` once on the node of `slot`.
     async fn eval(&self, script: &Script, slot: u16, call: &node::Call<'_>) -> Result<Value, StoreError> {
         match &self.connection {
@@ -611,6 +640,10 @@ impl Store for RedisStore {
                 other => Err(StoreError::Protocol(format!("parked leases: {other:?}"))),
             }
         })
+    }
+
+    fn hold<'a>(&'a self, ops: &'a [HoldOp]) -> BoxFuture<'a, Vec<Result<HoldOutcome, StoreError>>> {
+        Box::pin(self.hold_all(ops))
     }
 
     fn ping(&self) -> BoxFuture<'_, Result<(), StoreError>> {

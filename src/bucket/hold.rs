@@ -1,0 +1,249 @@
+//! Held shares: parts of a bucket a tollgate replica hands to the Envoys it serves over Rate
+//! Limit Quota streams, who enforce them on their own.
+//!
+//! A hold is a capacity and a refill rate, recorded in the bucket's own state with an expiry.
+//! While it lives, the rest of the bucket (what RLS requests and the pre-check see) holds and
+//! refills only what is left: at most `capacity - Σ held capacity` tokens, refilling at
+//! `rate - Σ held rate` ([`super::refill`] walks the expiries between two evaluations, so a hold
+//! counts exactly until the millisecond it expires). An Envoy's new local bucket starts full, so
+//! taking or growing a hold's capacity needs the added tokens at once: they come from the hold's
+//! bank, else from the balance, and a hold grows no further than those cover (never into debt:
+//! an Envoy spends a full bucket whatever the balance). Shrinking one returns capacity and rate,
+//! not tokens. So the tokens every Envoy can spend plus the shared balance never exceed the
+//! capacity, and together they refill no faster than the rate: the bound of a bucket that no
+//! Envoy holds.
+//!
+//! **The bank.** A hold smaller than one request (`unit`) is held at capacity 0: no Envoy can
+//! use it, but it keeps its rate, which no one else spends then, so that rate fills the hold's
+//! bank, from which the capacity grows later. This is what lets an Envoy's share start on a
+//! bucket whose balance RLS requests keep at zero: without it the hold could never get the first
+//! request's tokens.
+//!
+//! A hold op sets a replica's hold to an absolute size, so running it twice (a retry after a
+//! lost reply) takes nothing more: it is exactly-once by construction.
+//!
+//! This is the Rust twin of `hold` in `src/store/hold.lua`; `tests/equivalence.rs` replays both.
+
+use super::{life_ms, note_spec, refill, BucketSpec, BucketState, Write, MAX_WAIT_MS};
+
+/// One replica's hold on a bucket.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Hold {
+    /// The replica that took it (no whitespace: the Redis field separates by it).
+    pub replica: String,
+    /// Tokens its Envoys' local buckets may hold together.
+    pub capacity: f64,
+    /// Tokens per second those local buckets refill together.
+    pub refill_per_second: f64,
+    /// When it stops counting, in clock milliseconds (alive while the clock is before it).
+    pub expires_at_ms: u64,
+    /// What its Envoys asked for, in tokens per second: what other replicas size theirs by.
+    pub demand: f64,
+    /// Tokens its rate filled while it held no capacity, toward its capacity.
+    pub banked: f64,
+    /// When the hold was last set, in clock milliseconds (the bank fills from then).
+    pub since_ms: u64,
+}
+
+/// The capacity and rate (per second) of the holds in `holds` alive at `at_ms`, summed in order.
+pub fn held_at(holds: &[Hold], at_ms: u64) -> (f64, f64) {
+    let mut held = (0.0, 0.0);
+    for h in holds.iter().filter(|h| h.expires_at_ms > at_ms) {
+        held.0 += h.capacity;
+        held.1 += h.refill_per_second;
+    }
+    held
+}
+
+/// How long after `now_ms` the last hold alive then expires (0 if none): a bucket written now
+/// must live that much longer, since the holds may take all of its refill until then.
+pub fn held_for_ms(holds: &[Hold], now_ms: u64) -> u64 {
+    holds.iter().map(|h| h.expires_at_ms.saturating_sub(now_ms)).max().unwrap_or(0)
+}
+
+/// Sets `replica`'s hold on a bucket.
+#[derive(Debug, Clone, PartialEq)]
+pub struct HoldOp {
+    /// The bucket's key.
+    pub key: String,
+    /// The bucket's capacity and rate.
+    pub spec: BucketSpec,
+    /// Who holds.
+    pub replica: String,
+    /// The capacity wanted, in tokens (0 with a rate of 0 releases the hold).
+    pub capacity: f64,
+    /// The smallest capacity worth holding (one request's tokens): less is held as 0.
+    pub unit: f64,
+    /// The rate wanted, in tokens per second.
+    pub refill_per_second: f64,
+    /// How long the hold lives from now, in milliseconds.
+    pub ttl_ms: u64,
+    /// The replica's demand, in tokens per second.
+    pub demand: f64,
+    /// Some of the replica's clients start their local buckets afresh, full, with the
+    /// assignment this op makes: its whole capacity is taken again, not only what it grew by.
+    pub fresh: bool,
+}
+
+/// What a hold op got.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct HoldOutcome {
+    /// The store's clock, in milliseconds since the epoch.
+    pub now_ms: u64,
+    /// The capacity held now: what was wanted, or what the other holds left.
+    pub capacity: f64,
+    /// The rate held now.
+    pub refill_per_second: f64,
+    /// The other replicas' live holds: capacity, rate and demand.
+    pub others: Others,
+}
+
+/// The other replicas' live holds on a bucket, summed.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct Others {
+    /// Their capacity.
+    pub capacity: f64,
+    /// Their rate per second.
+    pub refill_per_second: f64,
+    /// Their demand per second.
+    pub demand: f64,
+}
+
+/// Applies `op` at `now_ms` to the bucket `stored` (its state and expiry, `None` if missing):
+/// the outcome, and the write that records it. A bucket that never refills (capacity 0) has
+/// nothing to hold: the op holds nothing and writes nothing.
+pub fn hold(stored: Option<(&BucketState, u64)>, op: &HoldOp, now_ms: u64) -> (HoldOutcome, Option<Write>) {
+    if op.spec.refill_per_second() <= 0.0 {
+        let nothing =
+            HoldOutcome { now_ms, capacity: 0.0, refill_per_second: 0.0, others: Others::default() };
+        return (nothing, None);
+    }
+    let mut state = refill(stored.map(|(s, _)| s), &op.spec, now_ms);
+    let live: Vec<Hold> =
+        std::mem::take(&mut state.holds).into_iter().filter(|h| h.expires_at_ms > now_ms).collect();
+    let mut others = Others::default();
+    let (mut before, mut banked) = (0.0, 0.0);
+    for h in &live {
+        if h.replica == op.replica {
+            before = if op.fresh { 0.0 } else { h.capacity };
+            banked = h.banked;
+            if h.capacity == 0.0 {
+                banked = (banked + h.refill_per_second * now_ms.saturating_sub(h.since_ms) as f64 / 1000.0)
+                    .min(op.spec.capacity());
+            }
+        } else {
+            others.capacity += h.capacity;
+            others.refill_per_second += h.refill_per_second;
+            others.demand += h.demand;
+        }
+    }
+    let mut capacity = op.capacity.min((op.spec.capacity() - others.capacity).max(0.0));
+    let rate = op.refill_per_second.min((op.spec.refill_per_second() - others.refill_per_second).max(0.0));
+    if capacity > before {
+        capacity = capacity.min(before + banked + state.tokens.max(0.0));
+    }
+    if capacity < op.unit {
+        capacity = 0.0;
+    }
+    if capacity > before {
+        let from_bank = banked.min(capacity - before);
+        banked -= from_bank;
+        state.tokens -= capacity - before - from_bank;
+    }
+    note_spec(&mut state, &op.spec, now_ms);
+    let mine = Hold {
+        replica: op.replica.clone(),
+        capacity,
+        refill_per_second: rate,
+        expires_at_ms: now_ms.saturating_add(op.ttl_ms),
+        demand: op.demand,
+        banked,
+        since_ms: now_ms,
+    };
+    let release = capacity <= 0.0 && rate <= 0.0;
+    let mut placed = false;
+    for h in live {
+        if h.replica == op.replica {
+            placed = true;
+            if !release {
+                state.holds.push(mine.clone());
+            }
+        } else {
+            state.holds.push(h);
+        }
+    }
+    if !placed && !release {
+        state.holds.push(mine);
+    }
+    let tokens = state.tokens;
+    let mut ttl_ms = life_ms(&state, tokens, now_ms);
+    // A write never moves an expiry earlier.
+    if let Some((_, expires_at_ms)) = stored {
+        ttl_ms = ttl_ms.max(expires_at_ms.saturating_sub(now_ms).min(MAX_WAIT_MS));
+    }
+    let outcome = HoldOutcome { now_ms, capacity, refill_per_second: rate, others };
+    (outcome, Some(Write { key: op.key.clone(), state, ttl_ms }))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::bucket::{evaluate, BucketOp, Charge, Role};
+
+    fn op(capacity: f64, rate: f64) -> HoldOp {
+        HoldOp {
+            key: "k".into(),
+            spec: BucketSpec::new(10.0, 1.0).unwrap(),
+            replica: "a".into(),
+            capacity,
+            unit: 1.0,
+            refill_per_second: rate,
+            ttl_ms: 60_000,
+            demand: 0.5,
+            fresh: false,
+        }
+    }
+
+    fn stored(write: &Option<Write>, now_ms: u64) -> Option<(&BucketState, u64)> {
+        write.as_ref().map(|w| (&w.state, now_ms + w.ttl_ms))
+    }
+
+    #[test]
+    fn a_hold_takes_its_capacity_once_and_leaves_the_rest_to_rls() {
+        let (first, w1) = hold(None, &op(4.0, 0.5), 0);
+        assert_eq!((first.capacity, first.refill_per_second), (4.0, 0.5));
+        assert_eq!(w1.as_ref().unwrap().state.tokens, 6.0);
+        // The same op again (a retry after a lost reply) takes nothing more.
+        let (again, w2) = hold(stored(&w1, 0), &op(4.0, 0.5), 1_000);
+        assert_eq!(again.capacity, 4.0);
+        let state = &w2.as_ref().unwrap().state;
+        assert_eq!(state.tokens, 6.0, "full at what the hold leaves: 10 - 4");
+        // RLS sees 6 tokens refilling at 0.5 a second.
+        let rls = BucketOp {
+            key: "k".into(),
+            spec: op(0.0, 0.0).spec,
+            need: 6.0,
+            role: Role::Enforced,
+            charge: Charge::Admitted,
+        };
+        let e = evaluate(&[vec![rls.clone()]], 1_000, |_| stored(&w2, 1_000).map(|(s, at)| (s.clone(), at)));
+        assert!(e.groups[0].admitted);
+        let after = e.writes[0].state.clone();
+        let e = evaluate(&[vec![BucketOp { need: 1.0, ..rls }]], 2_000, |_| Some((after.clone(), u64::MAX)));
+        assert!(!e.groups[0].admitted, "half a token refilled in a second");
+        assert_eq!(e.groups[0].verdicts[0].retry_after_ms, Some(1_000));
+    }
+
+    #[test]
+    fn a_hold_short_of_tokens_banks_its_rate_until_it_covers_a_request() {
+        let drained =
+            BucketState { tokens: 0.0, last_refill_ms: 0, fastest_refill: 1.0, ..Default::default() };
+        let (first, w1) = hold(Some((&drained, u64::MAX)), &op(3.0, 0.5), 0);
+        assert_eq!((first.capacity, first.refill_per_second), (0.0, 0.5), "no tokens: the rate alone");
+        // Two seconds later the bank holds one token, enough for a request.
+        let (second, w2) = hold(stored(&w1, 0), &op(3.0, 0.5), 2_000);
+        assert_eq!(second.capacity, 1.0 + 1.0, "the bank's token and the balance's 0.5 x 2 s");
+        let state = &w2.unwrap().state;
+        assert_eq!((state.holds[0].banked, state.tokens), (0.0, 0.0));
+    }
+}

@@ -1,0 +1,228 @@
+-- tollgate token buckets: the Redis twin of src/bucket/. Same algorithm, same floating point
+-- order of operations; tests/equivalence.rs requires both to give identical verdicts, balances,
+-- holds, refill times and TTLs. Change one, change the other.
+--
+-- This is the part both bucket scripts share; token_bucket.lua (batches of requests) and
+-- hold.lua (RLQS held shares) follow it in one script each.
+--
+-- Bucket hash fields (numbers as %.17g, times as integers, ms since the epoch on the server's
+--        clock): t = tokens, l = last refill, r = refill per second in force (src/bucket
+--        BucketState::fastest_refill), p = a faster pending rate (0: none), q = when p takes
+--        effect, c = largest capacity of any charge, s = slowest refill per second of any charge,
+--        h = the holds (src/bucket/hold.rs), seven words each: replica, capacity, refill per
+--        second, expiry (ms), demand per second, banked tokens, when set (ms); absent when none.
+
+-- TIME makes the script non-deterministic; Redis < 5 needs effects replication for that.
+if redis.replicate_commands then pcall(redis.replicate_commands) end
+local time = redis.call('TIME')
+local now = tonumber(time[1]) * 1000 + math.floor(tonumber(time[2]) / 1000)
+
+-- Waits and TTLs are capped at 2^52 ms (bucket MAX_WAIT_MS): now + TTL stays exact.
+local MAX_WAIT = 4503599627370496
+-- A rate faster than the one in force takes effect this long after a charge first uses it
+-- (bucket RATE_RAISE_DELAY_MS).
+local RAISE_DELAY = 6000
+
+-- Holds from the h field: a list of {replica, capacity, rate per second, expiry, demand,
+-- banked, since}.
+local function parse_holds(h)
+  local holds, words = {}, {}
+  if not h then return holds end
+  for w in string.gmatch(h, '%S+') do words[#words + 1] = w end
+  for i = 1, #words - 6, 7 do
+    local hold = {words[i]}
+    for j = 1, 6 do hold[j + 1] = tonumber(words[i + j]) end
+    holds[#holds + 1] = hold
+  end
+  return holds
+end
+
+local function format_holds(holds)
+  local parts = {}
+  for _, h in ipairs(holds) do
+    parts[#parts + 1] = h[1] .. ' ' .. string.format('%.17g', h[2]) .. ' ' .. string.format('%.17g', h[3])
+      .. ' ' .. string.format('%d', h[4]) .. ' ' .. string.format('%.17g', h[5])
+      .. ' ' .. string.format('%.17g', h[6]) .. ' ' .. string.format('%d', h[7])
+  end
+  return table.concat(parts, ' ')
+end
+
+-- Committed state per key index: {tokens, last, in force, pending, pending from, largest
+-- capacity, slowest rate, holds} or false when no bucket is stored.
+local running = {}
+local function load(k)
+  local s = running[k]
+  if s == nil then
+    local v = redis.call('HMGET', KEYS[k], 't', 'l', 'r', 'p', 'q', 'c', 's', 'h')
+    local tokens, last = tonumber(v[1]), tonumber(v[2])
+    if tokens and last then
+      s = {tokens, last, tonumber(v[3]) or 0, tonumber(v[4]) or 0, tonumber(v[5]) or 0,
+           tonumber(v[6]) or 0, tonumber(v[7]) or 0, parse_holds(v[8])}
+    else
+      s = false
+    end
+    running[k] = s
+  end
+  return s
+end
+
+-- The capacity and rate per second of the holds alive at `at`, summed in order.
+local function held_at(holds, at)
+  local c, r = 0, 0
+  for _, h in ipairs(holds) do
+    if h[4] > at then
+      c = c + h[2]
+      r = r + h[3]
+    end
+  end
+  return c, r
+end
+
+-- How long after now the last hold alive now expires (0 if none).
+local function held_for(holds)
+  local ms = 0
+  for _, h in ipairs(holds) do ms = math.max(ms, h[4] - now) end
+  return ms
+end
+
+-- The pending rate becomes the rate in force.
+local function take_effect(n)
+  n[3], n[4], n[5] = n[4], 0, 0
+end
+
+-- A missing bucket is full; a clock step back refills nothing and keeps the later timestamp.
+-- The refill runs at the spec's rate, never faster than the rate in force (0: unknown, no cap),
+-- which a pending rate replaces from the moment it takes effect, less what live holds take; the
+-- balance is capped at the capacity less what they hold. The interval is walked in pieces
+-- between the moments those change (the raise, each hold's expiry).
+local function refill(s, cap, rate)
+  if not s then return {cap, now, 0, 0, 0, 0, 0, {}} end
+  local function capped(in_force)
+    if in_force > 0 then return math.min(rate, in_force / 1000) end
+    return rate
+  end
+  local n = {s[1], s[2], s[3], s[4], s[5], s[6], s[7], s[8]}
+  local from, tokens = s[2], s[1]
+  while true do
+    local to = math.max(now, from)
+    if n[4] > 0 and n[5] > from and n[5] < to then to = n[5] end
+    for _, h in ipairs(s[8]) do
+      if h[4] > from and h[4] < to then to = h[4] end
+    end
+    if n[4] > 0 and n[5] <= from and from < now then take_effect(n) end
+    local hc, hr = held_at(s[8], from)
+    local grow = math.max(0, capped(n[3]) - hr / 1000)
+    tokens = math.min(math.max(0, cap - hc), tokens + (to - from) * grow)
+    from = to
+    if from >= now then break end
+  end
+  if n[4] > 0 and n[5] <= now then take_effect(n) end
+  n[1] = tokens
+  n[2] = math.max(s[2], now)
+  return n
+end
+
+-- What is left of the spec (cap, rate per ms) beside the holds alive now.
+local function unheld(st, cap, rate)
+  local hc, hr = held_at(st[8], now)
+  return math.max(0, cap - hc), math.max(0, rate - hr / 1000)
+end
+
+local function wait(deficit, rate)
+  local ms = math.ceil(deficit / rate)
+  if ms >= MAX_WAIT then return MAX_WAIT end
+  return ms
+end
+
+-- Milliseconds until a balance grows from `from` to `to`; -1 if it never will.
+local function wait_ms(cap, rate, from, to)
+  if from >= to then return 0 end
+  if to > cap or rate <= 0 then return -1 end
+  return wait(to - from, rate)
+end
+
+local function floor_of(debt)
+  if debt then return -debt end
+  return 0
+end
+
+-- The ceiling a bound on the balance must use: the rate in force or the pending one.
+local function ceiling(st)
+  return math.max(st[3], st[4])
+end
+
+-- Whether rps refills faster than the ceiling of a bucket whose rate in force is known.
+local function raises_ceiling(st, rps)
+  return st[3] > 0 and rps > ceiling(st)
+end
+
+-- Records that a charge used the spec (cap, rps): its capacity and rate count for the bucket's
+-- life, and a rate faster than the ceiling becomes pending.
+local function note_spec(st, cap, rps)
+  st[6] = math.max(st[6], cap)
+  if rps <= 0 then return end
+  if st[3] == 0 then
+    st[3] = rps
+  elseif raises_ceiling(st, rps) then
+    st[4], st[5] = rps, now + RAISE_DELAY
+  end
+  if st[7] == 0 then st[7] = rps else st[7] = math.min(st[7], rps) end
+end
+
+-- Takes need from the state, capped at room (what the holds leave of cap), recording the spec;
+-- below the floor the rest is forgiven (a balance already below it stays). Returns the tokens
+-- forgiven.
+local function debit(st, cap, rps, need, debt, room)
+  note_spec(st, cap, rps)
+  local after = math.min(room, st[1] - need)
+  local kept = math.max(after, math.min(st[1], floor_of(debt)))
+  st[1] = kept
+  return kept - after
+end
+
+-- How long a bucket written as st by a charge with floor fl must live: until it is full at its
+-- largest capacity at its slowest rate, from its balance or the floor if lower, plus a second,
+-- counted from when the last live hold expires.
+local function life(st, fl)
+  local ttl = wait(st[6] - math.min(st[1], fl), st[7] / 1000) + 1000 + held_for(st[8])
+  if ttl > MAX_WAIT then return MAX_WAIT end
+  return ttl
+end
+
+-- When key k expires (ms since the epoch): nil when it is missing, false when it has no expiry.
+-- PEXPIRETIME is Redis 7; on older servers PTTL counts from a clock reading up to a millisecond
+-- past a fresh TIME, and `late` picks the later end of that millisecond (a write must never move
+-- an expiry earlier), else the earlier one (how long a key is certainly kept).
+local function expiry(k, late)
+  local ok, at = pcall(redis.call, 'PEXPIRETIME', KEYS[k])
+  if not ok then
+    local ttl = redis.call('PTTL', KEYS[k])
+    if ttl < 0 then at = ttl else
+      local t = redis.call('TIME')
+      at = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000) + ttl
+      if late then at = at + 1 end
+    end
+  end
+  if at == -1 then return false end
+  if at < 0 then return nil end
+  return at
+end
+
+
+-- Writes key k's state s to live ttl ms from now, never moving its expiry earlier; returns the
+-- TTL written. The holds are written only when `holds` is true (the hold script changes them).
+local function store(k, s, ttl, holds)
+  local at = expiry(k, true)
+  if at == false then at = now + MAX_WAIT end
+  if at then ttl = math.max(ttl, math.min(math.max(0, at - now), MAX_WAIT)) end
+  redis.call('HSET', KEYS[k], 't', string.format('%.17g', s[1]), 'l', string.format('%d', s[2]),
+    'r', string.format('%.17g', s[3]), 'p', string.format('%.17g', s[4]),
+    'q', string.format('%d', s[5]), 'c', string.format('%.17g', s[6]),
+    's', string.format('%.17g', s[7]))
+  if holds then
+    if #s[8] > 0 then redis.call('HSET', KEYS[k], 'h', format_holds(s[8]))
+    else redis.call('HDEL', KEYS[k], 'h') end
+  end
+  redis.call('PEXPIREAT', KEYS[k], string.format('%d', now + ttl))
+  return ttl
+end

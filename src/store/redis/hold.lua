@@ -1,0 +1,71 @@
+-- RLQS held shares (follows bucket.lua in one script): sets replicas' holds on buckets, the twin
+-- of `hold` in src/bucket/hold.rs.
+--
+-- KEYS: the distinct bucket keys of the call (one Cluster slot).
+-- ARGV: op count, then per op ten values: key index (into KEYS), capacity, refill per second,
+--       replica, capacity wanted, rate wanted, time to live (ms), demand per second, unit (the
+--       smallest capacity worth holding), fresh (1: the whole capacity is taken again).
+-- Reply: now_ms, then per op: capacity held, rate held, and the other replicas' live holds'
+--        capacity, rate and demand (all %.17g).
+local out = {now}
+local a = 2
+for _ = 1, tonumber(ARGV[1]) do
+  local k = tonumber(ARGV[a])
+  local cap, rps = tonumber(ARGV[a + 1]), tonumber(ARGV[a + 2])
+  local replica = ARGV[a + 3]
+  local want_c, want_r = tonumber(ARGV[a + 4]), tonumber(ARGV[a + 5])
+  local ttl, demand, unit = tonumber(ARGV[a + 6]), tonumber(ARGV[a + 7]), tonumber(ARGV[a + 8])
+  local fresh = ARGV[a + 9] == '1'
+  a = a + 10
+  -- A bucket that never refills (capacity 0) has nothing to hold.
+  if rps <= 0 then
+    for _ = 1, 5 do out[#out + 1] = '0' end
+  else
+    local st = refill(load(k), cap, rps / 1000)
+    local live = {}
+    for _, h in ipairs(st[8]) do
+      if h[4] > now then live[#live + 1] = h end
+    end
+    local before, banked, oc, orate, od = 0, 0, 0, 0, 0
+    for _, h in ipairs(live) do
+      if h[1] == replica then
+        if not fresh then before = h[2] end
+        banked = h[6]
+        if h[2] == 0 then
+          banked = math.min(banked + h[3] * math.max(0, now - h[7]) / 1000, cap)
+        end
+      else
+        oc = oc + h[2]
+        orate = orate + h[3]
+        od = od + h[5]
+      end
+    end
+    local c = math.min(want_c, math.max(0, cap - oc))
+    local r = math.min(want_r, math.max(0, rps - orate))
+    if c > before then c = math.min(c, before + banked + math.max(st[1], 0)) end
+    if c < unit then c = 0 end
+    if c > before then
+      local from_bank = math.min(banked, c - before)
+      banked = banked - from_bank
+      st[1] = st[1] - (c - before - from_bank)
+    end
+    note_spec(st, cap, rps)
+    local mine = {replica, c, r, now + ttl, demand, banked, now}
+    local release = c <= 0 and r <= 0
+    local holds, placed = {}, false
+    for _, h in ipairs(live) do
+      if h[1] == replica then
+        placed = true
+        if not release then holds[#holds + 1] = mine end
+      else
+        holds[#holds + 1] = h
+      end
+    end
+    if not placed and not release then holds[#holds + 1] = mine end
+    st[8] = holds
+    running[k] = st
+    store(k, st, life(st, st[1]), true)
+    for _, v in ipairs({c, r, oc, orate, od}) do out[#out + 1] = string.format('%.17g', v) end
+  end
+end
+return out

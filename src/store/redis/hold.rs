@@ -1,0 +1,115 @@
+//! RLQS held shares in Redis: the hold script (`hold.lua` after `bucket.lua`), one call per slot
+//! for all of a batch's ops in it, the slots' calls concurrent, so a replica's renewals of
+//! thousands of buckets are a few script runs per node rather than one per bucket. The calls run
+//! under the caller's deadline ([`crate::store::with_deadline`]); a lost reply needs no repair,
+//! since the same op sent again sets the same hold.
+
+use std::collections::HashMap;
+
+use futures::future::join_all;
+use redis::Value;
+
+use super::{float, int, RedisStore};
+use crate::bucket::{Hold, HoldOp, HoldOutcome, Others};
+use crate::store::StoreError;
+
+impl RedisStore {
+    pub(super) async fn hold_all(&self, ops: &[HoldOp]) -> Vec<Result<HoldOutcome, StoreError>> {
+        let mut by_slot: HashMap<u16, Vec<usize>> = HashMap::new();
+        for (i, op) in ops.iter().enumerate() {
+            by_slot.entry(self.shared.connection.slot(&op.key)).or_default().push(i);
+        }
+        let calls = by_slot.into_iter().map(|(slot, members)| async move {
+            let mut keys: Vec<&str> = Vec::new();
+            let mut args = vec![members.len().to_string()];
+            for &i in &members {
+                let op = &ops[i];
+                let k = match keys.iter().position(|k| *k == op.key) {
+                    Some(k) => k,
+                    None => {
+                        keys.push(&op.key);
+                        keys.len() - 1
+                    }
+                };
+                args.extend([
+                    (k + 1).to_string(),
+                    op.spec.capacity().to_string(),
+                    op.spec.refill_per_second().to_string(),
+                    op.replica.clone(),
+                    op.capacity.to_string(),
+                    op.refill_per_second.to_string(),
+                    op.ttl_ms.to_string(),
+                    op.demand.to_string(),
+                    op.unit.to_string(),
+                    if op.fresh { "1" } else { "0" }.to_owned(),
+                ]);
+            }
+            let reply = self.shared.eval_in_slot(&self.shared.hold_script, slot, &keys, &args).await;
+            (members, reply.and_then(|r| parse_outcomes(r, ops.len())))
+        });
+        let mut results: Vec<Option<Result<HoldOutcome, StoreError>>> = ops.iter().map(|_| None).collect();
+        for (members, reply) in join_all(calls).await {
+            match reply {
+                Ok(outcomes) => {
+                    for (i, outcome) in members.into_iter().zip(outcomes) {
+                        results[i] = Some(Ok(outcome));
+                    }
+                }
+                Err(e) => {
+                    for i in members {
+                        results[i] = Some(Err(e.clone()));
+                    }
+                }
+            }
+        }
+        results
+            .into_iter()
+            .map(|r| r.unwrap_or_else(|| Err(StoreError::Protocol("a hold without a reply".into()))))
+            .collect()
+    }
+}
+
+fn parse_outcomes(reply: Value, most: usize) -> Result<Vec<HoldOutcome>, StoreError> {
+    let Value::Array(items) = reply else {
+        return Err(StoreError::Protocol(format!("hold script: expected an array, got {reply:?}")));
+    };
+    let mut items = items.into_iter();
+    let now_ms = u64::try_from(int(&mut items)?).map_err(|e| StoreError::Protocol(e.to_string()))?;
+    let mut outcomes = Vec::new();
+    while items.len() > 0 && outcomes.len() < most {
+        outcomes.push(HoldOutcome {
+            now_ms,
+            capacity: float(&mut items)?,
+            refill_per_second: float(&mut items)?,
+            others: Others {
+                capacity: float(&mut items)?,
+                refill_per_second: float(&mut items)?,
+                demand: float(&mut items)?,
+            },
+        });
+    }
+    Ok(outcomes)
+}
+
+/// The holds in a bucket's `h` field (seven words each, as `bucket.lua` writes them).
+pub fn parse_holds(field: &str) -> Result<Vec<Hold>, StoreError> {
+    let words: Vec<&str> = field.split_whitespace().collect();
+    let bad = || StoreError::Protocol(format!("a bucket's holds: {field:?}"));
+    if words.len() % 7 != 0 {
+        return Err(bad());
+    }
+    words
+        .chunks(7)
+        .map(|w| {
+            Ok(Hold {
+                replica: w[0].to_owned(),
+                capacity: w[1].parse().map_err(|_| bad())?,
+                refill_per_second: w[2].parse().map_err(|_| bad())?,
+                expires_at_ms: w[3].parse().map_err(|_| bad())?,
+                demand: w[4].parse().map_err(|_| bad())?,
+                banked: w[5].parse().map_err(|_| bad())?,
+                since_ms: w[6].parse().map_err(|_| bad())?,
+            })
+        })
+        .collect()
+}

@@ -1,0 +1,123 @@
+-- Batches of requests against token buckets (follows bucket.lua in one script).
+--
+-- KEYS: the distinct bucket keys of the batch (one Cluster slot).
+-- ARGV: group count, then per group its op count, then per op six values:
+--       key index (into KEYS), capacity, refill per second, need, role (0 enforced, 1 shadow,
+--       2 quota mode), max debt ('' = charged only when admitted, else charged always).
+-- Reply: now_ms, then per group: admitted (1/0), then per op: allowed (1/0), tokens (exact, as
+--        %.17g), retry_after_ms (-1 = never), reset_ms, forgiven tokens (%.17g), the fastest
+--        refill per second the bucket may get, in force or pending (%.17g), ms after now the
+--        key is certainly kept (its new TTL if written, else what is left of its expiry; 0 when
+--        missing).
+
+local out = {now}
+local dirty = {}
+-- Reply slots to fill with how long each key is kept, once every group has run.
+local pending = {}
+local a = 2
+for _ = 1, tonumber(ARGV[1]) do
+  local n = tonumber(ARGV[a]); a = a + 1
+  local tentative = {}
+  local ops = {}
+  local enforced_short, quota_ops, quota_allowed = false, 0, 0
+  for i = 1, n do
+    local k = tonumber(ARGV[a])
+    local cap = tonumber(ARGV[a + 1])
+    local rps = tonumber(ARGV[a + 2])
+    local rate = rps / 1000
+    local need = tonumber(ARGV[a + 3])
+    local role = ARGV[a + 4]
+    local debt = tonumber(ARGV[a + 5])
+    a = a + 6
+    local s = tentative[k]
+    if s == nil then s = load(k) end
+    local st = refill(s, cap, rate)
+    local room, room_rate = unheld(st, cap, rate)
+    local raises = s and raises_ceiling(st, rps)
+    local allowed = need < 0 or st[1] >= need
+    local retry = 0
+    if not allowed then retry = wait_ms(room, room_rate, st[1], math.max(need, 0)) end
+    local forgiven = 0
+    if allowed or debt then
+      forgiven = debit(st, cap, rps, need, debt, room)
+    elseif raises then
+      note_spec(st, cap, rps)
+    end
+    tentative[k] = st
+    if role == '0' then
+      if not allowed then enforced_short = true end
+    elseif role == '2' then
+      quota_ops = quota_ops + 1
+      if allowed then quota_allowed = quota_allowed + 1 end
+    end
+    ops[i] = {k, cap, rps, rate, need, debt, allowed, st[1], retry, forgiven, ceiling(st), raises,
+              room, room_rate}
+  end
+  local admitted = (not enforced_short) and (quota_ops == 0 or quota_allowed > 0)
+
+  out[#out + 1] = admitted and 1 or 0
+  for i = 1, n do
+    local k, cap, rps, rate, need, debt, allowed, tokens, retry, forgiven, fastest, raises, room,
+      room_rate = unpack(ops[i])
+    local charged
+    if admitted then
+      running[k] = tentative[k]
+      charged = allowed or debt ~= nil
+    else
+      -- A denied group takes only what is charged always, replayed on the committed state, and
+      -- records a raised rate ceiling.
+      local committed = load(k)
+      local st = refill(committed, cap, rate)
+      raises = committed and raises_ceiling(st, rps)
+      forgiven = 0
+      if debt then
+        forgiven = debit(st, cap, rps, need, debt, room)
+        running[k] = st
+      elseif raises then
+        local noted = {unpack(committed)}
+        note_spec(noted, cap, rps)
+        note_spec(st, cap, rps)
+        running[k] = noted
+      end
+      tokens, fastest = st[1], ceiling(st)
+      charged = debt ~= nil
+    end
+    -- Written when charged, and when its spec raised the rate ceiling.
+    if ((charged and need ~= 0) or raises) and rate > 0 then
+      local ttl = life(running[k], floor_of(debt))
+      if dirty[k] == nil or dirty[k] < ttl then dirty[k] = ttl end
+    end
+    local reset = wait_ms(room, room_rate, tokens, room)
+    if reset < 0 then reset = 0 end
+    out[#out + 1] = allowed and 1 or 0
+    out[#out + 1] = string.format('%.17g', tokens)
+    out[#out + 1] = retry
+    out[#out + 1] = reset
+    out[#out + 1] = string.format('%.17g', forgiven)
+    out[#out + 1] = string.format('%.17g', fastest)
+    out[#out + 1] = 0
+    pending[#pending + 1] = {#out, k}
+  end
+end
+
+-- Only charged buckets are written; an idle bucket is full by the time it expires. A write never
+-- moves an expiry earlier: the bucket lives as long as the longest of what it had left and what
+-- this batch's charges need. The expiry is absolute on the clock the balance was computed with.
+for k, ttl in pairs(dirty) do
+  dirty[k] = store(k, running[k], ttl, false)
+end
+
+-- How long after now key k is certainly kept.
+local function kept(k)
+  if dirty[k] then return dirty[k] end
+  if not running[k] then return 0 end
+  local at = expiry(k, false)
+  if at == false then return MAX_WAIT end
+  if not at then return 0 end
+  return math.max(0, at - now)
+end
+
+for _, slot in ipairs(pending) do
+  out[slot[1]] = kept(slot[2])
+end
+return out
