@@ -145,18 +145,6 @@ pub fn cluster_slot(key: &str) -> u16 {
     crc16::State::<crc16::XMODEM>::calculate(hashed) % 16384
 }
 
-/// The key of the RLQS demand registry of the bucket `bucket_key` (`<bucket key>:=rlqs`): in the
-/// bucket's slot, and unlike any bucket's key (no bucket key has a segment `=rlqs` at its end).
-pub fn demand_key(bucket_key: &str) -> String {
-    format!("{bucket_key}:=rlqs")
-}
-
-/// The key of the RLQS parked leases of the bucket `bucket_key` (`<bucket key>:=rlqs-parked`): in
-/// the bucket's slot, and unlike any bucket's key or demand registry for the same reason.
-pub fn parked_key(bucket_key: &str) -> String {
-    format!("{bucket_key}:=rlqs-parked")
-}
-
 /// Percent-encodes `%`, `{`, `}`, `:`, `=` and control characters of `s`.
 pub fn escape(s: &str) -> String {
     let mut out = String::with_capacity(s.len());

@@ -16,13 +16,15 @@
 //!
 //! Protocol edges (the RLS gRPC service, `POST /json`) translate their requests into a [`Query`]
 //! and the [`Decision`] back; nothing here knows a wire format. Clients that enforce limits
-//! themselves (Envoy's Rate Limit Quota Service) lease shares of the same buckets (`lease.rs`: [`Limiter::lease`]).
+//! themselves (Envoy's Rate Limit Quota Service) hold shares of the same buckets (`lease.rs`: [`Limiter::hold`], [`Holding`]).
 
 mod explain;
 mod lease;
 
 pub use self::explain::{Effect, Explained, Explanation, SpecOrigin};
-pub use self::lease::{Leasable, QuotaBucket, DEMAND_TTL_MS};
+pub use self::lease::{
+    Holding, Leasable, QuotaBucket, ASSIGNMENT_TTL, BACKGROUND_DEADLINE, HOLD_TTL, RENEW_AFTER,
+};
 
 use std::sync::Arc;
 

@@ -346,29 +346,6 @@ impl Store for HeldStore {
         self.inner.hold(ops)
     }
 
-    fn share_demand<'a>(
-        &'a self,
-        key: &'a str,
-        member: &'a str,
-        note: tollgate::store::DemandNote,
-        ttl_ms: u64,
-    ) -> futures::future::BoxFuture<'a, Result<tollgate::store::SharedDemand, tollgate::store::StoreError>>
-    {
-        self.inner.share_demand(key, member, note, ttl_ms)
-    }
-
-    fn note_lease<'a>(
-        &'a self,
-        key: &'a str,
-        envoy: &'a str,
-        stream: &'a str,
-        note: tollgate::store::LeaseNote,
-        ttl_ms: u64,
-    ) -> futures::future::BoxFuture<'a, Result<Option<tollgate::store::Parked>, tollgate::store::StoreError>>
-    {
-        self.inner.note_lease(key, envoy, stream, note, ttl_ms)
-    }
-
     fn ping(&self) -> futures::future::BoxFuture<'_, Result<(), tollgate::store::StoreError>> {
         Box::pin(async { Ok(()) })
     }

@@ -160,7 +160,9 @@ pub fn hold(stored: Option<(&BucketState, u64)>, op: &HoldOp, now_ms: u64) -> (H
         banked,
         since_ms: now_ms,
     };
-    let release = capacity <= 0.0 && rate <= 0.0;
+    // Only a hold asked to be nothing goes: one cut to nothing still records its demand, which the
+    // other replicas size theirs by.
+    let release = op.capacity <= 0.0 && op.refill_per_second <= 0.0;
     let mut placed = false;
     for h in live {
         if h.replica == op.replica {

@@ -1,30 +1,33 @@
-//! Leases: what a protocol whose clients enforce limits themselves (Envoy's Rate Limit Quota
-//! Service) asks of the decision core.
+//! Held shares: what a protocol whose clients enforce limits themselves (Envoy's Rate Limit
+//! Quota Service) asks of the decision core, and the policy that sizes them.
 //!
 //! Such a client names a bucket by an id, which [`Limiter::quota_bucket`] maps to a rule exactly
 //! as an RLS descriptor is (the tree walk is [`crate::config::Domain::bucket_entries`]), so both
-//! protocols reach the same bucket and spend one budget. The client then admits requests on its
-//! own, from tokens it was leased: [`Limiter::lease`] takes a member's share of the bucket up
-//! front, in proportion to the demand every tollgate replica registers for it in the store, and
-//! [`Limiter::give_back`] returns tokens a client can provably no longer use. When a client's
-//! stream closes, what it may still have used is parked in the store for its next stream, on any
-//! replica, to settle ([`Limiter::note_lease`]).
+//! protocols reach the same bucket and spend one budget. Each tollgate replica serving such
+//! clients holds a share of the bucket, a capacity and a rate ([`crate::bucket::hold`]), which
+//! its clients enforce between them as refilling local buckets; the rest of the bucket is what
+//! RLS requests see. [`Holding`] decides when a replica's hold is set again and to what size:
+//! in proportion to its clients' demand beside every other replica's (each hold records its
+//! demand), with a floor so that an idle client wakes up to a burst. A cold hold costs one
+//! renewal a [`RENEW_AFTER`]; a hot one (its clients use much of it) is sized again every
+//! [`RESIZE_HOT_AFTER`], and one the store cut short every round, since those are the buckets
+//! whose shares move. [`Limiter::hold`] sets holds, many per store call.
 
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
 use super::{Limiter, Plan, QueryDescriptor};
-use crate::bucket::{BucketOp, BucketSpec, Charge, Role};
+use crate::bucket::{BucketSpec, HoldOp, HoldOutcome, Others, Role};
 use crate::config::Domain;
-use crate::store::{self, DemandNote, LateReply, LeaseNote, Parked, StoreError};
+use crate::store::{self, StoreError};
 use crate::telemetry::traces;
 use tracing::Instrument as _;
 
 /// What a quota bucket id gets.
 #[derive(Debug, Clone)]
 pub enum QuotaBucket {
-    /// A bucket limits it: lease from it.
+    /// A bucket limits it: hold a share of it.
     Lease(Leasable),
     /// No limit applies: an `unlimited` rule, or a rule in shadow mode.
     Unlimited(Arc<Domain>),
@@ -32,7 +35,7 @@ pub enum QuotaBucket {
     Unknown(Option<Arc<Domain>>),
 }
 
-/// A bucket that can be leased from.
+/// A bucket a replica can hold a share of.
 #[derive(Debug, Clone)]
 pub struct Leasable {
     /// Its storage key (the same as for RLS requests with the same entries).
@@ -45,16 +48,129 @@ pub struct Leasable {
     pub domain: Arc<Domain>,
 }
 
-/// How long a registered demand stands without being renewed, in milliseconds.
-pub const DEMAND_TTL_MS: u64 = 3_000;
-/// How long a lease's store calls may take: no request waits on them (a late one delays a grant),
-/// so not the request deadline, under which a burst of leases queued into failure answers; within
-/// the second that a reply past its caller's deadline can still be refunded in.
+/// How long a hold lives unless set again.
+pub const HOLD_TTL: Duration = Duration::from_secs(60);
+/// How old a hold is renewed (set again unchanged) at: half its life, so that one lost renewal
+/// leaves the next to land before it expires.
+pub const RENEW_AFTER: Duration = Duration::from_secs(30);
+/// How long an assignment made from a hold stands at a client: ended well before the hold, so
+/// that what a client may still admit is always inside a live hold, however late the assignment
+/// reached it.
+pub const ASSIGNMENT_TTL: Duration = Duration::from_secs(40);
+/// How often a hot hold is sized again: Envoy reports every 5 s, and demand moves no faster.
+pub const RESIZE_HOT_AFTER: Duration = Duration::from_secs(5);
+/// How long hold ops may take: no request waits on them (a late one delays an assignment), so
+/// not the request deadline, under which a burst of them queued into failure answers.
 pub const BACKGROUND_DEADLINE: Duration = Duration::from_millis(500);
-/// How long a closed stream's grants stay parked for the Envoy's next stream, and a stream counts
-/// as alive after its last report, in milliseconds: Envoy reports every 5 s, and reopens a
-/// stream at its next report.
-pub const PARKED_TTL_MS: u64 = 10_000;
+/// The smallest part of a bucket's rate and capacity a replica holds for clients that asked for
+/// nothing lately: an idle client wakes up to a request or more at once, and its next report
+/// moves the share.
+const FLOOR: f64 = 1.0 / 16.0;
+/// How far a wanted share may move before it is set again: less is noise between reports.
+const SLACK: f64 = 0.2;
+/// A hold is hot when its clients ask for more than this part of its rate.
+const HOT: f64 = 0.5;
+
+/// One replica's hold on one bucket, as this replica last set it.
+#[derive(Debug, Clone, Default)]
+pub struct Holding {
+    // What the store gave (capacity, rate per second), and what was asked for.
+    held: Option<(f64, f64)>,
+    wanted: (f64, f64),
+    // When it was last set, on the replica's clock.
+    at_ms: u64,
+    // The other replicas' holds, as of the last op.
+    others: Others,
+    // The last op failed: the next round tries again.
+    failed: bool,
+}
+
+impl Holding {
+    /// What the store last gave: capacity and rate per second (none before the first op).
+    pub fn held(&self) -> Option<(f64, f64)> {
+        self.held
+    }
+
+    /// The hold op for `target` due at `now_ms` given `demand` (this replica's clients'
+    /// requests per second), if one is (always, when `force`): the first, a share that moved, a
+    /// cut one, a hot one, one after a failure, a renewal.
+    pub fn due(
+        &self,
+        target: &Leasable,
+        replica: &str,
+        demand: f64,
+        now_ms: u64,
+        force: bool,
+    ) -> Option<HoldOp> {
+        let tokens = demand * target.cost as f64;
+        let want = self.want(&target.spec, tokens, target.cost as f64);
+        let age = now_ms.saturating_sub(self.at_ms);
+        let due = match self.held {
+            _ if force || self.failed => true,
+            None => true,
+            Some((capacity, rate)) => {
+                let moved = |now: f64, then: f64| (now - then).abs() > SLACK * then.max(f64::MIN_POSITIVE);
+                let cut = capacity < self.wanted.0 * (1.0 - SLACK) || rate < self.wanted.1 * (1.0 - SLACK);
+                let hot = tokens > HOT * rate;
+                moved(want.0, self.wanted.0)
+                    || moved(want.1, self.wanted.1)
+                    || (cut && age >= 1_000)
+                    || (hot && age >= RESIZE_HOT_AFTER.as_millis() as u64)
+                    || age >= RENEW_AFTER.as_millis() as u64
+            }
+        };
+        due.then(|| HoldOp {
+            key: target.key.clone(),
+            spec: target.spec,
+            replica: replica.to_owned(),
+            capacity: want.0,
+            unit: target.cost as f64,
+            refill_per_second: want.1,
+            ttl_ms: HOLD_TTL.as_millis() as u64,
+            demand: tokens,
+            fresh: false,
+        })
+    }
+
+    /// Records what `op` got at `now_ms` (this replica's clock).
+    pub fn set(&mut self, op: &HoldOp, outcome: &HoldOutcome, now_ms: u64) {
+        self.held = Some((outcome.capacity, outcome.refill_per_second));
+        self.wanted = (op.capacity, op.refill_per_second);
+        self.at_ms = now_ms;
+        self.others = outcome.others;
+        self.failed = false;
+    }
+
+    /// Records that an op failed.
+    pub fn failed(&mut self) {
+        self.failed = true;
+    }
+
+    /// The release of this hold, for a bucket this replica's clients no longer use.
+    pub fn release(&self, target: &Leasable, replica: &str) -> HoldOp {
+        HoldOp {
+            key: target.key.clone(),
+            spec: target.spec,
+            replica: replica.to_owned(),
+            capacity: 0.0,
+            unit: target.cost as f64,
+            refill_per_second: 0.0,
+            ttl_ms: 0,
+            demand: 0.0,
+            fresh: false,
+        }
+    }
+
+    // The share wanted for `tokens` per second of demand: its part of all the demand the other
+    // holds record, of the whole bucket (the store cuts it to what the others leave), at least
+    // the floor; alone, or all idle, the floor when idle and everything when not.
+    // At least one request's capacity (`unit`), which is what a local bucket needs.
+    fn want(&self, spec: &BucketSpec, tokens: f64, unit: f64) -> (f64, f64) {
+        let total = tokens + self.others.demand;
+        let part = if total > 0.0 { (tokens / total).max(FLOOR) } else { FLOOR };
+        ((spec.capacity() * part).max(unit).min(spec.capacity()), spec.refill_per_second() * part)
+    }
+}
 
 impl Limiter {
     /// The bucket a quota bucket id of `domain` stands for.
@@ -79,123 +195,28 @@ impl Limiter {
         }
     }
 
-    /// Takes `member`'s share of what `target` holds this round, in whole requests, at most
-    /// `cap`; members lease once a round, at about the same time, and a take counts for the
-    /// others for `round_ms` (less than a round). `demand` (requests per second) is
-    /// registered for `member` first; the share is its part of every member's standing demand,
-    /// of the bucket's balance plus what the other members took this round, so that whoever
-    /// leases later in a round is not left a share of the remainder. `owed` is the fraction of a
-    /// request the member was entitled to but not given last time (small shares add up over
-    /// leases instead of rounding to nothing); returns the requests taken and what is owed now.
-    pub async fn lease(
-        &self,
-        target: &Leasable,
-        member: &str,
-        demand: f64,
-        cap: u64,
-        owed: f64,
-        round_ms: u64,
-    ) -> Result<(u64, f64), StoreError> {
-        // A trace of its own per lease (no request leads to it): the store calls are its children.
+    /// Sets the holds `ops`, all at once (one store call per slot), under the background
+    /// deadline; one result per op.
+    pub async fn hold(&self, ops: &[HoldOp]) -> Vec<Result<HoldOutcome, StoreError>> {
+        // A trace of its own (no request leads to it), the store call its child.
         let span = tracing::trace_span!(
             target: traces::TARGET,
-            "rlqs.lease",
-            domain = %target.domain.name,
-            demand,
-            requests = tracing::field::Empty,
+            "rlqs.hold",
+            holds = ops.len(),
+            failed = tracing::field::Empty,
+        );
+        let call = tracing::trace_span!(
+            target: traces::TARGET,
+            parent: &span,
+            "store.hold",
+            buckets = ops.len(),
             outcome = tracing::field::Empty,
         );
-        let calls = self.lease_untraced(target, member, demand, cap, owed, round_ms).instrument(span.clone());
-        let result = store::with_deadline(BACKGROUND_DEADLINE, calls).await;
-        match &result {
-            Ok((requests, _)) => {
-                span.record("requests", requests);
-                span.record("outcome", "ok");
-            }
-            Err(_) => {
-                span.record("outcome", "error");
-            }
-        }
-        result
-    }
-
-    async fn lease_untraced(
-        &self,
-        target: &Leasable,
-        member: &str,
-        demand: f64,
-        cap: u64,
-        owed: f64,
-        round_ms: u64,
-    ) -> Result<(u64, f64), StoreError> {
-        let shared =
-            self.store.share_demand(&target.key, member, DemandNote::Ask(demand), DEMAND_TTL_MS).await?;
-        let share = if shared.total > 0.0 { (demand / shared.total).clamp(0.0, 1.0) } else { 1.0 };
-        // What the bucket holds now: a check takes nothing.
-        let check = self.op(target, 0.0, Charge::Admitted);
-        let balance = match self.store_call(&[vec![check]], LateReply::Keep).await.pop() {
-            Some(Ok(outcome)) => outcome.verdicts[0].tokens,
-            Some(Err(e)) => return Err(e),
-            None => return Ok((0, owed)),
-        };
-        let cost = target.cost as f64;
-        let balance = balance.max(0.0);
-        let round = (balance + shared.taken_by_others) * share;
-        let entitled = round.min(balance) / cost + owed;
-        let want = (entitled.floor() as u64).min(cap);
-        let owed = (entitled - want as f64).clamp(0.0, 1.0);
-        if want == 0 {
-            return Ok((0, owed));
-        }
-        // Take up to `want` requests' tokens: charged always down to zero, so another replica's
-        // take in between leaves this one with what is there, never below zero.
-        let need = want as f64 * cost;
-        let take = self.op(target, need, Charge::Always { max_debt: 0.0 });
-        let taken = match self.store_call(&[vec![take]], LateReply::GiveBack).await.pop() {
-            Some(Ok(outcome)) => need - outcome.verdicts[0].forgiven,
-            Some(Err(e)) => return Err(e),
-            None => return Ok((0, owed)),
-        };
-        let requests = (taken / cost).floor().max(0.0) as u64;
-        let spare = taken - requests as f64 * cost;
-        if spare > 0.0 {
-            self.credit(target, spare).await?;
-        }
-        // Seen by the members that lease after this one in the round. Failing to record it only
-        // makes their next share a little smaller: what was taken stands.
-        let took = DemandNote::Took(requests as f64 * cost);
-        let _ = self.store.share_demand(&target.key, member, took, round_ms).await;
-        Ok((requests, owed))
-    }
-
-    /// Tells `target`'s parked-lease registry what `stream` of the Envoy named `envoy` did
-    /// ([`LeaseNote`]); a claim returns what a closed stream of that Envoy parked.
-    pub async fn note_lease(
-        &self,
-        target: &Leasable,
-        envoy: &str,
-        stream: &str,
-        note: LeaseNote,
-    ) -> Result<Option<Parked>, StoreError> {
-        let call = self.store.note_lease(&target.key, envoy, stream, note, PARKED_TTL_MS);
-        store::with_deadline(BACKGROUND_DEADLINE, call).await
-    }
-
-    /// Gives `requests` requests' tokens back to `target`.
-    pub async fn give_back(&self, target: &Leasable, requests: u64) -> Result<(), StoreError> {
-        store::with_deadline(BACKGROUND_DEADLINE, self.credit(target, requests as f64 * target.cost as f64))
-            .await
-    }
-
-    async fn credit(&self, target: &Leasable, tokens: f64) -> Result<(), StoreError> {
-        let credit = self.op(target, -tokens, Charge::Admitted);
-        match self.store_call(&[vec![credit]], LateReply::Keep).await.pop() {
-            Some(Err(e)) => Err(e),
-            _ => Ok(()),
-        }
-    }
-
-    fn op(&self, target: &Leasable, need: f64, charge: Charge) -> BucketOp {
-        BucketOp { key: target.key.clone(), spec: target.spec, need, role: Role::Shadow, charge }
+        let results =
+            store::with_deadline(BACKGROUND_DEADLINE, self.store.hold(ops)).instrument(call.clone()).await;
+        let failed = results.iter().filter(|r| r.is_err()).count();
+        span.record("failed", failed);
+        call.record("outcome", if failed == 0 { "ok" } else { "error" });
+        results
     }
 }

@@ -10,7 +10,7 @@ use std::sync::{Arc, Mutex};
 
 use futures::future::BoxFuture;
 
-use super::{DemandNote, LateReply, LeaseNote, Parked, SharedDemand, Store, StoreError};
+use super::{LateReply, Store, StoreError};
 use crate::bucket::{self, Batch, BucketState, GroupOutcome, HoldOp, HoldOutcome};
 use crate::clock::{Clock, SystemClock};
 
@@ -18,10 +18,6 @@ use crate::clock::{Clock, SystemClock};
 pub struct MemoryStore {
     clock: Arc<dyn Clock>,
     buckets: Mutex<Swept<String, Entry>>,
-    // RLQS demand registries by bucket key.
-    demand: Mutex<Swept<String, Registry>>,
-    // RLQS parked-lease registries by (bucket key, Envoy name), as the Redis hashes.
-    parked: Mutex<Swept<(String, String), NameEntry>>,
 }
 
 // A map whose expired entries are dropped whenever it has doubled since the last sweep: memory
@@ -47,42 +43,6 @@ impl<K: std::hash::Hash + Eq, V> Swept<K, V> {
     }
 }
 
-/// One bucket's RLQS demand registry by member, as the Redis hash.
-type Registry = HashMap<String, Member>;
-
-// A member of a demand registry: (demand, standing until ms), (taken, standing until ms).
-#[derive(Default, Clone, Copy)]
-struct Member {
-    demand: (f64, u64),
-    taken: (f64, u64),
-}
-
-// One Envoy name in a bucket's RLQS parked-lease registry: the Redis hash's two fields.
-#[derive(Default)]
-struct NameEntry {
-    // (requests, last report at ms) parked, `None` when parked twice; and standing until ms.
-    parked: Option<(Option<(u64, u64)>, u64)>,
-    // The stream last seen, alive until ms.
-    seen: Option<(String, u64)>,
-    shared_until_ms: u64,
-}
-
-impl NameEntry {
-    fn alive(&self, now: u64) -> bool {
-        self.parked.as_ref().is_some_and(|(_, until)| *until > now)
-            || self.seen.as_ref().is_some_and(|(_, until)| *until > now)
-            || self.shared_until_ms > now
-    }
-
-    // `stream` is alive until `until`; another stream alive now makes the name shared.
-    fn see(&mut self, stream: &str, until: u64, now: u64, ttl_ms: u64) {
-        if self.seen.as_ref().is_some_and(|(other, alive)| other != stream && *alive > now) {
-            self.shared_until_ms = self.shared_until_ms.max(now.saturating_add(6 * ttl_ms));
-        }
-        self.seen = Some((stream.to_owned(), until));
-    }
-}
-
 struct Entry {
     state: BucketState,
     expires_at_ms: u64,
@@ -96,7 +56,7 @@ impl MemoryStore {
 
     /// A store on `clock`, for deterministic tests.
     pub fn with_clock(clock: Arc<dyn Clock>) -> Self {
-        MemoryStore { clock, buckets: Mutex::default(), demand: Mutex::default(), parked: Mutex::default() }
+        MemoryStore { clock, buckets: Mutex::default() }
     }
 
     /// Evaluates `batch` now; the synchronous core of [`Store::evaluate`].
@@ -149,79 +109,6 @@ impl Store for MemoryStore {
     ) -> BoxFuture<'a, Vec<Result<GroupOutcome, StoreError>>> {
         let outcomes = self.evaluate_now(batch).into_iter().map(Ok).collect();
         Box::pin(std::future::ready(outcomes))
-    }
-
-    fn share_demand<'a>(
-        &'a self,
-        key: &'a str,
-        member: &'a str,
-        note: DemandNote,
-        ttl_ms: u64,
-    ) -> BoxFuture<'a, Result<SharedDemand, StoreError>> {
-        let now = self.clock.now_ms();
-        let alive = |m: &Member| m.demand.1 > now || m.taken.1 > now;
-        let mut registries = self.demand.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
-        registries.sweep(|members| members.values().any(alive));
-        let members = registries.map.entry(key.to_owned()).or_default();
-        let entry = members.entry(member.to_owned()).or_default();
-        let until = now.saturating_add(ttl_ms);
-        match note {
-            DemandNote::Ask(demand) => entry.demand = (demand, until),
-            DemandNote::Took(tokens) => entry.taken = (tokens, until),
-        }
-        members.retain(|_, m| alive(m));
-        let standing = |(v, until): (f64, u64)| if until > now { v } else { 0.0 };
-        let shared = SharedDemand {
-            total: members.values().map(|m| standing(m.demand)).sum(),
-            taken_by_others: members
-                .iter()
-                .filter(|(k, _)| *k != member)
-                .map(|(_, m)| standing(m.taken))
-                .sum(),
-        };
-        Box::pin(std::future::ready(Ok(shared)))
-    }
-
-    fn note_lease<'a>(
-        &'a self,
-        key: &'a str,
-        envoy: &'a str,
-        stream: &'a str,
-        note: LeaseNote,
-        ttl_ms: u64,
-    ) -> BoxFuture<'a, Result<Option<Parked>, StoreError>> {
-        let now = self.clock.now_ms();
-        let mut all = self.parked.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
-        all.sweep(|entry| entry.alive(now));
-        let entry = all.map.entry((key.to_owned(), envoy.to_owned())).or_default();
-        let alive = now.saturating_add(ttl_ms);
-        let claimed = match note {
-            LeaseNote::Seen => {
-                entry.see(stream, alive, now, ttl_ms);
-                None
-            }
-            LeaseNote::Park(parked) => {
-                entry.see(stream, now, now, ttl_ms);
-                let standing = entry.parked.as_ref().is_some_and(|(_, until)| *until > now);
-                let lease =
-                    (!standing).then(|| (parked.requests, now.saturating_sub(parked.since_report_ms)));
-                entry.parked = Some((lease, alive));
-                None
-            }
-            LeaseNote::Claim => {
-                let parked = entry.parked.take();
-                entry.see(stream, alive, now, ttl_ms);
-                match parked {
-                    Some((Some((requests, last_report_ms)), until))
-                        if until > now && entry.shared_until_ms <= now =>
-                    {
-                        Some(Parked { requests, since_report_ms: now.saturating_sub(last_report_ms) })
-                    }
-                    _ => None,
-                }
-            }
-        };
-        Box::pin(std::future::ready(Ok(claimed)))
     }
 
     fn hold<'a>(&'a self, ops: &'a [HoldOp]) -> BoxFuture<'a, Vec<Result<HoldOutcome, StoreError>>> {

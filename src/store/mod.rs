@@ -17,7 +17,7 @@
 //!
 //! A call waits for the store at most the deadline the store was built with (`--redis-timeout`),
 //! the one a request answered by the failure mode can afford. Work no request waits on (RLQS
-//! leases) runs under a longer one of its own, [`with_deadline`].
+//! holds) runs under a longer one of its own, [`with_deadline`].
 
 mod cluster;
 mod coalesce;
@@ -67,34 +67,6 @@ pub trait Store: Send + Sync + 'static {
         late: LateReply,
     ) -> BoxFuture<'a, Vec<Result<GroupOutcome, StoreError>>>;
 
-    /// Records in the demand registry of the bucket `key` what `member` (a tollgate replica)
-    /// asks of it or just took ([`DemandNote`]), standing for `ttl_ms`, and returns what every
-    /// member asks and what the others took ([`SharedDemand`]). This is how replicas that each
-    /// see only their own Envoys' Rate Limit Quota streams share a bucket in proportion to demand.
-    fn share_demand<'a>(
-        &'a self,
-        key: &'a str,
-        member: &'a str,
-        note: DemandNote,
-        ttl_ms: u64,
-    ) -> BoxFuture<'a, Result<SharedDemand, StoreError>>;
-
-    /// Tells the parked-lease registry of the bucket `key` what the Rate Limit Quota stream
-    /// `stream` (unique across replicas) of the Envoy named `envoy` did ([`LeaseNote`]); entries
-    /// stand for `ttl_ms`. What an Envoy's closed stream may still have used of its grants is
-    /// parked there for its next stream, on whichever replica it reaches, to claim. A name under
-    /// which two streams were alive at once is shared (two Envoys behind one address): its
-    /// parked entries cannot be told apart, and for a while nothing under it is claimed.
-    /// Returns the parked entry a [`LeaseNote::Claim`] took.
-    fn note_lease<'a>(
-        &'a self,
-        key: &'a str,
-        envoy: &'a str,
-        stream: &'a str,
-        note: LeaseNote,
-        ttl_ms: u64,
-    ) -> BoxFuture<'a, Result<Option<Parked>, StoreError>>;
-
     /// Sets replicas' holds on buckets ([`crate::bucket::hold`]), each op on its own, atomic
     /// with every other call on its bucket; one result per op, in order. A hold op sets a hold to
     /// an absolute size, so one whose reply was lost can simply be sent again.
@@ -112,46 +84,6 @@ pub trait Store: Send + Sync + 'static {
     fn epoch(&self) -> u64 {
         0
     }
-}
-
-/// What a tollgate replica tells a bucket's demand registry.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub enum DemandNote {
-    /// Its Envoys ask this many requests per second.
-    Ask(f64),
-    /// It just took this many tokens.
-    Took(f64),
-}
-
-/// A bucket's demand registry, as one member sees it.
-#[derive(Debug, Clone, Copy, PartialEq, Default)]
-pub struct SharedDemand {
-    /// Every member's standing demand, in requests per second.
-    pub total: f64,
-    /// What the other members took in their standing takes, in tokens.
-    pub taken_by_others: f64,
-}
-
-/// What a Rate Limit Quota stream tells a bucket's parked-lease registry.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum LeaseNote {
-    /// The stream reported the bucket (again).
-    Seen,
-    /// The stream reported the bucket for the first time: take what a closed stream of the same
-    /// Envoy parked.
-    Claim,
-    /// The stream closed with these grants unsettled.
-    Park(Parked),
-}
-
-/// Grants of a closed Rate Limit Quota stream that its Envoy may still have used: the Envoy's
-/// next usage report counts everything since the stream's last report, so it settles them.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Parked {
-    /// Requests granted and neither reported used nor given back.
-    pub requests: u64,
-    /// Milliseconds since the stream's last usage report (when parked; when claimed, as of now).
-    pub since_report_ms: u64,
 }
 
 /// What becomes of tokens a script took when its reply arrives after the caller gave up.

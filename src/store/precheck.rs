@@ -50,7 +50,7 @@ use std::sync::{Arc, Mutex};
 
 use futures::future::BoxFuture;
 
-use super::{DemandNote, LateReply, LeaseNote, Parked, SharedDemand, Store, StoreError};
+use super::{LateReply, Store, StoreError};
 use crate::bucket::{
     covers, Batch, BucketOp, BucketSpec, Charge, Group, GroupOutcome, HoldOp, HoldOutcome, Role, Verdict,
     RATE_RAISE_DELAY_MS,
@@ -333,27 +333,6 @@ impl Store for Precheck {
             }
             results.into_iter().map(|r| r.expect("every group has a result")).collect()
         })
-    }
-
-    fn share_demand<'a>(
-        &'a self,
-        key: &'a str,
-        member: &'a str,
-        note: DemandNote,
-        ttl_ms: u64,
-    ) -> BoxFuture<'a, Result<SharedDemand, StoreError>> {
-        self.inner.share_demand(key, member, note, ttl_ms)
-    }
-
-    fn note_lease<'a>(
-        &'a self,
-        key: &'a str,
-        envoy: &'a str,
-        stream: &'a str,
-        note: LeaseNote,
-        ttl_ms: u64,
-    ) -> BoxFuture<'a, Result<Option<Parked>, StoreError>> {
-        self.inner.note_lease(key, envoy, stream, note, ttl_ms)
     }
 
     // Holds only ever lower what the shared part of a bucket holds and refills (a shrink returns

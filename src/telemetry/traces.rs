@@ -9,9 +9,9 @@
 //!   Envoy's ratelimit span.
 //! * `store.evaluate`: each store call of a decision (`buckets`, `outcome`), a child of the
 //!   decision's span;
-//! * `rlqs.lease`: each lease of a share of a bucket to RLQS streams (`domain`, `demand`,
-//!   `requests`, `outcome`), a trace of its own (no request leads to it), its store calls as
-//!   children.
+//! * `rlqs.hold`: each call that sets RLQS streams' holds on buckets (`holds`, `failed`), a trace
+//!   of its own (no request leads to it), with its store call as the child `store.hold`
+//!   (`buckets`, `outcome`).
 //!
 //! The spans are declared at level TRACE under the target [`TARGET`], and only the OTLP layer
 //! listens to that target: with tracing off (or `RUST_LOG` not asking for it) a span costs one

@@ -4,15 +4,16 @@
 //! Envoy groups requests into buckets, enforces each bucket's assignment locally at full speed,
 //! and streams usage reports; tollgate answers with assignments. The buckets are the RLS path's
 //! own (a bucket id maps to a rule as a descriptor does), so a tenant reached through both
-//! protocols spends one budget. An assignment is a lease: every request an Envoy may admit was
-//! taken from the shared bucket before the assignment was sent ([`pool`]), so across any number
-//! of Envoys and replicas the bucket's limit holds. Each stream runs in one task
-//! ([`session`]); the arithmetic is in [`assign`].
+//! protocols spends one budget. An assignment is a part of a held share: each replica holds a
+//! share of the bucket in the store, which the rest of the bucket no longer holds or refills
+//! ([`crate::bucket::hold`]), and splits it among its streams as refilling local buckets
+//! ([`pool`]), so across any number of Envoys and replicas the bucket's limit holds. Each stream
+//! runs in one task ([`session`]); the arithmetic is in [`assign`].
 //!
 //! Streams never end by themselves: when the server drains, every stream is closed (Envoy keeps
 //! its cached assignments and reconnects, to another replica if this one is gone). What a closed
-//! stream's Envoy may still have used of its grants is parked in the store under the Envoy's name
-//! ([`ENVOY_NAME_METADATA`], else its address) for its next stream to settle.
+//! stream's Envoy may still admit is inside this replica's hold, which outlives its assignments,
+//! so nothing is settled.
 
 pub mod assign;
 pub mod pool;
@@ -42,13 +43,12 @@ pub struct RateLimitQuotaGrpc {
     abandon_after: Duration,
     closing: watch::Receiver<bool>,
     streams: AtomicU64,
-    replica: String,
 }
 
 impl RateLimitQuotaGrpc {
-    /// A service leasing through `limiter` as `replica` (its name in the store's demand
-    /// registries); a bucket without usage for `abandon_after` is abandoned; every stream ends
-    /// when `closing` turns true.
+    /// A service holding shares through `limiter` as `replica` (its name in the buckets' holds,
+    /// unique among replicas, without whitespace); a bucket without usage for `abandon_after` is
+    /// abandoned; every stream ends when `closing` turns true.
     pub fn new(
         limiter: Arc<Limiter>,
         replica: String,
@@ -56,16 +56,8 @@ impl RateLimitQuotaGrpc {
         abandon_after: Duration,
         closing: watch::Receiver<bool>,
     ) -> Self {
-        let pool = Arc::new(Pool::new(limiter.clone(), replica.clone()));
-        RateLimitQuotaGrpc {
-            limiter,
-            pool,
-            clock,
-            abandon_after,
-            closing,
-            streams: AtomicU64::new(0),
-            replica,
-        }
+        let pool = Arc::new(Pool::new(limiter.clone(), replica));
+        RateLimitQuotaGrpc { limiter, pool, clock, abandon_after, closing, streams: AtomicU64::new(0) }
     }
 }
 
@@ -86,19 +78,17 @@ impl RateLimitQuotaService for RateLimitQuotaGrpc {
             closing: self.closing.clone(),
         };
         let id = self.streams.fetch_add(1, Ordering::Relaxed);
-        let peer = session::Peer { name: envoy_name(&request), stream: format!("{}#{id}", self.replica) };
+        let peer = session::Peer { name: envoy_name(&request) };
         tokio::spawn(session::run(context, id, peer, request.into_inner(), answers));
         Ok(Response::new(ReceiverStream::new(stream)))
     }
 }
 
-/// The stream metadata by which an Envoy names itself (`grpc_service.initial_metadata`); without
-/// it, an Envoy is named by its address. Envoys that share an address should each set it.
+/// The stream metadata by which an Envoy names itself in tollgate's logs
+/// (`grpc_service.initial_metadata`); without it, an Envoy is named by its address.
 pub const ENVOY_NAME_METADATA: &str = "x-tollgate-envoy";
 
-// The name the grants of a closed stream are parked under, for the Envoy's next stream to claim:
-// the name it gives itself, else its IP address (unique per pod in Kubernetes). A name two live
-// streams share (Envoys behind one address) settles nothing: the store notices the two streams.
+// The name an Envoy goes by in logs: the name it gives itself, else its IP address.
 fn envoy_name<T>(request: &Request<T>) -> String {
     let named = request.metadata().get(ENVOY_NAME_METADATA).and_then(|v| v.to_str().ok());
     match named {

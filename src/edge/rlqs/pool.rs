@@ -1,47 +1,52 @@
-//! This replica's leases: every bucket some stream of this replica asks for, leased from the
-//! shared store once per [`TICK`], at its phase of each wall-clock round, and split among the
-//! streams. A bucket's phase is one of [`PHASES`] slices of the tick, from its key's Cluster slot:
-//! every replica leases a given bucket at the same moment (they see each other's takes of the
-//! round), while different buckets' calls are spread over the tick instead of all queueing at its
-//! start, where they missed the store's deadline (1,000 buckets on 3 replicas: 23,659
-//! failure-mode answers in 20 s, with Redis at 13 % of a core).
+//! This replica's held shares: every bucket some stream of this replica reports, and for each
+//! stream the hold it keeps on that bucket in the shared store ([`crate::bucket::hold`]), which
+//! its Envoy enforces as a refilling local bucket ([`Allotment`]).
 //!
-//! Per bucket and tick: the demand of this replica's streams is registered in the store beside
-//! other replicas' ([`crate::store::Store::share_demand`]); this replica takes its share of the
-//! round, what the bucket holds plus what other replicas took in it ([`Limiter::lease`]); the
-//! requests taken are split among its streams in proportion to their demand, each capped at
-//! twice its demand ([`assign::split`]), and what no stream can use is given back at once. The
-//! buckets a stream joins are leased at once, together, not at the next tick, since its Envoy
-//! refuses requests until it has an assignment. When the store fails, the streams are told so
-//! and answer with the domain's failure mode.
+//! A hold belongs to one stream (its holder name is this replica's and a number of the stream's
+//! membership), not to the replica: an Envoy spends a local bucket it was given whatever the
+//! others do, so each one's capacity must be backed on its own, and moving capacity from one
+//! Envoy to another is a shrink and a growth, each through the store.
+//!
+//! Once a [`TICK`], at its phase of the tick, each member's [`Holding`] says whether its hold is
+//! due to be set again (new, resized, cut short, hot, after a failure, or up for renewal); the due
+//! ones of a phase go to the store together, [`HOLDS_PER_CALL`] to a call, and each outcome goes to
+//! its stream as an assignment that lives [`ASSIGNMENT_TTL`], well inside the hold's life. So an
+//! idle bucket costs one renewal a [`crate::limiter::RENEW_AFTER`] and nothing else. A bucket's
+//! phase is one of [`PHASES`] slices of the tick, from its key's Cluster slot, so that the calls
+//! spread over the tick.
+//!
+//! An Envoy starts a new local bucket full: its first one, and one after a blanket assignment or
+//! an expired one. The hold op before such an assignment is *fresh*: the store takes the whole
+//! capacity again, not only what it grew by, since the Envoy may have spent what it had. A stream
+//! that leaves leaves its hold to expire: its Envoy may use its cached assignment until then.
+//! When the store fails, the stream is told so and answers with the domain's failure mode.
 //!
 //! A round's events reach each stream as one batch ([`Events`]), which the stream answers in as
-//! few messages as fit. A stream that takes no batch for a whole tick (an Envoy that reads
-//! nothing) gets nothing: what the batch granted is given back.
-//!
-//! The tick task belongs to the pool and stops with it.
+//! few messages as fit. The tick task belongs to the pool and stops with it.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
-use futures::future::join_all;
 use futures::StreamExt as _;
 use tokio::sync::mpsc;
 
-use super::assign;
+use super::assign::Allotment;
+use crate::bucket::{HoldOp, HoldOutcome};
 use crate::config::FailureMode;
-use crate::limiter::{Leasable, Limiter};
+use crate::limiter::{Holding, Leasable, Limiter, ASSIGNMENT_TTL};
+use crate::store::StoreError;
 use crate::telemetry::logs::{self, ErrorChain};
 
-/// How often buckets are leased (and Envoys get fresh grants).
+/// How often buckets are looked at (and holds set when due).
 pub const TICK: Duration = Duration::from_secs(1);
-/// Slices of a tick over which buckets are leased, each at the slice its key falls in.
+/// Slices of a tick over which buckets are looked at, each at the slice its key falls in.
 pub const PHASES: u64 = 10;
-/// Most buckets one lease task leases at once. A stream's first report may name thousands of
-/// buckets; leased all at once, their calls queue past the store's deadline and answer with the
-/// failure mode, while a bounded number in flight finish in order within it.
-const LEASES_IN_FLIGHT: usize = 64;
+/// Most hold ops in one store call (one script run per slot in it): thousands of new buckets in
+/// one script would hold Redis up for everyone else.
+const HOLDS_PER_CALL: usize = 256;
+/// Most store calls one round has in flight.
+const CALLS_IN_FLIGHT: usize = 8;
 
 /// A stream's bucket: the stream and the bucket id (as its sorted entries) it reported.
 pub type MemberId = (u64, String);
@@ -52,12 +57,13 @@ pub type Events = Vec<Event>;
 /// What the pool tells a stream about one of its buckets.
 #[derive(Debug, Clone)]
 pub enum Event {
-    /// Admit up to this many requests until the next grant.
-    Grant {
+    /// Admit from a local bucket of this size for [`ASSIGNMENT_TTL`]; none: admit nothing, or,
+    /// for an Envoy never given one, wait for the next.
+    Assign {
         /// The Envoy's bucket id, encoded.
         bucket: String,
-        /// Requests it may admit.
-        requests: u64,
+        /// Its local bucket.
+        allotment: Option<Allotment>,
     },
     /// The store failed; answer as this failure mode says.
     StoreFailed {
@@ -71,6 +77,22 @@ pub enum Event {
 struct Member {
     demand: f64,
     events: mpsc::Sender<Events>,
+    // Its name among the bucket's holders: this replica's and a number unique in it.
+    holder: String,
+    holding: Holding,
+    // The allotment last sent and when; none when the Envoy has no local bucket from us (then
+    // the next one starts full).
+    sent: Option<(Allotment, u64)>,
+    // A hold op for it is in flight.
+    busy: bool,
+}
+
+impl Member {
+    // Whether an assignment now would start its Envoy's local bucket afresh.
+    fn fresh(&self, now_ms: u64) -> bool {
+        let lives = ASSIGNMENT_TTL.as_millis() as u64;
+        self.sent.is_none_or(|(_, at)| now_ms.saturating_sub(at) >= lives)
+    }
 }
 
 struct Bucket {
@@ -78,15 +100,9 @@ struct Bucket {
     // Its phase of the tick ([`phase_of`] its key).
     phase: u64,
     members: HashMap<MemberId, Member>,
-    // Fractions of a request owed to each member, and to this replica by the store.
-    owed: HashMap<MemberId, f64>,
-    owed_replica: f64,
-    // When it was last leased: a bucket leased at a join skips its phase's tick if that comes
-    // within half a tick, which would replace the join's grant before the Envoy could use it.
-    leased_at: Option<std::time::Instant>,
 }
 
-/// The leased buckets of this replica.
+/// The held shares of this replica.
 pub struct Pool {
     inner: Arc<Inner>,
     ticker: tokio::task::JoinHandle<()>,
@@ -94,8 +110,11 @@ pub struct Pool {
 
 struct Inner {
     limiter: Arc<Limiter>,
-    // This replica's name in the store's demand registries.
+    // This replica's name in the buckets' holds.
     replica: String,
+    started: Instant,
+    // Memberships so far: numbers each member's holder name.
+    joined: std::sync::atomic::AtomicU64,
     buckets: Mutex<HashMap<String, Bucket>>,
 }
 
@@ -106,31 +125,32 @@ impl Drop for Pool {
 }
 
 impl Pool {
-    /// A pool leasing through `limiter` as `replica`; starts its tick task.
+    /// A pool holding through `limiter` as `replica`; starts its tick task.
     pub fn new(limiter: Arc<Limiter>, replica: String) -> Pool {
-        let inner = Arc::new(Inner { limiter, replica, buckets: Mutex::default() });
+        let inner = Arc::new(Inner {
+            limiter,
+            replica,
+            started: Instant::now(),
+            joined: Default::default(),
+            buckets: Mutex::default(),
+        });
         let ticking = Arc::downgrade(&inner);
         let ticker = tokio::spawn(async move {
             loop {
                 let (wait, phase) = until_next_phase();
                 tokio::time::sleep(wait).await;
                 let Some(inner) = ticking.upgrade() else { return };
-                let recent = |b: &Bucket| b.leased_at.is_some_and(|at| at.elapsed() < TICK / 2);
-                let keys: Vec<String> = inner
-                    .lock()
-                    .iter()
-                    .filter(|(_, b)| b.phase == phase && !recent(b))
-                    .map(|(k, _)| k.clone())
-                    .collect();
-                // A phase's leases run on their own, so that a slow store holds up no other phase.
-                tokio::spawn(async move { inner.lease_rounds(&keys).await });
+                let keys: Vec<String> =
+                    inner.lock().iter().filter(|(_, b)| b.phase == phase).map(|(k, _)| k.clone()).collect();
+                // A phase's ops run on their own, so that a slow store holds up no other phase.
+                tokio::spawn(async move { inner.round(Round::Due(keys)).await });
             }
         });
         Pool { inner, ticker }
     }
 
-    /// Makes `member` a lessee of `target` with `demand` requests per second; true if it is new
-    /// (then lease its bucket with [`Pool::lease_now`]).
+    /// Makes `member` a holder of `target` with `demand` requests per second; true if it is new
+    /// (then set its hold with [`Pool::hold_now`]).
     pub fn join(
         &self,
         member: MemberId,
@@ -143,22 +163,28 @@ impl Pool {
             phase: phase_of(&target.key),
             target,
             members: HashMap::new(),
-            owed: HashMap::new(),
-            owed_replica: 0.0,
-            leased_at: None,
         });
-        let fresh = bucket.members.insert(member, Member { demand, events }).is_none();
-        metrics::gauge!("tollgate_rlqs_buckets").set(buckets.len() as f64);
-        fresh
+        if bucket.members.contains_key(&member) {
+            return false;
+        }
+        let n = self.inner.joined.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let holder = format!("{}#{n}", self.inner.replica);
+        bucket.members.insert(
+            member,
+            Member { demand, events, holder, holding: Holding::default(), sent: None, busy: false },
+        );
+        metrics::gauge!("tollgate_rlqs_holders").increment(1.0);
+        true
     }
 
-    /// Leases the buckets `keys` now, together, instead of at the next tick.
-    pub fn lease_now(&self, keys: Vec<String>) {
-        if keys.is_empty() {
+    /// Sets the holds of `members` of the buckets `keys` now, instead of at their next phase:
+    /// their Envoys refuse requests until they have an assignment.
+    pub fn hold_now(&self, members: Vec<(String, MemberId)>) {
+        if members.is_empty() {
             return;
         }
         let inner = self.inner.clone();
-        tokio::spawn(async move { inner.lease_rounds(&keys).await });
+        tokio::spawn(async move { inner.round(Round::Now(members)).await });
     }
 
     /// Updates `member`'s demand for the bucket `key`.
@@ -168,28 +194,25 @@ impl Pool {
         }
     }
 
-    /// Removes `member` from the bucket `key`; a bucket without members is no longer leased.
+    /// Removes `member` from the bucket `key`. Its hold stays until it expires: its Envoy may use
+    /// its cached assignment until then.
     pub fn leave(&self, key: &str, member: &MemberId) {
         let mut buckets = self.inner.lock();
         if let Some(bucket) = buckets.get_mut(key) {
-            bucket.members.remove(member);
+            if bucket.members.remove(member).is_some() {
+                metrics::gauge!("tollgate_rlqs_holders").decrement(1.0);
+            }
             if bucket.members.is_empty() {
                 buckets.remove(key);
+                metrics::gauge!("tollgate_rlqs_buckets").set(buckets.len() as f64);
             }
         }
-        metrics::gauge!("tollgate_rlqs_buckets").set(buckets.len() as f64);
-    }
-
-    /// Gives `requests` of a member's grants back to the bucket.
-    pub async fn give_back(&self, target: &Leasable, requests: u64) {
-        self.inner.give_back(target, requests).await;
     }
 }
 
-// Every replica leases a bucket at its phase of each wall-clock round (rounds are multiples of
-// TICK since the Unix epoch; replicas' clocks agree to NTP's precision), so that within a round
-// all see the same refill, and each sees the others' takes of this round only (they stand for
-// half a tick). Returns how long until the next phase starts, and which phase that is.
+// Every replica looks at a bucket at its phase of each wall-clock round (rounds are multiples of
+// TICK since the Unix epoch), so that a tenant's buckets (one slot) are set together. Returns how
+// long until the next phase starts, and which phase that is.
 fn until_next_phase() -> (Duration, u64) {
     let slice = TICK.as_millis() as u64 / PHASES;
     let now = std::time::SystemTime::now()
@@ -199,20 +222,26 @@ fn until_next_phase() -> (Duration, u64) {
     (Duration::from_millis(next * slice - now), next % PHASES)
 }
 
-// The phase of the bucket `key`: from its Cluster slot, so that a tenant's buckets (one slot)
-// are leased together.
+// The phase of the bucket `key`: from its Cluster slot.
 fn phase_of(key: &str) -> u64 {
     u64::from(crate::identity::cluster_slot(key)) % PHASES
 }
 
-// An event for a member, the channel it goes by, and the grant to give back if it cannot.
-type Delivery = (MemberId, mpsc::Sender<Events>, Event, Option<(Leasable, u64)>);
+// A store call's ops and their outcomes.
+type Answered = (Vec<Planned>, Vec<Result<HoldOutcome, StoreError>>);
 
-// One stream's events of a round, and the grants among them to give back if it takes none.
-struct Batch {
-    sender: mpsc::Sender<Events>,
-    events: Events,
-    grants: Vec<(Leasable, u64)>,
+// Which members a round looks at.
+enum Round {
+    // Every member of these buckets, whose ops are due.
+    Due(Vec<String>),
+    // These members of these buckets, now.
+    Now(Vec<(String, MemberId)>),
+}
+
+// An op and whose it is.
+struct Planned {
+    op: HoldOp,
+    member: MemberId,
 }
 
 impl Inner {
@@ -220,117 +249,128 @@ impl Inner {
         self.buckets.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 
-    // One lease of each bucket of `keys` for all its members; each stream gets the round's events
-    // as one batch, delivered in a task of its own, so that a stream that reads nothing holds up
-    // only its own grants, not the next round.
-    async fn lease_rounds(self: &Arc<Self>, keys: &[String]) {
-        let rounds: Vec<Vec<Delivery>> = futures::stream::iter(keys.to_vec())
-            .map(|key| {
-                let inner = self.clone();
-                async move { inner.lease_round(&key).await }
-            })
-            .buffer_unordered(LEASES_IN_FLIGHT)
-            .collect()
-            .await;
-        let mut batches: HashMap<u64, Batch> = HashMap::new();
-        for (member, sender, event, grant) in rounds.into_iter().flatten() {
-            let batch = batches.entry(member.0).or_insert_with(|| Batch {
-                sender,
-                events: Vec::new(),
-                grants: Vec::new(),
-            });
-            batch.events.push(event);
-            batch.grants.extend(grant);
-        }
-        for batch in batches.into_values() {
-            let inner = self.clone();
-            tokio::spawn(async move {
-                if batch.sender.send_timeout(batch.events, TICK).await.is_err() {
-                    join_all(
-                        batch.grants.iter().map(|(target, requests)| inner.give_back(target, *requests)),
-                    )
-                    .await;
-                }
-            });
-        }
+    fn now_ms(&self) -> u64 {
+        self.started.elapsed().as_millis() as u64
     }
 
-    // One lease of the bucket `key` for all its members: the event for each member, with the
-    // grant to give back if it cannot be delivered.
-    async fn lease_round(&self, key: &str) -> Vec<Delivery> {
-        let (target, members, owed) = {
-            let mut buckets = self.lock();
-            let Some(bucket) = buckets.get_mut(key) else { return Vec::new() };
-            bucket.leased_at = Some(std::time::Instant::now());
-            let tick_ms = TICK.as_millis() as u64;
-            let members: Vec<(MemberId, f64, u64)> = bucket
-                .members
-                .iter()
-                .map(|(id, m)| (id.clone(), m.demand, assign::cap(m.demand, tick_ms)))
-                .collect();
-            (bucket.target.clone(), members, bucket.owed_replica)
-        };
-        let demand: f64 = members.iter().map(|(_, d, _)| d).sum();
-        let cap: u64 = members.iter().map(|(_, _, c)| c).sum();
-        match self.limiter.lease(&target, &self.replica, demand, cap, owed, TICK.as_millis() as u64 / 2).await
-        {
-            Ok((requests, owed)) => {
-                metrics::counter!("tollgate_rlqs_leased_requests_total").increment(requests);
-                let (grants, spare) = {
-                    let mut buckets = self.lock();
-                    match buckets.get_mut(key) {
-                        Some(bucket) => {
-                            bucket.owed_replica = owed;
-                            assign::split(requests, &members, &mut bucket.owed)
-                        }
-                        None => (Vec::new(), requests),
-                    }
-                };
-                let mut unsent = spare;
-                let mut deliveries = Vec::new();
-                for (member, requests) in grants {
-                    match self.sender(key, &member) {
-                        Some(sender) => {
-                            let event = Event::Grant { bucket: member.1.clone(), requests };
-                            deliveries.push((member, sender, event, Some((target.clone(), requests))));
-                        }
-                        None => unsent += requests,
-                    }
-                }
-                self.give_back(&target, unsent).await;
-                deliveries
-            }
-            Err(error) => {
-                if let Some(held_back) = logs::throttled("rlqs_lease_failed") {
-                    tracing::warn!(domain = %target.domain.name, error = %ErrorChain(&error), held_back, "could not lease from the store; applying the failure mode");
-                }
-                let mode = target.domain.failure_mode;
-                members
-                    .into_iter()
-                    .filter_map(|(member, _, _)| {
-                        let sender = self.sender(key, &member)?;
-                        let event = Event::StoreFailed { bucket: member.1.clone(), mode };
-                        Some((member, sender, event, None))
-                    })
-                    .collect()
-            }
-        }
-    }
-
-    // The events channel of a member of `key`, if it is still there.
-    fn sender(&self, key: &str, member: &MemberId) -> Option<mpsc::Sender<Events>> {
-        self.lock().get(key).and_then(|b| b.members.get(member)).map(|m| m.events.clone())
-    }
-
-    async fn give_back(&self, target: &Leasable, requests: u64) {
-        if requests == 0 {
+    // One round: the ops it calls for, in calls of [`HOLDS_PER_CALL`], and each stream's events
+    // of the round as one batch, delivered in a task of its own, so that a stream that reads
+    // nothing holds up no one else.
+    async fn round(self: &Arc<Self>, round: Round) {
+        let planned = self.plan(round);
+        if planned.is_empty() {
             return;
         }
-        metrics::counter!("tollgate_rlqs_refunded_requests_total").increment(requests);
-        if let Err(error) = self.limiter.give_back(target, requests).await {
-            metrics::counter!("tollgate_store_refund_failures_total").increment(1);
-            if let Some(held_back) = logs::throttled("rlqs_refund_failed") {
-                tracing::warn!(domain = %target.domain.name, error = %ErrorChain(&error), held_back, "could not give unused lease back");
+        let calls: Vec<Vec<Planned>> = {
+            let mut calls = Vec::new();
+            let mut planned = planned.into_iter().peekable();
+            while planned.peek().is_some() {
+                calls.push(planned.by_ref().take(HOLDS_PER_CALL).collect());
+            }
+            calls
+        };
+        let answered: Vec<Answered> = futures::stream::iter(calls)
+            .map(|call| async move {
+                let ops: Vec<HoldOp> = call.iter().map(|p| p.op.clone()).collect();
+                let results = self.limiter.hold(&ops).await;
+                (call, results)
+            })
+            .buffer_unordered(CALLS_IN_FLIGHT)
+            .collect()
+            .await;
+        let mut batches: HashMap<u64, (mpsc::Sender<Events>, Events)> = HashMap::new();
+        for (call, results) in answered {
+            for (planned, result) in call.into_iter().zip(results) {
+                if let Some((sender, event)) = self.settle(&planned, result) {
+                    batches.entry(planned.member.0).or_insert_with(|| (sender, Vec::new())).1.push(event);
+                }
+            }
+        }
+        for (sender, events) in batches.into_values() {
+            tokio::spawn(async move {
+                // A stream that takes nothing for a tick gets nothing: its members' next ops are
+                // fresh once their assignments expire.
+                let _ = sender.send_timeout(events, TICK).await;
+            });
+        }
+    }
+
+    // The ops a round calls for.
+    fn plan(&self, round: Round) -> Vec<Planned> {
+        let now_ms = self.now_ms();
+        let mut buckets = self.lock();
+        let mut planned = Vec::new();
+        let mut visit = |bucket: &mut Bucket, id: &MemberId, force: bool| {
+            let Some(member) = bucket.members.get_mut(id) else { return };
+            if member.busy {
+                return;
+            }
+            let fresh = member.fresh(now_ms);
+            let due =
+                member.holding.due(&bucket.target, &member.holder, member.demand, now_ms, force || fresh);
+            if let Some(mut op) = due {
+                op.fresh = fresh;
+                member.busy = true;
+                planned.push(Planned { op, member: id.clone() });
+            }
+        };
+        match round {
+            Round::Due(keys) => {
+                for key in keys {
+                    let Some(bucket) = buckets.get_mut(&key) else { continue };
+                    let ids: Vec<MemberId> = bucket.members.keys().cloned().collect();
+                    for id in &ids {
+                        visit(bucket, id, false);
+                    }
+                }
+            }
+            Round::Now(members) => {
+                for (key, id) in members {
+                    if let Some(bucket) = buckets.get_mut(&key) {
+                        visit(bucket, &id, true);
+                    }
+                }
+            }
+        }
+        metrics::gauge!("tollgate_rlqs_buckets").set(buckets.len() as f64);
+        planned
+    }
+
+    // Books what an op got: the event for its member's stream.
+    fn settle(
+        &self,
+        planned: &Planned,
+        result: Result<HoldOutcome, StoreError>,
+    ) -> Option<(mpsc::Sender<Events>, Event)> {
+        let now_ms = self.now_ms();
+        let mut buckets = self.lock();
+        let bucket = buckets.get_mut(&planned.op.key)?;
+        let cost = bucket.target.cost;
+        let mode = bucket.target.domain.failure_mode;
+        let member = bucket.members.get_mut(&planned.member)?;
+        member.busy = false;
+        let name = planned.member.1.clone();
+        match result {
+            Ok(outcome) => {
+                metrics::counter!("tollgate_rlqs_holds_total", "outcome" => "set").increment(1);
+                member.holding.set(&planned.op, &outcome, now_ms);
+                let allotment = Allotment::of(outcome.capacity, outcome.refill_per_second, cost);
+                // An Envoy never given a bucket by this stream keeps what it has (its cached
+                // assignment, from another replica's stream, stands on that stream's hold).
+                if allotment.is_none() && member.sent.is_none() {
+                    return None;
+                }
+                member.sent = allotment.map(|a| (a, now_ms));
+                Some((member.events.clone(), Event::Assign { bucket: name, allotment }))
+            }
+            Err(error) => {
+                metrics::counter!("tollgate_rlqs_holds_total", "outcome" => "failed").increment(1);
+                if let Some(held_back) = logs::throttled("rlqs_hold_failed") {
+                    tracing::warn!(error = %ErrorChain(&error), held_back, "could not set a hold in the store; applying the failure mode");
+                }
+                member.holding.failed();
+                member.sent = None;
+                Some((member.events.clone(), Event::StoreFailed { bucket: name, mode }))
             }
         }
     }

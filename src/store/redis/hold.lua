@@ -51,7 +51,7 @@ for _ = 1, tonumber(ARGV[1]) do
     end
     note_spec(st, cap, rps)
     local mine = {replica, c, r, now + ttl, demand, banked, now}
-    local release = c <= 0 and r <= 0
+    local release = want_c <= 0 and want_r <= 0
     local holds, placed = {}, false
     for _, h in ipairs(live) do
       if h[1] == replica then

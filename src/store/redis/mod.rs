@@ -39,7 +39,7 @@ use super::cluster::{Cluster, ClusterError};
 use super::coalesce::{Call, Coalescer, Late};
 use super::node::{self, Node, Script};
 use super::sentinel::{Sentinel, SentinelTarget};
-use super::{DemandNote, LateReply, LeaseNote, Parked, SharedDemand, Store, StoreError};
+use super::{LateReply, Store, StoreError};
 use crate::bucket::{
     refund, Batch, BucketOp, BucketState, Charge, Group, GroupOutcome, HoldOp, HoldOutcome, Role, Verdict,
 };
@@ -50,10 +50,6 @@ use crate::telemetry::logs;
 const SCRIPT: &str = concat!(include_str!("bucket.lua"), include_str!("token_bucket.lua"));
 /// The RLQS held-shares script.
 const HOLD_SCRIPT: &str = concat!(include_str!("bucket.lua"), include_str!("hold.lua"));
-/// The RLQS demand registry script.
-const DEMAND_SCRIPT: &str = include_str!("demand.lua");
-/// The RLQS parked leases script.
-const PARKED_SCRIPT: &str = include_str!("parked.lua");
 /// Reads a bucket without changing it.
 const PEEK_SCRIPT: &str = include_str!("peek.lua");
 
@@ -137,8 +133,6 @@ pub struct RedisStore {
 struct Shared {
     connection: Connection,
     script: Script,
-    demand_script: Script,
-    parked_script: Script,
     peek_script: Script,
     hold_script: Script,
     deadline: Duration,
@@ -212,8 +206,6 @@ impl RedisStore {
         let shared = Arc::new(Shared {
             connection,
             script: Script::new(SCRIPT),
-            demand_script: Script::new(DEMAND_SCRIPT),
-            parked_script: Script::new(PARKED_SCRIPT),
             peek_script: Script::new(PEEK_SCRIPT),
             hold_script: Script::new(HOLD_SCRIPT),
             deadline,
@@ -578,67 +570,6 @@ impl Store for RedisStore {
                 });
             }
             results
-        })
-    }
-
-    fn share_demand<'a>(
-        &'a self,
-        key: &'a str,
-        member: &'a str,
-        note: DemandNote,
-        ttl_ms: u64,
-    ) -> BoxFuture<'a, Result<SharedDemand, StoreError>> {
-        Box::pin(async move {
-            let registry = crate::identity::demand_key(key);
-            let (op, amount) = match note {
-                DemandNote::Ask(demand) => ("ask", demand),
-                DemandNote::Took(tokens) => ("took", tokens),
-            };
-            let args = [op.to_owned(), member.to_owned(), amount.to_string(), ttl_ms.to_string()];
-            let reply = self.shared.eval_on_key(&self.shared.demand_script, &registry, &args).await?;
-            let parsed = match &reply {
-                Value::Array(v) => match v.as_slice() {
-                    [total, others] => reply_number(total).zip(reply_number(others)),
-                    _ => None,
-                },
-                _ => None,
-            };
-            parsed
-                .map(|(total, taken_by_others)| SharedDemand { total, taken_by_others })
-                .ok_or_else(|| StoreError::Protocol(format!("demand registry: {reply:?}")))
-        })
-    }
-
-    fn note_lease<'a>(
-        &'a self,
-        key: &'a str,
-        envoy: &'a str,
-        stream: &'a str,
-        note: LeaseNote,
-        ttl_ms: u64,
-    ) -> BoxFuture<'a, Result<Option<Parked>, StoreError>> {
-        Box::pin(async move {
-            let op = match note {
-                LeaseNote::Seen => "seen",
-                LeaseNote::Claim => "claim",
-                LeaseNote::Park(_) => "park",
-            };
-            let mut args = vec![op.to_owned(), envoy.to_owned(), stream.to_owned(), ttl_ms.to_string()];
-            if let LeaseNote::Park(parked) = note {
-                args.extend([parked.requests.to_string(), parked.since_report_ms.to_string()]);
-            }
-            let registry = crate::identity::parked_key(key);
-            match self.shared.eval_on_key(&self.shared.parked_script, &registry, &args).await? {
-                Value::Nil | Value::Int(1) => Ok(None),
-                Value::Array(v) => match v.as_slice() {
-                    [Value::Int(requests), Value::Int(since)] => Ok(Some(Parked {
-                        requests: (*requests).max(0) as u64,
-                        since_report_ms: (*since).max(0) as u64,
-                    })),
-                    other => Err(StoreError::Protocol(format!("parked leases: {other:?}"))),
-                },
-                other => Err(StoreError::Protocol(format!("parked leases: {other:?}"))),
-            }
         })
     }
 
