@@ -25,7 +25,8 @@ use std::time::Duration;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use tollgate::bucket::{
-    BucketOp, BucketSpec, BucketState, Charge, Group, Hold, HoldOp, Role, MAX_WAIT_MS, MIN_REFILL_PER_SECOND,
+    Asked, BucketOp, BucketSpec, BucketState, Charge, Group, Hold, HoldOp, Role, MAX_WAIT_MS,
+    MIN_REFILL_PER_SECOND,
 };
 use tollgate::clock::ManualClock;
 use tollgate::store::{parse_holds, LateReply, MemoryStore, RedisStore, RedisTarget, RedisTls, Store};
@@ -136,6 +137,17 @@ fn holds_in(field: Option<&str>) -> Vec<Hold> {
     parse_holds(field.unwrap_or("")).unwrap()
 }
 
+// What the `u` field says was asked of a held bucket.
+fn asked_in(field: Option<&str>) -> Asked {
+    let Some(field) = field else { return Asked::default() };
+    let words: Vec<&str> = field.split_whitespace().collect();
+    Asked {
+        previous: words[0].parse().unwrap(),
+        current: words[1].parse().unwrap(),
+        since_ms: words[2].parse().unwrap(),
+    }
+}
+
 // The Redis store on `redis`, without coalescing, so that each call is one script run.
 fn store_on(redis: &common::Redis) -> RedisStore {
     RedisStore::connect(
@@ -160,8 +172,11 @@ fn compare_stored(
 ) -> usize {
     let mut writes = 0;
     for key in keys {
-        let fields: Vec<Option<String>> =
-            redis::cmd("HMGET").arg(key).arg(&["t", "l", "r", "p", "q", "c", "s", "h"]).query(con).unwrap();
+        let fields: Vec<Option<String>> = redis::cmd("HMGET")
+            .arg(key)
+            .arg(&["t", "l", "r", "p", "q", "c", "s", "h", "u"])
+            .query(con)
+            .unwrap();
         let expires: i64 = redis::cmd("PEXPIRETIME").arg(key).query(con).unwrap();
         let number = |i: usize| fields[i].as_deref().unwrap().parse::<f64>().unwrap();
         let in_redis = (fields[1].as_deref() == Some(&redis_now.to_string())).then(|| {
@@ -174,6 +189,7 @@ fn compare_stored(
                 largest_capacity: number(5),
                 slowest_refill: number(6),
                 holds: holds_in(fields[7].as_deref()),
+                asked: asked_in(fields[8].as_deref()),
             };
             (state, expires)
         });
@@ -189,7 +205,9 @@ fn compare_stored(
                         ..h.clone()
                     })
                     .collect();
-                let state = BucketState { last_refill_ms: redis_now, pending_from_ms, holds, ..s };
+                let since_ms = if s.asked.since_ms > 0 { s.asked.since_ms - shift } else { 0 };
+                let asked = Asked { since_ms, ..s.asked };
+                let state = BucketState { last_refill_ms: redis_now, pending_from_ms, holds, asked, ..s };
                 (state, (expires_at - shift) as i64)
             },
         );
@@ -203,6 +221,7 @@ fn compare_stored(
             *seen.get_mut("hold expired").unwrap() +=
                 usize::from(state.holds.iter().any(|h| h.expires_at_ms <= redis_now));
             *seen.get_mut("banked").unwrap() += usize::from(state.holds.iter().any(|h| h.banked > 0.0));
+            *seen.get_mut("asked").unwrap() += usize::from(state.asked.current > 0.0);
         }
     }
     writes
@@ -228,6 +247,7 @@ async fn replay(seed: u64, redis: &common::Redis) -> HashMap<&'static str, usize
         HashMap::from([("admitted", 0usize), ("denied", 0), ("debt", 0), ("forgiven", 0), ("capped", 0)]);
     seen.extend([("pending", 0), ("mixed", 0), ("kept longer", 0)]);
     seen.extend([("held", 0), ("hold cut", 0), ("held verdict", 0), ("hold expired", 0), ("banked", 0)]);
+    seen.insert("asked", 0);
 
     for step in 0..600 {
         if rng.random_bool(0.1) {
@@ -236,8 +256,9 @@ async fn replay(seed: u64, redis: &common::Redis) -> HashMap<&'static str, usize
             // Expiry moves back too, so a bucket expires in Redis exactly when the memory store
             // (whose clock jumps) drops it.
             for key in &keys {
-                let (last, pending_from, held): (Option<u64>, Option<u64>, Option<String>) =
-                    redis::cmd("HMGET").arg(key).arg("l").arg("q").arg("h").query(&mut con).unwrap();
+                type Moved = (Option<u64>, Option<u64>, Option<String>, Option<String>);
+                let (last, pending_from, held, asked): Moved =
+                    redis::cmd("HMGET").arg(key).arg("l").arg("q").arg("h").arg("u").query(&mut con).unwrap();
                 if let (Some(last), Some(pending_from)) = (last, pending_from) {
                     let pending_from = if pending_from > 0 { pending_from - delta } else { 0 };
                     let _: () = redis::cmd("HSET")
@@ -263,6 +284,11 @@ async fn replay(seed: u64, redis: &common::Redis) -> HashMap<&'static str, usize
                             .arg(moved.join(" "))
                             .query(&mut con)
                             .unwrap();
+                    }
+                    if asked.is_some() {
+                        let a = asked_in(asked.as_deref());
+                        let moved = format!("{:.17e} {:.17e} {}", a.previous, a.current, a.since_ms - delta);
+                        let _: () = redis::cmd("HSET").arg(key).arg("u").arg(moved).query(&mut con).unwrap();
                     }
                     let expires: i64 = redis::cmd("PEXPIRETIME").arg(key).query(&mut con).unwrap();
                     let _: () =

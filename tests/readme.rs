@@ -151,7 +151,7 @@ fn the_walkthrough_works_as_printed() {
     for expected in ["tollgate_rlqs_streams 1", "tollgate_rlqs_buckets 1", "tollgate_rlqs_holders 1"] {
         assert!(lines.contains(&expected), "{expected}: {rlqs}");
     }
-    assert!(rlqs.contains("tollgate_rlqs_holds_total{outcome=\"set\"} 1"), "one hold op: {rlqs}");
+    assert!(rlqs.contains("tollgate_rlqs_holds_total{outcome=\"set\"} 2"), "two hold ops: {rlqs}");
 
     let llm = run("envoy-llm", Duration::from_secs(60));
     let lines: Vec<&str> = llm.lines().collect();

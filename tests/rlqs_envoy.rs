@@ -1,7 +1,7 @@
 //! The Rate Limit Quota Service through real Envoys 1.40 (`envoy.filters.http.rate_limit_quota`),
 //! two tollgate replicas, one tenant with capacity 50 refilling 10/s:
 //!
-//! * three Envoys under load for 20 s admit within [0.9, 1.0] × (50 + 10 × 20) plus the slack of
+//! * three Envoys under load for 20 s admit within [0.85, 1.0] × (50 + 10 × 20) plus the slack of
 //!   one tick's refill (the README's formula), on a standalone Redis and on a Cluster;
 //! * with 90/5/5 % demand, the busy Envoy's share follows its demand within two reports;
 //! * one Envoy on the RLS filter and two on RLQS spend one budget together;
@@ -244,6 +244,12 @@ fn rig(backend: &Backend, filters: &[Value], config: &std::path::Path, upstream:
 /// Runs loads (requests per second per Envoy, 0 = unthrottled) for `seconds`; returns the 200s
 /// per Envoy, in all and in the last `tail` seconds.
 async fn run(rig: &Rig, rates: &[u64], seconds: u64, tail: u64) -> (Vec<u64>, Vec<u64>) {
+    let (total, tail, _) = run_counting(rig, rates, seconds, tail).await;
+    (total, tail)
+}
+
+/// As [`run`], and what each Envoy was sent in all (admitted or not).
+async fn run_counting(rig: &Rig, rates: &[u64], seconds: u64, tail: u64) -> (Vec<u64>, Vec<u64>, Vec<u64>) {
     let stop = Arc::new(AtomicBool::new(false));
     let counting = Arc::new(AtomicBool::new(true));
     let all: Vec<Arc<Counts>> = rates.iter().map(|_| Arc::default()).collect();
@@ -270,12 +276,22 @@ async fn run(rig: &Rig, rates: &[u64], seconds: u64, tail: u64) -> (Vec<u64>, Ve
     }
     let total: Vec<u64> = all.iter().map(|c| c.ok.load(Ordering::SeqCst)).collect();
     let tail_counts = total.iter().zip(&before).map(|(t, b)| t - b).collect();
-    (total, tail_counts)
+    let sent = all
+        .iter()
+        .map(|c| {
+            c.ok.load(Ordering::SeqCst) + c.limited.load(Ordering::SeqCst) + c.other.load(Ordering::SeqCst)
+        })
+        .collect();
+    (total, tail_counts, sent)
 }
 
+/// The admitted total, its floor and its bound. The bound is the global bound plus a second's
+/// refill of slack; the floor is 0.85 of the budget: held shares start at a sixteenth for a
+/// second and then follow demand as reports measure it (measured 0.88-0.90 over 20 s; the
+/// per-second leases they replaced reached 0.94-0.98, at 80 times the Redis work).
 fn within(admitted: u64, seconds: f64) -> (f64, f64, f64) {
     let budget = CAPACITY + RATE * seconds;
-    (admitted as f64, 0.9 * budget, budget + SLACK)
+    (admitted as f64, 0.85 * budget, budget + SLACK)
 }
 
 /// Each test runs three Envoys, two tollgates and their load: one at a time, so that they
@@ -324,6 +340,10 @@ async fn shares_follow_demand() {
     assert!(share >= 0.75, "the busy Envoy's share follows its demand (0.9), not an equal third: {share:.2}");
 }
 
+/// One RLS Envoy and two RLQS Envoys on one tenant, all asking far more than the budget: one
+/// budget in total, both sides served. The shares are printed, not asserted: RLS demand counts in
+/// the bucket only when it reaches Redis, and the pre-check answers most of a starved RLS
+/// Envoy's requests locally, so the holds are sized as if RLS asked little (issue 22, item 5).
 #[tokio::test(flavor = "multi_thread")]
 async fn rls_and_rlqs_spend_one_budget() {
     let _serial = SERIAL.lock().await;
@@ -332,11 +352,17 @@ async fn rls_and_rlqs_spend_one_budget() {
     let (_dir, config) = config_file(CONFIG);
     let rig =
         rig(&Backend::Redis(redis.url()), &[rls_filter(), rlqs_filter(), rlqs_filter()], &config, upstream);
-    let (admitted, _) = run(&rig, &[0, 0, 0], 20, 5).await;
+    let (admitted, tail, sent) = run_counting(&rig, &[0, 0, 0], 20, 10).await;
     let (total, low, high) = within(admitted.iter().sum(), 20.0);
-    println!("RLS + 2 x RLQS: admitted {admitted:?} = {total} in 20 s; bounds [{low}, {high}]");
+    let share = |v: &[u64]| v[0] as f64 / v.iter().sum::<u64>().max(1) as f64;
+    println!(
+        "RLS + 2 x RLQS: admitted {admitted:?} = {total} in 20 s (bounds [{low}, {high}]), {tail:?} in the last 10 s; sent {sent:?}: RLS's share of the demand {:.2}, of the admitted {:.2} (last 10 s {:.2})",
+        share(&sent),
+        share(&admitted),
+        share(&tail)
+    );
     assert!(total >= low && total <= high, "{total} outside [{low}, {high}]");
-    assert!(admitted[0] > 0, "the RLS Envoy was served");
+    assert!(admitted[0] > 0 && admitted[1] + admitted[2] > 0, "both sides served: {admitted:?}");
 }
 
 #[tokio::test(flavor = "multi_thread")]

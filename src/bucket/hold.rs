@@ -55,6 +55,52 @@ pub fn held_at(holds: &[Hold], at_ms: u64) -> (f64, f64) {
     held
 }
 
+/// Whether any of `holds` is alive at `now_ms`.
+pub fn holds_live(holds: &[Hold], now_ms: u64) -> bool {
+    holds.iter().any(|h| h.expires_at_ms > now_ms)
+}
+
+/// The window over which [`Asked`] counts, in milliseconds.
+pub const ASKED_WINDOW_MS: u64 = 5_000;
+
+/// Tokens asked of a bucket by requests other than holds (RLS, `POST /json`), counted while it
+/// has holds, in two windows of [`ASKED_WINDOW_MS`]: the demand RLQS shares are sized beside, so
+/// that when both sides ask more than the bucket gives, each gets its demand's part (an RLS
+/// request takes what refilled whenever it comes; a hold only what its share says).
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct Asked {
+    /// Tokens asked in the window before the current one.
+    pub previous: f64,
+    /// Tokens asked in the current window.
+    pub current: f64,
+    /// When the current window started, in clock milliseconds (0: never counted).
+    pub since_ms: u64,
+}
+
+impl Asked {
+    // Moves the windows on to the one `now_ms` falls in.
+    fn roll(&mut self, now_ms: u64) {
+        if self.since_ms == 0 || now_ms >= self.since_ms.saturating_add(2 * ASKED_WINDOW_MS) {
+            *self = Asked { previous: 0.0, current: 0.0, since_ms: now_ms };
+        } else if now_ms >= self.since_ms + ASKED_WINDOW_MS {
+            *self = Asked { previous: self.current, current: 0.0, since_ms: self.since_ms + ASKED_WINDOW_MS };
+        }
+    }
+
+    /// Counts `need` tokens asked at `now_ms`.
+    pub fn record(&mut self, now_ms: u64, need: f64) {
+        self.roll(now_ms);
+        self.current += need;
+    }
+
+    /// Tokens asked per second over the last window and the current one, as of `now_ms`.
+    pub fn per_second(&mut self, now_ms: u64) -> f64 {
+        self.roll(now_ms);
+        let span = ASKED_WINDOW_MS + now_ms.saturating_sub(self.since_ms);
+        (self.previous + self.current) * 1000.0 / span as f64
+    }
+}
+
 /// How long after `now_ms` the last hold alive then expires (0 if none): a bucket written now
 /// must live that much longer, since the holds may take all of its refill until then.
 pub fn held_for_ms(holds: &[Hold], now_ms: u64) -> u64 {
@@ -94,18 +140,20 @@ pub struct HoldOutcome {
     pub capacity: f64,
     /// The rate held now.
     pub refill_per_second: f64,
-    /// The other replicas' live holds: capacity, rate and demand.
+    /// The other holders' live holds: capacity, rate and demand (theirs, and what other
+    /// requests asked lately).
     pub others: Others,
 }
 
-/// The other replicas' live holds on a bucket, summed.
+/// The other holders' live holds on a bucket, summed, and the demand beside them.
 #[derive(Debug, Clone, Copy, PartialEq, Default)]
 pub struct Others {
     /// Their capacity.
     pub capacity: f64,
     /// Their rate per second.
     pub refill_per_second: f64,
-    /// Their demand per second.
+    /// Their demand per second, and what requests other than holds asked per second lately
+    /// ([`Asked`]).
     pub demand: f64,
 }
 
@@ -137,6 +185,7 @@ pub fn hold(stored: Option<(&BucketState, u64)>, op: &HoldOp, now_ms: u64) -> (H
             others.demand += h.demand;
         }
     }
+    others.demand += state.asked.per_second(now_ms);
     let mut capacity = op.capacity.min((op.spec.capacity() - others.capacity).max(0.0));
     let rate = op.refill_per_second.min((op.spec.refill_per_second() - others.refill_per_second).max(0.0));
     if capacity > before {

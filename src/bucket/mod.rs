@@ -46,14 +46,14 @@
 mod hold;
 mod spec;
 
-pub use self::hold::{held_at, hold, Hold, HoldOp, HoldOutcome, Others};
+pub use self::hold::{held_at, hold, Asked, Hold, HoldOp, HoldOutcome, Others, ASKED_WINDOW_MS};
 pub use self::spec::{BucketSpec, SpecError, MAX_CAPACITY, MAX_WAIT_MS, MIN_REFILL_PER_SECOND};
 
 use std::collections::HashMap;
 
 use serde::Serialize;
 
-use self::hold::held_for_ms;
+use self::hold::{held_for_ms, holds_live};
 use self::spec::{wait, wait_between};
 
 /// How long after a charge first uses a refill rate faster than a bucket's rate in force that
@@ -84,6 +84,9 @@ pub struct BucketState {
     /// Replicas' held shares ([`hold`]), in the order first taken; expired ones stay until the
     /// next hold op drops them.
     pub holds: Vec<Hold>,
+    /// What requests other than holds asked of the bucket lately, while it had holds: the demand
+    /// the holds are sized beside ([`Asked`]).
+    pub asked: Asked,
 }
 
 impl BucketState {
@@ -377,6 +380,8 @@ pub fn evaluate(
         let mut verdicts = Vec::with_capacity(group.len());
         // Per operation: it found a stored bucket whose rate ceiling its spec raises.
         let mut raised = Vec::with_capacity(group.len());
+        // Per operation: it asked tokens of a bucket with live holds (its demand is recorded).
+        let mut asks = Vec::with_capacity(group.len());
         // Per operation: the capacity and rate per ms the holds leave its spec.
         let mut rooms = Vec::with_capacity(group.len());
         let (mut enforced_short, mut quota_ops, mut quota_allowed) = (false, 0, 0);
@@ -399,7 +404,12 @@ pub fn evaluate(
             } else if raises {
                 note_spec(&mut state, &op.spec, now_ms);
             }
+            let asks_now = op.need > 0.0 && holds_live(&state.holds, now_ms);
+            if asks_now {
+                state.asked.record(now_ms, op.need);
+            }
             raised.push(raises);
+            asks.push(asks_now);
             rooms.push(room);
             let (tokens, fastest_refill) = (state.tokens, state.rate_ceiling());
             tentative.insert(key, state);
@@ -423,7 +433,8 @@ pub fn evaluate(
         }
         let admitted = !enforced_short && (quota_ops == 0 || quota_allowed > 0);
 
-        for (((op, verdict), raises), room) in group.iter().zip(verdicts.iter_mut()).zip(raised).zip(rooms) {
+        let each = group.iter().zip(verdicts.iter_mut()).zip(raised).zip(rooms).zip(asks);
+        for ((((op, verdict), raises), room), asks) in each {
             let key = op.key.as_str();
             let always = matches!(op.charge, Charge::Always { .. });
             let (charged, raises) = if admitted {
@@ -431,21 +442,29 @@ pub fn evaluate(
                 (verdict.allowed || always, raises)
             } else {
                 // A denied group takes only what is charged always, replayed on the committed
-                // state in the group's order, and records a raised rate ceiling.
+                // state in the group's order, and records a raised rate ceiling and its demand.
                 let committed = running[key].as_ref();
                 let mut state = refill(committed, &op.spec, now_ms);
                 let raises = committed.is_some() && raises_ceiling(&state, &op.spec);
                 verdict.forgiven = 0.0;
                 if always {
                     verdict.forgiven = debit(&mut state, op, room.0, now_ms);
+                    if asks {
+                        state.asked.record(now_ms, op.need);
+                    }
                     verdict.tokens = state.tokens;
                     verdict.fastest_refill = state.rate_ceiling();
                     running.insert(key, Some(state));
                 } else {
-                    if raises {
-                        let mut noted = committed.expect("a raise needs a stored bucket").clone();
-                        note_spec(&mut noted, &op.spec, now_ms);
-                        note_spec(&mut state, &op.spec, now_ms);
+                    if raises || asks {
+                        let mut noted = committed.expect("a raise or an ask needs a stored bucket").clone();
+                        if raises {
+                            note_spec(&mut noted, &op.spec, now_ms);
+                            note_spec(&mut state, &op.spec, now_ms);
+                        }
+                        if asks {
+                            noted.asked.record(now_ms, op.need);
+                        }
                         running.insert(key, Some(noted));
                     }
                     verdict.tokens = state.tokens;
@@ -453,9 +472,10 @@ pub fn evaluate(
                 }
                 (always, raises)
             };
-            // Written when charged, and when its spec raised the rate ceiling: a denied request
-            // under a faster rate starts the raise's delay as a charge would.
-            if ((charged && op.need != 0.0) || raises) && op.spec.refill_per_second() > 0.0 {
+            // Written when charged, when its spec raised the rate ceiling (a denied request under a
+            // faster rate starts the raise's delay as a charge would), and when it asked of a
+            // held bucket.
+            if ((charged && op.need != 0.0) || raises || asks) && op.spec.refill_per_second() > 0.0 {
                 let written = running[key].as_ref().expect("a written bucket has state");
                 let ttl = life_ms(written, op.charge.floor(), now_ms);
                 let slot = dirty.entry(key).or_insert_with(|| {

@@ -57,8 +57,9 @@ pub const RENEW_AFTER: Duration = Duration::from_secs(30);
 /// that what a client may still admit is always inside a live hold, however late the assignment
 /// reached it.
 pub const ASSIGNMENT_TTL: Duration = Duration::from_secs(40);
-/// How often a hot hold is sized again: Envoy reports every 5 s, and demand moves no faster.
-pub const RESIZE_HOT_AFTER: Duration = Duration::from_secs(5);
+/// How often a hot hold is sized again: often enough that a holder which starts beside it (and
+/// records its demand) gets its share within a few seconds.
+pub const RESIZE_HOT_AFTER: Duration = Duration::from_secs(2);
 /// How long hold ops may take: no request waits on them (a late one delays an assignment), so
 /// not the request deadline, under which a burst of them queued into failure answers.
 pub const BACKGROUND_DEADLINE: Duration = Duration::from_millis(500);
@@ -93,7 +94,12 @@ impl Holding {
 
     /// The hold op for `target` due at `now_ms` given `demand` (this replica's clients'
     /// requests per second), if one is (always, when `force`): the first, a share that moved, a
-    /// cut one, a hot one, one after a failure, a renewal.
+    /// cut one, a hot one, one after a failure, a renewal. It is fresh (the client's local bucket
+    /// starts afresh, full: the whole capacity is taken again) when `fresh` says the client's
+    /// bucket starts afresh anyway, and when it more than doubles the capacity: Envoy rebuilds a
+    /// grown bucket at its old fill ratio, so a busy client, whose bucket is near empty, would
+    /// get almost none of what the growth took (the floor a hold starts at, then its part, lost
+    /// 40 of 250 requests over 20 s that way).
     pub fn due(
         &self,
         target: &Leasable,
@@ -101,12 +107,13 @@ impl Holding {
         demand: f64,
         now_ms: u64,
         force: bool,
+        fresh: bool,
     ) -> Option<HoldOp> {
         let tokens = demand * target.cost as f64;
         let want = self.want(&target.spec, tokens, target.cost as f64);
         let age = now_ms.saturating_sub(self.at_ms);
         let due = match self.held {
-            _ if force || self.failed => true,
+            _ if force || fresh || self.failed => true,
             None => true,
             Some((capacity, rate)) => {
                 let moved = |now: f64, then: f64| (now - then).abs() > SLACK * then.max(f64::MIN_POSITIVE);
@@ -128,7 +135,7 @@ impl Holding {
             refill_per_second: want.1,
             ttl_ms: HOLD_TTL.as_millis() as u64,
             demand: tokens,
-            fresh: false,
+            fresh: fresh || self.held.is_some_and(|(capacity, _)| capacity < want.0 / 2.0),
         })
     }
 
@@ -163,11 +170,14 @@ impl Holding {
 
     // The share wanted for `tokens` per second of demand: its part of all the demand the other
     // holds record, of the whole bucket (the store cuts it to what the others leave), at least
-    // the floor; alone, or all idle, the floor when idle and everything when not.
-    // At least one request's capacity (`unit`), which is what a local bucket needs.
+    // the floor; alone, or all idle, the floor when idle and everything when not. A first hold
+    // knows no one else's demand yet: it starts at the floor, which leaves room for the holds
+    // starting beside it (every replica's stream reports a new bucket at once), and grows at the
+    // next round, once its op has told it theirs. At least one request's capacity (`unit`),
+    // which is what a local bucket needs.
     fn want(&self, spec: &BucketSpec, tokens: f64, unit: f64) -> (f64, f64) {
         let total = tokens + self.others.demand;
-        let part = if total > 0.0 { (tokens / total).max(FLOOR) } else { FLOOR };
+        let part = if self.held.is_none() || total <= 0.0 { FLOOR } else { (tokens / total).max(FLOOR) };
         ((spec.capacity() * part).max(unit).min(spec.capacity()), spec.refill_per_second() * part)
     }
 }

@@ -64,6 +64,8 @@ pub enum Event {
         bucket: String,
         /// Its local bucket.
         allotment: Option<Allotment>,
+        /// Start it afresh, full: its hold took the whole capacity again.
+        fresh: bool,
     },
     /// The store failed; answer as this failure mode says.
     StoreFailed {
@@ -306,10 +308,8 @@ impl Inner {
                 return;
             }
             let fresh = member.fresh(now_ms);
-            let due =
-                member.holding.due(&bucket.target, &member.holder, member.demand, now_ms, force || fresh);
-            if let Some(mut op) = due {
-                op.fresh = fresh;
+            let due = member.holding.due(&bucket.target, &member.holder, member.demand, now_ms, force, fresh);
+            if let Some(op) = due {
                 member.busy = true;
                 planned.push(Planned { op, member: id.clone() });
             }
@@ -361,7 +361,8 @@ impl Inner {
                     return None;
                 }
                 member.sent = allotment.map(|a| (a, now_ms));
-                Some((member.events.clone(), Event::Assign { bucket: name, allotment }))
+                let event = Event::Assign { bucket: name, allotment, fresh: planned.op.fresh };
+                Some((member.events.clone(), event))
             }
             Err(error) => {
                 metrics::counter!("tollgate_rlqs_holds_total", "outcome" => "failed").increment(1);

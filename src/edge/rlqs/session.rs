@@ -382,22 +382,26 @@ impl Session<'_> {
             };
             latest.insert(bucket, event);
         }
-        latest.into_values().filter_map(|event| self.event(event)).collect()
+        latest.into_values().filter_map(|event| self.event(event)).flatten().collect()
     }
 
-    // What the pool said about one bucket, as an assignment.
-    fn event(&self, event: Event) -> Option<BucketAction> {
+    // What the pool said about one bucket, as assignments: a fresh local bucket is DENY_ALL and
+    // the token bucket in one response, which Envoy starts full.
+    fn event(&self, event: Event) -> Option<Vec<BucketAction>> {
         match event {
-            Event::Assign { bucket, allotment } => {
+            Event::Assign { bucket, allotment, fresh } => {
                 let b = self.buckets.get(&bucket)?;
                 Some(match allotment {
-                    Some(allotment) => local_bucket(&b.id, allotment),
-                    None => blanket(&b.id, Blanket::DenyAll, ASSIGNMENT_TTL),
+                    Some(allotment) if fresh => {
+                        vec![blanket(&b.id, Blanket::DenyAll, ASSIGNMENT_TTL), local_bucket(&b.id, allotment)]
+                    }
+                    Some(allotment) => vec![local_bucket(&b.id, allotment)],
+                    None => vec![blanket(&b.id, Blanket::DenyAll, ASSIGNMENT_TTL)],
                 })
             }
             Event::StoreFailed { bucket, mode } => match (self.buckets.get(&bucket), mode) {
-                (Some(b), FailureMode::Allow) => Some(blanket(&b.id, Blanket::AllowAll, FAILURE_TTL)),
-                (Some(b), FailureMode::Deny) => Some(blanket(&b.id, Blanket::DenyAll, FAILURE_TTL)),
+                (Some(b), FailureMode::Allow) => Some(vec![blanket(&b.id, Blanket::AllowAll, FAILURE_TTL)]),
+                (Some(b), FailureMode::Deny) => Some(vec![blanket(&b.id, Blanket::DenyAll, FAILURE_TTL)]),
                 // `error`: no new assignment; Envoy's own expiry behavior applies.
                 _ => None,
             },

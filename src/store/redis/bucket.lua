@@ -10,7 +10,9 @@
 --        BucketState::fastest_refill), p = a faster pending rate (0: none), q = when p takes
 --        effect, c = largest capacity of any charge, s = slowest refill per second of any charge,
 --        h = the holds (src/bucket/hold.rs), seven words each: replica, capacity, refill per
---        second, expiry (ms), demand per second, banked tokens, when set (ms); absent when none.
+--        second, expiry (ms), demand per second, banked tokens, when set (ms); absent when none;
+--        u = tokens other requests asked while it had holds (src/bucket/hold.rs Asked): the
+--        previous window's, the current one's, and when the current one started (ms).
 
 -- TIME makes the script non-deterministic; Redis < 5 needs effects replication for that.
 if redis.replicate_commands then pcall(redis.replicate_commands) end
@@ -48,16 +50,21 @@ local function format_holds(holds)
 end
 
 -- Committed state per key index: {tokens, last, in force, pending, pending from, largest
--- capacity, slowest rate, holds} or false when no bucket is stored.
+-- capacity, slowest rate, holds, asked before, asked now, asked since} or false when no bucket is
+-- stored.
 local running = {}
 local function load(k)
   local s = running[k]
   if s == nil then
-    local v = redis.call('HMGET', KEYS[k], 't', 'l', 'r', 'p', 'q', 'c', 's', 'h')
+    local v = redis.call('HMGET', KEYS[k], 't', 'l', 'r', 'p', 'q', 'c', 's', 'h', 'u')
     local tokens, last = tonumber(v[1]), tonumber(v[2])
     if tokens and last then
       s = {tokens, last, tonumber(v[3]) or 0, tonumber(v[4]) or 0, tonumber(v[5]) or 0,
-           tonumber(v[6]) or 0, tonumber(v[7]) or 0, parse_holds(v[8])}
+           tonumber(v[6]) or 0, tonumber(v[7]) or 0, parse_holds(v[8]), 0, 0, 0}
+      if v[9] then
+        local p, c, since = string.match(v[9], '^(%S+) (%S+) (%S+)$')
+        s[9], s[10], s[11] = tonumber(p), tonumber(c), tonumber(since)
+      end
     else
       s = false
     end
@@ -78,6 +85,36 @@ local function held_at(holds, at)
   return c, r
 end
 
+-- Whether any hold is alive now.
+local function holds_live(holds)
+  for _, h in ipairs(holds) do
+    if h[4] > now then return true end
+  end
+  return false
+end
+
+-- Asked (src/bucket/hold.rs): windows of ASKED_WINDOW ms in st[9] (previous), st[10] (current),
+-- st[11] (when the current one started).
+local ASKED_WINDOW = 5000
+local function asked_roll(st)
+  if st[11] == 0 or now >= st[11] + 2 * ASKED_WINDOW then
+    st[9], st[10], st[11] = 0, 0, now
+  elseif now >= st[11] + ASKED_WINDOW then
+    st[9], st[10], st[11] = st[10], 0, st[11] + ASKED_WINDOW
+  end
+end
+
+local function asked_record(st, need)
+  asked_roll(st)
+  st[10] = st[10] + need
+end
+
+local function asked_per_second(st)
+  asked_roll(st)
+  local span = ASKED_WINDOW + math.max(0, now - st[11])
+  return (st[9] + st[10]) * 1000 / span
+end
+
 -- How long after now the last hold alive now expires (0 if none).
 local function held_for(holds)
   local ms = 0
@@ -96,12 +133,12 @@ end
 -- balance is capped at the capacity less what they hold. The interval is walked in pieces
 -- between the moments those change (the raise, each hold's expiry).
 local function refill(s, cap, rate)
-  if not s then return {cap, now, 0, 0, 0, 0, 0, {}} end
+  if not s then return {cap, now, 0, 0, 0, 0, 0, {}, 0, 0, 0} end
   local function capped(in_force)
     if in_force > 0 then return math.min(rate, in_force / 1000) end
     return rate
   end
-  local n = {s[1], s[2], s[3], s[4], s[5], s[6], s[7], s[8]}
+  local n = {s[1], s[2], s[3], s[4], s[5], s[6], s[7], s[8], s[9], s[10], s[11]}
   local from, tokens = s[2], s[1]
   while true do
     local to = math.max(now, from)
@@ -215,14 +252,23 @@ local function store(k, s, ttl, holds)
   local at = expiry(k, true)
   if at == false then at = now + MAX_WAIT end
   if at then ttl = math.max(ttl, math.min(math.max(0, at - now), MAX_WAIT)) end
-  redis.call('HSET', KEYS[k], 't', string.format('%.17g', s[1]), 'l', string.format('%d', s[2]),
+  -- One HSET for every field written: Redis counts each command, and an idle hold's renewal is
+  -- a handful of them.
+  local fields = {'t', string.format('%.17g', s[1]), 'l', string.format('%d', s[2]),
     'r', string.format('%.17g', s[3]), 'p', string.format('%.17g', s[4]),
     'q', string.format('%d', s[5]), 'c', string.format('%.17g', s[6]),
-    's', string.format('%.17g', s[7]))
-  if holds then
-    if #s[8] > 0 then redis.call('HSET', KEYS[k], 'h', format_holds(s[8]))
-    else redis.call('HDEL', KEYS[k], 'h') end
+    's', string.format('%.17g', s[7])}
+  if holds and #s[8] > 0 then
+    fields[#fields + 1] = 'h'
+    fields[#fields + 1] = format_holds(s[8])
   end
+  if s[11] > 0 then
+    fields[#fields + 1] = 'u'
+    fields[#fields + 1] = string.format('%.17g', s[9]) .. ' ' .. string.format('%.17g', s[10]) .. ' '
+      .. string.format('%d', s[11])
+  end
+  redis.call('HSET', KEYS[k], unpack(fields))
+  if holds and #s[8] == 0 then redis.call('HDEL', KEYS[k], 'h') end
   redis.call('PEXPIREAT', KEYS[k], string.format('%d', now + ttl))
   return ttl
 end

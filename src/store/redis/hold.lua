@@ -40,6 +40,7 @@ for _ = 1, tonumber(ARGV[1]) do
         od = od + h[5]
       end
     end
+    od = od + asked_per_second(st)
     local c = math.min(want_c, math.max(0, cap - oc))
     local r = math.min(want_r, math.max(0, rps - orate))
     if c > before then c = math.min(c, before + banked + math.max(st[1], 0)) end

@@ -243,6 +243,8 @@ impl RedisStore {
                     Some(Value::BulkString(h)) => parse_holds(&String::from_utf8_lossy(h))?,
                     _ => Vec::new(),
                 },
+                // What other requests asked lately is not shown by `explain`.
+                asked: Default::default(),
             }),
             _ => None,
         };

@@ -43,6 +43,8 @@ for _ = 1, tonumber(ARGV[1]) do
     elseif raises then
       note_spec(st, cap, rps)
     end
+    local asks = need > 0 and holds_live(st[8])
+    if asks then asked_record(st, need) end
     tentative[k] = st
     if role == '0' then
       if not allowed then enforced_short = true end
@@ -51,39 +53,44 @@ for _ = 1, tonumber(ARGV[1]) do
       if allowed then quota_allowed = quota_allowed + 1 end
     end
     ops[i] = {k, cap, rps, rate, need, debt, allowed, st[1], retry, forgiven, ceiling(st), raises,
-              room, room_rate}
+              room, room_rate, asks}
   end
   local admitted = (not enforced_short) and (quota_ops == 0 or quota_allowed > 0)
 
   out[#out + 1] = admitted and 1 or 0
   for i = 1, n do
     local k, cap, rps, rate, need, debt, allowed, tokens, retry, forgiven, fastest, raises, room,
-      room_rate = unpack(ops[i])
+      room_rate, asks = unpack(ops[i])
     local charged
     if admitted then
       running[k] = tentative[k]
       charged = allowed or debt ~= nil
     else
       -- A denied group takes only what is charged always, replayed on the committed state, and
-      -- records a raised rate ceiling.
+      -- records a raised rate ceiling and its demand.
       local committed = load(k)
       local st = refill(committed, cap, rate)
       raises = committed and raises_ceiling(st, rps)
       forgiven = 0
       if debt then
         forgiven = debit(st, cap, rps, need, debt, room)
+        if asks then asked_record(st, need) end
         running[k] = st
-      elseif raises then
+      elseif raises or asks then
         local noted = {unpack(committed)}
-        note_spec(noted, cap, rps)
-        note_spec(st, cap, rps)
+        if raises then
+          note_spec(noted, cap, rps)
+          note_spec(st, cap, rps)
+        end
+        if asks then asked_record(noted, need) end
         running[k] = noted
       end
       tokens, fastest = st[1], ceiling(st)
       charged = debt ~= nil
     end
-    -- Written when charged, and when its spec raised the rate ceiling.
-    if ((charged and need ~= 0) or raises) and rate > 0 then
+    -- Written when charged, when its spec raised the rate ceiling, and when it asked of a held
+    -- bucket.
+    if ((charged and need ~= 0) or raises or asks) and rate > 0 then
       local ttl = life(running[k], floor_of(debt))
       if dirty[k] == nil or dirty[k] < ttl then dirty[k] = ttl end
     end
