@@ -367,7 +367,7 @@ async fn an_assignment_is_a_refilling_share_of_the_bucket() {
         };
         fills.push(b.tokens_per_fill.unwrap().value);
         if fills.len() == 2 {
-            break (q.clone(), b);
+            break (*q, b);
         }
     };
     assert_eq!(fills, [112, 1_800], "the floor, then all of it");

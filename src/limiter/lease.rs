@@ -135,8 +135,16 @@ impl Holding {
             refill_per_second: want.1,
             ttl_ms: HOLD_TTL.as_millis() as u64,
             demand: tokens,
-            fresh: fresh || self.held.is_some_and(|(capacity, _)| capacity < want.0 / 2.0),
+            fresh: fresh || self.restarts(want.0),
         })
+    }
+
+    // Whether growing to `capacity` should restart the client's bucket: when it more than
+    // doubles a hold the store gave in full. A hold the store cut short had no more to give: taken
+    // again whole, it would come back as little and destroy what the client had (a hot bucket
+    // fell to 0.88 of its bound so).
+    fn restarts(&self, capacity: f64) -> bool {
+        self.held.is_some_and(|(held, _)| held < capacity / 2.0 && held >= self.wanted.0 * (1.0 - SLACK))
     }
 
     /// Records what `op` got at `now_ms` (this replica's clock).

@@ -47,6 +47,9 @@ pub const PHASES: u64 = 10;
 const HOLDS_PER_CALL: usize = 256;
 /// Most store calls one round has in flight.
 const CALLS_IN_FLIGHT: usize = 8;
+/// How long a round's events wait for room in a stream's queue: a stream resolving the first
+/// report of thousands of new buckets reads no events meanwhile.
+const DELIVERY_WAIT: Duration = Duration::from_secs(5);
 
 /// A stream's bucket: the stream and the bucket id (as its sorted entries) it reported.
 pub type MemberId = (u64, String);
@@ -229,6 +232,13 @@ fn phase_of(key: &str) -> u64 {
     u64::from(crate::identity::cluster_slot(key)) % PHASES
 }
 
+// One stream's events of a round, and whose they are.
+struct Batch {
+    sender: mpsc::Sender<Events>,
+    events: Events,
+    members: Vec<(String, MemberId)>,
+}
+
 // A store call's ops and their outcomes.
 type Answered = (Vec<Planned>, Vec<Result<HoldOutcome, StoreError>>);
 
@@ -280,19 +290,33 @@ impl Inner {
             .buffer_unordered(CALLS_IN_FLIGHT)
             .collect()
             .await;
-        let mut batches: HashMap<u64, (mpsc::Sender<Events>, Events)> = HashMap::new();
+        let mut batches: HashMap<u64, Batch> = HashMap::new();
         for (call, results) in answered {
             for (planned, result) in call.into_iter().zip(results) {
                 if let Some((sender, event)) = self.settle(&planned, result) {
-                    batches.entry(planned.member.0).or_insert_with(|| (sender, Vec::new())).1.push(event);
+                    let batch = batches.entry(planned.member.0).or_insert_with(|| Batch {
+                        sender,
+                        events: Vec::new(),
+                        members: Vec::new(),
+                    });
+                    batch.events.push(event);
+                    batch.members.push((planned.op.key, planned.member));
                 }
             }
         }
-        for (sender, events) in batches.into_values() {
+        for batch in batches.into_values() {
+            let inner = self.clone();
             tokio::spawn(async move {
-                // A stream that takes nothing for a tick gets nothing: its members' next ops are
-                // fresh once their assignments expire.
-                let _ = sender.send_timeout(events, TICK).await;
+                // A stream that takes nothing for that long gets nothing: its Envoy has none of
+                // these assignments, so the members' next ops are fresh, at their next round.
+                if batch.sender.send_timeout(batch.events, DELIVERY_WAIT).await.is_err() {
+                    let mut buckets = inner.lock();
+                    for (key, id) in batch.members {
+                        if let Some(member) = buckets.get_mut(&key).and_then(|b| b.members.get_mut(&id)) {
+                            member.sent = None;
+                        }
+                    }
+                }
             });
         }
     }

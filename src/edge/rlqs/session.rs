@@ -217,9 +217,9 @@ async fn send_all(
     true
 }
 
-/// Batches waiting for a stream, at most (a round's events are one batch); the pool waits up to
-/// a tick for room, then drops the batch.
-const EVENTS_QUEUE: usize = 16;
+/// Batches waiting for a stream, at most (a round's events are one batch, and each of the ten
+/// phases of a second may have one); the pool waits a while for room, then drops the batch.
+const EVENTS_QUEUE: usize = 64;
 
 // One stream's state, owned by its task.
 struct Session<'a> {
