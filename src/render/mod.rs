@@ -53,7 +53,7 @@ impl JwtPayload {
 pub enum Protocol {
     /// `envoy.filters.http.ratelimit`: every request asks tollgate (RLS).
     Rls,
-    /// `envoy.filters.http.rate_limit_quota`: Envoy enforces leases from tollgate (RLQS).
+    /// `envoy.filters.http.rate_limit_quota`: Envoy enforces shares tollgate holds for it (RLQS).
     Rlqs,
 }
 

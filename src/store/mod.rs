@@ -43,7 +43,7 @@ tokio::task_local! {
 }
 
 /// Runs `calls` with every store call it makes (in this task) waiting up to `deadline` instead of
-/// the store's own: for background work, where a late answer delays a lease but answers no
+/// the store's own: for background work, where a late answer delays an assignment but answers no
 /// request, and the request deadline turned queueing under a burst into failure answers. Keep it
 /// within [`redis::late_window`] of the store's deadline, so that a reply past it can still be
 /// refunded.

@@ -59,9 +59,9 @@ pub const STATIC_TTL: Duration = Duration::from_secs(15);
 pub struct Context {
     /// The decision core.
     pub limiter: Arc<Limiter>,
-    /// This replica's leases.
+    /// This replica's held shares.
     pub pool: Arc<Pool>,
-    /// Time for reports and grants.
+    /// Time for reports and abandonment.
     pub clock: Arc<dyn Clock>,
     /// How long a bucket may go without usage before it is abandoned.
     pub abandon_after: Duration,
@@ -182,7 +182,7 @@ const STALE_REPORT_MS: u64 = 10_000;
 const MAX_GATHERED_USAGES: usize = 4096;
 
 // Appends to `report` the usages of every report already waiting on the stream, up to
-// [`MAX_GATHERED_USAGES`], so that they are resolved and leased together: Envoy reports each new
+// [`MAX_GATHERED_USAGES`], so that they are resolved and held together: Envoy reports each new
 // bucket's first request at once, in a message of its own, and thousands of them one at a time
 // would each wait for the ones before. Returns a message read that is not a report (the stream's
 // end, an error), to be handled next.
