@@ -23,7 +23,7 @@ mod lease;
 
 pub use self::explain::{Effect, Explained, Explanation, SpecOrigin};
 pub use self::lease::{
-    Holding, Leasable, QuotaBucket, ASSIGNMENT_TTL, BACKGROUND_DEADLINE, HOLD_TTL, RENEW_AFTER,
+    HeldBucket, Holding, QuotaBucket, ASSIGNMENT_TTL, BACKGROUND_DEADLINE, HOLD_TTL, RENEW_AFTER,
 };
 
 use std::sync::Arc;

@@ -411,7 +411,7 @@ async fn replicas_hold_shares_in_proportion_to_demand() {
             false,
         );
         let id = HashMap::from([("round".to_string(), "r".to_string())]);
-        let QuotaBucket::Lease(target) = limiter.quota_bucket("quota", &id).await else { panic!("held") };
+        let QuotaBucket::Held(target) = limiter.quota_bucket("quota", &id).await else { panic!("held") };
         // Capacity 100 refilling 100/s; replica a's Envoys ask 95 requests a second, b's 5.
         // A holder learns the others' demand from its own ops' outcomes. Each starts at the
         // floor (a sixteenth), which leaves room for the others starting beside it; a's next op
@@ -435,7 +435,7 @@ async fn replicas_hold_shares_in_proportion_to_demand() {
 // Sets `replica`'s hold for `demand` requests a second; what it got, rounded.
 async fn set_hold(
     limiter: &tollgate::limiter::Limiter,
-    target: &tollgate::limiter::Leasable,
+    target: &tollgate::limiter::HeldBucket,
     holding: &mut tollgate::limiter::Holding,
     replica: &str,
     demand: f64,

@@ -28,7 +28,7 @@ use tracing::Instrument as _;
 #[derive(Debug, Clone)]
 pub enum QuotaBucket {
     /// A bucket limits it: hold a share of it.
-    Lease(Leasable),
+    Held(HeldBucket),
     /// No limit applies: an `unlimited` rule, or a rule in shadow mode.
     Unlimited(Arc<Domain>),
     /// No rule matches (or entries are left over); `None` for an unknown domain.
@@ -37,7 +37,7 @@ pub enum QuotaBucket {
 
 /// A bucket a replica can hold a share of.
 #[derive(Debug, Clone)]
-pub struct Leasable {
+pub struct HeldBucket {
     /// Its storage key (the same as for RLS requests with the same entries).
     pub key: String,
     /// Its capacity and rate.
@@ -102,7 +102,7 @@ impl Holding {
     /// 40 of 250 requests over 20 s that way).
     pub fn due(
         &self,
-        target: &Leasable,
+        target: &HeldBucket,
         replica: &str,
         demand: f64,
         now_ms: u64,
@@ -162,7 +162,7 @@ impl Holding {
     }
 
     /// The release of this hold, for a bucket this replica's clients no longer use.
-    pub fn release(&self, target: &Leasable, replica: &str) -> HoldOp {
+    pub fn release(&self, target: &HeldBucket, replica: &str) -> HoldOp {
         HoldOp {
             key: target.key.clone(),
             spec: target.spec,
@@ -202,7 +202,7 @@ impl Limiter {
         let mut plans = vec![self.plan(domain, &descriptor)];
         self.resolve_quotas(domain, &mut plans).await;
         match plans.pop() {
-            Some(Plan::Bucket(p)) if p.role != Role::Shadow => QuotaBucket::Lease(Leasable {
+            Some(Plan::Bucket(p)) if p.role != Role::Shadow => QuotaBucket::Held(HeldBucket {
                 key: p.bucket.key,
                 spec: p.spec.expect("quotas resolved"),
                 cost: p.rule.map_or(1, |r| r.cost.max(1)),

@@ -34,7 +34,7 @@ use tokio::sync::mpsc;
 use super::assign::Allotment;
 use crate::bucket::{HoldOp, HoldOutcome};
 use crate::config::FailureMode;
-use crate::limiter::{Holding, Leasable, Limiter, ASSIGNMENT_TTL};
+use crate::limiter::{HeldBucket, Holding, Limiter, ASSIGNMENT_TTL};
 use crate::store::StoreError;
 use crate::telemetry::logs::{self, ErrorChain};
 
@@ -101,7 +101,7 @@ impl Member {
 }
 
 struct Bucket {
-    target: Leasable,
+    target: HeldBucket,
     // Its phase of the tick ([`phase_of`] its key).
     phase: u64,
     members: HashMap<MemberId, Member>,
@@ -159,7 +159,7 @@ impl Pool {
     pub fn join(
         &self,
         member: MemberId,
-        target: Leasable,
+        target: HeldBucket,
         demand: f64,
         events: mpsc::Sender<Events>,
     ) -> bool {

@@ -48,7 +48,7 @@ use super::assign::{Allotment, Demand, FILL_INTERVAL};
 use super::pool::{Event, Events, MemberId, Pool};
 use crate::clock::Clock;
 use crate::config::{Blanket, FailureMode};
-use crate::limiter::{Leasable, Limiter, QuotaBucket, ASSIGNMENT_TTL};
+use crate::limiter::{HeldBucket, Limiter, QuotaBucket, ASSIGNMENT_TTL};
 
 /// How long a failure-mode assignment stands: a few ticks, so that the next hold replaces it.
 pub const FAILURE_TTL: Duration = Duration::from_secs(3);
@@ -167,7 +167,7 @@ pub async fn run(
         }
     }
     for (name, bucket) in &session.buckets {
-        if let QuotaBucket::Lease(Leasable { key, .. }) = &bucket.kind {
+        if let QuotaBucket::Held(HeldBucket { key, .. }) = &bucket.kind {
             pool.leave(key, &(id, name.clone()));
         }
     }
@@ -285,7 +285,7 @@ impl Session<'_> {
             bucket.demand.report(requests, elapsed);
             metrics::counter!("tollgate_rlqs_allowed_requests_total").increment(usage.num_requests_allowed);
             match &bucket.kind {
-                QuotaBucket::Lease(target) => {
+                QuotaBucket::Held(target) => {
                     let member: MemberId = (self.id, name.clone());
                     if self.pool.join(
                         member.clone(),
@@ -337,7 +337,7 @@ impl Session<'_> {
                 let kind = limiter.quota_bucket(domain, &id.bucket).await;
                 // Until a report says otherwise, the Envoy may want all of it.
                 let guess = match &kind {
-                    QuotaBucket::Lease(t) => t.spec.refill_per_second() / t.cost as f64,
+                    QuotaBucket::Held(t) => t.spec.refill_per_second() / t.cost as f64,
                     _ => 0.0,
                 };
                 let bucket =
@@ -367,7 +367,7 @@ impl Session<'_> {
         let Some(bucket) = self.buckets.remove(name) else { return };
         self.recently_abandoned.insert(name.to_owned(), self.clock.now_ms());
         metrics::counter!("tollgate_rlqs_abandoned_buckets_total").increment(1);
-        if let QuotaBucket::Lease(target) = &bucket.kind {
+        if let QuotaBucket::Held(target) = &bucket.kind {
             self.pool.leave(&target.key, &(self.id, name.to_owned()));
         }
     }
