@@ -46,14 +46,14 @@
 mod hold;
 mod spec;
 
-pub use self::hold::{held_at, hold, Asked, Hold, HoldOp, HoldOutcome, Others, ASKED_WINDOW_MS};
+pub use self::hold::{hold, Asked, Hold, HoldOp, HoldOutcome, Others};
 pub use self::spec::{BucketSpec, SpecError, MAX_CAPACITY, MAX_WAIT_MS, MIN_REFILL_PER_SECOND};
 
 use std::collections::HashMap;
 
 use serde::Serialize;
 
-use self::hold::{held_for_ms, holds_live};
+use self::hold::{held_at, held_for_ms, holds_live};
 use self::spec::{wait, wait_between};
 
 /// How long after a charge first uses a refill rate faster than a bucket's rate in force that
@@ -286,7 +286,7 @@ pub fn covers(tokens: f64, need: f64) -> bool {
 // Records that a charge used `spec` at `now_ms`: its capacity and rate count for the bucket's
 // life, and a rate faster than the bucket's ceiling becomes pending. A spec that never refills
 // (capacity 0) is never stored, so its rate counts for nothing.
-pub(crate) fn note_spec(state: &mut BucketState, spec: &BucketSpec, now_ms: u64) {
+fn note_spec(state: &mut BucketState, spec: &BucketSpec, now_ms: u64) {
     state.largest_capacity = state.largest_capacity.max(spec.capacity());
     let rate = spec.refill_per_second();
     if rate <= 0.0 {
@@ -323,7 +323,7 @@ fn debit(state: &mut BucketState, op: &BucketOp, capacity: f64, now_ms: u64) -> 
 // slowest rate any charge used, plus a second, counted from when the last live hold expires
 // (until then the holds may take all of its refill). Past that it is full under every spec that
 // wrote it.
-pub(crate) fn life_ms(state: &BucketState, floor: f64, now_ms: u64) -> u64 {
+fn life_ms(state: &BucketState, floor: f64, now_ms: u64) -> u64 {
     let lowest = state.tokens.min(floor);
     wait(state.largest_capacity - lowest, state.slowest_refill / 1000.0)
         .saturating_add(1000)

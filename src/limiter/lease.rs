@@ -80,18 +80,13 @@ pub struct Holding {
     wanted: (f64, f64),
     // When it was last set, on the replica's clock.
     at_ms: u64,
-    // The other replicas' holds, as of the last op.
+    // The other holders' holds and demand, as of the last op.
     others: Others,
     // The last op failed: the next round tries again.
     failed: bool,
 }
 
 impl Holding {
-    /// What the store last gave: capacity and rate per second (none before the first op).
-    pub fn held(&self) -> Option<(f64, f64)> {
-        self.held
-    }
-
     /// The hold op for `target` due at `now_ms` given `demand` (this replica's clients'
     /// requests per second), if one is (always, when `force`): the first, a share that moved, a
     /// cut one, a hot one, one after a failure, a renewal. It is fresh (the client's local bucket
@@ -115,13 +110,12 @@ impl Holding {
         let due = match self.held {
             _ if force || fresh || self.failed => true,
             None => true,
-            Some((capacity, rate)) => {
+            Some((_, rate)) => {
                 let moved = |now: f64, then: f64| (now - then).abs() > SLACK * then.max(f64::MIN_POSITIVE);
-                let cut = capacity < self.wanted.0 * (1.0 - SLACK) || rate < self.wanted.1 * (1.0 - SLACK);
                 let hot = tokens > HOT * rate;
                 moved(want.0, self.wanted.0)
                     || moved(want.1, self.wanted.1)
-                    || (cut && age >= 1_000)
+                    || (self.cut() && age >= 1_000)
                     || (hot && age >= RESIZE_HOT_AFTER.as_millis() as u64)
                     || age >= RENEW_AFTER.as_millis() as u64
             }
@@ -144,7 +138,12 @@ impl Holding {
     // again whole, it would come back as little and destroy what the client had (a hot bucket
     // fell to 0.88 of its bound so).
     fn restarts(&self, capacity: f64) -> bool {
-        self.held.is_some_and(|(held, _)| held < capacity / 2.0 && held >= self.wanted.0 * (1.0 - SLACK))
+        self.held.is_some_and(|(held, _)| held < capacity / 2.0 && !short(held, self.wanted.0))
+    }
+
+    // Whether the store gave the last op less than it asked, by more than the slack.
+    fn cut(&self) -> bool {
+        self.held.is_some_and(|(capacity, rate)| short(capacity, self.wanted.0) || short(rate, self.wanted.1))
     }
 
     /// Records what `op` got at `now_ms` (this replica's clock).
@@ -161,21 +160,6 @@ impl Holding {
         self.failed = true;
     }
 
-    /// The release of this hold, for a bucket this replica's clients no longer use.
-    pub fn release(&self, target: &HeldBucket, replica: &str) -> HoldOp {
-        HoldOp {
-            key: target.key.clone(),
-            spec: target.spec,
-            replica: replica.to_owned(),
-            capacity: 0.0,
-            unit: target.cost as f64,
-            refill_per_second: 0.0,
-            ttl_ms: 0,
-            demand: 0.0,
-            fresh: false,
-        }
-    }
-
     // The share wanted for `tokens` per second of demand: its part of all the demand the other
     // holds record, of the whole bucket (the store cuts it to what the others leave), at least
     // the floor; alone, or all idle, the floor when idle and everything when not. A first hold
@@ -188,6 +172,11 @@ impl Holding {
         let part = if self.held.is_none() || total <= 0.0 { FLOOR } else { (tokens / total).max(FLOOR) };
         ((spec.capacity() * part).max(unit).min(spec.capacity()), spec.refill_per_second() * part)
     }
+}
+
+// Whether `got` falls short of `wanted` by more than the slack.
+fn short(got: f64, wanted: f64) -> bool {
+    got < wanted * (1.0 - SLACK)
 }
 
 impl Limiter {

@@ -43,6 +43,14 @@ impl<K: std::hash::Hash + Eq, V> Swept<K, V> {
     }
 }
 
+impl Swept<String, Entry> {
+    // Stores what `write` says, written at `now`.
+    fn put(&mut self, write: bucket::Write, now: u64) {
+        let entry = Entry { state: write.state, expires_at_ms: now.saturating_add(write.ttl_ms) };
+        self.map.insert(write.key, entry);
+    }
+}
+
 struct Entry {
     state: BucketState,
     expires_at_ms: u64,
@@ -69,8 +77,7 @@ impl MemoryStore {
             map.get(key).filter(|e| e.expires_at_ms >= now).map(|e| (e.state.clone(), e.expires_at_ms))
         });
         for write in evaluation.writes {
-            let entry = Entry { state: write.state, expires_at_ms: now.saturating_add(write.ttl_ms) };
-            buckets.map.insert(write.key, entry);
+            buckets.put(write, now);
         }
         buckets.sweep(|e| e.expires_at_ms >= now);
         evaluation.groups
@@ -120,12 +127,13 @@ impl Store for MemoryStore {
                 let stored = buckets.map.get(&op.key).filter(|e| e.expires_at_ms >= now);
                 let (outcome, write) = bucket::hold(stored.map(|e| (&e.state, e.expires_at_ms)), op, now);
                 if let Some(write) = write {
-                    let entry = Entry { state: write.state, expires_at_ms: now.saturating_add(write.ttl_ms) };
-                    buckets.map.insert(write.key, entry);
+                    buckets.put(write, now);
                 }
                 Ok(outcome)
             })
             .collect();
+        // Holds write buckets too: an RLQS-only store must sweep as well.
+        buckets.sweep(|e| e.expires_at_ms >= now);
         Box::pin(std::future::ready(outcomes))
     }
 

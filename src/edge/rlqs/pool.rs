@@ -85,9 +85,9 @@ struct Member {
     // Its name among the bucket's holders: this replica's and a number unique in it.
     holder: String,
     holding: Holding,
-    // The allotment last sent and when; none when the Envoy has no local bucket from us (then
-    // the next one starts full).
-    sent: Option<(Allotment, u64)>,
+    // When a local bucket was last sent; none when the Envoy has none from us (then the next one
+    // starts full).
+    sent_at: Option<u64>,
     // A hold op for it is in flight.
     busy: bool,
 }
@@ -96,7 +96,7 @@ impl Member {
     // Whether an assignment now would start its Envoy's local bucket afresh.
     fn fresh(&self, now_ms: u64) -> bool {
         let lives = ASSIGNMENT_TTL.as_millis() as u64;
-        self.sent.is_none_or(|(_, at)| now_ms.saturating_sub(at) >= lives)
+        self.sent_at.is_none_or(|at| now_ms.saturating_sub(at) >= lives)
     }
 }
 
@@ -154,31 +154,38 @@ impl Pool {
         Pool { inner, ticker }
     }
 
-    /// Makes `member` a holder of `target` with `demand` requests per second; true if it is new
-    /// (then set its hold with [`Pool::hold_now`]).
-    pub fn join(
+    /// Records that `member` wants `demand` requests per second of `target`, making it a holder
+    /// if it is not one yet; true if it is new (then set its hold with [`Pool::hold_now`]).
+    pub fn report(
         &self,
-        member: MemberId,
-        target: HeldBucket,
+        member: &MemberId,
+        target: &HeldBucket,
         demand: f64,
-        events: mpsc::Sender<Events>,
+        events: &mpsc::Sender<Events>,
     ) -> bool {
         let mut buckets = self.inner.lock();
-        let bucket = buckets.entry(target.key.clone()).or_insert_with(|| Bucket {
-            phase: phase_of(&target.key),
-            target,
-            members: HashMap::new(),
-        });
-        if bucket.members.contains_key(&member) {
+        // The common case, a member's every report after its first, allocates nothing.
+        if let Some(known) = buckets.get_mut(&target.key).and_then(|b| b.members.get_mut(member)) {
+            known.demand = demand;
             return false;
         }
+        let before = buckets.len();
+        let bucket = buckets.entry(target.key.clone()).or_insert_with(|| Bucket {
+            phase: phase_of(&target.key),
+            target: target.clone(),
+            members: HashMap::new(),
+        });
         let n = self.inner.joined.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let holder = format!("{}#{n}", self.inner.replica);
+        let events = events.clone();
         bucket.members.insert(
-            member,
-            Member { demand, events, holder, holding: Holding::default(), sent: None, busy: false },
+            member.clone(),
+            Member { demand, events, holder, holding: Holding::default(), sent_at: None, busy: false },
         );
         metrics::gauge!("tollgate_rlqs_holders").increment(1.0);
+        if buckets.len() != before {
+            metrics::gauge!("tollgate_rlqs_buckets").set(buckets.len() as f64);
+        }
         true
     }
 
@@ -190,13 +197,6 @@ impl Pool {
         }
         let inner = self.inner.clone();
         tokio::spawn(async move { inner.round(Round::Now(members)).await });
-    }
-
-    /// Updates `member`'s demand for the bucket `key`.
-    pub fn set_demand(&self, key: &str, member: &MemberId, demand: f64) {
-        if let Some(m) = self.inner.lock().get_mut(key).and_then(|b| b.members.get_mut(member)) {
-            m.demand = demand;
-        }
     }
 
     /// Removes `member` from the bucket `key`. Its hold stays until it expires: its Envoy may use
@@ -292,8 +292,11 @@ impl Inner {
             .await;
         let mut batches: HashMap<u64, Batch> = HashMap::new();
         for (call, results) in answered {
+            // One lock and one clock reading for a call's outcomes.
+            let now_ms = self.now_ms();
+            let mut buckets = self.lock();
             for (planned, result) in call.into_iter().zip(results) {
-                if let Some((sender, event)) = self.settle(&planned, result) {
+                if let Some((sender, event)) = settle(&mut buckets, &planned, result, now_ms) {
                     let batch = batches.entry(planned.member.0).or_insert_with(|| Batch {
                         sender,
                         events: Vec::new(),
@@ -313,7 +316,7 @@ impl Inner {
                     let mut buckets = inner.lock();
                     for (key, id) in batch.members {
                         if let Some(member) = buckets.get_mut(&key).and_then(|b| b.members.get_mut(&id)) {
-                            member.sent = None;
+                            member.sent_at = None;
                         }
                     }
                 }
@@ -356,47 +359,45 @@ impl Inner {
                 }
             }
         }
-        metrics::gauge!("tollgate_rlqs_buckets").set(buckets.len() as f64);
         planned
     }
+}
 
-    // Books what an op got: the event for its member's stream.
-    fn settle(
-        &self,
-        planned: &Planned,
-        result: Result<HoldOutcome, StoreError>,
-    ) -> Option<(mpsc::Sender<Events>, Event)> {
-        let now_ms = self.now_ms();
-        let mut buckets = self.lock();
-        let bucket = buckets.get_mut(&planned.op.key)?;
-        let cost = bucket.target.cost;
-        let mode = bucket.target.domain.failure_mode;
-        let member = bucket.members.get_mut(&planned.member)?;
-        member.busy = false;
-        let name = planned.member.1.clone();
-        match result {
-            Ok(outcome) => {
-                metrics::counter!("tollgate_rlqs_holds_total", "outcome" => "set").increment(1);
-                member.holding.set(&planned.op, &outcome, now_ms);
-                let allotment = Allotment::of(outcome.capacity, outcome.refill_per_second, cost);
-                // An Envoy never given a bucket by this stream keeps what it has (its cached
-                // assignment, from another replica's stream, stands on that stream's hold).
-                if allotment.is_none() && member.sent.is_none() {
-                    return None;
-                }
-                member.sent = allotment.map(|a| (a, now_ms));
-                let event = Event::Assign { bucket: name, allotment, fresh: planned.op.fresh };
-                Some((member.events.clone(), event))
+// Books what an op got at `now_ms` in `buckets`: the event for its member's stream.
+fn settle(
+    buckets: &mut HashMap<String, Bucket>,
+    planned: &Planned,
+    result: Result<HoldOutcome, StoreError>,
+    now_ms: u64,
+) -> Option<(mpsc::Sender<Events>, Event)> {
+    let bucket = buckets.get_mut(&planned.op.key)?;
+    let cost = bucket.target.cost;
+    let mode = bucket.target.domain.failure_mode;
+    let member = bucket.members.get_mut(&planned.member)?;
+    member.busy = false;
+    let name = planned.member.1.clone();
+    match result {
+        Ok(outcome) => {
+            metrics::counter!("tollgate_rlqs_holds_total", "outcome" => "set").increment(1);
+            member.holding.set(&planned.op, &outcome, now_ms);
+            let allotment = Allotment::of(outcome.capacity, outcome.refill_per_second, cost);
+            // An Envoy never given a bucket by this stream keeps what it has (its cached
+            // assignment, from another replica's stream, stands on that stream's hold).
+            if allotment.is_none() && member.sent_at.is_none() {
+                return None;
             }
-            Err(error) => {
-                metrics::counter!("tollgate_rlqs_holds_total", "outcome" => "failed").increment(1);
-                if let Some(held_back) = logs::throttled("rlqs_hold_failed") {
-                    tracing::warn!(error = %ErrorChain(&error), held_back, "could not set a hold in the store; applying the failure mode");
-                }
-                member.holding.failed();
-                member.sent = None;
-                Some((member.events.clone(), Event::StoreFailed { bucket: name, mode }))
+            member.sent_at = allotment.map(|_| now_ms);
+            let event = Event::Assign { bucket: name, allotment, fresh: planned.op.fresh };
+            Some((member.events.clone(), event))
+        }
+        Err(error) => {
+            metrics::counter!("tollgate_rlqs_holds_total", "outcome" => "failed").increment(1);
+            if let Some(held_back) = logs::throttled("rlqs_hold_failed") {
+                tracing::warn!(error = %ErrorChain(&error), held_back, "could not set a hold in the store; applying the failure mode");
             }
+            member.holding.failed();
+            member.sent_at = None;
+            Some((member.events.clone(), Event::StoreFailed { bucket: name, mode }))
         }
     }
 }

@@ -23,7 +23,7 @@
 //! buckets leave the pool. Nothing needs settling: what the Envoy may still admit under its
 //! cached assignments is inside this replica's hold, which outlives them.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -287,15 +287,9 @@ impl Session<'_> {
             match &bucket.kind {
                 QuotaBucket::Held(target) => {
                     let member: MemberId = (self.id, name.clone());
-                    if self.pool.join(
-                        member.clone(),
-                        target.clone(),
-                        bucket.demand.rate(),
-                        self.events.clone(),
-                    ) {
-                        fresh.push((target.key.clone(), member.clone()));
+                    if self.pool.report(&member, target, bucket.demand.rate(), &self.events) {
+                        fresh.push((target.key.clone(), member));
                     }
-                    self.pool.set_demand(&target.key, &member, bucket.demand.rate());
                 }
                 QuotaBucket::Unlimited(_) => actions.push(blanket(&bucket.id, Blanket::AllowAll, STATIC_TTL)),
                 QuotaBucket::Unknown(d) => {
@@ -325,9 +319,11 @@ impl Session<'_> {
     // The buckets of `usages` this stream has not seen yet: what each stands for. Resolved
     // concurrently.
     async fn resolve_fresh(&mut self, domain: &str, usages: &[(String, BucketId, BucketQuotaUsage)]) {
+        // A set, not a scan of the list so far: a first report names thousands of buckets.
+        let mut seen: HashSet<&str> = HashSet::new();
         let mut fresh: Vec<(String, BucketId)> = Vec::new();
         for (name, id, _) in usages {
-            if !self.buckets.contains_key(name) && !fresh.iter().any(|f| &f.0 == name) {
+            if !self.buckets.contains_key(name) && seen.insert(name) {
                 fresh.push((name.clone(), id.clone()));
             }
         }

@@ -222,7 +222,8 @@ impl RedisStore {
 
     /// Reads the bucket at `key` without changing it, with Redis's clock (for `tollgate explain`).
     pub async fn peek(&self, key: &str) -> Result<Peek, StoreError> {
-        let reply = self.shared.eval_on_key(&self.shared.peek_script, key, &[]).await?;
+        let slot = self.shared.connection.slot(key);
+        let reply = self.shared.eval_in_slot(&self.shared.peek_script, slot, &[key], &[]).await?;
         let Value::Array(items) = reply else {
             return Err(StoreError::Protocol(format!("expected an array, got {reply:?}")));
         };
@@ -437,19 +438,8 @@ impl Shared {
 }
 
 impl Shared {
-    // Runs `script` once on the node holding `key`, its only key, within the deadline. (Bucket
-    // scripts go through the coalescer, which applies the deadline itself.)
-    async fn eval_on_key(&self, script: &Script, key: &str, args: &[String]) -> Result<Value, StoreError> {
-        let keys = [key];
-        let call = node::Call { keys: &keys, args };
-        let slot = self.connection.slot(key);
-        let deadline = super::deadline_or(self.deadline);
-        tokio::time::timeout(deadline, self.eval(script, slot, &call))
-            .await
-            .map_err(|_| StoreError::Timeout(deadline))?
-    }
-
     // Runs `script` once on the node of `slot` with `keys` (all in it), within the deadline.
+    // (Bucket scripts go through the coalescer, which applies the deadline itself.)
     async fn eval_in_slot(
         &self,
         script: &Script,
