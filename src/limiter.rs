@@ -471,7 +471,14 @@ fn group(plans: &[Plan<'_>]) -> (Group, Vec<Option<usize>>) {
             let spec = p.spec.expect("quotas resolved");
             // The debt floor of `charge: always` follows the bucket's (resolved) capacity.
             let charge = p.rule.map_or(Charge::Admitted, |r| r.charge.for_bucket(&spec));
-            group.push(BucketOp { key: p.bucket.key.clone(), spec, need: p.need, role: p.role, charge });
+            group.push(BucketOp {
+                key: p.bucket.key.clone(),
+                spec,
+                need: p.need,
+                unseen: 0.0,
+                role: p.role,
+                charge,
+            });
             Some(group.len() - 1)
         })
         .collect();

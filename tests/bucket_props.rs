@@ -39,7 +39,7 @@ fn charge() -> impl Strategy<Value = Charge> {
 }
 
 fn op(spec: BucketSpec, need: f64, charge: Charge) -> BucketOp {
-    BucketOp { key: "k".into(), spec, need, role: Role::Enforced, charge }
+    BucketOp { key: "k".into(), spec, need, unseen: 0.0, role: Role::Enforced, charge }
 }
 
 fn need() -> impl Strategy<Value = f64> {

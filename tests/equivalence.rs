@@ -101,6 +101,7 @@ fn random_batch(rng: &mut StdRng, buckets: &[Bucket]) -> Vec<Group> {
                         key: b.key.clone(),
                         spec: b.spec,
                         need: needs[rng.random_range(0..needs.len())],
+                        unseen: if rng.random_bool(0.2) { 3.0 } else { 0.0 },
                         role: roles[rng.random_range(0..roles.len())],
                         charge: b.charge,
                     }
@@ -407,6 +408,7 @@ async fn kept_ms_falls_back_to_pttl_without_pexpiretime() {
         key: "rl:kept:k=v".into(),
         spec,
         need,
+        unseen: 0.0,
         role: Role::Enforced,
         charge: Charge::Admitted,
     };

@@ -22,6 +22,7 @@ fn op(key: &str, capacity: f64, refill_per_second: f64, need: f64) -> BucketOp {
         key: key.into(),
         spec: BucketSpec::new(capacity, refill_per_second).unwrap(),
         need,
+        unseen: 0.0,
         role: Role::Enforced,
         charge: Charge::Admitted,
     }
@@ -389,4 +390,47 @@ async fn a_reply_from_before_a_credit_is_not_remembered() {
     // Its stale reply must not turn into a local denial: the bucket has tokens.
     assert!(checked.evaluate(&take(1.0), GIVE_BACK).await[0].as_ref().unwrap().admitted);
     assert_eq!(checked.answered_locally(), 0);
+}
+
+/// RLQS holds are sized beside what RLS clients ask of a bucket, and a starved RLS client's
+/// requests are mostly answered by the pre-check: what it denies counts too, carried to the store
+/// by the next operation on the bucket that reaches it.
+#[tokio::test]
+async fn denials_answered_locally_count_as_demand_of_a_held_bucket() {
+    use tollgate::bucket::HoldOp;
+    let clock = ManualClock::new(1_700_000_000_000);
+    let inner: Arc<dyn Store> = Arc::new(MemoryStore::with_clock(Arc::new(clock.clone())));
+    let checked = Precheck::new(inner, Arc::new(clock.clone()), 1000);
+    let key = "rl:{t}:held";
+    let hold = |replica: &str, capacity: f64, rate: f64| HoldOp {
+        key: key.into(),
+        spec: BucketSpec::new(10.0, 1.0).unwrap(),
+        replica: replica.into(),
+        capacity,
+        unit: 1.0,
+        refill_per_second: rate,
+        ttl_ms: 60_000,
+        demand: 0.0,
+        fresh: false,
+    };
+    // Replica a holds all of the bucket: RLS requests find it empty.
+    checked.hold(&[hold("a", 10.0, 1.0)]).await[0].as_ref().unwrap();
+    for _ in 0..100 {
+        let out = checked.evaluate(&[vec![op(key, 10.0, 1.0, 1.0)]], GIVE_BACK).await;
+        assert!(!out[0].as_ref().unwrap().admitted);
+        clock.advance(10);
+    }
+    assert!(checked.answered_locally() >= 90, "answered locally: {}", checked.answered_locally());
+    // Once a token may have refilled, a request reaches the store, carrying the denials.
+    clock.advance(1_000);
+    checked.evaluate(&[vec![op(key, 10.0, 1.0, 1.0)]], GIVE_BACK).await[0].as_ref().unwrap();
+    // Replica b learns what the others ask: 101 tokens over the 2 s since the first request,
+    // counted in a window that spans 5 s before it.
+    let b = checked.hold(&[hold("b", 1.0, 0.1)]).await.pop().unwrap().unwrap();
+    let expected = 101.0 * 1000.0 / (5_000.0 + 2_000.0);
+    assert!(
+        (b.others.demand - expected).abs() < 1e-6,
+        "RLS demand beside the holds: {} tokens/s, asked {expected}",
+        b.others.demand
+    );
 }

@@ -314,6 +314,7 @@ async fn holds_are_idempotent_and_shared_in_every_store() {
             key: x.into(),
             spec: BucketSpec::new(100.0, 10.0).unwrap(),
             need: 0.0,
+            unseen: 0.0,
             role: tollgate::bucket::Role::Enforced,
             charge: tollgate::bucket::Charge::Admitted,
         };

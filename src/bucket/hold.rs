@@ -274,6 +274,7 @@ mod tests {
             key: "k".into(),
             spec: op(0.0, 0.0).spec,
             need: 6.0,
+            unseen: 0.0,
             role: Role::Enforced,
             charge: Charge::Admitted,
         };

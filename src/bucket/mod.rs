@@ -141,6 +141,10 @@ pub struct BucketOp {
     pub spec: BucketSpec,
     /// Tokens to take. Zero checks without taking; negative gives tokens back (capped).
     pub need: f64,
+    /// Tokens asked of the bucket since an op last reached it by requests answered without it
+    /// (the pre-check's certain denials): demand that a bucket with holds records beside `need`,
+    /// so that holds are sized against what RLS clients ask, not only what reaches the store.
+    pub unseen: f64,
     /// How a shortage counts.
     pub role: Role,
     /// When the tokens are taken.
@@ -318,6 +322,12 @@ fn debit(state: &mut BucketState, op: &BucketOp, capacity: f64, now_ms: u64) -> 
     kept - after
 }
 
+// What a bucket with holds records as asked of it by `op`: its need and the denials it did not
+// see.
+fn asked(op: &BucketOp) -> f64 {
+    op.need.max(0.0) + op.unseen
+}
+
 // How long a bucket written as `state` at `now_ms` by an operation with debt floor `floor` must
 // live: until its balance (or the floor, if lower) has refilled to the largest capacity at the
 // slowest rate any charge used, plus a second, counted from when the last live hold expires
@@ -346,7 +356,17 @@ pub fn refund(group: &Group, outcome: &GroupOutcome) -> Vec<(usize, BucketOp)> {
         .filter(|(_, (op, v))| v.allowed && op.need != 0.0 && op.charge == Charge::Admitted)
         .map(|(i, (op, _))| {
             let charge = if op.need < 0.0 { Charge::Always { max_debt: 0.0 } } else { Charge::Admitted };
-            (i, BucketOp { key: op.key.clone(), spec: op.spec, need: -op.need, role: Role::Shadow, charge })
+            (
+                i,
+                BucketOp {
+                    key: op.key.clone(),
+                    spec: op.spec,
+                    need: -op.need,
+                    unseen: 0.0,
+                    role: Role::Shadow,
+                    charge,
+                },
+            )
         })
         .collect()
 }
@@ -404,9 +424,9 @@ pub fn evaluate(
             } else if raises {
                 note_spec(&mut state, &op.spec, now_ms);
             }
-            let asks_now = op.need > 0.0 && holds_live(&state.holds, now_ms);
+            let asks_now = asked(op) > 0.0 && holds_live(&state.holds, now_ms);
             if asks_now {
-                state.asked.record(now_ms, op.need);
+                state.asked.record(now_ms, asked(op));
             }
             raised.push(raises);
             asks.push(asks_now);
@@ -450,7 +470,7 @@ pub fn evaluate(
                 if always {
                     verdict.forgiven = debit(&mut state, op, room.0, now_ms);
                     if asks {
-                        state.asked.record(now_ms, op.need);
+                        state.asked.record(now_ms, asked(op));
                     }
                     verdict.tokens = state.tokens;
                     verdict.fastest_refill = state.rate_ceiling();
@@ -463,7 +483,7 @@ pub fn evaluate(
                             note_spec(&mut state, &op.spec, now_ms);
                         }
                         if asks {
-                            noted.asked.record(now_ms, op.need);
+                            noted.asked.record(now_ms, asked(op));
                         }
                         running.insert(key, Some(noted));
                     }
@@ -532,7 +552,7 @@ mod tests {
     }
 
     fn op(key: &str, spec: BucketSpec, need: f64) -> BucketOp {
-        BucketOp { key: key.into(), spec, need, role: Role::Enforced, charge: Charge::Admitted }
+        BucketOp { key: key.into(), spec, need, unseen: 0.0, role: Role::Enforced, charge: Charge::Admitted }
     }
 
     fn always(key: &str, spec: BucketSpec, need: f64, max_debt: f64) -> BucketOp {

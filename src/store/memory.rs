@@ -157,6 +157,7 @@ mod tests {
             key: key.into(),
             spec: BucketSpec::new(10.0, 1.0).unwrap(),
             need,
+            unseen: 0.0,
             role: Role::Enforced,
             charge: Charge::Admitted,
         };

@@ -38,6 +38,11 @@
 //!   at the time), and none is used after [`MAX_AGE_MS`], which bounds how long a loss nobody
 //!   reported can mislead.
 //!
+//! A bucket whose holds (RLQS) are sized beside what RLS clients ask of it must learn what the
+//! pre-check denies too, or a starved RLS client would look as if it asked for one request per
+//! refilled token: each observation counts the tokens its denials asked for, and the next
+//! operation on the bucket that reaches the store carries them ([`BucketOp::unseen`]).
+//!
 //! Only buckets that the next equal request would find short are remembered, and each shard of
 //! the map has a fixed capacity; when it is full, new observations are skipped (which is always
 //! safe: the request goes to Redis). A denial that reached Redis refreshes its observation, so
@@ -106,6 +111,8 @@ struct Observation {
     // The fastest refill of a request this observation bounds (see `observe`).
     rate_limit: f64,
     epoch: u64,
+    // Tokens asked by the requests answered from this observation, not yet sent to the store.
+    unseen: f64,
 }
 
 impl Observation {
@@ -255,7 +262,10 @@ impl Precheck {
             };
             // Finding a bucket of capacity 0 missing is exact.
             let kept_ms = if op.spec.capacity() > 0.0 { verdict.kept_ms } else { MAX_AGE_MS + 1 };
+            // Denials counted since this call took the count stay counted.
+            let unseen = map.get(&op.key).map_or(0.0, |o| o.unseen);
             let seen = Observation {
+                unseen,
                 tokens: verdict.tokens,
                 need: op.need,
                 server_ms: outcome.now_ms,
@@ -268,6 +278,33 @@ impl Precheck {
             map.insert(op.key.clone(), seen);
             shard.len.store(map.len(), Ordering::Relaxed);
         }
+    }
+
+    // Counts what the denied `group` asked of its buckets, for the next operations that reach
+    // the store.
+    fn count_unseen(&self, group: &Group) {
+        for op in group.iter().filter(|op| op.need > 0.0) {
+            if let Some(seen) = self.shard(&op.key).lock().get_mut(&op.key) {
+                seen.unseen += op.need;
+            }
+        }
+    }
+
+    // `group` carrying the denials counted for its buckets, if any were (the counts are taken).
+    fn take_unseen(&self, group: &Group) -> Option<Group> {
+        let mut carried: Option<Group> = None;
+        for (i, op) in group.iter().enumerate() {
+            let shard = self.shard(&op.key);
+            if shard.len.load(Ordering::Relaxed) == 0 {
+                continue;
+            }
+            let unseen = match shard.lock().get_mut(&op.key) {
+                Some(seen) if seen.unseen > 0.0 => std::mem::take(&mut seen.unseen),
+                _ => continue,
+            };
+            carried.get_or_insert_with(|| group.clone())[i].unseen += unseen;
+        }
+        carried
     }
 
     fn forget_everything(&self) {
@@ -308,16 +345,21 @@ impl Store for Precheck {
             self.answered.fetch_add(local as u64, Ordering::Relaxed);
             if local > 0 {
                 metrics::counter!("tollgate_precheck_answers_total").increment(local as u64);
+                for (group, _) in batch.iter().zip(&results).filter(|(_, r)| r.is_some()) {
+                    self.count_unseen(group);
+                }
             }
             if local == batch.len() {
                 return results.into_iter().flatten().collect();
             }
             // A denied group debits nothing, so leaving it out does not change the others.
             let remote: Vec<usize> = (0..batch.len()).filter(|&i| results[i].is_none()).collect();
-            let answers = if local == 0 {
+            let carried: Vec<Option<Group>> = remote.iter().map(|&i| self.take_unseen(&batch[i])).collect();
+            let answers = if local == 0 && carried.iter().all(Option::is_none) {
                 self.inner.evaluate(batch, late).await
             } else {
-                let rest: Vec<Group> = remote.iter().map(|&i| batch[i].clone()).collect();
+                let rest: Vec<Group> =
+                    remote.iter().zip(carried).map(|(&i, c)| c.unwrap_or_else(|| batch[i].clone())).collect();
                 self.inner.evaluate(&rest, late).await
             };
             let mut failed = false;

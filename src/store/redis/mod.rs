@@ -425,6 +425,7 @@ impl Shared {
                     Charge::Admitted => String::new(),
                     Charge::Always { max_debt } => max_debt.to_string(),
                 });
+                args.push(op.unseen.to_string());
             }
         }
         let call = node::Call { keys: &keys, args: &args };

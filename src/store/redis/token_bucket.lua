@@ -1,9 +1,10 @@
 -- Batches of requests against token buckets (follows bucket.lua in one script).
 --
 -- KEYS: the distinct bucket keys of the batch (one Cluster slot).
--- ARGV: group count, then per group its op count, then per op six values:
+-- ARGV: group count, then per group its op count, then per op seven values:
 --       key index (into KEYS), capacity, refill per second, need, role (0 enforced, 1 shadow,
---       2 quota mode), max debt ('' = charged only when admitted, else charged always).
+--       2 quota mode), max debt ('' = charged only when admitted, else charged always), tokens
+--       asked unseen (by requests answered without the store since).
 -- Reply: now_ms, then per group: admitted (1/0), then per op: allowed (1/0), tokens (exact, as
 --        %.17g), retry_after_ms (-1 = never), reset_ms, forgiven tokens (%.17g), the fastest
 --        refill per second the bucket may get, in force or pending (%.17g), ms after now the
@@ -28,7 +29,9 @@ for _ = 1, tonumber(ARGV[1]) do
     local need = tonumber(ARGV[a + 3])
     local role = ARGV[a + 4]
     local debt = tonumber(ARGV[a + 5])
-    a = a + 6
+    -- What a held bucket records as asked of it: this op's need and the denials it did not see.
+    local ask = math.max(need, 0) + tonumber(ARGV[a + 6])
+    a = a + 7
     local s = tentative[k]
     if s == nil then s = load(k) end
     local st = refill(s, cap, rate)
@@ -43,8 +46,8 @@ for _ = 1, tonumber(ARGV[1]) do
     elseif raises then
       note_spec(st, cap, rps)
     end
-    local asks = need > 0 and holds_live(st[8])
-    if asks then asked_record(st, need) end
+    local asks = ask > 0 and holds_live(st[8])
+    if asks then asked_record(st, ask) end
     tentative[k] = st
     if role == '0' then
       if not allowed then enforced_short = true end
@@ -53,7 +56,7 @@ for _ = 1, tonumber(ARGV[1]) do
       if allowed then quota_allowed = quota_allowed + 1 end
     end
     ops[i] = {k, cap, rps, rate, need, debt, allowed, st[1], retry, forgiven, ceiling(st), raises,
-              room, room_rate, asks}
+              room, room_rate, asks and ask}
   end
   local admitted = (not enforced_short) and (quota_ops == 0 or quota_allowed > 0)
 
@@ -74,7 +77,7 @@ for _ = 1, tonumber(ARGV[1]) do
       forgiven = 0
       if debt then
         forgiven = debit(st, cap, rps, need, debt, room)
-        if asks then asked_record(st, need) end
+        if asks then asked_record(st, asks) end
         running[k] = st
       elseif raises or asks then
         local noted = {unpack(committed)}
@@ -82,7 +85,7 @@ for _ = 1, tonumber(ARGV[1]) do
           note_spec(noted, cap, rps)
           note_spec(st, cap, rps)
         end
-        if asks then asked_record(noted, need) end
+        if asks then asked_record(noted, asks) end
         running[k] = noted
       end
       tokens, fastest = st[1], ceiling(st)
