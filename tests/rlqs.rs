@@ -240,9 +240,18 @@ async fn a_closed_streams_hold_outlives_its_assignment() {
     let mut first = Stream::open(&a.addr()).await;
     first.send("quota", vec![report(&search, 0, 1, 0)]).await;
     // The floor first (a sixteenth: a request, but under one an hour of this rule's 0.001/s, so
-    // nothing to assign), then, alone, all that is left of the bucket (capacity 20).
-    let got = grant_for(&mut first, &search).await;
-    assert!(matches!(got, Said::Tokens(n) if n >= 18), "alone: nearly all of it: {got:?}");
+    // nothing to assign), then half (room for a replica joining late), then, alone, all that is
+    // left of the bucket (capacity 20).
+    // (A hot hold is set again every 2 s: the same size comes again meanwhile.)
+    let mut got: Vec<Said> = Vec::new();
+    while !matches!(got.last(), Some(Said::Tokens(n)) if *n >= 18) {
+        assert!(got.len() < 10, "alone, it gets all of it: {got:?}");
+        let said = grant_for(&mut first, &search).await;
+        if got.last() != Some(&said) {
+            got.push(said);
+        }
+    }
+    assert_eq!(got[0], Said::Tokens(10), "half while others may join: {got:?}");
     first.close().await;
 
     let mut second = Stream::open(&b.addr()).await;
@@ -350,7 +359,8 @@ async fn an_assignment_is_a_refilling_share_of_the_bucket() {
     let mut stream = Stream::open(&server.addr()).await;
     let slow = bucket(&[("slow", "s")]);
     stream.send("quota", vec![report(&slow, 0, 1, 0)]).await;
-    // The floor first (one request, a sixteenth of the rate: 112 an hour), then all of it.
+    // The floor first (one request, a sixteenth of the rate: 112 an hour), then half of it
+    // (room for a replica joining late), then all of it.
     let mut fills = Vec::new();
     let (q, b) = loop {
         let answer = tokio::time::timeout(Duration::from_secs(5), stream.answers.message())
@@ -366,12 +376,16 @@ async fn an_assignment_is_a_refilling_share_of_the_bucket() {
         let Some(Strategy::TokenBucket(b)) = q.rate_limit_strategy.and_then(|s| s.strategy) else {
             panic!("{q:?}")
         };
-        fills.push(b.tokens_per_fill.unwrap().value);
-        if fills.len() == 2 {
+        // (A hot hold is set again every 2 s: the same size comes again meanwhile.)
+        let fill = b.tokens_per_fill.unwrap().value;
+        if fills.last() != Some(&fill) {
+            fills.push(fill);
+        }
+        if fills.len() == 3 || fills.len() > 5 {
             break (*q, b);
         }
     };
-    assert_eq!(fills, [112, 1_800], "the floor, then all of it");
+    assert_eq!(fills, [112, 900, 1_800], "the floor, half, then all of it");
     let lives = q.assignment_time_to_live.unwrap().seconds;
     println!(
         "assignment: {} requests, {} per {} s, for {lives} s",
@@ -415,15 +429,16 @@ async fn replicas_hold_shares_in_proportion_to_demand() {
         let QuotaBucket::Held(target) = limiter.quota_bucket("quota", &id).await else { panic!("held") };
         // Capacity 100 refilling 100/s; replica a's Envoys ask 95 requests a second, b's 5.
         // A holder learns the others' demand from its own ops' outcomes. Each starts at the
-        // floor (a sixteenth), which leaves room for the others starting beside it; a's next op
-        // knows b's demand and takes its part, 95 %, of what is free; b's 5 % is under the floor,
-        // so b keeps the floor, and a has the rest.
+        // floor (a sixteenth), which leaves room for the others starting beside it; a's next op,
+        // 10 s later (past the seconds in which a late holder may join), knows b's demand and
+        // takes its part, 95 %, of what is free; b's 5 % is under the floor, so b keeps the
+        // floor, and a has the rest.
         let (mut a, mut b) = (Holding::default(), Holding::default());
-        let first_a = set_hold(&limiter, &target, &mut a, "a", 95.0).await;
-        let first_b = set_hold(&limiter, &target, &mut b, "b", 5.0).await;
-        set_hold(&limiter, &target, &mut a, "a", 95.0).await;
-        let then_b = set_hold(&limiter, &target, &mut b, "b", 5.0).await;
-        let then_a = set_hold(&limiter, &target, &mut a, "a", 95.0).await;
+        let first_a = set_hold(&limiter, &target, &mut a, "a", 95.0, 0).await;
+        let first_b = set_hold(&limiter, &target, &mut b, "b", 5.0, 0).await;
+        set_hold(&limiter, &target, &mut a, "a", 95.0, 10_000).await;
+        let then_b = set_hold(&limiter, &target, &mut b, "b", 5.0, 10_000).await;
+        let then_a = set_hold(&limiter, &target, &mut a, "a", 95.0, 10_000).await;
         println!("{which}: first a {first_a:?} and b {first_b:?}; then b {then_b:?} and a {then_a:?}");
         assert_eq!((first_a, first_b), ((6.0, 6.0), (6.0, 6.0)), "{which}: both start at the floor");
         assert_eq!(then_b, (6.0, 6.0), "{which}: b keeps the floor");
@@ -433,17 +448,19 @@ async fn replicas_hold_shares_in_proportion_to_demand() {
     }
 }
 
-// Sets `replica`'s hold for `demand` requests a second; what it got, rounded.
+// Sets `replica`'s hold for `demand` requests a second at `now_ms` (the replica's clock); what
+// it got, rounded.
 async fn set_hold(
     limiter: &tollgate::limiter::Limiter,
     target: &tollgate::limiter::HeldBucket,
     holding: &mut tollgate::limiter::Holding,
     replica: &str,
     demand: f64,
+    now_ms: u64,
 ) -> (f64, f64) {
-    let op = holding.due(target, replica, demand, 0, true, false).expect("forced");
+    let op = holding.due(target, replica, demand, now_ms, true, false).expect("forced");
     let outcome = limiter.hold(std::slice::from_ref(&op)).await.pop().unwrap().unwrap();
-    holding.set(&op, &outcome, 0);
+    holding.set(&op, &outcome, now_ms);
     (outcome.capacity.round(), outcome.refill_per_second.round())
 }
 
@@ -457,38 +474,91 @@ async fn next_or_status(stream: &mut Stream) -> Result<RateLimitQuotaResponse, t
     }
 }
 
-/// One report naming 10,000 buckets: all resolved together, and every bucket's first
-/// assignment arrives bundled in a handful of messages, not one message per bucket.
-#[tokio::test(flavor = "multi_thread")]
-async fn ten_thousand_buckets_are_answered_in_bundles() {
+/// One report naming 10,000 buckets (one tenant each) from an Envoy on each of `replicas`
+/// replicas on `backend`: all resolved together, every bucket's first assignment on every stream
+/// a token bucket (no failure-mode answer), bundled (at most a message per store call of 256
+/// holds), and within a loose limit of the 2 s (a debug build on a shared machine; the
+/// release figures are in bench/RESULTS.md). On Redis, every bucket then has one hold per stream
+/// and holds no more than its capacity and rate between them.
+async fn ten_thousand_buckets(backend: Backend, replicas: usize) -> Vec<Tollgate> {
+    const BUCKETS: usize = 10_000;
     let (_dir, config) = config_file(CONFIG);
-    let server = Tollgate::start(&config, &Backend::Memory, &[]);
-    let mut stream = Stream::open(&server.addr()).await;
-    let ids: Vec<BucketId> = (0..10_000).map(|i| bucket(&[("tenant", &format!("fleet-{i}"))])).collect();
-    let start = Instant::now();
-    stream.send("quota", ids.iter().map(|id| report(id, 0, 1, 0)).collect()).await;
-    let mut assigned: HashMap<BTreeMap<String, String>, Duration> = HashMap::new();
-    let mut messages = 0;
-    while assigned.len() < ids.len() {
-        if start.elapsed() > Duration::from_secs(30) {
-            let missing: Vec<_> = ids.iter().filter(|id| !assigned.contains_key(&key(id))).take(5).collect();
-            panic!("{} of 10,000 assigned after 30 s; missing {missing:?}\n{}", assigned.len(), server.log());
-        }
-        let said = stream.next().await;
-        messages += 1;
-        for (bucket, _) in said {
-            assigned.entry(bucket).or_insert_with(|| start.elapsed());
-        }
+    let servers: Vec<Tollgate> = (0..replicas).map(|_| Tollgate::start(&config, &backend, &[])).collect();
+    let ids: Vec<BucketId> = (0..BUCKETS).map(|i| bucket(&[("tenant", &format!("fleet-{i}"))])).collect();
+    let mut streams = Vec::new();
+    for server in &servers {
+        streams.push(Stream::open(&server.addr()).await);
     }
-    let mut times: Vec<Duration> = assigned.values().copied().collect();
+    let start = Instant::now();
+    for stream in &streams {
+        stream.send("quota", ids.iter().map(|id| report(id, 0, 1, 0)).collect()).await;
+    }
+    let reads = streams.into_iter().map(|mut stream| async move {
+        let mut assigned: HashMap<BTreeMap<String, String>, Duration> = HashMap::new();
+        let (mut messages, mut other) = (0, 0);
+        while assigned.len() < BUCKETS && start.elapsed() < Duration::from_secs(30) {
+            let said = stream.next().await;
+            messages += 1;
+            let tokens: HashMap<_, _> =
+                said.iter().filter(|(_, s)| matches!(s, Said::Tokens(_))).cloned().collect();
+            for (bucket, _) in said {
+                if tokens.contains_key(&bucket) {
+                    assigned.entry(bucket).or_insert_with(|| start.elapsed());
+                } else if !assigned.contains_key(&bucket) {
+                    other += 1;
+                }
+            }
+        }
+        (assigned, messages, other)
+    });
+    let mut times: Vec<Duration> = Vec::new();
+    for (i, (assigned, messages, other)) in futures::future::join_all(reads).await.into_iter().enumerate() {
+        let log = servers[i].log();
+        assert_eq!(
+            assigned.len(),
+            BUCKETS,
+            "stream {i}: {} of 10,000 assigned after 30 s\n{log}",
+            assigned.len()
+        );
+        assert!(messages <= BUCKETS / 256 + 1, "stream {i}: {messages} messages for 10,000 buckets");
+        assert_eq!(other, 0, "stream {i}: blanket answers (a failure mode?) before a token bucket\n{log}");
+        times.extend(assigned.into_values());
+    }
     times.sort();
     println!(
-        "10,000 buckets in one report (embedded store): every first assignment after {:?} (p50 {:?}) in {messages} messages",
+        "10,000 buckets x {replicas} replicas ({backend:?}): every first assignment after {:?} (p50 {:?})",
         times[times.len() - 1],
         times[times.len() / 2]
     );
-    assert!(messages < 10, "bundled: {messages} messages for 10,000 buckets");
-    assert!(times[times.len() - 1] < Duration::from_secs(10), "{:?}", times[times.len() - 1]);
+    assert!(times[times.len() - 1] < Duration::from_secs(20), "{:?}", times[times.len() - 1]);
+    servers
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn ten_thousand_buckets_are_answered_in_bundles() {
+    ten_thousand_buckets(Backend::Memory, 1).await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn ten_thousand_buckets_on_three_replicas_and_one_redis() {
+    let redis = Redis::start();
+    let _servers = ten_thousand_buckets(Backend::Redis(redis.url()), 3).await;
+    let mut conn = redis.connection();
+    for i in (0..10_000).step_by(997) {
+        let key = format!("rl:{{fleet-{i}}}:quota:tenant=fleet-{i}");
+        let field: String = redis::cmd("HGET").arg(&key).arg("h").query(&mut conn).unwrap();
+        let holds = tollgate::store::parse_holds(&field).unwrap();
+        assert_eq!(holds.len(), 3, "{key}: one hold per stream: {holds:?}");
+        let (capacity, rate) =
+            holds.iter().fold((0.0, 0.0), |(c, r), h| (c + h.capacity, r + h.refill_per_second));
+        assert!(capacity <= 50.0 + 1e-9 && rate <= 10.0 + 1e-9, "{key}: within the bucket: {holds:?}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn ten_thousand_buckets_on_three_replicas_and_a_cluster() {
+    let cluster = RedisCluster::start();
+    ten_thousand_buckets(Backend::Cluster(cluster.seeds()), 3).await;
 }
 
 /// Reports the protocol does not allow end the stream with a status that says why; counters at

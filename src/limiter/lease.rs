@@ -61,8 +61,11 @@ pub const ASSIGNMENT_TTL: Duration = Duration::from_secs(40);
 /// records its demand) gets its share within a few seconds.
 pub const RESIZE_HOT_AFTER: Duration = Duration::from_secs(2);
 /// How long hold ops may take: no request waits on them (a late one delays an assignment), so
-/// not the request deadline, under which a burst of them queued into failure answers.
-pub const BACKGROUND_DEADLINE: Duration = Duration::from_millis(500);
+/// not the request deadline, under which a burst of them queued into failure answers. Seconds,
+/// not less: three replicas' first reports of 10,000 buckets each on a Cluster are tens of
+/// thousands of script calls at once, and at 500 ms some of them timed out into failure-mode
+/// answers on this 2-core machine, though Redis answered them all.
+pub const BACKGROUND_DEADLINE: Duration = Duration::from_secs(2);
 /// The smallest part of a bucket's rate and capacity a replica holds for clients that asked for
 /// nothing lately: an idle client wakes up to a request or more at once, and its next report
 /// moves the share.
@@ -71,6 +74,15 @@ const FLOOR: f64 = 1.0 / 16.0;
 const SLACK: f64 = 0.2;
 /// A hold is hot when its clients ask for more than this part of its rate.
 const HOT: f64 = 0.5;
+/// How long after its first op a hold leaves room for one more holder asking as much as itself:
+/// every replica's streams report a new bucket at about the same time, but not at once (a
+/// replica resolving a first report of thousands of buckets answers a second or so after
+/// another), and a hold that grew to its part among the holders it knew would leave a late one
+/// nothing, so no first assignment, until it learns of it at its next op (measured: 3 % of the
+/// first assignments of 1,000 new buckets on 3 replicas came after 2-5 s; leaving only a floor
+/// free, 2 % of 10,000 still did, since the first hold alone takes all but that floor). A
+/// replica alone on a bucket holds half of it for these seconds, then all.
+const JOIN_WINDOW_MS: u64 = 3_000;
 
 /// One replica's hold on one bucket, as this replica last set it.
 #[derive(Debug, Clone, Default)]
@@ -78,8 +90,9 @@ pub struct Holding {
     // What the store gave (capacity, rate per second), and what was asked for.
     held: Option<(f64, f64)>,
     wanted: (f64, f64),
-    // When it was last set, on the replica's clock.
+    // When it was last set, and first set, on the replica's clock.
     at_ms: u64,
+    first_ms: Option<u64>,
     // The other holders' holds and demand, as of the last op.
     others: Others,
     // The last op failed: the next round tries again.
@@ -105,7 +118,8 @@ impl Holding {
         fresh: bool,
     ) -> Option<HoldOp> {
         let tokens = demand * target.cost as f64;
-        let want = self.want(&target.spec, tokens, target.cost as f64);
+        let joining = self.first_ms.is_some_and(|first| now_ms.saturating_sub(first) < JOIN_WINDOW_MS);
+        let want = self.want(&target.spec, tokens, target.cost as f64, joining);
         let age = now_ms.saturating_sub(self.at_ms);
         let due = match self.held {
             _ if force || fresh || self.failed => true,
@@ -151,6 +165,7 @@ impl Holding {
         self.held = Some((outcome.capacity, outcome.refill_per_second));
         self.wanted = (op.capacity, op.refill_per_second);
         self.at_ms = now_ms;
+        self.first_ms.get_or_insert(now_ms);
         self.others = outcome.others;
         self.failed = false;
     }
@@ -165,10 +180,11 @@ impl Holding {
     // the floor; alone, or all idle, the floor when idle and everything when not. A first hold
     // knows no one else's demand yet: it starts at the floor, which leaves room for the holds
     // starting beside it (every replica's stream reports a new bucket at once), and grows at the
-    // next round, once its op has told it theirs. At least one request's capacity (`unit`),
+    // next round, once its op has told it theirs; while `joining`, it leaves room for one more
+    // holder asking as much ([`JOIN_WINDOW_MS`]). At least one request's capacity (`unit`),
     // which is what a local bucket needs.
-    fn want(&self, spec: &BucketSpec, tokens: f64, unit: f64) -> (f64, f64) {
-        let total = tokens + self.others.demand;
+    fn want(&self, spec: &BucketSpec, tokens: f64, unit: f64, joining: bool) -> (f64, f64) {
+        let total = tokens + self.others.demand + if joining { tokens } else { 0.0 };
         let part = if self.held.is_none() || total <= 0.0 { FLOOR } else { (tokens / total).max(FLOOR) };
         ((spec.capacity() * part).max(unit).min(spec.capacity()), spec.refill_per_second() * part)
     }

@@ -25,6 +25,7 @@
 //! few messages as fit. The tick task belongs to the pool and stops with it.
 
 use std::collections::HashMap;
+use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -45,7 +46,9 @@ pub const PHASES: u64 = 10;
 /// Most hold ops in one store call (one script run per slot in it): thousands of new buckets in
 /// one script would hold Redis up for everyone else.
 const HOLDS_PER_CALL: usize = 256;
-/// Most store calls one round has in flight.
+/// Most store calls this replica's rounds have in flight together: a first report of thousands
+/// of buckets, booked in chunks, starts a round per chunk, and calls queued behind too many
+/// others in Redis would outlast the background deadline.
 const CALLS_IN_FLIGHT: usize = 8;
 /// How long a round's events wait for room in a stream's queue: a stream resolving the first
 /// report of thousands of new buckets reads no events meanwhile.
@@ -121,6 +124,12 @@ struct Inner {
     // Memberships so far: numbers each member's holder name.
     joined: std::sync::atomic::AtomicU64,
     buckets: Mutex<HashMap<String, Bucket>>,
+    // Permits for store calls in flight ([`CALLS_IN_FLIGHT`]).
+    calls: tokio::sync::Semaphore,
+    // Ops of `Round::Now` not answered yet: while there are any, the ticks' rounds wait, so that
+    // Envoys waiting for a first assignment come first (renewals have half a hold's life to
+    // land, and a hold grows once its peers' first holds are in anyway).
+    first_ops: std::sync::atomic::AtomicUsize,
 }
 
 impl Drop for Pool {
@@ -138,6 +147,8 @@ impl Pool {
             started: Instant::now(),
             joined: Default::default(),
             buckets: Mutex::default(),
+            calls: tokio::sync::Semaphore::new(CALLS_IN_FLIGHT),
+            first_ops: Default::default(),
         });
         let ticking = Arc::downgrade(&inner);
         let ticker = tokio::spawn(async move {
@@ -175,7 +186,7 @@ impl Pool {
             target: target.clone(),
             members: HashMap::new(),
         });
-        let n = self.inner.joined.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let n = self.inner.joined.fetch_add(1, Ordering::Relaxed);
         let holder = format!("{}#{n}", self.inner.replica);
         let events = events.clone();
         bucket.members.insert(
@@ -265,13 +276,21 @@ impl Inner {
         self.started.elapsed().as_millis() as u64
     }
 
-    // One round: the ops it calls for, in calls of [`HOLDS_PER_CALL`], and each stream's events
-    // of the round as one batch, delivered in a task of its own, so that a stream that reads
-    // nothing holds up no one else.
+    // One round: the ops it calls for, in calls of [`HOLDS_PER_CALL`]; as each call is answered,
+    // each stream's events of it as one batch, delivered in a task of its own, so that a stream
+    // that reads nothing holds up no one else, and the first buckets of a round of thousands are
+    // assigned without waiting for the last.
     async fn round(self: &Arc<Self>, round: Round) {
+        let first = matches!(round, Round::Now(_));
+        if !first && self.first_ops.load(Ordering::Relaxed) > 0 {
+            return;
+        }
         let planned = self.plan(round);
         if planned.is_empty() {
             return;
+        }
+        if first {
+            self.first_ops.fetch_add(planned.len(), Ordering::Relaxed);
         }
         let calls: Vec<Vec<Planned>> = {
             let mut calls = Vec::new();
@@ -281,18 +300,29 @@ impl Inner {
             }
             calls
         };
-        let answered: Vec<Answered> = futures::stream::iter(calls)
+        let mut answered = futures::stream::iter(calls)
             .map(|call| async move {
                 let ops: Vec<HoldOp> = call.iter().map(|p| p.op.clone()).collect();
+                // The semaphore is never closed.
+                let _permit = self.calls.acquire().await;
                 let results = self.limiter.hold(&ops).await;
                 (call, results)
             })
-            .buffer_unordered(CALLS_IN_FLIGHT)
-            .collect()
-            .await;
+            .buffer_unordered(CALLS_IN_FLIGHT);
+        while let Some(answer) = answered.next().await {
+            let ops = answer.0.len();
+            self.deliver(answer);
+            if first {
+                self.first_ops.fetch_sub(ops, Ordering::Relaxed);
+            }
+        }
+    }
+
+    // Books a call's outcomes (under one lock and one clock reading) and sends each stream its
+    // events of them.
+    fn deliver(self: &Arc<Self>, (call, results): Answered) {
         let mut batches: HashMap<u64, Batch> = HashMap::new();
-        for (call, results) in answered {
-            // One lock and one clock reading for a call's outcomes.
+        {
             let now_ms = self.now_ms();
             let mut buckets = self.lock();
             for (planned, result) in call.into_iter().zip(results) {

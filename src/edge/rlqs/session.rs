@@ -23,7 +23,7 @@
 //! buckets leave the pool. Nothing needs settling: what the Envoy may still admit under its
 //! cached assignments is inside this replica's hold, which outlives them.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -91,6 +91,12 @@ pub const MAX_RESPONSE_BYTES: usize = 3 << 20;
 /// How many buckets a report names for the first time are resolved at once (rule, quota):
 /// together, not one after another, and without flooding the store.
 const FIRST_REPORT_CONCURRENCY: usize = 64;
+/// Most usages booked at once (see `run`): the first of 10,000 new buckets are held while the
+/// rest are still being resolved.
+const BOOK_CHUNK: usize = 1024;
+
+// A usage of a report: its bucket's name, its id, and what it says.
+type Usage = (String, BucketId, BucketQuotaUsage);
 
 /// Runs the stream `id` with `peer` until it ends.
 pub async fn run(
@@ -122,7 +128,21 @@ pub async fn run(
     metrics::gauge!("tollgate_rlqs_streams").increment(1.0);
     // A message read while gathering reports that is not one (the end, an error): next.
     let mut held: Option<Result<Option<RateLimitQuotaUsageReports>, Status>> = None;
+    // Usages accepted and not booked yet, in chunks of BOOK_CHUNK: a first report of thousands of
+    // new buckets is booked a chunk at a time, so that a chunk's holds are set while the next is
+    // resolved, and the pool's events are answered between chunks. No report is read meanwhile.
+    let mut backlog: VecDeque<Vec<Usage>> = VecDeque::new();
     loop {
+        if !backlog.is_empty() {
+            let responses = match events.try_recv() {
+                Ok(batch) => answer(&mut session, batch, &mut events),
+                Err(_) => bundle(session.book(backlog.pop_front().unwrap_or_default()).await),
+            };
+            if !send_all(&answers, responses).await {
+                break;
+            }
+            continue;
+        }
         let next = async {
             match held.take() {
                 Some(message) => message,
@@ -133,8 +153,14 @@ pub async fn run(
             report = next => match report {
                 Ok(Some(mut report)) => {
                     held = gather(&mut reports, &mut report);
-                    match session.report(report).await {
-                        Ok(actions) => bundle(actions),
+                    match session.accept(report) {
+                        Ok(usages) => {
+                            let mut usages = usages.into_iter().peekable();
+                            while usages.peek().is_some() {
+                                backlog.push_back(usages.by_ref().take(BOOK_CHUNK).collect());
+                            }
+                            Vec::new()
+                        }
                         Err(status) => {
                             let _ = answers.send(Err(status)).await;
                             break;
@@ -153,13 +179,7 @@ pub async fn run(
                     break;
                 }
             },
-            Some(mut batch) = events.recv() => {
-                // Every batch already waiting goes out with this one, in as few messages as fit.
-                while let Ok(more) = events.try_recv() {
-                    batch.extend(more);
-                }
-                bundle(session.events(batch))
-            }
+            Some(batch) = events.recv() => answer(&mut session, batch, &mut events),
             () = &mut closed => break,
         };
         if !send_all(&answers, responses).await {
@@ -173,6 +193,19 @@ pub async fn run(
     }
     drop(events);
     metrics::gauge!("tollgate_rlqs_streams").decrement(1.0);
+}
+
+// The pool's `batch` of events, and every batch already waiting with it, as responses: in as few
+// messages as fit.
+fn answer(
+    session: &mut Session<'_>,
+    mut batch: Events,
+    events: &mut mpsc::Receiver<Events>,
+) -> Vec<RateLimitQuotaResponse> {
+    while let Ok(more) = events.try_recv() {
+        batch.extend(more);
+    }
+    bundle(session.events(batch))
 }
 
 /// How long after an abandon_action a report of the bucket without requests is taken as sent
@@ -238,10 +271,8 @@ struct Session<'a> {
 }
 
 impl Session<'_> {
-    // A usage report: the buckets it names for the first time are resolved together, then every
-    // usage is booked. Answers the static assignments it calls for, or the status that ends the
-    // stream.
-    async fn report(&mut self, report: RateLimitQuotaUsageReports) -> Result<Vec<BucketAction>, Status> {
+    // A usage report: its usages to book, or the status that ends the stream.
+    fn accept(&mut self, report: RateLimitQuotaUsageReports) -> Result<Vec<Usage>, Status> {
         metrics::counter!("tollgate_rlqs_reports_total").increment(1);
         if self.domain.is_none() && !report.domain.is_empty() {
             self.domain = Some(report.domain.clone());
@@ -255,7 +286,15 @@ impl Session<'_> {
         }
         let now = self.clock.now_ms();
         self.recently_abandoned.retain(|_, at| now.saturating_sub(*at) < STALE_REPORT_MS);
-        let usages: Vec<(String, BucketId, BucketQuotaUsage)> = report
+        // One lookup, not a walk over every bucket the stream holds.
+        if self.limiter.rules().domain(&domain).is_none() {
+            metrics::counter!("tollgate_rlqs_unknown_domain_reports_total").increment(1);
+            if !self.unknown_domain_logged {
+                self.unknown_domain_logged = true;
+                tracing::warn!(domain = %domain, envoy = %self.peer.name, "an RLQS stream reports for a domain that is not loaded; its buckets are allowed, as RLS allows that domain");
+            }
+        }
+        Ok(report
             .bucket_quota_usages
             .into_iter()
             .filter_map(|mut u| {
@@ -263,8 +302,15 @@ impl Session<'_> {
                 Some((name(&id), id, u))
             })
             .filter(|(name, _, u)| !self.stale(name, u))
-            .collect();
+            .collect())
+    }
+
+    // Books `usages` of the last report: the buckets they name for the first time are resolved
+    // together, then every usage is booked. Answers the static assignments they call for.
+    async fn book(&mut self, usages: Vec<Usage>) -> Vec<BucketAction> {
+        let Some(domain) = self.domain.clone() else { return Vec::new() };
         self.resolve_fresh(&domain, &usages).await;
+        let now = self.clock.now_ms();
         let mut actions = Vec::new();
         let mut fresh = Vec::new();
         let mut abandoned = Vec::new();
@@ -300,25 +346,17 @@ impl Session<'_> {
                 }
             }
         }
-        // One lookup, not a walk over every bucket the stream holds.
-        if self.limiter.rules().domain(&domain).is_none() {
-            metrics::counter!("tollgate_rlqs_unknown_domain_reports_total").increment(1);
-            if !self.unknown_domain_logged {
-                self.unknown_domain_logged = true;
-                tracing::warn!(domain = %domain, envoy = %self.peer.name, "an RLQS stream reports for a domain that is not loaded; its buckets are allowed, as RLS allows that domain");
-            }
-        }
         for name in abandoned {
             self.abandon(&name);
         }
         // The Envoy refuses these buckets' requests until it has an assignment.
         self.pool.hold_now(fresh);
-        Ok(actions)
+        actions
     }
 
     // The buckets of `usages` this stream has not seen yet: what each stands for. Resolved
     // concurrently.
-    async fn resolve_fresh(&mut self, domain: &str, usages: &[(String, BucketId, BucketQuotaUsage)]) {
+    async fn resolve_fresh(&mut self, domain: &str, usages: &[Usage]) {
         // A set, not a scan of the list so far: a first report names thousands of buckets.
         let mut seen: HashSet<&str> = HashSet::new();
         let mut fresh: Vec<(String, BucketId)> = Vec::new();

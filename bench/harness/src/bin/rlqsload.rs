@@ -354,12 +354,17 @@ async fn main() {
     let window = measured.elapsed().as_secs_f64();
     let (calls1, cpu1) = redis_work(&args.redis);
     let mut first = Histogram::<u64>::new(3).unwrap();
-    let (mut unassigned, mut lapsed) = (0, 0);
+    let (mut unassigned, mut lapsed, mut late, mut late_hot) = (0, 0, 0, 0);
     for locals in &ends {
-        for l in locals {
+        for (i, l) in locals.iter().enumerate() {
             match l.first_ms {
                 Some(ms) => first.record(ms).unwrap(),
                 None => unassigned += 1,
+            }
+            // Past the 2 s to a first assignment, and whether those are hot buckets.
+            if l.first_ms.is_none_or(|ms| ms > 2_000) {
+                late += 1;
+                late_hot += usize::from(i < args.hot);
             }
             lapsed += usize::from(l.lapsed);
         }
@@ -372,7 +377,7 @@ async fn main() {
     let pairs = (args.buckets * args.addrs.len()) as f64;
     let t = totals.lock().unwrap();
     println!(
-        "buckets={} streams={} first_p50_ms={} first_p99_ms={} first_max_ms={} unassigned={} failure_assignments={} lapsed={} messages={} redis_commands_per_s={:.0} redis_commands_per_pair_per_s={:.3} redis_cpu_percent={:.1} hot={} hot_ratio_min={:.3} hot_ratio_max={:.3}",
+        "buckets={} streams={} first_p50_ms={} first_p99_ms={} first_max_ms={} first_over_2s={late} of_them_hot={late_hot} unassigned={} failure_assignments={} lapsed={} messages={} redis_commands_per_s={:.0} redis_commands_per_pair_per_s={:.3} redis_cpu_percent={:.1} hot={} hot_ratio_min={:.3} hot_ratio_max={:.3}",
         args.buckets,
         args.addrs.len(),
         percentile(&first, 0.5),
