@@ -74,15 +74,14 @@ const FLOOR: f64 = 1.0 / 16.0;
 const SLACK: f64 = 0.2;
 /// A hold is hot when its clients ask for more than this part of its rate.
 const HOT: f64 = 0.5;
-/// How long after its first op a hold leaves room for one more holder asking as much as itself:
-/// every replica's streams report a new bucket at about the same time, but not at once (a
-/// replica resolving a first report of thousands of buckets answers a second or so after
-/// another), and a hold that grew to its part among the holders it knew would leave a late one
-/// nothing, so no first assignment, until it learns of it at its next op (measured: 3 % of the
-/// first assignments of 1,000 new buckets on 3 replicas came after 2-5 s; leaving only a floor
-/// free, 2 % of 10,000 still did, since the first hold alone takes all but that floor). A
-/// replica alone on a bucket holds half of it for these seconds, then all.
-const JOIN_WINDOW_MS: u64 = 3_000;
+/// How long a hold stays at the floor after its first op: every replica's streams report a new
+/// bucket at about the same time, but not at once (a replica resolving a first report of
+/// thousands of buckets answers a few hundred milliseconds after another), and a hold that grew
+/// to its part among the holders it knew at its next round would leave a late one nothing, so no
+/// first assignment, until it learns of it at its next op (measured: 3 % of the first
+/// assignments of 1,000 new buckets on 3 replicas came after 2-5 s when holds grew at the next
+/// round).
+const GROW_AFTER_MS: u64 = 1_000;
 
 /// One replica's hold on one bucket, as this replica last set it.
 #[derive(Debug, Clone, Default)]
@@ -118,8 +117,8 @@ impl Holding {
         fresh: bool,
     ) -> Option<HoldOp> {
         let tokens = demand * target.cost as f64;
-        let joining = self.first_ms.is_some_and(|first| now_ms.saturating_sub(first) < JOIN_WINDOW_MS);
-        let want = self.want(&target.spec, tokens, target.cost as f64, joining);
+        let young = self.first_ms.is_none_or(|first| now_ms.saturating_sub(first) < GROW_AFTER_MS);
+        let want = self.want(&target.spec, tokens, target.cost as f64, young);
         let age = now_ms.saturating_sub(self.at_ms);
         let due = match self.held {
             _ if force || fresh || self.failed => true,
@@ -179,13 +178,12 @@ impl Holding {
     // holds record, of the whole bucket (the store cuts it to what the others leave), at least
     // the floor; alone, or all idle, the floor when idle and everything when not. A first hold
     // knows no one else's demand yet: it starts at the floor, which leaves room for the holds
-    // starting beside it (every replica's stream reports a new bucket at once), and grows at the
-    // next round, once its op has told it theirs; while `joining`, it leaves room for one more
-    // holder asking as much ([`JOIN_WINDOW_MS`]). At least one request's capacity (`unit`),
-    // which is what a local bucket needs.
-    fn want(&self, spec: &BucketSpec, tokens: f64, unit: f64, joining: bool) -> (f64, f64) {
-        let total = tokens + self.others.demand + if joining { tokens } else { 0.0 };
-        let part = if self.held.is_none() || total <= 0.0 { FLOOR } else { (tokens / total).max(FLOOR) };
+    // starting beside it (every replica's stream reports a new bucket at once), and stays there
+    // while `young` ([`GROW_AFTER_MS`]), until its ops have told it theirs. At least one
+    // request's capacity (`unit`), which is what a local bucket needs.
+    fn want(&self, spec: &BucketSpec, tokens: f64, unit: f64, young: bool) -> (f64, f64) {
+        let total = tokens + self.others.demand;
+        let part = if young || total <= 0.0 { FLOOR } else { (tokens / total).max(FLOOR) };
         ((spec.capacity() * part).max(unit).min(spec.capacity()), spec.refill_per_second() * part)
     }
 }

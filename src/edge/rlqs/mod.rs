@@ -8,13 +8,15 @@
 //! share of the bucket in the store, which the rest of the bucket no longer holds or refills
 //! ([`crate::bucket::hold`]), and splits it among its streams as refilling local buckets
 //! ([`pool`]), so across any number of Envoys and replicas the bucket's limit holds. Each stream
-//! runs in one task ([`session`]); the arithmetic is in [`assign`].
+//! runs in one task ([`session`]); the arithmetic is in [`assign`], the answers' encoding in
+//! [`answer`].
 //!
 //! Streams never end by themselves: when the server drains, every stream is closed (Envoy keeps
 //! its cached assignments and reconnects, to another replica if this one is gone). What a closed
 //! stream's Envoy may still admit is inside this replica's hold, which outlives its assignments,
 //! so nothing is settled.
 
+pub mod answer;
 pub mod assign;
 pub mod pool;
 pub mod session;

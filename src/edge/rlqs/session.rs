@@ -6,16 +6,18 @@
 //! limit applies to (ALLOW_ALL), or none (the domain's `rlqs_unknown`)) and the Envoy's demand,
 //! from the reports ([`Demand`]), which sizes its part of this replica's hold.
 //!
-//! A held bucket's assignment is a refilling token bucket (the pool's [`Allotment`]), living
+//! A held bucket's assignment is a refilling token bucket (the pool's
+//! [`Allotment`](super::assign::Allotment)), living
 //! [`ASSIGNMENT_TTL`] and sent again whenever the hold is set (renewed or resized): an identical
 //! one is carried over by Envoy, a changed one rebuilt at its fill ratio, so an assignment never
 //! hands the Envoy tokens the hold did not take. Static assignments (ALLOW_ALL, DENY_ALL) are
 //! renewed with every report, since Envoy falls back to its no-assignment behavior when an
 //! assignment expires.
 //!
-//! The pool's events of one round arrive as one batch, and go out in as few responses as fit
-//! [`MAX_RESPONSE_BYTES`]. A bucket no report counts a request for during the abandon period gets
-//! `abandon_action` and leaves the stream's state. A report the protocol does not allow ends the
+//! The pool's events of one store call arrive as one batch; the batches waiting go out together,
+//! in as few responses as fit (see [`super::answer`]). A report naming thousands of new buckets
+//! is booked in chunks, the pool's events answered between them. A bucket no report counts a
+//! request for during the abandon period gets `abandon_action` and leaves the stream's state. A report the protocol does not allow ends the
 //! stream with a status that says why: over the message size limit (RESOURCE_EXHAUSTED), a usage
 //! without a bucket id (INVALID_ARGUMENT), no domain in the first report (INVALID_ARGUMENT).
 //!
@@ -27,24 +29,18 @@ use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::Arc;
 use std::time::Duration;
 
-use envoy_types::pb::envoy::r#type::v3::rate_limit_strategy::{BlanketRule, Strategy};
-use envoy_types::pb::envoy::r#type::v3::{RateLimitStrategy, TokenBucket};
-use envoy_types::pb::envoy::service::rate_limit_quota::v3::rate_limit_quota_response::bucket_action::{
-    AbandonAction, BucketAction as Action, QuotaAssignmentAction,
-};
 use envoy_types::pb::envoy::service::rate_limit_quota::v3::rate_limit_quota_response::BucketAction;
 use envoy_types::pb::envoy::service::rate_limit_quota::v3::rate_limit_quota_usage_reports::BucketQuotaUsage;
 use envoy_types::pb::envoy::service::rate_limit_quota::v3::{
     BucketId, RateLimitQuotaResponse, RateLimitQuotaUsageReports,
 };
-use envoy_types::pb::google::protobuf::{Duration as ProtoDuration, UInt32Value};
 use futures::{FutureExt as _, StreamExt as _};
 use indexmap::IndexMap;
-use prost::Message as _;
 use tokio::sync::{mpsc, watch};
 use tonic::{Status, Streaming};
 
-use super::assign::{Allotment, Demand, FILL_INTERVAL};
+use super::answer::{abandon, blanket, bundle, local_bucket};
+use super::assign::Demand;
 use super::pool::{Event, Events, MemberId, Pool};
 use crate::clock::Clock;
 use crate::config::{Blanket, FailureMode};
@@ -85,9 +81,6 @@ pub struct Peer {
     pub name: String,
 }
 
-/// Most bucket actions' encoded bytes in one response: under gRPC's default 4 MiB message limit,
-/// with room for the message's own framing.
-pub const MAX_RESPONSE_BYTES: usize = 3 << 20;
 /// How many buckets a report names for the first time are resolved at once (rule, quota):
 /// together, not one after another, and without flooding the store.
 const FIRST_REPORT_CONCURRENCY: usize = 64;
@@ -250,8 +243,8 @@ async fn send_all(
     true
 }
 
-/// Batches waiting for a stream, at most (a round's events are one batch, and each of the ten
-/// phases of a second may have one); the pool waits a while for room, then drops the batch.
+/// Batches waiting for a stream, at most (each store call's events are one, and a round of
+/// 10,000 first holds is 40 calls); the pool waits a while for room, then drops the batch.
 const EVENTS_QUEUE: usize = 64;
 
 // One stream's state, owned by its task.
@@ -443,27 +436,6 @@ impl Session<'_> {
     }
 }
 
-// `actions` in as few responses as fit [`MAX_RESPONSE_BYTES`]; a bucket's actions (DENY_ALL and
-// its token bucket) stay in one response, as Envoy needs them together.
-fn bundle(actions: Vec<BucketAction>) -> Vec<RateLimitQuotaResponse> {
-    let mut responses: Vec<RateLimitQuotaResponse> = Vec::new();
-    let mut size = 0;
-    for action in actions {
-        let bytes = action.encoded_len() + 8;
-        let same_bucket = responses
-            .last()
-            .and_then(|r| r.bucket_action.last())
-            .is_some_and(|a| a.bucket_id == action.bucket_id);
-        if responses.is_empty() || (size + bytes > MAX_RESPONSE_BYTES && !same_bucket) {
-            responses.push(RateLimitQuotaResponse::default());
-            size = 0;
-        }
-        size += bytes;
-        responses.last_mut().expect("a response").bucket_action.push(action);
-    }
-    responses
-}
-
 // A usage's `time_elapsed` in milliseconds.
 fn elapsed_ms(usage: &BucketQuotaUsage) -> u64 {
     usage.time_elapsed.as_ref().map_or(0, |d| {
@@ -478,64 +450,12 @@ fn name(id: &BucketId) -> String {
     entries.iter().map(|(k, v)| format!("{k}={v}")).collect::<Vec<_>>().join(",")
 }
 
-fn ttl(d: Duration) -> Option<ProtoDuration> {
-    Some(ProtoDuration { seconds: d.as_secs() as i64, nanos: 0 })
-}
-
-fn assignment(id: &BucketId, strategy: Strategy, lives: Duration) -> BucketAction {
-    BucketAction {
-        bucket_id: Some(id.clone()),
-        bucket_action: Some(Action::QuotaAssignmentAction(QuotaAssignmentAction {
-            assignment_time_to_live: ttl(lives),
-            rate_limit_strategy: Some(RateLimitStrategy { strategy: Some(strategy) }),
-        })),
-    }
-}
-
-// Tells the Envoy to drop the bucket: its cached assignment and usage.
-fn abandon(id: &BucketId) -> BucketAction {
-    BucketAction { bucket_id: Some(id.clone()), bucket_action: Some(Action::AbandonAction(AbandonAction {})) }
-}
-
-fn blanket(id: &BucketId, rule: Blanket, lives: Duration) -> BucketAction {
-    let kind = match rule {
-        Blanket::AllowAll => "allow_all",
-        Blanket::DenyAll => "deny_all",
-    };
-    metrics::counter!("tollgate_rlqs_assignments_total", "kind" => kind).increment(1);
-    let rule = match rule {
-        Blanket::AllowAll => BlanketRule::AllowAll,
-        Blanket::DenyAll => BlanketRule::DenyAll,
-    };
-    assignment(id, Strategy::BlanketRule(rule as i32), lives)
-}
-
-// A refilling local bucket of `allotment`.
-fn local_bucket(id: &BucketId, allotment: Allotment) -> BucketAction {
-    metrics::counter!("tollgate_rlqs_assignments_total", "kind" => "token_bucket").increment(1);
-    let bucket = TokenBucket {
-        max_tokens: allotment.requests,
-        tokens_per_fill: Some(UInt32Value { value: allotment.per_fill }),
-        fill_interval: ttl(FILL_INTERVAL),
-    };
-    assignment(id, Strategy::TokenBucket(bucket), ASSIGNMENT_TTL)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
 
     #[test]
-    fn an_allotment_is_a_refilling_bucket() {
-        let id = BucketId { bucket: HashMap::from([("tenant".to_string(), "t".to_string())]) };
-        let action = local_bucket(&id, Allotment { requests: 7, per_fill: 3600 });
-        let Some(Action::QuotaAssignmentAction(a)) = &action.bucket_action else { panic!() };
-        assert_eq!(a.assignment_time_to_live.unwrap().seconds, ASSIGNMENT_TTL.as_secs() as i64);
-        let Some(Strategy::TokenBucket(b)) = a.rate_limit_strategy.unwrap().strategy else { panic!() };
-        assert_eq!(
-            (b.max_tokens, b.tokens_per_fill.unwrap().value, b.fill_interval.unwrap().seconds),
-            (7, 3600, 3600)
-        );
+    fn a_bucket_id_is_named_by_its_sorted_entries() {
         assert_eq!(
             name(&BucketId { bucket: HashMap::from([("b".into(), "2".into()), ("a".into(), "1".into())]) }),
             "a=1,b=2"
