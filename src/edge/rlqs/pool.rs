@@ -91,15 +91,19 @@ struct Member {
     // When a local bucket was last sent; none when the Envoy has none from us (then the next one
     // starts full).
     sent_at: Option<u64>,
+    // A local bucket was ever sent: until then the Envoy has spent nothing of the hold, so an op
+    // need not take its whole capacity again (a hold too small for an assignment, a rule
+    // refilling under a request an hour, was otherwise taken afresh every round).
+    given: bool,
     // A hold op for it is in flight.
     busy: bool,
 }
 
 impl Member {
-    // Whether an assignment now would start its Envoy's local bucket afresh.
+    // Whether an assignment now would start a local bucket its Envoy had from us afresh.
     fn fresh(&self, now_ms: u64) -> bool {
         let lives = ASSIGNMENT_TTL.as_millis() as u64;
-        self.sent_at.is_none_or(|at| now_ms.saturating_sub(at) >= lives)
+        self.given && self.sent_at.is_none_or(|at| now_ms.saturating_sub(at) >= lives)
     }
 }
 
@@ -191,7 +195,15 @@ impl Pool {
         let events = events.clone();
         bucket.members.insert(
             member.clone(),
-            Member { demand, events, holder, holding: Holding::default(), sent_at: None, busy: false },
+            Member {
+                demand,
+                events,
+                holder,
+                holding: Holding::default(),
+                sent_at: None,
+                given: false,
+                busy: false,
+            },
         );
         metrics::gauge!("tollgate_rlqs_holders").increment(1.0);
         if buckets.len() != before {
@@ -417,7 +429,10 @@ fn settle(
                 return None;
             }
             member.sent_at = allotment.map(|_| now_ms);
-            let event = Event::Assign { bucket: name, allotment, fresh: planned.op.fresh };
+            // The first local bucket starts full, as a fresh one does.
+            let fresh = planned.op.fresh || !member.given;
+            member.given |= allotment.is_some();
+            let event = Event::Assign { bucket: name, allotment, fresh };
             Some((member.events.clone(), event))
         }
         Err(error) => {
