@@ -188,8 +188,10 @@ async fn bucket_ids_map_to_rules_and_spend_the_rls_budget() {
         )
         .await;
     let mut seen: HashMap<BTreeMap<String, String>, Said> = HashMap::new();
+    let asked = [key(&search), key(&free), key(&nowhere), key(&extra)];
     while seen.len() < 4 {
-        for (b, s) in stream.next().await {
+        // t1's hold is set again meanwhile: its assignments are not among these answers.
+        for (b, s) in stream.next().await.into_iter().filter(|(b, _)| asked.contains(b)) {
             seen.insert(b, s);
         }
     }
@@ -350,8 +352,8 @@ async fn an_assignment_is_a_refilling_share_of_the_bucket() {
     let mut stream = Stream::open(&server.addr()).await;
     let slow = bucket(&[("slow", "s")]);
     stream.send("quota", vec![report(&slow, 0, 1, 0)]).await;
-    // The floor first (one request, a sixteenth of the rate: 112 an hour), for a second, then
-    // all of it.
+    // The floor first (one request, a sixteenth of the rate: 112 an hour), for a second (set
+    // again once, unchanged, to learn the others), then all of it.
     let mut fills = Vec::new();
     let (q, b) = loop {
         let answer = tokio::time::timeout(Duration::from_secs(5), stream.answers.message())
@@ -367,7 +369,10 @@ async fn an_assignment_is_a_refilling_share_of_the_bucket() {
         let Some(Strategy::TokenBucket(b)) = q.rate_limit_strategy.and_then(|s| s.strategy) else {
             panic!("{q:?}")
         };
-        fills.push(b.tokens_per_fill.unwrap().value);
+        let fill = b.tokens_per_fill.unwrap().value;
+        if fills.last() != Some(&fill) {
+            fills.push(fill);
+        }
         if fills.len() == 2 {
             break (*q, b);
         }

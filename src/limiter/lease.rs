@@ -74,13 +74,13 @@ const FLOOR: f64 = 1.0 / 16.0;
 const SLACK: f64 = 0.2;
 /// A hold is hot when its clients ask for more than this part of its rate.
 const HOT: f64 = 0.5;
-/// How long a hold stays at the floor after its first op: every replica's streams report a new
-/// bucket at about the same time, but not at once (a replica resolving a first report of
-/// thousands of buckets answers a few hundred milliseconds after another), and a hold that grew
-/// to its part among the holders it knew at its next round would leave a late one nothing, so no
-/// first assignment, until it learns of it at its next op (measured: 3 % of the first
-/// assignments of 1,000 new buckets on 3 replicas came after 2-5 s when holds grew at the next
-/// round).
+/// How long a hold stays at the floor after its first op, and then until an op after that has
+/// told it the others: every replica's streams report a new bucket at about the same time, but
+/// not at once (a replica resolving a first report of thousands of buckets answers a few hundred
+/// milliseconds after another), and a hold that grew to its part among the holders it knew at
+/// its next round would leave a late one nothing, so no first assignment, until it learns of it
+/// at its next op (measured: 3 % of the first assignments of 1,000 new buckets on 3 replicas came
+/// after 2-5 s when holds grew at the next round).
 const GROW_AFTER_MS: u64 = 1_000;
 
 /// One replica's hold on one bucket, as this replica last set it.
@@ -117,7 +117,12 @@ impl Holding {
         fresh: bool,
     ) -> Option<HoldOp> {
         let tokens = demand * target.cost as f64;
-        let young = self.first_ms.is_none_or(|first| now_ms.saturating_sub(first) < GROW_AFTER_MS);
+        // What the last op told of the others dates from the hold's first second, when they may
+        // not all have started: sized by it, the first holds to grow would leave a late one a
+        // cut, tiny capacity (one request beside a third of the rate, which a local bucket
+        // cannot spend in full); so at the floor, and set once more, unchanged, to learn them.
+        let young = self.young();
+        let grown = self.first_ms.is_some_and(|first| now_ms.saturating_sub(first) >= GROW_AFTER_MS);
         let want = self.want(&target.spec, tokens, target.cost as f64, young);
         let age = now_ms.saturating_sub(self.at_ms);
         let due = match self.held {
@@ -128,6 +133,7 @@ impl Holding {
                 let hot = tokens > HOT * rate;
                 moved(want.0, self.wanted.0)
                     || moved(want.1, self.wanted.1)
+                    || (young && grown)
                     || (self.cut() && age >= 1_000)
                     || (hot && age >= RESIZE_HOT_AFTER.as_millis() as u64)
                     || age >= RENEW_AFTER.as_millis() as u64
@@ -160,13 +166,23 @@ impl Holding {
     }
 
     /// Records what `op` got at `now_ms` (this replica's clock).
-    pub fn set(&mut self, op: &HoldOp, outcome: &HoldOutcome, now_ms: u64) {
+    /// True when it is the first op past the hold's first second: the next may size it by the
+    /// others it told, so set it again now rather than a round later (the bucket's unheld
+    /// refill is lost meanwhile).
+    pub fn set(&mut self, op: &HoldOp, outcome: &HoldOutcome, now_ms: u64) -> bool {
+        let was_young = self.first_ms.is_some() && self.young();
         self.held = Some((outcome.capacity, outcome.refill_per_second));
         self.wanted = (op.capacity, op.refill_per_second);
         self.at_ms = now_ms;
         self.first_ms.get_or_insert(now_ms);
         self.others = outcome.others;
         self.failed = false;
+        was_young && !self.young()
+    }
+
+    // Whether the last op dates from the hold's first second (or there was none).
+    fn young(&self) -> bool {
+        self.first_ms.is_none_or(|first| self.at_ms.saturating_sub(first) < GROW_AFTER_MS)
     }
 
     /// Records that an op failed.

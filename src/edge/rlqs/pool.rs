@@ -57,8 +57,12 @@ const DELIVERY_WAIT: Duration = Duration::from_secs(5);
 /// A stream's bucket: the stream and the bucket id (as its sorted entries) it reported.
 pub type MemberId = (u64, String);
 
-/// What the pool sends a stream: the events of one round, for any number of its buckets.
-pub type Events = Vec<Event>;
+/// What the pool sends a stream: the events of one store call, for any number of its buckets,
+/// each with its number in the pool's order of outcomes. Batches are delivered by tasks of their
+/// own and may arrive out of order, so a stream keeps, per bucket, the latest by number (an older
+/// assignment applied after a newer one would shrink an Envoy's bucket to a size its hold no
+/// longer has: seen as a first second's floor arriving after the growth that replaced it).
+pub type Events = Vec<(u64, Event)>;
 
 /// What the pool tells a stream about one of its buckets.
 #[derive(Debug, Clone)]
@@ -130,6 +134,8 @@ struct Inner {
     buckets: Mutex<HashMap<String, Bucket>>,
     // Permits for store calls in flight ([`CALLS_IN_FLIGHT`]).
     calls: tokio::sync::Semaphore,
+    // Numbers outcomes from 1, under the buckets' lock (see [`Events`]).
+    outcomes: std::sync::atomic::AtomicU64,
     // Ops of `Round::Now` not answered yet: while there are any, the ticks' rounds wait, so that
     // Envoys waiting for a first assignment come first (renewals have half a hold's life to
     // land, and a hold grows once its peers' first holds are in anyway).
@@ -152,6 +158,7 @@ impl Pool {
             joined: Default::default(),
             buckets: Mutex::default(),
             calls: tokio::sync::Semaphore::new(CALLS_IN_FLIGHT),
+            outcomes: Default::default(),
             first_ops: Default::default(),
         });
         let ticking = Arc::downgrade(&inner);
@@ -334,20 +341,26 @@ impl Inner {
     // events of them.
     fn deliver(self: &Arc<Self>, (call, results): Answered) {
         let mut batches: HashMap<u64, Batch> = HashMap::new();
+        // Members whose next op may size their hold by what this one told (see `Holding::set`).
+        let mut grown: Vec<(String, MemberId)> = Vec::new();
         {
             let now_ms = self.now_ms();
             let mut buckets = self.lock();
             for (planned, result) in call.into_iter().zip(results) {
-                if let Some((sender, event)) = settle(&mut buckets, &planned, result, now_ms) {
+                if let Some((sender, event)) = settle(&mut buckets, &planned, result, now_ms, &mut grown) {
                     let batch = batches.entry(planned.member.0).or_insert_with(|| Batch {
                         sender,
                         events: Vec::new(),
                         members: Vec::new(),
                     });
-                    batch.events.push(event);
+                    batch.events.push((self.outcomes.fetch_add(1, Ordering::Relaxed) + 1, event));
                     batch.members.push((planned.op.key, planned.member));
                 }
             }
+        }
+        if !grown.is_empty() {
+            let inner = self.clone();
+            tokio::spawn(async move { inner.round(Round::Now(grown)).await });
         }
         for batch in batches.into_values() {
             let inner = self.clone();
@@ -405,12 +418,14 @@ impl Inner {
     }
 }
 
-// Books what an op got at `now_ms` in `buckets`: the event for its member's stream.
+// Books what an op got at `now_ms` in `buckets`: the event for its member's stream. A member
+// whose hold may grow now goes on `grown`.
 fn settle(
     buckets: &mut HashMap<String, Bucket>,
     planned: &Planned,
     result: Result<HoldOutcome, StoreError>,
     now_ms: u64,
+    grown: &mut Vec<(String, MemberId)>,
 ) -> Option<(mpsc::Sender<Events>, Event)> {
     let bucket = buckets.get_mut(&planned.op.key)?;
     let cost = bucket.target.cost;
@@ -421,7 +436,9 @@ fn settle(
     match result {
         Ok(outcome) => {
             metrics::counter!("tollgate_rlqs_holds_total", "outcome" => "set").increment(1);
-            member.holding.set(&planned.op, &outcome, now_ms);
+            if member.holding.set(&planned.op, &outcome, now_ms) {
+                grown.push((planned.op.key.clone(), planned.member.clone()));
+            }
             let allotment = Allotment::of(outcome.capacity, outcome.refill_per_second, cost);
             // An Envoy never given a bucket by this stream keeps what it has (its cached
             // assignment, from another replica's stream, stands on that stream's hold).

@@ -67,6 +67,8 @@ pub struct Context {
 
 struct Bucket {
     id: BucketId,
+    // The number of the last pool event applied (see `Events`).
+    seq: u64,
     kind: QuotaBucket,
     demand: Demand,
     last_report_ms: u64,
@@ -367,8 +369,14 @@ impl Session<'_> {
                     QuotaBucket::Held(t) => t.spec.refill_per_second() / t.cost as f64,
                     _ => 0.0,
                 };
-                let bucket =
-                    Bucket { id, kind, demand: Demand::unknown(guess), last_report_ms: 0, last_used_ms: 0 };
+                let bucket = Bucket {
+                    id,
+                    kind,
+                    seq: 0,
+                    demand: Demand::unknown(guess),
+                    last_report_ms: 0,
+                    last_used_ms: 0,
+                };
                 (name, bucket)
             })
             .buffer_unordered(FIRST_REPORT_CONCURRENCY)
@@ -402,14 +410,23 @@ impl Session<'_> {
     // What the pool said, as assignments: the latest event per bucket, so that no response
     // carries two assignments for one bucket.
     fn events(&mut self, events: Events) -> Vec<BucketAction> {
-        let mut latest: IndexMap<String, Event> = IndexMap::new();
-        for event in events {
+        let mut latest: IndexMap<String, (u64, Event)> = IndexMap::new();
+        for (seq, event) in events {
             let bucket = match &event {
                 Event::Assign { bucket, .. } | Event::StoreFailed { bucket, .. } => bucket.clone(),
             };
-            latest.insert(bucket, event);
+            let applied = self.buckets.get(&bucket).map(|b| b.seq);
+            let newer = latest.get(&bucket).is_none_or(|(s, _)| seq > *s);
+            if applied.is_some_and(|applied| seq > applied) && newer {
+                latest.insert(bucket, (seq, event));
+            }
         }
-        latest.into_values().filter_map(|event| self.event(event)).flatten().collect()
+        for (bucket, (seq, _)) in &latest {
+            if let Some(b) = self.buckets.get_mut(bucket) {
+                b.seq = *seq;
+            }
+        }
+        latest.into_values().filter_map(|(_, event)| self.event(event)).flatten().collect()
     }
 
     // What the pool said about one bucket, as assignments: a fresh local bucket is DENY_ALL and
