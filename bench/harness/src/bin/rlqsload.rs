@@ -215,8 +215,9 @@ fn usages(locals: &mut [Local], elapsed_ms: u64) -> Vec<BucketQuotaUsage> {
         .collect()
 }
 
-/// One stream: returns its buckets' state at the end.
-async fn stream(args: Arc<Args>, addr: String, start: Instant, totals: Arc<Mutex<Totals>>) -> Vec<Local> {
+/// One stream: returns when its first report was sent (ms since the start) and its buckets' state
+/// at the end.
+async fn stream(args: Arc<Args>, addr: String, start: Instant, totals: Arc<Mutex<Totals>>) -> (u64, Vec<Local>) {
     let now_ms = || start.elapsed().as_millis() as u64;
     let mut client = RateLimitQuotaServiceClient::connect(format!("http://{addr}"))
         .await
@@ -233,6 +234,7 @@ async fn stream(args: Arc<Args>, addr: String, start: Instant, totals: Arc<Mutex
         l.denied = 1;
     }
     let first = usages(&mut locals, 0);
+    let sent_ms = now_ms();
     reports
         .send(RateLimitQuotaUsageReports { domain: args.domain.clone(), bucket_quota_usages: first })
         .await
@@ -255,7 +257,7 @@ async fn stream(args: Arc<Args>, addr: String, start: Instant, totals: Arc<Mutex
             _ = ticker.tick() => {
                 let now = now_ms();
                 if start.elapsed() >= end {
-                    return locals;
+                    return (sent_ms, locals);
                 }
                 for (i, local) in locals.iter_mut().enumerate() {
                     if local.first_ms.is_some() && !local.live(now) {
@@ -355,14 +357,16 @@ async fn main() {
     let (calls1, cpu1) = redis_work(&args.redis);
     let mut first = Histogram::<u64>::new(3).unwrap();
     let (mut unassigned, mut lapsed, mut late, mut late_hot) = (0, 0, 0, 0);
-    for locals in &ends {
+    for (sent_ms, locals) in &ends {
         for (i, l) in locals.iter().enumerate() {
-            match l.first_ms {
+            // From the moment the stream's first report was sent.
+            let waited = l.first_ms.map(|ms| ms.saturating_sub(*sent_ms));
+            match waited {
                 Some(ms) => first.record(ms).unwrap(),
                 None => unassigned += 1,
             }
             // Past the 2 s to a first assignment, and whether those are hot buckets.
-            if l.first_ms.is_none_or(|ms| ms > 2_000) {
+            if waited.is_none_or(|ms| ms > 2_000) {
                 late += 1;
                 late_hot += usize::from(i < args.hot);
             }
@@ -372,7 +376,7 @@ async fn main() {
     // Over the whole run, from the first report: the bucket starts full, as the bound allows.
     let bound = args.capacity + args.rate * (start.elapsed().as_secs_f64() + 1.0);
     let ratios: Vec<f64> = (0..args.hot)
-        .map(|i| ends.iter().map(|locals| locals[i].admitted).sum::<u64>() as f64 / bound)
+        .map(|i| ends.iter().map(|(_, locals)| locals[i].admitted).sum::<u64>() as f64 / bound)
         .collect();
     let pairs = (args.buckets * args.addrs.len()) as f64;
     let t = totals.lock().unwrap();
