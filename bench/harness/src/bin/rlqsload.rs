@@ -217,7 +217,12 @@ fn usages(locals: &mut [Local], elapsed_ms: u64) -> Vec<BucketQuotaUsage> {
 
 /// One stream: returns when its first report was sent (ms since the start) and its buckets' state
 /// at the end.
-async fn stream(args: Arc<Args>, addr: String, start: Instant, totals: Arc<Mutex<Totals>>) -> (u64, Vec<Local>) {
+async fn stream(
+    args: Arc<Args>,
+    addr: String,
+    start: Instant,
+    totals: Arc<Mutex<Totals>>,
+) -> (u64, Vec<Local>) {
     let now_ms = || start.elapsed().as_millis() as u64;
     let mut client = RateLimitQuotaServiceClient::connect(format!("http://{addr}"))
         .await
