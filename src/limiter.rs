@@ -22,7 +22,7 @@ mod explain;
 mod lease;
 
 pub use self::explain::{Effect, Explained, Explanation, SpecOrigin};
-pub use self::lease::{HeldBucket, Holding, QuotaBucket, ASSIGNMENT_TTL, GROW_AFTER, HOLD_TTL, RENEW_AFTER};
+pub use self::lease::{HeldBucket, Holding, QuotaBucket, ASSIGNMENT_TTL, HOLD_TTL, RENEW_AFTER};
 
 use std::sync::Arc;
 

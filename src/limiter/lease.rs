@@ -81,8 +81,7 @@ const HOT: f64 = 0.5;
 /// its next round would leave a late one nothing, so no first assignment, until it learns of it
 /// at its next op (measured: 3 % of the first assignments of 1,000 new buckets on 3 replicas came
 /// after 2-5 s when holds grew at the next round).
-pub const GROW_AFTER: Duration = Duration::from_secs(1);
-const GROW_AFTER_MS: u64 = GROW_AFTER.as_millis() as u64;
+const GROW_AFTER_MS: u64 = 1_000;
 
 /// One replica's hold on one bucket, as this replica last set it.
 #[derive(Debug, Clone, Default)]

@@ -35,7 +35,7 @@ use tokio::sync::mpsc;
 use super::assign::Allotment;
 use crate::bucket::{HoldOp, HoldOutcome};
 use crate::config::FailureMode;
-use crate::limiter::{HeldBucket, Holding, Limiter, ASSIGNMENT_TTL, GROW_AFTER};
+use crate::limiter::{HeldBucket, Holding, Limiter, ASSIGNMENT_TTL};
 use crate::store::StoreError;
 use crate::telemetry::logs::{self, ErrorChain};
 
@@ -220,20 +220,13 @@ impl Pool {
     }
 
     /// Sets the holds of `members` of the buckets `keys` now, instead of at their next phase:
-    /// their Envoys refuse requests until they have an assignment. And again once
-    /// [`GROW_AFTER`] has passed, rather than at their phase after it: a new hold waits at the
-    /// floor until an op after its first second has told it the others, and the bucket's
-    /// refill that no hold takes meanwhile is lost.
+    /// their Envoys refuse requests until they have an assignment.
     pub fn hold_now(&self, members: Vec<(String, MemberId)>) {
         if members.is_empty() {
             return;
         }
         let inner = self.inner.clone();
-        tokio::spawn(async move {
-            inner.round(Round::Now(members.clone())).await;
-            tokio::time::sleep(GROW_AFTER).await;
-            inner.round(Round::Now(members)).await;
-        });
+        tokio::spawn(async move { inner.round(Round::Now(members)).await });
     }
 
     /// Removes `member` from the bucket `key`. Its hold stays until it expires: its Envoy may use
