@@ -50,8 +50,8 @@ const HOLDS_PER_CALL: usize = 256;
 /// of buckets, booked in chunks, starts a round per chunk, and calls queued behind too many
 /// others in Redis would outlast the background deadline.
 const CALLS_IN_FLIGHT: usize = 8;
-/// How long a round's events wait for room in a stream's queue: a stream resolving the first
-/// report of thousands of new buckets reads no events meanwhile.
+/// How long a store call's events wait for room in a stream's queue: a stream resolving a chunk
+/// of a first report of thousands of new buckets reads no events meanwhile.
 const DELIVERY_WAIT: Duration = Duration::from_secs(5);
 
 /// A stream's bucket: the stream and the bucket id (as its sorted entries) it reported.
@@ -136,9 +136,9 @@ struct Inner {
     calls: tokio::sync::Semaphore,
     // Numbers outcomes from 1, under the buckets' lock (see [`Events`]).
     outcomes: std::sync::atomic::AtomicU64,
-    // Ops of `Round::Now` not answered yet: while there are any, the ticks' rounds wait, so that
-    // Envoys waiting for a first assignment come first (renewals have half a hold's life to
-    // land, and a hold grows once its peers' first holds are in anyway).
+    // Ops of `Round::Now` (first holds, and the growth right after a hold's second look) not
+    // answered yet: while there are any, the ticks' rounds wait, so that Envoys waiting for a
+    // first assignment come first (renewals have half a hold's life to land).
     first_ops: std::sync::atomic::AtomicUsize,
 }
 
@@ -276,7 +276,7 @@ type Answered = (Vec<Planned>, Vec<Result<HoldOutcome, StoreError>>);
 enum Round {
     // Every member of these buckets, whose ops are due.
     Due(Vec<String>),
-    // These members of these buckets, now.
+    // These members of these buckets, now, before the ticks' rounds (see `first_ops`).
     Now(Vec<(String, MemberId)>),
 }
 

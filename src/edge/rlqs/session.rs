@@ -17,9 +17,10 @@
 //! The pool's events of one store call arrive as one batch; the batches waiting go out together,
 //! in as few responses as fit (see [`super::answer`]). A report naming thousands of new buckets
 //! is booked in chunks, the pool's events answered between them. A bucket no report counts a
-//! request for during the abandon period gets `abandon_action` and leaves the stream's state. A report the protocol does not allow ends the
-//! stream with a status that says why: over the message size limit (RESOURCE_EXHAUSTED), a usage
-//! without a bucket id (INVALID_ARGUMENT), no domain in the first report (INVALID_ARGUMENT).
+//! request for during the abandon period gets `abandon_action` and leaves the stream's state. A
+//! report the protocol does not allow ends the stream with a status that says why: over the
+//! message size limit (RESOURCE_EXHAUSTED), a usage without a bucket id (INVALID_ARGUMENT), no
+//! domain in the first report (INVALID_ARGUMENT).
 //!
 //! The stream ends when the Envoy closes it, its connection drops or the server drains; then its
 //! buckets leave the pool. Nothing needs settling: what the Envoy may still admit under its
