@@ -26,15 +26,14 @@ local MAX_WAIT = 4503599627370496
 local RAISE_DELAY = 6000
 
 -- Holds from the h field: a list of {replica, capacity, rate per second, expiry, demand,
--- banked, since}.
+-- banked, since, text}, text being the hold's seven words as stored, which format_holds writes
+-- back unchanged (a hold op changes one replica's hold and keeps the others'; formatting numbers
+-- is most of what a hold op costs Redis).
 local function parse_holds(h)
-  local holds, words = {}, {}
+  local holds = {}
   if not h then return holds end
-  for w in string.gmatch(h, '%S+') do words[#words + 1] = w end
-  for i = 1, #words - 6, 7 do
-    local hold = {words[i]}
-    for j = 1, 6 do hold[j + 1] = tonumber(words[i + j]) end
-    holds[#holds + 1] = hold
+  for text, replica, c, r, e, d, b, s in string.gmatch(h, '((%S+) (%S+) (%S+) (%S+) (%S+) (%S+) (%S+))') do
+    holds[#holds + 1] = {replica, tonumber(c), tonumber(r), tonumber(e), tonumber(d), tonumber(b), tonumber(s), text}
   end
   return holds
 end
@@ -42,9 +41,7 @@ end
 local function format_holds(holds)
   local parts = {}
   for _, h in ipairs(holds) do
-    parts[#parts + 1] = h[1] .. ' ' .. string.format('%.17g', h[2]) .. ' ' .. string.format('%.17g', h[3])
-      .. ' ' .. string.format('%d', h[4]) .. ' ' .. string.format('%.17g', h[5])
-      .. ' ' .. string.format('%.17g', h[6]) .. ' ' .. string.format('%d', h[7])
+    parts[#parts + 1] = h[8] or string.format('%s %.17g %.17g %d %.17g %.17g %d', h[1], h[2], h[3], h[4], h[5], h[6], h[7])
   end
   return table.concat(parts, ' ')
 end
@@ -53,6 +50,13 @@ end
 -- capacity, slowest rate, holds, asked before, asked now, asked since} or false when no bucket is
 -- stored.
 local running = {}
+-- Expiries the script knows without asking Redis (ms since the epoch; 0: no key): of a key it
+-- found missing or has written. A first hold or charge of a key saves a command so, and thousands
+-- of them arrive together when a fleet's first reports do.
+local expiries = {}
+-- The state as loaded, per key index (false: no bucket): a write leaves the fields it did not
+-- change alone, which saves formatting them (a hold's renewal changes the balance and the holds).
+local loaded = {}
 local function load(k)
   local s = running[k]
   if s == nil then
@@ -65,8 +69,13 @@ local function load(k)
         local p, c, since = string.match(v[9], '^(%S+) (%S+) (%S+)$')
         s[9], s[10], s[11] = tonumber(p), tonumber(c), tonumber(since)
       end
+      loaded[k] = {unpack(s)}
     else
       s = false
+      -- No field at all: no key (every write has them all; HMGET answers a missing key so).
+      local none = true
+      for i = 1, 9 do none = none and not v[i] end
+      if none then expiries[k] = 0 end
     end
     running[k] = s
   end
@@ -231,6 +240,9 @@ end
 -- past a fresh TIME, and `late` picks the later end of that millisecond (a write must never move
 -- an expiry earlier), else the earlier one (how long a key is certainly kept).
 local function expiry(k, late)
+  local known = expiries[k]
+  if known == 0 then return nil end
+  if known then return known end
   local ok, at = pcall(redis.call, 'PEXPIRETIME', KEYS[k])
   if not ok then
     local ttl = redis.call('PTTL', KEYS[k])
@@ -246,6 +258,9 @@ local function expiry(k, late)
 end
 
 
+-- The hash fields of a bucket's spec history: name, index in the state, format.
+local SPEC_FIELDS = {{'r', 3, '%.17g'}, {'p', 4, '%.17g'}, {'q', 5, '%d'}, {'c', 6, '%.17g'}, {'s', 7, '%.17g'}}
+
 -- Writes key k's state s to live ttl ms from now, never moving its expiry earlier; returns the
 -- TTL written. The holds are written only when `holds` is true (the hold script changes them).
 local function store(k, s, ttl, holds)
@@ -254,21 +269,26 @@ local function store(k, s, ttl, holds)
   if at then ttl = math.max(ttl, math.min(math.max(0, at - now), MAX_WAIT)) end
   -- One HSET for every field written: Redis counts each command, and an idle hold's renewal is
   -- a handful of them.
-  local fields = {'t', string.format('%.17g', s[1]), 'l', string.format('%d', s[2]),
-    'r', string.format('%.17g', s[3]), 'p', string.format('%.17g', s[4]),
-    'q', string.format('%d', s[5]), 'c', string.format('%.17g', s[6]),
-    's', string.format('%.17g', s[7])}
+  local fields = {'t', string.format('%.17g', s[1]), 'l', string.format('%d', s[2])}
+  local was = loaded[k]
+  for _, f in ipairs(SPEC_FIELDS) do
+    if not was or was[f[2]] ~= s[f[2]] then
+      fields[#fields + 1] = f[1]
+      fields[#fields + 1] = string.format(f[3], s[f[2]])
+    end
+  end
   if holds and #s[8] > 0 then
     fields[#fields + 1] = 'h'
     fields[#fields + 1] = format_holds(s[8])
   end
-  if s[11] > 0 then
+  if s[11] > 0 and not (was and was[9] == s[9] and was[10] == s[10] and was[11] == s[11]) then
     fields[#fields + 1] = 'u'
-    fields[#fields + 1] = string.format('%.17g', s[9]) .. ' ' .. string.format('%.17g', s[10]) .. ' '
-      .. string.format('%d', s[11])
+    fields[#fields + 1] = string.format('%.17g %.17g %d', s[9], s[10], s[11])
   end
   redis.call('HSET', KEYS[k], unpack(fields))
+  loaded[k] = {unpack(s)}
   if holds and #s[8] == 0 then redis.call('HDEL', KEYS[k], 'h') end
   redis.call('PEXPIREAT', KEYS[k], string.format('%d', now + ttl))
+  expiries[k] = now + ttl
   return ttl
 end

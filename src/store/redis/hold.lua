@@ -5,8 +5,9 @@
 -- ARGV: op count, then per op ten values: key index (into KEYS), capacity, refill per second,
 --       replica, capacity wanted, rate wanted, time to live (ms), demand per second, unit (the
 --       smallest capacity worth holding), fresh (1: the whole capacity is taken again).
--- Reply: now_ms, then per op: capacity held, rate held, and the other replicas' live holds'
---        capacity, rate and demand (all %.17g).
+-- Reply: now_ms, then per op one string of five numbers (%.17g): capacity held, rate held, and
+--        the other replicas' live holds' capacity, rate and demand (one string, not five: a
+--        first report's holds are thousands of ops, and each format and reply element costs).
 local out = {now}
 local a = 2
 for _ = 1, tonumber(ARGV[1]) do
@@ -19,7 +20,7 @@ for _ = 1, tonumber(ARGV[1]) do
   a = a + 10
   -- A bucket that never refills (capacity 0) has nothing to hold.
   if rps <= 0 then
-    for _ = 1, 5 do out[#out + 1] = '0' end
+    out[#out + 1] = '0 0 0 0 0'
   else
     local st = refill(load(k), cap, rps / 1000)
     local live = {}
@@ -66,7 +67,7 @@ for _ = 1, tonumber(ARGV[1]) do
     st[8] = holds
     running[k] = st
     store(k, st, life(st, st[1]), true)
-    for _, v in ipairs({c, r, oc, orate, od}) do out[#out + 1] = string.format('%.17g', v) end
+    out[#out + 1] = string.format('%.17g %.17g %.17g %.17g %.17g', c, r, oc, orate, od)
   end
 end
 return out

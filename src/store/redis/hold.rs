@@ -9,7 +9,7 @@ use std::collections::HashMap;
 use futures::future::join_all;
 use redis::Value;
 
-use super::{float, int, RedisStore};
+use super::{int, RedisStore};
 use crate::bucket::{Hold, HoldOp, HoldOutcome, Others};
 use crate::store::StoreError;
 
@@ -76,16 +76,21 @@ fn parse_outcomes(reply: Value, most: usize) -> Result<Vec<HoldOutcome>, StoreEr
     let mut items = items.into_iter();
     let now_ms = u64::try_from(int(&mut items)?).map_err(|e| StoreError::Protocol(e.to_string()))?;
     let mut outcomes = Vec::new();
-    while items.len() > 0 && outcomes.len() < most {
+    for item in items.take(most) {
+        let Value::BulkString(bytes) = item else {
+            return Err(StoreError::Protocol(format!("hold script: expected five numbers, got {item:?}")));
+        };
+        let text = String::from_utf8_lossy(&bytes);
+        let numbers: Option<Vec<f64>> = text.split(' ').map(|w| w.parse().ok()).collect();
+        let Some(&[capacity, refill_per_second, others_capacity, others_rate, demand]) = numbers.as_deref()
+        else {
+            return Err(StoreError::Protocol(format!("hold script: expected five numbers, got {text:?}")));
+        };
         outcomes.push(HoldOutcome {
             now_ms,
-            capacity: float(&mut items)?,
-            refill_per_second: float(&mut items)?,
-            others: Others {
-                capacity: float(&mut items)?,
-                refill_per_second: float(&mut items)?,
-                demand: float(&mut items)?,
-            },
+            capacity,
+            refill_per_second,
+            others: Others { capacity: others_capacity, refill_per_second: others_rate, demand },
         });
     }
     Ok(outcomes)
