@@ -33,6 +33,7 @@ pub mod matcher;
 pub mod quota;
 pub mod reload;
 pub mod render;
+pub mod rule;
 pub mod server;
 pub mod store;
 pub mod telemetry;

@@ -305,7 +305,7 @@ impl Limiter {
         if tenants.is_empty() {
             return;
         }
-        let records = join_all(tenants.iter().map(|t| self.quotas.tenant(domain, t))).await;
+        let records = join_all(tenants.iter().map(|t| self.quotas.tenant(&domain.tenants, t))).await;
         for plan in plans.iter_mut() {
             if let Plan::Bucket(p @ BucketPlan { spec: None, .. }) = plan {
                 // Validation puts every quota rule under a tenant node.

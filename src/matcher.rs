@@ -13,7 +13,7 @@
 //! Lookups allocate nothing: levels index their nodes by key, then by value.
 //!
 //! Envoy's Rate Limit Quota filter names a bucket by an unordered map instead of a descriptor.
-//! [`Domain::bucket_entries`] turns it into one by walking the same tree: at each level, the
+//! [`Level::bucket_entries`] turns it into one by walking the same tree: at each level, the
 //! map entry whose key names a node there (the first such node in config order) is consumed, and
 //! the walk goes on below the node that entry's value selects. The consumed entries, in order, are
 //! the descriptor, matched as any RLS descriptor is; entries left over mean no rule applies.
@@ -21,7 +21,7 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use crate::config::{Domain, Rule, Source};
+use crate::rule::{Rule, Source};
 
 /// One `(key, value)` entry of a request descriptor.
 pub trait DescriptorEntry {
@@ -51,24 +51,22 @@ impl DescriptorEntry
     }
 }
 
-impl Domain {
-    /// The rule `entries` selects, if any.
+impl Level {
+    /// The rule `entries` selects, if any, with this level as the root.
     pub fn lookup<E: DescriptorEntry>(&self, entries: &[E]) -> Option<&Arc<Rule>> {
         let (last, init) = entries.split_last()?;
-        let mut level = &self.root;
+        let mut level = self;
         for entry in init {
             level = &level.find(entry.key(), entry.value())?.children;
         }
         level.find(last.key(), last.value())?.rule.as_ref()
     }
-}
 
-impl Domain {
-    /// The descriptor entries the bucket id `bucket` stands for, in tree order; `None` if some
-    /// of its entries name no node on the walk.
+    /// The descriptor entries the bucket id `bucket` stands for, in tree order, with this level
+    /// as the root; `None` if some of its entries name no node on the walk.
     pub fn bucket_entries<'b>(&self, bucket: &'b HashMap<String, String>) -> Option<Vec<(&'b str, &'b str)>> {
         let mut entries: Vec<(&'b str, &'b str)> = Vec::with_capacity(bucket.len());
-        let mut level = &self.root;
+        let mut level = self;
         while entries.len() < bucket.len() {
             let Some((key, value)) = level.nodes.iter().find_map(|n| {
                 let (k, v) = bucket.get_key_value(&n.key)?;

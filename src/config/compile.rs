@@ -10,7 +10,9 @@ use std::sync::Arc;
 use serde_saphyr::Spanned;
 
 use super::{locate, raw};
-use super::{Blanket, ChargeRule, ClassDef, ConfigError, Domain, FailureMode, HeaderSets, Limit, Rule};
+use super::{
+    Blanket, ChargeRule, ClassDef, ConfigError, Domain, FailureMode, HeaderSets, Limit, Rule, Source,
+};
 use crate::bucket::{BucketSpec, MAX_CAPACITY};
 use crate::matcher::{Level, Node, ValueMatch};
 use crate::quota::{Quotas, TenantRecord, DEFAULT_CLASS};
@@ -530,19 +532,17 @@ fn rate_limit(spanned: &Spanned<raw::RateLimit>) -> Result<(Limit, Option<RatePe
 }
 
 // A source must be able to produce the node's key and value.
-fn check_source(key: &str, value: Option<&str>, source: Option<&raw::Source>) -> Result<(), String> {
+fn check_source(key: &str, value: Option<&str>, source: Option<&Source>) -> Result<(), String> {
     match source {
-        Some(raw::Source::RemoteAddress) if key != "remote_address" => {
+        Some(Source::RemoteAddress) if key != "remote_address" => {
             Err("source: remote_address needs key: remote_address (Envoy's action always uses that key)"
                 .into())
         }
-        Some(raw::Source::GenericKey(constant)) if value.is_some_and(|v| v != constant) => Err(format!(
+        Some(Source::GenericKey(constant)) if value.is_some_and(|v| v != constant) => Err(format!(
             "source: generic_key '{constant}' always sends that value, but the node matches '{}'",
             value.unwrap_or_default()
         )),
-        Some(raw::Source::JwtClaim(s) | raw::Source::RequestHeader(s) | raw::Source::GenericKey(s))
-            if s.is_empty() =>
-        {
+        Some(Source::JwtClaim(s) | Source::RequestHeader(s) | Source::GenericKey(s)) if s.is_empty() => {
             Err("source: the claim, header or value must not be empty".into())
         }
         _ => Ok(()),

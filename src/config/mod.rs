@@ -10,7 +10,7 @@ mod compile;
 mod locate;
 mod raw;
 
-pub use self::raw::Source;
+pub use crate::rule::{ChargeRule, Limit, Rule, Source};
 
 use std::collections::HashMap;
 
@@ -22,46 +22,9 @@ use std::sync::Arc;
 
 use serde::Serialize;
 
-use crate::bucket::{BucketSpec, Charge};
-use crate::matcher::Level;
-use crate::quota::{Quotas, TenantRecord};
-use crate::units::RatePerUnit;
-
-/// When a rule's tokens are taken.
-#[derive(Debug, Clone, PartialEq, Serialize)]
-#[serde(rename_all = "snake_case", tag = "charge")]
-pub enum ChargeRule {
-    /// `charge: admitted` (the default): only when the whole request is admitted.
-    Admitted,
-    /// `charge: always`: every debit, even past zero, down to `-max_debt`.
-    Always {
-        /// `max_debt`; `None` means the bucket's capacity.
-        max_debt: Option<f64>,
-        /// The response header or trailer in which the upstream reports the cost
-        /// (`hits_from`), for `tollgate render`.
-        hits_from: Option<String>,
-    },
-}
-
-impl ChargeRule {
-    /// The bucket arithmetic's charge for a bucket of `spec`.
-    pub fn for_bucket(&self, spec: &BucketSpec) -> Charge {
-        match self {
-            ChargeRule::Admitted => Charge::Admitted,
-            ChargeRule::Always { max_debt, .. } => {
-                Charge::Always { max_debt: max_debt.unwrap_or(spec.capacity()) }
-            }
-        }
-    }
-
-    // What two rules sharing a bucket must agree on (where Envoy reads the hits need not).
-    fn sizing(&self) -> (bool, Option<f64>) {
-        match self {
-            ChargeRule::Admitted => (false, None),
-            ChargeRule::Always { max_debt, .. } => (true, *max_debt),
-        }
-    }
-}
+use crate::bucket::BucketSpec;
+use crate::matcher::{DescriptorEntry, Level};
+use crate::quota::{InlineTenants, Quotas, TenantRecord};
 
 /// What sizes a shared class bucket; every rule of a class must agree on it.
 #[derive(Debug, Clone, PartialEq, Serialize)]
@@ -342,64 +305,23 @@ pub struct Domain {
     /// Tiers for `quota: tenant` rules.
     pub quotas: Quotas,
     /// The inline tenant records (`tenants:`), the embedded quota source.
-    pub tenants: IndexMap<String, Arc<TenantRecord>>,
+    pub tenants: InlineTenants,
     /// Every rule (node with a limit, `unlimited` included), in file order.
     pub rules: Vec<Arc<Rule>>,
     /// The descriptor tree.
     pub root: Level,
 }
 
-/// A limit attached to a descriptor node.
-#[derive(Debug, Clone, Serialize)]
-pub struct Rule {
-    /// The node's place in the tree, `key_value.key` as envoyproxy/ratelimit prints it.
-    pub path: String,
-    /// Line and column of the node's `key:` in its file.
-    pub position: (usize, usize),
-    /// `rate_limit.name`, which `replaces` refers to and responses show; never part of a
-    /// bucket's identity.
-    pub name: Option<String>,
-    /// The bucket, or why there is none.
-    pub limit: Limit,
-    /// The `rate_limit` as configured, echoed as `current_limit` in responses.
-    pub rate: Option<RatePerUnit>,
-    /// Tokens per hit.
-    pub cost: u64,
-    /// The explicit `class`: the tenant bucket this rule shares with every rule of the same
-    /// class in its class scope (see [`crate::identity`]).
-    pub class: Option<String>,
-    /// Evaluated and counted, never denies.
-    pub shadow_mode: bool,
-    /// envoyproxy/ratelimit's `quota_mode`: over the limit, this descriptor denies the request
-    /// only if every quota-mode descriptor of the request is over too.
-    pub quota_mode: bool,
-    /// When the tokens are taken (`charge:`), and how deep into debt a bucket may go.
-    pub charge: ChargeRule,
-    /// Per-value metrics requested.
-    pub detailed_metric: bool,
-    /// Names of rules this one replaces when both match one request.
-    pub replaces: Vec<String>,
-    /// `metadata:`, merged into the response's dynamic metadata when this descriptor passes
-    /// (with `--response-dynamic-metadata`).
-    pub metadata: Option<serde_json::Map<String, serde_json::Value>>,
-    /// Index of the descriptor entry holding the tenant, if the rule is under a tenant node.
-    pub tenant_depth: Option<usize>,
-    /// For each depth, the pattern that replaces the request's value in the key when the node is
-    /// a wildcard with `share_threshold` (all matching values share one bucket).
-    #[serde(skip)]
-    pub shared_values: Vec<Option<String>>,
-}
+impl Domain {
+    /// The rule `entries` selects, if any ([`crate::matcher`]).
+    pub fn lookup<E: DescriptorEntry>(&self, entries: &[E]) -> Option<&Arc<Rule>> {
+        self.root.lookup(entries)
+    }
 
-/// How a rule limits.
-#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
-#[serde(rename_all = "snake_case")]
-pub enum Limit {
-    /// Never limited, never touches the store.
-    Unlimited,
-    /// A fixed bucket from `rate_limit` or `token_bucket`.
-    Bucket(BucketSpec),
-    /// The tenant's resolved quota for the rule's quota class ([`crate::identity::quota_class`]).
-    TenantQuota,
+    /// The descriptor entries a Rate Limit Quota bucket id stands for ([`Level::bucket_entries`]).
+    pub fn bucket_entries<'b>(&self, bucket: &'b HashMap<String, String>) -> Option<Vec<(&'b str, &'b str)>> {
+        self.root.bucket_entries(bucket)
+    }
 }
 
 /// The answer when the store cannot be asked.

@@ -11,6 +11,8 @@ use indexmap::IndexMap;
 use serde::Deserialize;
 use serde_saphyr::Spanned;
 
+use crate::rule::Source;
+
 /// One config file: one domain.
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -61,24 +63,6 @@ pub struct Descriptor {
     /// The response header or trailer with a charge's hits, for `tollgate render`.
     pub hits_from: Option<String>,
     pub source: Option<Source>,
-}
-
-/// Where Envoy takes an entry's value from; used only by `tollgate render`.
-#[derive(Debug, Clone, PartialEq, Eq, Deserialize, serde::Serialize)]
-#[serde(rename_all = "snake_case", deny_unknown_fields)]
-pub enum Source {
-    /// A claim of the verified JWT (jwt_authn payload metadata).
-    JwtClaim(String),
-    /// A request header.
-    RequestHeader(String),
-    /// The request path (`:path`).
-    Path,
-    /// The request method (`:method`).
-    Method,
-    /// The client address (Envoy's `remote_address` action; the key must be `remote_address`).
-    RemoteAddress,
-    /// A constant, for routes that should be charged to this node.
-    GenericKey(String),
 }
 
 /// envoyproxy/ratelimit's fixed-window limit, which tollgate turns into a token bucket.

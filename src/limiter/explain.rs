@@ -114,7 +114,7 @@ impl Limiter {
                         None => SpecOrigin::RequestOverride,
                         Some(rule) if rule.limit == Limit::TenantQuota => {
                             let tenant = p.bucket.tenant.expect("a quota rule has a tenant");
-                            let record = self.quotas.tenant(domain, tenant).await;
+                            let record = self.quotas.tenant(&domain.tenants, tenant).await;
                             let class = identity::quota_class(rule);
                             match domain.quotas.resolve_with_source(record.as_deref(), class) {
                                 Some((_, QuotaOrigin::Override)) => {

@@ -31,8 +31,7 @@ use futures::future::{BoxFuture, FutureExt, Shared};
 use tokio::task::AbortHandle;
 
 use super::postgres::PostgresQuotas;
-use super::{QuotaSource, TenantRecord};
-use crate::config::Domain;
+use super::{InlineTenants, QuotaSource, TenantRecord};
 
 /// How long a failed lookup of a tenant never seen is remembered before the next try.
 const FAILURE_BACKOFF: Duration = Duration::from_secs(1);
@@ -165,9 +164,11 @@ impl Drop for CachedQuotas {
 
 impl QuotaSource for CachedQuotas {
     /// The database's record, else the domain file's inline record, else none (default tier).
-    fn tenant<'a>(&'a self, domain: &'a Domain, tenant: &'a str) -> BoxFuture<'a, Option<Arc<TenantRecord>>> {
-        Box::pin(async move {
-            self.lookup(tenant).await.flatten().or_else(|| domain.tenants.get(tenant).cloned())
-        })
+    fn tenant<'a>(
+        &'a self,
+        inline: &'a InlineTenants,
+        tenant: &'a str,
+    ) -> BoxFuture<'a, Option<Arc<TenantRecord>>> {
+        Box::pin(async move { self.lookup(tenant).await.flatten().or_else(|| inline.get(tenant).cloned()) })
     }
 }

@@ -24,7 +24,6 @@ use futures::future::BoxFuture;
 use serde::Serialize;
 
 use crate::bucket::BucketSpec;
-use crate::config::Domain;
 
 /// The class every tier must be able to fall back to.
 pub const DEFAULT_CLASS: &str = "default";
@@ -92,13 +91,20 @@ pub enum QuotaOrigin<'a> {
     },
 }
 
+/// A domain file's inline tenant records (`tenants:`), by tenant id.
+pub type InlineTenants = IndexMap<String, Arc<TenantRecord>>;
+
 /// Where tenant records live.
 ///
 /// Lookups are asynchronous so that a database-backed source fits behind the same seam; a
 /// source answers `None` for tenants it does not know, which then get `default_tier`.
 pub trait QuotaSource: Send + Sync + 'static {
-    /// The record of `tenant` in `domain`.
-    fn tenant<'a>(&'a self, domain: &'a Domain, tenant: &'a str) -> BoxFuture<'a, Option<Arc<TenantRecord>>>;
+    /// The record of `tenant` in a domain whose file has the records `inline` (`tenants:`).
+    fn tenant<'a>(
+        &'a self,
+        inline: &'a InlineTenants,
+        tenant: &'a str,
+    ) -> BoxFuture<'a, Option<Arc<TenantRecord>>>;
 }
 
 /// Tenant records written inline in the domain file (`tenants:`).
@@ -106,8 +112,12 @@ pub trait QuotaSource: Send + Sync + 'static {
 pub struct EmbeddedQuotas;
 
 impl QuotaSource for EmbeddedQuotas {
-    fn tenant<'a>(&'a self, domain: &'a Domain, tenant: &'a str) -> BoxFuture<'a, Option<Arc<TenantRecord>>> {
-        Box::pin(std::future::ready(domain.tenants.get(tenant).cloned()))
+    fn tenant<'a>(
+        &'a self,
+        inline: &'a InlineTenants,
+        tenant: &'a str,
+    ) -> BoxFuture<'a, Option<Arc<TenantRecord>>> {
+        Box::pin(std::future::ready(inline.get(tenant).cloned()))
     }
 }
 
