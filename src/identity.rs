@@ -25,12 +25,16 @@
 //! | rule under a tenant entry | `rl:{<tenant>}:<domain>:<k>=<v>:...` (the tenant's entry included) |
 //! | explicit class | `rl:{<tenant>}:<scope>:<class>` |
 //! | override | as the rule keys, with `=<n>/<unit>` as the first segment after the domain |
+//! | money budget (a period of it) | as the rule keys, then `:budget:<period start>` |
+//! | a request's budget record | `rl:{<tenant>}:<domain>:hold:<request id>` |
 //!
 //! The braces are a Redis Cluster hash tag: only the tenant is hashed, so all buckets of one
 //! tenant share a slot and one Lua call checks and debits them atomically. Other keys contain no
 //! brace and spread over all slots. The shapes cannot collide: escaping leaves no raw `{`, `}`,
 //! `:` or `=` in any part, every entry segment holds exactly one raw `=` and never starts with
-//! one, a class segment holds none, and an override segment starts with one. An empty tenant
+//! one, a class segment holds none, and an override segment starts with one; a budget's
+//! `budget`, period and `q` segments and a record's `hold` follow the domain or entries where
+//! those shapes have entry segments or end. An empty tenant
 //! id, which Redis would not treat as a hash tag, is written as a lone `%` (never the output of
 //! escaping anything).
 
@@ -107,7 +111,7 @@ pub fn override_bucket<'a>(
     limit: RatePerUnit,
     entries: &[(&'a str, &'a str)],
 ) -> BucketKey<'a> {
-    let tenant = entries.iter().find(|(k, _)| *k == domain.tenant_key).map(|(_, v)| *v);
+    let tenant = tenant_of(domain, entries);
     let mut key = prefix(tenant);
     escape_into(&mut key, &domain.name);
     let _ = write!(key, ":={}/{}:", limit.requests_per_unit, limit.unit.name());
@@ -129,6 +133,34 @@ fn prefix(tenant: Option<&str>) -> String {
         key.push_str("}:");
     }
     key
+}
+
+/// The key, without its period, of the money budget at the node that `entries` (a path from the
+/// root, with the domain's tenant entry on it) reach in `domain`: the node's key as a rule's
+/// bucket's, then `:budget`. A period's state is `<base>:<period start ms>`, its open holds
+/// `<base>:<period start ms>:q` ([`crate::budget`]).
+pub fn budget_level(domain: &Domain, entries: &[(&str, &str)]) -> String {
+    let mut key = prefix(tenant_of(domain, entries));
+    escape_into(&mut key, &domain.name);
+    key.push(':');
+    write_entries(&mut key, entries, &[]);
+    key.push_str(":budget");
+    key
+}
+
+/// The key of the record pairing request `request_id`'s hold with its settlement, in the slot
+/// of the tenant on `entries`: `rl:{<tenant>}:<domain>:hold:<request id>`.
+pub fn budget_record(domain: &Domain, entries: &[(&str, &str)], request_id: &str) -> String {
+    let mut key = prefix(tenant_of(domain, entries));
+    escape_into(&mut key, &domain.name);
+    key.push_str(":hold:");
+    escape_into(&mut key, request_id);
+    key
+}
+
+// The value of the domain's tenant entry on `entries`.
+fn tenant_of<'a>(domain: &Domain, entries: &[(&'a str, &'a str)]) -> Option<&'a str> {
+    entries.iter().find(|(k, _)| *k == domain.tenant_key).map(|(_, v)| *v)
 }
 
 /// The Redis Cluster slot of `key`, honouring hash tags exactly as Redis does.

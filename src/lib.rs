@@ -22,6 +22,7 @@
 
 pub mod app;
 pub mod bucket;
+pub mod budget;
 pub mod client;
 pub mod clock;
 pub mod config;

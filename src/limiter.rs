@@ -18,9 +18,11 @@
 //! and the [`Decision`] back; nothing here knows a wire format. Clients that enforce limits
 //! themselves (Envoy's Rate Limit Quota Service) hold shares of the same buckets (`lease.rs`: [`Limiter::hold`], [`Holding`]).
 
+mod budget;
 mod explain;
 mod lease;
 
+pub use self::budget::{BudgetReport, USAGE_KEY};
 pub use self::explain::{Effect, Explained, Explanation, SpecOrigin};
 pub use self::lease::{HeldBucket, Holding, QuotaBucket, ASSIGNMENT_TTL, HOLD_TTL, RENEW_AFTER};
 
@@ -31,6 +33,7 @@ use futures::future::join_all;
 use serde::Serialize;
 
 use crate::bucket::{BucketOp, BucketSpec, Charge, Group, GroupOutcome, Role, Verdict};
+use crate::clock::{Clock, SystemClock};
 use crate::config::{Domain, FailureMode, Limit, Rule, RuleSet};
 use crate::identity::{self, BucketKey};
 use crate::quota::QuotaSource;
@@ -79,6 +82,8 @@ pub struct Limiter {
     quotas: Arc<dyn QuotaSource>,
     telemetry: Arc<Telemetry>,
     global_shadow: bool,
+    // Where budgets' calendar periods are computed from (the store picks by its own clock).
+    clock: Arc<dyn Clock>,
 }
 
 /// Why a query got no decision.
@@ -127,6 +132,13 @@ pub enum Outcome {
     Unlimited,
     /// A bucket was evaluated.
     Bucket(BucketReport),
+    /// A priced request's budgets decided ([`crate::budget`]).
+    Budget(BudgetReport),
+    /// The store failed on a priced request's budgets and the failure mode answered.
+    BudgetFailed {
+        /// The mode applied.
+        mode: FailureMode,
+    },
     /// The store failed and the failure mode answered.
     StoreFailed {
         /// The limit that could not be checked.
@@ -183,7 +195,7 @@ impl DescriptorVerdict {
         match &self.outcome {
             Outcome::Bucket(b) => Some(&b.limit),
             Outcome::StoreFailed { limit, .. } => Some(limit),
-            Outcome::NoLimit | Outcome::Unlimited => None,
+            Outcome::NoLimit | Outcome::Unlimited | Outcome::Budget(_) | Outcome::BudgetFailed { .. } => None,
         }
     }
 }
@@ -215,7 +227,12 @@ impl Limiter {
         telemetry: Arc<Telemetry>,
         global_shadow: bool,
     ) -> Self {
-        Limiter { rules, store, quotas, telemetry, global_shadow }
+        Limiter { rules, store, quotas, telemetry, global_shadow, clock: Arc::new(SystemClock) }
+    }
+
+    /// The same limiter on `clock` (the system's by default), for deterministic tests.
+    pub fn with_clock(self, clock: Arc<dyn Clock>) -> Self {
+        Limiter { clock, ..self }
     }
 
     /// The store this limiter uses.
@@ -237,6 +254,9 @@ impl Limiter {
             trace_decision("(unknown)", &[], &decision);
             return Ok(decision);
         };
+        if let Some(priced) = &domain.priced {
+            return self.decide_priced(domain, priced, query).await;
+        }
         let mut plans: Vec<Plan<'_>> = query.descriptors.iter().map(|d| self.plan(domain, d)).collect();
         drop_replaced(&mut plans);
         self.resolve_quotas(domain, &mut plans).await;

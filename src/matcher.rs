@@ -21,6 +21,7 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
+use crate::budget::BudgetSpec;
 use crate::rule::{Rule, Source};
 
 /// One `(key, value)` entry of a request descriptor.
@@ -60,6 +61,19 @@ impl Level {
             level = &level.find(entry.key(), entry.value())?.children;
         }
         level.find(last.key(), last.value())?.rule.as_ref()
+    }
+
+    /// The nodes `entries` walk through, top first, with this level as the root; `None` unless
+    /// every entry matches one.
+    pub fn path<E: DescriptorEntry>(&self, entries: &[E]) -> Option<Vec<&Node>> {
+        let mut level = self;
+        let mut nodes = Vec::with_capacity(entries.len());
+        for entry in entries {
+            let node = level.find(entry.key(), entry.value())?;
+            nodes.push(node);
+            level = &node.children;
+        }
+        Some(nodes)
     }
 
     /// The descriptor entries the bucket id `bucket` stands for, in tree order, with this level
@@ -157,6 +171,8 @@ pub struct Node {
     pub value: ValueMatch,
     /// The limit at this node, if any.
     pub rule: Option<Arc<Rule>>,
+    /// The money budget at this node, if any (priced domains).
+    pub budget: Option<BudgetSpec>,
     /// Where Envoy takes this entry from (for `tollgate render`).
     pub source: Option<Source>,
     /// The next level.

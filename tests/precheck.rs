@@ -347,6 +347,14 @@ impl Store for HeldStore {
         self.inner.hold(ops)
     }
 
+    fn budget<'a>(
+        &'a self,
+        op: &'a tollgate::budget::BudgetOp,
+    ) -> futures::future::BoxFuture<'a, Result<tollgate::budget::BudgetOutcome, tollgate::store::StoreError>>
+    {
+        self.inner.budget(op)
+    }
+
     fn ping(&self) -> futures::future::BoxFuture<'_, Result<(), tollgate::store::StoreError>> {
         Box::pin(async { Ok(()) })
     }

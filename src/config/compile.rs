@@ -9,7 +9,7 @@ use std::sync::Arc;
 
 use serde_saphyr::Spanned;
 
-use super::{locate, raw};
+use super::{locate, priced, raw};
 use super::{
     Blanket, ChargeRule, ClassDef, ConfigError, Domain, FailureMode, HeaderSets, Limit, Rule, Source,
 };
@@ -37,26 +37,30 @@ impl From<&str> for Located {
 }
 
 /// A problem outside the descriptor tree: where in the file, and what.
-struct Problem {
+pub(super) struct Problem {
     at: String,
     position: Option<(usize, usize)>,
     message: String,
 }
 
 impl Problem {
-    fn new(at: impl Into<String>, position: Option<(usize, usize)>, message: impl Into<String>) -> Problem {
+    pub(super) fn new(
+        at: impl Into<String>,
+        position: Option<(usize, usize)>,
+        message: impl Into<String>,
+    ) -> Problem {
         Problem { at: at.into(), position, message: message.into() }
     }
 }
 
 /// The line and column of a value (`None` for the parser's unknown location).
-fn position<T>(spanned: &Spanned<T>) -> Option<(usize, usize)> {
+pub(super) fn position<T>(spanned: &Spanned<T>) -> Option<(usize, usize)> {
     let at = spanned.referenced;
     (at.line() > 0).then(|| (at.line() as usize, at.column() as usize))
 }
 
 /// A string value and its position.
-fn text(value: Option<Spanned<String>>) -> (Option<String>, Option<(usize, usize)>) {
+pub(super) fn text(value: Option<Spanned<String>>) -> (Option<String>, Option<(usize, usize)>) {
     match value {
         Some(v) => {
             let at = position(&v);
@@ -81,7 +85,7 @@ fn syntax(file: &Path, text: &str, error: &serde_saphyr::Error) -> ConfigError {
 
 /// Compiles the domain file `file` with contents `text`.
 pub(super) fn domain(file: &Path, text_: &str) -> Result<Domain, ConfigError> {
-    let raw: raw::DomainFile = serde_saphyr::from_str(text_).map_err(|e| syntax(file, text_, &e))?;
+    let mut raw: raw::DomainFile = serde_saphyr::from_str(text_).map_err(|e| syntax(file, text_, &e))?;
     let invalid = |p: Problem| ConfigError::Invalid {
         file: file.to_owned(),
         position: p.position,
@@ -89,6 +93,7 @@ pub(super) fn domain(file: &Path, text_: &str) -> Result<Domain, ConfigError> {
         message: p.message,
     };
 
+    let priced = priced::priced(&mut raw, file).map_err(invalid)?;
     let (name, at) = text(raw.domain);
     let name = name
         .filter(|d| !d.is_empty())
@@ -122,8 +127,14 @@ pub(super) fn domain(file: &Path, text_: &str) -> Result<Domain, ConfigError> {
     let quotas = quotas(&raw.tiers, raw.default_tier).map_err(invalid)?;
     let tenants = tenants(raw.tenants, &quotas).map_err(invalid)?;
 
-    let mut tree =
-        Tree { file, tenant_key: &tenant_key, quotas: &quotas, rules: Vec::new(), classes: IndexMap::new() };
+    let mut tree = Tree {
+        file,
+        tenant_key: &tenant_key,
+        quotas: &quotas,
+        priced: priced.is_some(),
+        rules: Vec::new(),
+        classes: IndexMap::new(),
+    };
     let root = tree.level(raw.descriptors.as_deref().unwrap_or_default(), &Place::root())?;
     let (rules, classes) = (tree.rules, tree.classes);
     Ok(Domain {
@@ -138,6 +149,7 @@ pub(super) fn domain(file: &Path, text_: &str) -> Result<Domain, ConfigError> {
         quotas,
         tenants,
         rules,
+        priced,
         root,
     })
 }
@@ -298,6 +310,9 @@ struct Tree<'a> {
     file: &'a Path,
     tenant_key: &'a str,
     quotas: &'a Quotas,
+    // The domain has prices: nodes may have budgets, and every limit sits under the tenant (all
+    // of a request's levels in one Cluster slot, decided in one script).
+    priced: bool,
     rules: Vec<Arc<Rule>>,
     classes: IndexMap<String, ClassDef>,
 }
@@ -332,10 +347,29 @@ impl Tree<'_> {
                 self.share_class(rule).map_err(|m| invalid(m.into()))?;
                 self.rules.push(rule.clone());
             }
+            let budget = match &d.budget {
+                None => None,
+                Some(_) if !self.priced => {
+                    return Err(invalid("a budget needs the domain's `prices:` (what tokens cost)".into()))
+                }
+                Some(b) => Some(
+                    priced::budget(b).map_err(|m| invalid(Located { message: m, position: position(b) }))?,
+                ),
+            };
+            if self.priced && (rule.is_some() || budget.is_some()) && place.tenant_depth.is_none() {
+                return Err(invalid(
+                    format!(
+                        "in a domain with prices, every limit sits under the '{}' entry (its hash tag keeps a request's levels together)",
+                        self.tenant_key
+                    )
+                    .into(),
+                ));
+            }
             let children = self.level(d.descriptors.as_deref().unwrap_or_default(), &place)?;
             let source = d.source.clone();
             check_source(key, value, source.as_ref()).map_err(|m| invalid(m.into()))?;
-            let node = Node { key: key.to_owned(), value: ValueMatch::parse(value), rule, source, children };
+            let node =
+                Node { key: key.to_owned(), value: ValueMatch::parse(value), rule, budget, source, children };
             level.insert(node).map_err(|_| {
                 invalid(format!("duplicate descriptor composite key '{}'", place.path).into())
             })?;

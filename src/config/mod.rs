@@ -8,6 +8,7 @@
 
 mod compile;
 mod locate;
+mod priced;
 mod raw;
 
 pub use crate::rule::{ChargeRule, Limit, Rule, Source};
@@ -23,6 +24,7 @@ use std::sync::Arc;
 use serde::Serialize;
 
 use crate::bucket::BucketSpec;
+use crate::budget::{LostSettle, PriceTable};
 use crate::matcher::{DescriptorEntry, Level};
 use crate::quota::{InlineTenants, Quotas, TenantRecord};
 
@@ -308,8 +310,27 @@ pub struct Domain {
     pub tenants: InlineTenants,
     /// Every rule (node with a limit, `unlimited` included), in file order.
     pub rules: Vec<Arc<Rule>>,
+    /// Its prices and budget settings, if it prices LLM tokens ([`crate::budget`]).
+    pub priced: Option<Priced>,
     /// The descriptor tree.
     pub root: Level,
+}
+
+/// A priced domain's settings: what tokens cost and how holds behave.
+#[derive(Debug)]
+pub struct Priced {
+    /// The price table in force.
+    pub prices: Arc<PriceTable>,
+    /// The file the table was read from (`prices: {file: PATH}`), watched like the config.
+    pub prices_file: Option<PathBuf>,
+    /// The descriptor key whose value names the model (`model_key:`).
+    pub model_key: String,
+    /// The descriptor key whose value pairs a request's hold with its settlement.
+    pub request_id_key: String,
+    /// How long a hold stands unless settled.
+    pub hold_ttl: std::time::Duration,
+    /// What an expired hold becomes.
+    pub on_lost_settle: LostSettle,
 }
 
 impl Domain {

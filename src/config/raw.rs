@@ -31,6 +31,44 @@ pub struct DomainFile {
     pub response_headers: Option<Vec<Spanned<String>>>,
     pub class_scope: Option<Spanned<String>>,
     pub rlqs_unknown: Option<Spanned<String>>,
+    // LLM spend budgets.
+    pub prices: Option<Spanned<Prices>>,
+    pub model_key: Option<Spanned<String>>,
+    pub request_id_key: Option<Spanned<String>>,
+    pub hold_ttl: Option<Spanned<String>>,
+    pub on_lost_settle: Option<Spanned<String>>,
+}
+
+/// A price table, inline or in a file of its own (`file:`, with the other keys).
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Prices {
+    pub file: Option<String>,
+    pub version: Option<String>,
+    pub currency: Option<String>,
+    #[serde(default)]
+    pub models: IndexMap<String, Spanned<ModelPrices>>,
+}
+
+/// A model's prices per million tokens, as decimals read from their text.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ModelPrices {
+    pub input: Option<String>,
+    pub cached_input: Option<String>,
+    pub cache_write: Option<String>,
+    pub output: Option<String>,
+    pub default_output_tokens: Option<u64>,
+    pub reserve_input_tokens: Option<u64>,
+}
+
+/// A money budget on a node.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Budget {
+    pub amount: String,
+    pub per: String,
+    pub timezone: Option<String>,
 }
 
 /// A node of the descriptor tree.
@@ -63,6 +101,7 @@ pub struct Descriptor {
     /// The response header or trailer with a charge's hits, for `tollgate render`.
     pub hits_from: Option<String>,
     pub source: Option<Source>,
+    pub budget: Option<Spanned<Budget>>,
 }
 
 /// envoyproxy/ratelimit's fixed-window limit, which tollgate turns into a token bucket.

@@ -1,5 +1,7 @@
 //! The embedded store: bucket state in a map inside this process.
 //!
+//! Budgets ([`crate::budget`]) live beside the buckets, in [`Ledger`].
+//!
 //! Evaluation holds one lock for the whole batch, which gives each batch the same atomicity a Lua
 //! script has in Redis. Buckets expire like Redis keys: a bucket idle long enough to be full is
 //! dropped, since a missing bucket reads as full. Expired entries are swept whenever the map has
@@ -12,12 +14,16 @@ use futures::future::BoxFuture;
 
 use super::{LateReply, Store, StoreError};
 use crate::bucket::{self, Batch, BucketState, GroupOutcome, HoldOp, HoldOutcome};
+use crate::budget::ledger::Ledger;
+use crate::budget::{BudgetOp, BudgetOutcome};
 use crate::clock::{Clock, SystemClock};
 
 /// Bucket state in process memory.
 pub struct MemoryStore {
     clock: Arc<dyn Clock>,
     buckets: Mutex<Swept<String, Entry>>,
+    // Budgets; locked after `buckets` when both are (a budget op evaluates its token buckets).
+    ledger: Mutex<Ledger>,
 }
 
 // A map whose expired entries are dropped whenever it has doubled since the last sweep: memory
@@ -44,6 +50,20 @@ impl<K: std::hash::Hash + Eq, V> Swept<K, V> {
 }
 
 impl Swept<String, Entry> {
+    // Evaluates `batch` at `now` and keeps what it writes.
+    fn evaluate(&mut self, batch: &Batch, now: u64) -> Vec<GroupOutcome> {
+        let map = &self.map;
+        let evaluation = bucket::evaluate(batch, now, |key| {
+            // Alive through its expiry millisecond, as Redis keeps a key until its clock passes it.
+            map.get(key).filter(|e| e.expires_at_ms >= now).map(|e| (e.state.clone(), e.expires_at_ms))
+        });
+        for write in evaluation.writes {
+            self.put(write, now);
+        }
+        self.sweep(|e| e.expires_at_ms >= now);
+        evaluation.groups
+    }
+
     // Stores what `write` says, written at `now`.
     fn put(&mut self, write: bucket::Write, now: u64) {
         let entry = Entry { state: write.state, expires_at_ms: now.saturating_add(write.ttl_ms) };
@@ -64,23 +84,28 @@ impl MemoryStore {
 
     /// A store on `clock`, for deterministic tests.
     pub fn with_clock(clock: Arc<dyn Clock>) -> Self {
-        MemoryStore { clock, buckets: Mutex::default() }
+        MemoryStore { clock, buckets: Mutex::default(), ledger: Mutex::default() }
     }
 
     /// Evaluates `batch` now; the synchronous core of [`Store::evaluate`].
     pub fn evaluate_now(&self, batch: &Batch) -> Vec<GroupOutcome> {
         let now = self.clock.now_ms();
         let mut buckets = self.buckets.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
-        let map = &buckets.map;
-        let evaluation = bucket::evaluate(batch, now, |key| {
-            // Alive through its expiry millisecond, as Redis keeps a key until its clock passes it.
-            map.get(key).filter(|e| e.expires_at_ms >= now).map(|e| (e.state.clone(), e.expires_at_ms))
-        });
-        for write in evaluation.writes {
-            buckets.put(write, now);
-        }
-        buckets.sweep(|e| e.expires_at_ms >= now);
-        evaluation.groups
+        buckets.evaluate(batch, now)
+    }
+
+    /// Applies `op` now; the synchronous core of [`Store::budget`].
+    pub fn budget_now(&self, op: &BudgetOp) -> BudgetOutcome {
+        let now = self.clock.now_ms();
+        let mut buckets = self.buckets.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        let mut ledger = self.ledger.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        ledger.apply(op, now, &mut |group| buckets.evaluate(&[group], now).remove(0))
+    }
+
+    /// A budget level's spent and held money in the period keyed `key`, as stored (for
+    /// equivalence tests).
+    pub fn budget_level(&self, key: &str) -> Option<(crate::budget::Money, crate::budget::Money)> {
+        self.ledger.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).level(key)
     }
 
     /// The stored state of `key` and when it expires (clock milliseconds), expired or not: what
@@ -135,6 +160,10 @@ impl Store for MemoryStore {
         // Holds write buckets too: an RLQS-only store must sweep as well.
         buckets.sweep(|e| e.expires_at_ms >= now);
         Box::pin(std::future::ready(outcomes))
+    }
+
+    fn budget<'a>(&'a self, op: &'a BudgetOp) -> BoxFuture<'a, Result<BudgetOutcome, StoreError>> {
+        Box::pin(std::future::ready(Ok(self.budget_now(op))))
     }
 
     fn ping(&self) -> BoxFuture<'_, Result<(), StoreError>> {

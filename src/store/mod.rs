@@ -37,6 +37,7 @@ pub use self::precheck::{Precheck, MAX_AGE_MS};
 pub use self::redis::{parse_holds, ConnectError, Peek, RedisStore, RedisTarget, RedisTls};
 pub use self::sentinel::SentinelTarget;
 use crate::bucket::{Batch, GroupOutcome, HoldOp, HoldOutcome};
+use crate::budget::{BudgetOp, BudgetOutcome};
 
 tokio::task_local! {
     static DEADLINE: Duration;
@@ -71,6 +72,10 @@ pub trait Store: Send + Sync + 'static {
     /// with every other call on its bucket; one result per op, in order. A hold op sets a hold to
     /// an absolute size, so one whose reply was lost can simply be sent again.
     fn hold<'a>(&'a self, ops: &'a [HoldOp]) -> BoxFuture<'a, Vec<Result<HoldOutcome, StoreError>>>;
+
+    /// Applies a budget op ([`crate::budget`]): a request's hold or settlement at every level of
+    /// its path and on its token buckets, atomically with every other call on them.
+    fn budget<'a>(&'a self, op: &'a BudgetOp) -> BoxFuture<'a, Result<BudgetOutcome, StoreError>>;
 
     /// Checks that the backend answers, for readiness probes.
     fn ping(&self) -> BoxFuture<'_, Result<(), StoreError>>;

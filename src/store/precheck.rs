@@ -60,6 +60,7 @@ use crate::bucket::{
     covers, Batch, BucketOp, BucketSpec, Charge, Group, GroupOutcome, HoldOp, HoldOutcome, Role, Verdict,
     RATE_RAISE_DELAY_MS,
 };
+use crate::budget::{BudgetOp, BudgetOutcome};
 use crate::clock::Clock;
 
 /// Allowed rate difference between the local clock and the Redis server's clock.
@@ -381,6 +382,12 @@ impl Store for Precheck {
     // capacity and rate, never tokens), so what the pre-check learnt stays a sound bound.
     fn hold<'a>(&'a self, ops: &'a [HoldOp]) -> BoxFuture<'a, Vec<Result<HoldOutcome, StoreError>>> {
         self.inner.hold(ops)
+    }
+
+    // Budget ops reach only a priced domain's buckets, which RLS requests (the only ones the
+    // pre-check answers) never name.
+    fn budget<'a>(&'a self, op: &'a BudgetOp) -> BoxFuture<'a, Result<BudgetOutcome, StoreError>> {
+        self.inner.budget(op)
     }
 
     fn ping(&self) -> BoxFuture<'_, Result<(), StoreError>> {

@@ -20,7 +20,7 @@ use tokio_util::task::AbortOnDropHandle;
 
 use super::top_denied::TopDenied;
 use crate::config::{FailureMode, RuleSet};
-use crate::limiter::{Decision, Outcome, Query};
+use crate::limiter::{Code, Decision, Outcome, Query};
 
 /// Histogram buckets in seconds: fine enough for p50/p99 from 50 µs to 100 ms, then coarse.
 pub const LATENCY_BUCKETS: [f64; 24] = [
@@ -114,14 +114,10 @@ impl Telemetry {
                     };
                     (b.limit.rule.as_ref(), label)
                 }
-                Outcome::StoreFailed { limit, mode } => {
-                    let label = match mode {
-                        FailureMode::Allow => "failed_open",
-                        FailureMode::Deny => "failed_closed",
-                        FailureMode::Error => "error",
-                    };
-                    (limit.rule.as_ref(), label)
-                }
+                Outcome::StoreFailed { limit, mode } => (limit.rule.as_ref(), failed(*mode)),
+                Outcome::Budget(_) if verdict.code == Code::OverLimit => (None, "over_limit"),
+                Outcome::Budget(_) => (None, "ok"),
+                Outcome::BudgetFailed { mode } => (None, failed(*mode)),
             };
             let rule_path = rule.map_or("", |r| r.path.as_str());
             counter!("tollgate_decisions_total", "domain" => domain.to_owned(), "rule" => rule_path.to_owned(), "decision" => outcome)
@@ -348,5 +344,14 @@ fn describe() {
             Kind::Gauge => describe_gauge!(*name, *help),
             Kind::Histogram => describe_histogram!(*name, Unit::Seconds, *help),
         }
+    }
+}
+
+// The decision label of an answer the failure mode gave.
+fn failed(mode: FailureMode) -> &'static str {
+    match mode {
+        FailureMode::Allow => "failed_open",
+        FailureMode::Deny => "failed_closed",
+        FailureMode::Error => "error",
     }
 }

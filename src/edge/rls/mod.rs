@@ -224,7 +224,10 @@ pub fn encode(decision: &Decision) -> RateLimitResponse {
                     status.limit_remaining = b.remaining();
                     status.duration_until_reset = Some(duration(b.verdict.reset_ms));
                 }
-                Outcome::NoLimit | Outcome::StoreFailed { .. } => {}
+                Outcome::NoLimit
+                | Outcome::StoreFailed { .. }
+                | Outcome::Budget(_)
+                | Outcome::BudgetFailed { .. } => {}
             }
             status
         })

@@ -21,6 +21,7 @@
 //! Calls go through the coalescer (`coalesce.rs`), which also bounds the calls in flight per
 //! slot; with coalescing off it never holds a call back to batch it.
 
+mod budget;
 mod hold;
 
 pub use self::hold::parse_holds;
@@ -43,13 +44,18 @@ use super::{LateReply, Store, StoreError};
 use crate::bucket::{
     refund, Batch, BucketOp, BucketState, Charge, Group, GroupOutcome, HoldOp, HoldOutcome, Role, Verdict,
 };
+use crate::budget::{BudgetOp, BudgetOutcome};
 use crate::identity::cluster_slot;
 use crate::telemetry::logs;
 
 /// The bucket script, loaded once per process.
-const SCRIPT: &str = concat!(include_str!("bucket.lua"), include_str!("token_bucket.lua"));
+const SCRIPT: &str =
+    concat!(include_str!("bucket.lua"), include_str!("group.lua"), include_str!("token_bucket.lua"));
 /// The RLQS held-shares script.
 const HOLD_SCRIPT: &str = concat!(include_str!("bucket.lua"), include_str!("hold.lua"));
+/// The money budgets script.
+const BUDGET_SCRIPT: &str =
+    concat!(include_str!("bucket.lua"), include_str!("group.lua"), include_str!("budget.lua"));
 /// Reads a bucket without changing it.
 const PEEK_SCRIPT: &str = include_str!("peek.lua");
 
@@ -135,6 +141,7 @@ struct Shared {
     script: Script,
     peek_script: Script,
     hold_script: Script,
+    budget_script: Script,
     deadline: Duration,
     description: String,
 }
@@ -208,6 +215,7 @@ impl RedisStore {
             script: Script::new(SCRIPT),
             peek_script: Script::new(PEEK_SCRIPT),
             hold_script: Script::new(HOLD_SCRIPT),
+            budget_script: Script::new(BUDGET_SCRIPT),
             deadline,
             description,
         });
@@ -568,6 +576,10 @@ impl Store for RedisStore {
 
     fn hold<'a>(&'a self, ops: &'a [HoldOp]) -> BoxFuture<'a, Vec<Result<HoldOutcome, StoreError>>> {
         Box::pin(self.hold_all(ops))
+    }
+
+    fn budget<'a>(&'a self, op: &'a BudgetOp) -> BoxFuture<'a, Result<BudgetOutcome, StoreError>> {
+        Box::pin(self.budget_op(op))
     }
 
     fn ping(&self) -> BoxFuture<'_, Result<(), StoreError>> {

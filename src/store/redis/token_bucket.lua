@@ -1,4 +1,4 @@
--- Batches of requests against token buckets (follows bucket.lua in one script).
+-- Batches of requests against token buckets (follows bucket.lua and group.lua in one script).
 --
 -- KEYS: the distinct bucket keys of the batch (one Cluster slot).
 -- ARGV: group count, then per group its op count, then per op seven values:
@@ -12,93 +12,21 @@
 --        missing).
 
 local out = {now}
-local dirty = {}
 -- Reply slots to fill with how long each key is kept, once every group has run.
 local pending = {}
 local a = 2
 for _ = 1, tonumber(ARGV[1]) do
   local n = tonumber(ARGV[a]); a = a + 1
-  local tentative = {}
-  local ops = {}
-  local enforced_short, quota_ops, quota_allowed = false, 0, 0
+  local group = {}
   for i = 1, n do
-    local k = tonumber(ARGV[a])
-    local cap = tonumber(ARGV[a + 1])
-    local rps = tonumber(ARGV[a + 2])
-    local rate = rps / 1000
-    local need = tonumber(ARGV[a + 3])
-    local role = ARGV[a + 4]
-    local debt = tonumber(ARGV[a + 5])
-    -- What a held bucket records as asked of it: this op's need and the denials it did not see.
-    local ask = math.max(need, 0) + tonumber(ARGV[a + 6])
+    group[i] = {tonumber(ARGV[a]), tonumber(ARGV[a + 1]), tonumber(ARGV[a + 2]), tonumber(ARGV[a + 3]),
+                ARGV[a + 4], tonumber(ARGV[a + 5]), tonumber(ARGV[a + 6])}
     a = a + 7
-    local s = tentative[k]
-    if s == nil then s = load(k) end
-    local st = refill(s, cap, rate)
-    local room, room_rate = unheld(st, cap, rate)
-    local raises = s and raises_ceiling(st, rps)
-    local allowed = need < 0 or st[1] >= need
-    local retry = 0
-    if not allowed then retry = wait_ms(room, room_rate, st[1], math.max(need, 0)) end
-    local forgiven = 0
-    if allowed or debt then
-      forgiven = debit(st, cap, rps, need, debt, room)
-    elseif raises then
-      note_spec(st, cap, rps)
-    end
-    local asks = ask > 0 and holds_live(st[8])
-    if asks then asked_record(st, ask) end
-    tentative[k] = st
-    if role == '0' then
-      if not allowed then enforced_short = true end
-    elseif role == '2' then
-      quota_ops = quota_ops + 1
-      if allowed then quota_allowed = quota_allowed + 1 end
-    end
-    ops[i] = {k, cap, rps, rate, need, debt, allowed, st[1], retry, forgiven, ceiling(st), raises,
-              room, room_rate, asks and ask}
   end
-  local admitted = (not enforced_short) and (quota_ops == 0 or quota_allowed > 0)
-
+  local admitted, results = evaluate_group(group)
   out[#out + 1] = admitted and 1 or 0
-  for i = 1, n do
-    local k, cap, rps, rate, need, debt, allowed, tokens, retry, forgiven, fastest, raises, room,
-      room_rate, asks = unpack(ops[i])
-    local charged
-    if admitted then
-      running[k] = tentative[k]
-      charged = allowed or debt ~= nil
-    else
-      -- A denied group takes only what is charged always, replayed on the committed state, and
-      -- records a raised rate ceiling and its demand.
-      local committed = load(k)
-      local st = refill(committed, cap, rate)
-      raises = committed and raises_ceiling(st, rps)
-      forgiven = 0
-      if debt then
-        forgiven = debit(st, cap, rps, need, debt, room)
-        if asks then asked_record(st, asks) end
-        running[k] = st
-      elseif raises or asks then
-        local noted = {unpack(committed)}
-        if raises then
-          note_spec(noted, cap, rps)
-          note_spec(st, cap, rps)
-        end
-        if asks then asked_record(noted, asks) end
-        running[k] = noted
-      end
-      tokens, fastest = st[1], ceiling(st)
-      charged = debt ~= nil
-    end
-    -- Written when charged, when its spec raised the rate ceiling, and when it asked of a held
-    -- bucket.
-    if ((charged and need ~= 0) or raises or asks) and rate > 0 then
-      local ttl = life(running[k], floor_of(debt))
-      if dirty[k] == nil or dirty[k] < ttl then dirty[k] = ttl end
-    end
-    local reset = wait_ms(room, room_rate, tokens, room)
-    if reset < 0 then reset = 0 end
+  for _, r in ipairs(results) do
+    local allowed, tokens, retry, reset, forgiven, fastest, k = unpack(r)
     out[#out + 1] = allowed and 1 or 0
     out[#out + 1] = string.format('%.17g', tokens)
     out[#out + 1] = retry
@@ -110,12 +38,7 @@ for _ = 1, tonumber(ARGV[1]) do
   end
 end
 
--- Only charged buckets are written; an idle bucket is full by the time it expires. A write never
--- moves an expiry earlier: the bucket lives as long as the longest of what it had left and what
--- this batch's charges need. The expiry is absolute on the clock the balance was computed with.
-for k, ttl in pairs(dirty) do
-  dirty[k] = store(k, running[k], ttl, false)
-end
+write_dirty()
 
 -- How long after now key k is certainly kept.
 local function kept(k)

@@ -1,0 +1,308 @@
+//! The budget arithmetic in Rust: the memory store's state, step for step the twin of
+//! `store/redis/budget.lua` (the same keys, expiries and order of effects), which
+//! `tests/equivalence.rs` holds it to.
+//!
+//! State is what the Lua script keeps in Redis keys: per level and period its spent and held
+//! money and its open holds by expiry; per request its record. Entries expire as those keys do,
+//! and an expired entry reads as a missing one.
+
+use std::collections::{BTreeSet, HashMap};
+
+use super::{
+    BudgetAction, BudgetOp, BudgetOutcome, HadHold, HoldVerdict, LevelReading, LostSettle, Money, PriceRow,
+};
+use crate::bucket::{BucketOp, Charge, Group, GroupOutcome, Role};
+
+/// Every level's and request's state.
+#[derive(Debug, Default)]
+pub struct Ledger {
+    levels: HashMap<String, Level>,
+    records: HashMap<String, Record>,
+    // Expired entries are dropped when the maps have doubled since the last time: memory follows
+    // the live entries at O(1) amortised per op.
+    sweep_at: usize,
+}
+
+// A level in one period: `<base>:<start>` and its `:q` in Redis.
+#[derive(Debug, Clone, Default)]
+struct Level {
+    spent: Money,
+    held: Money,
+    // (expiry ms, '<amount>|<record>')
+    holds: BTreeSet<(u64, String)>,
+    expires_at_ms: u64,
+}
+
+// A request's record.
+#[derive(Debug, Clone)]
+struct Record {
+    version: String,
+    row: String,
+    amount: Money,
+    tokens: u64,
+    hold_expires_ms: u64,
+    open: bool,
+    charged: Money,
+    settled: Money,
+    // (level key, period end)
+    levels: Vec<(String, i64)>,
+    kinds: BTreeSet<String>,
+    expires_at_ms: u64,
+}
+
+impl Record {
+    // The record of a settlement that found none: nothing held, the levels it charges.
+    fn unheld(op: &BudgetOp, now_ms: u64, levels: &[(String, i64)]) -> Record {
+        Record {
+            version: op.version.clone(),
+            row: op.row.text(),
+            amount: Money::ZERO,
+            tokens: 0,
+            hold_expires_ms: now_ms,
+            open: false,
+            charged: Money::ZERO,
+            settled: Money::ZERO,
+            levels: levels.to_vec(),
+            kinds: BTreeSet::new(),
+            expires_at_ms: 0,
+        }
+    }
+}
+
+// A level as an op works on it: its state, period end and whether it was changed.
+struct Working {
+    key: String,
+    state: Level,
+    end_ms: i64,
+    written: bool,
+}
+
+impl Ledger {
+    /// Applies `op` at `now_ms`; `buckets` evaluates one group of token-bucket ops atomically
+    /// with it (the memory store's bucket map, under the same lock).
+    pub fn apply(
+        &mut self,
+        op: &BudgetOp,
+        now_ms: u64,
+        buckets: &mut dyn FnMut(Group) -> GroupOutcome,
+    ) -> BudgetOutcome {
+        let now = now_ms as i64;
+        let levels: Vec<(String, Money, i64)> = op
+            .levels
+            .iter()
+            .map(|l| {
+                let [before, start, end, after] = l.around;
+                let (start, end) = if now < start {
+                    (before, start)
+                } else if now >= end {
+                    (end, after)
+                } else {
+                    (start, end)
+                };
+                (format!("{}:{start}", l.base), l.amount, end)
+            })
+            .collect();
+        let group = |need: f64| -> Group {
+            op.buckets
+                .iter()
+                .map(|b| BucketOp {
+                    key: b.key.clone(),
+                    spec: b.spec,
+                    need,
+                    unseen: 0.0,
+                    role: Role::Enforced,
+                    charge: match op.action {
+                        BudgetAction::Hold { .. } => Charge::Admitted,
+                        BudgetAction::Settle { .. } => Charge::Always { max_debt: b.spec.capacity() },
+                    },
+                })
+                .collect()
+        };
+        let record = self.records.get(&op.record).filter(|r| r.expires_at_ms >= now_ms).cloned();
+        let mut work: Vec<Working> = Vec::new();
+        let outcome = match &op.action {
+            BudgetAction::Hold { amount, tokens, ttl_ms } => {
+                let indices: Vec<usize> = levels
+                    .iter()
+                    .map(|(key, _, end)| self.load(&mut work, key, *end, now_ms, op.lost))
+                    .collect();
+                let mut verdict = HoldVerdict::Admitted;
+                let mut exhausted = None;
+                if record.is_some() {
+                    verdict = HoldVerdict::Duplicate;
+                } else {
+                    exhausted = indices.iter().zip(&levels).position(|(&w, (_, cap, _))| {
+                        *cap < work[w].state.spent + work[w].state.held + *amount
+                    });
+                    if exhausted.is_some() {
+                        verdict = HoldVerdict::Denied;
+                    }
+                }
+                let mut short = None;
+                let mut bucket_readings = Vec::new();
+                if verdict == HoldVerdict::Admitted && !op.buckets.is_empty() {
+                    let outcome = buckets(group(*tokens as f64));
+                    bucket_readings = outcome.verdicts.iter().map(|v| (v.tokens, v.retry_after_ms)).collect();
+                    if !outcome.admitted {
+                        verdict = HoldVerdict::Denied;
+                        short = outcome.verdicts.iter().position(|v| !v.allowed);
+                    }
+                }
+                if verdict == HoldVerdict::Admitted {
+                    let expires = now_ms + ttl_ms;
+                    let member = format!("{}|{}", amount.nanos(), op.record);
+                    for &w in &indices {
+                        let level = &mut work[w];
+                        level.state.held = level.state.held + *amount;
+                        level.written = true;
+                        level.state.holds.insert((expires, member.clone()));
+                    }
+                    self.records.insert(
+                        op.record.clone(),
+                        Record {
+                            version: op.version.clone(),
+                            row: op.row.text(),
+                            amount: *amount,
+                            tokens: *tokens,
+                            hold_expires_ms: expires,
+                            open: true,
+                            charged: Money::ZERO,
+                            settled: Money::ZERO,
+                            levels: indices.iter().map(|&w| (work[w].key.clone(), work[w].end_ms)).collect(),
+                            kinds: BTreeSet::new(),
+                            expires_at_ms: now_ms + op.life_ms,
+                        },
+                    );
+                }
+                let levels = indices.iter().map(|&w| reading(&work[w])).collect();
+                BudgetOutcome::Held { now_ms, verdict, exhausted, short, levels, buckets: bucket_readings }
+            }
+            BudgetAction::Settle { usage } => {
+                let charged_levels: Vec<(String, i64)> = match &record {
+                    Some(r) if r.version != op.version => {
+                        return BudgetOutcome::Reprice {
+                            now_ms,
+                            version: r.version.clone(),
+                            row: PriceRow::parse(&r.row).unwrap_or(op.row),
+                        };
+                    }
+                    Some(r) => r.levels.clone(),
+                    None => levels.iter().map(|(key, _, end)| (key.clone(), *end)).collect(),
+                };
+                let indices: Vec<usize> = charged_levels
+                    .iter()
+                    .map(|(key, end)| self.load(&mut work, key, *end, now_ms, op.lost))
+                    .collect();
+                let (mut cost, mut tokens, mut fresh) = (Money::ZERO, 0u64, Vec::<&str>::new());
+                for (kind, count, price) in usage {
+                    let name = kind.name();
+                    if !fresh.contains(&name) && !record.as_ref().is_some_and(|r| r.kinds.contains(name)) {
+                        fresh.push(name);
+                        cost = cost + *price;
+                        tokens += count;
+                    }
+                }
+                let (mut had, mut held_tokens, mut charged, mut settled) =
+                    (HadHold::None, 0, Money::ZERO, Money::ZERO);
+                if let Some(r) = &record {
+                    (held_tokens, charged, settled) = (r.tokens, r.charged, r.settled);
+                    if !r.open {
+                        had = HadHold::Settled;
+                    } else if r.hold_expires_ms <= now_ms {
+                        had = HadHold::Expired;
+                        if op.lost == LostSettle::Charge {
+                            charged = charged + r.amount;
+                        }
+                    } else {
+                        had = HadHold::Open;
+                        let member = format!("{}|{}", r.amount.nanos(), op.record);
+                        for &w in &indices {
+                            let level = &mut work[w];
+                            level.state.held = level.state.held.saturating_sub(r.amount);
+                            level.written = true;
+                            level.state.holds.retain(|(_, m)| *m != member);
+                        }
+                    }
+                }
+                settled = settled + cost;
+                let now_charge = settled.saturating_sub(charged);
+                charged = charged.max(settled);
+                if now_charge > Money::ZERO {
+                    for &w in &indices {
+                        work[w].state.spent = work[w].state.spent + now_charge;
+                        work[w].written = true;
+                    }
+                }
+                let delta = tokens as f64 - held_tokens as f64;
+                if !fresh.is_empty() && delta != 0.0 && !op.buckets.is_empty() {
+                    buckets(group(delta));
+                }
+                if !fresh.is_empty() || had != HadHold::Settled {
+                    if record.is_none() {
+                        // A record that expired in the map is replaced whole, as Redis dropped it.
+                        self.records.insert(op.record.clone(), Record::unheld(op, now_ms, &charged_levels));
+                    }
+                    let entry = self.records.get_mut(&op.record).expect("alive or just written");
+                    entry.open = false;
+                    entry.charged = charged;
+                    entry.settled = settled;
+                    if !fresh.is_empty() {
+                        entry.tokens = 0;
+                    }
+                    entry.kinds.extend(fresh.iter().map(|k| (*k).to_owned()));
+                    entry.expires_at_ms = entry.expires_at_ms.max(now_ms + op.life_ms);
+                }
+                let levels = indices.iter().map(|&w| reading(&work[w])).collect();
+                BudgetOutcome::Settled { now_ms, charged: now_charge, had, levels }
+            }
+        };
+        for level in work.into_iter().filter(|l| l.written) {
+            let mut state = level.state;
+            state.expires_at_ms = (level.end_ms + op.life_ms as i64).max(0) as u64;
+            self.levels.insert(level.key, state);
+        }
+        self.sweep(now_ms);
+        outcome
+    }
+
+    // The index in `work` of level `key` (period ending `end_ms`), loaded on first use: its
+    // holds due by now are no longer held and, under `charge`, are spent.
+    fn load(&self, work: &mut Vec<Working>, key: &str, end_ms: i64, now_ms: u64, lost: LostSettle) -> usize {
+        if let Some(i) = work.iter().position(|w| w.key == key) {
+            return i;
+        }
+        let mut state =
+            self.levels.get(key).filter(|l| l.expires_at_ms >= now_ms).cloned().unwrap_or_default();
+        let due: Vec<(u64, String)> =
+            state.holds.iter().take_while(|(at, _)| *at <= now_ms).cloned().collect();
+        for hold in &due {
+            let amount = hold.1.split('|').next().and_then(Money::from_nanos).unwrap_or_default();
+            state.held = state.held.saturating_sub(amount);
+            if lost == LostSettle::Charge {
+                state.spent = state.spent + amount;
+            }
+            state.holds.remove(hold);
+        }
+        work.push(Working { key: key.to_owned(), state, end_ms, written: !due.is_empty() });
+        work.len() - 1
+    }
+
+    // Drops expired entries, as Redis would have.
+    fn sweep(&mut self, now_ms: u64) {
+        if self.levels.len() + self.records.len() < self.sweep_at.max(1024) {
+            return;
+        }
+        self.levels.retain(|_, l| l.expires_at_ms >= now_ms);
+        self.records.retain(|_, r| r.expires_at_ms >= now_ms);
+        self.sweep_at = 2 * (self.levels.len() + self.records.len());
+    }
+
+    /// A level's spent and held money in the period keyed `key` (`<base>:<start>`), as stored.
+    pub fn level(&self, key: &str) -> Option<(Money, Money)> {
+        self.levels.get(key).map(|l| (l.spent, l.held))
+    }
+}
+
+fn reading(level: &Working) -> LevelReading {
+    LevelReading { used: level.state.spent + level.state.held, end_ms: level.end_ms }
+}

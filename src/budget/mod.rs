@@ -1,0 +1,297 @@
+//! Money budgets for LLM spend: what a request may cost, decided at every level of its path at
+//! once, held while it runs and settled when its usage is known.
+//!
+//! A domain with a price table (`prices:`) prices tokens per model and kind ([`PriceTable`]);
+//! nodes of its tree with `budget:` cap the money spent under them in each calendar period
+//! ([`BudgetSpec`], [`period`]). A request names its path down to a request id:
+//!
+//! * **At request time** it asks for a hold of what it may cost (its output tokens at the output
+//!   price plus the model's reserved input tokens at the input price, rounded up once). It is
+//!   admitted only if every budget on its path has that much left (amount - spent - held) and
+//!   every token bucket on its path has the tokens; then the hold is taken at every level, and the
+//!   tokens from every bucket, in one atomic step ([`BudgetAction::Hold`]).
+//! * **At stream end** it reports its usage per token kind. Each kind is priced at the price
+//!   version of the hold (rounded up once per kind) and charged at every level the hold was taken
+//!   from, the hold released, the token buckets trued up from the tokens held to the tokens used
+//!   ([`BudgetAction::Settle`]). A kind is settled once per request, however often it is sent.
+//! * A hold not settled within its TTL is charged in full or released ([`LostSettle`]); a
+//!   settlement that comes later is charged only what exceeds what the expiry charged.
+//!
+//! **The bound.** A level admits a request only while its spend and holds leave room for the
+//! hold, so its spend in a period exceeds its amount by at most the sum, over requests in flight
+//! when it was reached, of (settled cost - hold): zero when usage stays within the hold.
+//!
+//! Money is integers of nano-units ([`money`]); nothing here is a float. The arithmetic is
+//! [`ledger`] in Rust (the memory store's) and `store/redis/budget.lua` in Redis, kept equal by
+//! `tests/equivalence.rs`.
+
+pub mod ledger;
+pub mod money;
+pub mod period;
+
+use indexmap::IndexMap;
+use serde::Serialize;
+
+pub use self::money::{cost, Money, MoneyError};
+pub use self::period::{Calendar, Per, UnknownZone, Window};
+use crate::bucket::BucketSpec;
+
+/// A kind of token a model prices on its own.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Kind {
+    /// Prompt tokens read fresh (without cached and cache-write tokens).
+    Input,
+    /// Prompt tokens read from the provider's cache.
+    CachedInput,
+    /// Prompt tokens written to the provider's cache.
+    CacheWrite,
+    /// Generated tokens.
+    Output,
+}
+
+impl Kind {
+    /// Every kind, in price-row order.
+    pub const ALL: [Kind; 4] = [Kind::Input, Kind::CachedInput, Kind::CacheWrite, Kind::Output];
+
+    /// Reads the `usage` entry's value.
+    pub fn parse(text: &str) -> Option<Kind> {
+        Kind::ALL.into_iter().find(|k| k.name() == text)
+    }
+
+    /// The name a `usage` entry gives it.
+    pub fn name(self) -> &'static str {
+        match self {
+            Kind::Input => "input",
+            Kind::CachedInput => "cached_input",
+            Kind::CacheWrite => "cache_write",
+            Kind::Output => "output",
+        }
+    }
+}
+
+/// A model's price per million tokens of each kind, fallbacks applied (a cached or cache-write
+/// price the table leaves out is the input price).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PriceRow(pub [Money; 4]);
+
+impl PriceRow {
+    /// The price of `kind`.
+    pub fn price(&self, kind: Kind) -> Money {
+        self.0[kind as usize]
+    }
+
+    /// The row as the stores keep it: four nano-unit integers.
+    pub fn text(&self) -> String {
+        self.0.map(Money::nanos).join(" ")
+    }
+
+    /// Reads [`PriceRow::text`].
+    pub fn parse(text: &str) -> Option<PriceRow> {
+        let prices: Option<Vec<Money>> = text.split(' ').map(Money::from_nanos).collect();
+        Some(PriceRow(prices?.try_into().ok()?))
+    }
+}
+
+/// One model's row of the price table.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ModelPrices {
+    /// Its prices.
+    pub row: PriceRow,
+    /// Output tokens held for a request that names none (`max_tokens` absent or 0).
+    pub default_output_tokens: u64,
+    /// Input tokens held for every request, beside its output.
+    pub reserve_input_tokens: u64,
+}
+
+impl ModelPrices {
+    /// What a request asking for `output_tokens` holds: its money (rounded up once) and tokens.
+    pub fn hold(&self, output_tokens: u64) -> (Money, u64) {
+        let output = if output_tokens == 0 { self.default_output_tokens } else { output_tokens };
+        let scaled = u128::from(output) * self.row.price(Kind::Output).0
+            + u128::from(self.reserve_input_tokens) * self.row.price(Kind::Input).0;
+        (Money(scaled.div_ceil(money::PRICE_PER_TOKENS)), output.saturating_add(self.reserve_input_tokens))
+    }
+}
+
+/// A pinned price table: its version, currency and a row per model.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PriceTable {
+    /// The version every hold records and settles under.
+    pub version: String,
+    /// The currency of every amount and price (`USD`).
+    pub currency: String,
+    /// The rows, by model name.
+    pub models: IndexMap<String, ModelPrices>,
+}
+
+/// A money budget on a node: an amount per calendar period.
+#[derive(Debug, Clone, PartialEq)]
+pub struct BudgetSpec {
+    /// The money a period allows.
+    pub amount: Money,
+    /// Its periods.
+    pub calendar: Calendar,
+}
+
+/// What an expired hold becomes (`on_lost_settle:`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum LostSettle {
+    /// Charged in full (a lost settlement must not make a request free).
+    #[default]
+    Charge,
+    /// Released.
+    Release,
+}
+
+impl LostSettle {
+    /// The word the stores use.
+    pub fn name(self) -> &'static str {
+        match self {
+            LostSettle::Charge => "charge",
+            LostSettle::Release => "release",
+        }
+    }
+}
+
+/// A budget on a request's path, as an op names it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LevelOp {
+    /// Its key without the period ([`crate::identity::budget_level`]).
+    pub base: String,
+    /// Its amount per period.
+    pub amount: Money,
+    /// The periods around the caller's clock ([`Calendar::around`]); the store picks by its own.
+    pub around: [i64; 4],
+}
+
+/// A token bucket on a request's path.
+#[derive(Debug, Clone, PartialEq)]
+pub struct BucketLevel {
+    /// Its key.
+    pub key: String,
+    /// Its capacity and rate.
+    pub spec: BucketSpec,
+}
+
+/// One request's budget op.
+#[derive(Debug, Clone, PartialEq)]
+pub struct BudgetOp {
+    /// The key of the request's record ([`crate::identity::budget_record`]).
+    pub record: String,
+    /// The budgets on its path, top first.
+    pub levels: Vec<LevelOp>,
+    /// The token buckets on its path, top first.
+    pub buckets: Vec<BucketLevel>,
+    /// The price version in force, and the model's row in it.
+    pub version: String,
+    /// The model's prices at that version.
+    pub row: PriceRow,
+    /// What an expired hold becomes.
+    pub lost: LostSettle,
+    /// How long a record, and a period's state past its end, are kept: the hold TTL plus
+    /// [`RECORD_GRACE_MS`].
+    pub life_ms: u64,
+    /// Hold or settle.
+    pub action: BudgetAction,
+}
+
+/// How long a request's record outlives its hold: a settlement later than that is charged as
+/// one that never had a hold.
+pub const RECORD_GRACE_MS: u64 = 3_600_000;
+
+/// What a budget op does.
+#[derive(Debug, Clone, PartialEq)]
+pub enum BudgetAction {
+    /// Take a hold of `amount` and `tokens` for `ttl_ms`, or nothing.
+    Hold {
+        /// The money held at every level.
+        amount: Money,
+        /// The tokens taken from every bucket.
+        tokens: u64,
+        /// How long the hold stands unless settled.
+        ttl_ms: u64,
+    },
+    /// Charge the usage: per kind its tokens and their cost at the op's version.
+    Settle {
+        /// `(kind, tokens, cost)`.
+        usage: Vec<(Kind, u64, Money)>,
+    },
+}
+
+/// A level after an op.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LevelReading {
+    /// Spent and held in its period.
+    pub used: Money,
+    /// When its period ends (ms since the epoch, the store's clock).
+    pub end_ms: i64,
+}
+
+/// What a hold op decided.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum HoldVerdict {
+    /// Held at every level.
+    Admitted,
+    /// The request already has a record (a retried call): admitted, nothing taken again.
+    Duplicate,
+    /// A budget or a bucket is short; nothing taken.
+    Denied,
+}
+
+/// What a settlement found of its hold.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum HadHold {
+    /// Open: released now.
+    Open,
+    /// Expired unsettled (charged or released as `on_lost_settle` says).
+    Expired,
+    /// Settled before (another kind, or a retry).
+    Settled,
+    /// None: never held, or its record is gone.
+    None,
+}
+
+/// The store's answer to a [`BudgetOp`].
+#[derive(Debug, Clone, PartialEq)]
+pub enum BudgetOutcome {
+    /// A hold op's answer.
+    Held {
+        /// The store's clock.
+        now_ms: u64,
+        /// The verdict.
+        verdict: HoldVerdict,
+        /// The first budget, from the top, that could not cover the hold.
+        exhausted: Option<usize>,
+        /// The first token bucket that lacked the tokens.
+        short: Option<usize>,
+        /// Every level, after the op.
+        levels: Vec<LevelReading>,
+        /// Every bucket's tokens and wait until it covers the hold (ms; `None`: never), when
+        /// the buckets were asked.
+        buckets: Vec<(f64, Option<u64>)>,
+    },
+    /// A settlement's answer.
+    Settled {
+        /// The store's clock.
+        now_ms: u64,
+        /// Money charged at every level by this op.
+        charged: Money,
+        /// What it found of its hold.
+        had: HadHold,
+        /// Every level charged, after the op.
+        levels: Vec<LevelReading>,
+    },
+    /// The hold was made at another price version: price the usage at this row and send again.
+    Reprice {
+        /// The store's clock.
+        now_ms: u64,
+        /// The hold's version.
+        version: String,
+        /// The model's row at that version.
+        row: PriceRow,
+    },
+}

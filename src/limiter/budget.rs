@@ -1,0 +1,328 @@
+//! LLM spend budgets in the decision ([`crate::budget`]): in a priced domain, a descriptor down to
+//! a request id asks for a hold, and the descriptors of one request with a `usage` entry last
+//! settle it; each request is one budget op, whose answer becomes the verdict of its descriptors.
+//!
+//! What a descriptor of a priced domain gets:
+//! * its path matches no node, or names no request id: no limit (as any unmatched descriptor);
+//! * its model is not in the price table: OVER_LIMIT, exhausted level `model`, never priced at
+//!   zero;
+//! * a usage kind tollgate does not know: no limit, counted (Envoy ignores the answer to a
+//!   stream-end call anyway);
+//! * otherwise the store's verdict, or the domain's failure mode when the store fails.
+
+use std::sync::Arc;
+
+use super::{count_store_error, Code, DecideError, Decision, DescriptorVerdict, Limiter, Outcome, Query};
+use crate::budget::{
+    cost, BucketLevel, BudgetAction, BudgetOp, BudgetOutcome, HoldVerdict, Kind, LevelOp, LevelReading,
+    ModelPrices, Money, RECORD_GRACE_MS,
+};
+use crate::config::{Domain, FailureMode, Limit, Priced};
+use crate::identity;
+use crate::store::StoreError;
+use crate::telemetry::logs::{self, ErrorChain};
+
+/// The entry key that marks a settlement descriptor; its value names the usage kind.
+pub const USAGE_KEY: &str = "usage";
+
+/// What a priced request's descriptor found.
+#[derive(Debug, Clone, PartialEq)]
+pub struct BudgetReport {
+    /// The descriptor key of the exhausted budget nearest the top (`model` for a model the price
+    /// table lacks); `None` when admitted, or when a token bucket denied.
+    pub exhausted: Option<String>,
+    /// The money left at the level with the least of it, after this call, and the whole
+    /// seconds until its period ends.
+    pub least: Option<(Money, u64)>,
+    /// The price table's currency.
+    pub currency: String,
+    /// When a denial could end, in whole seconds: the exhausted budget's period end, or the
+    /// short bucket's refill.
+    pub retry_after_s: Option<u64>,
+}
+
+// A request's op, before the store: what it is for and which descriptors it answers.
+struct Request {
+    op: BudgetOp,
+    // The descriptor key of each budget level, top first (for `X-Budget-Exhausted`).
+    level_names: Vec<String>,
+    model: ModelPrices,
+    descriptors: Vec<usize>,
+}
+
+// Why a descriptor gets no op.
+enum Refusal {
+    NotBudgeted,
+    UnknownModel,
+}
+
+impl Limiter {
+    /// Decides a query of the priced `domain`.
+    pub(super) async fn decide_priced(
+        &self,
+        domain: &Arc<Domain>,
+        priced: &Priced,
+        query: &Query<'_>,
+    ) -> Result<Decision, DecideError> {
+        let now = self.clock.now_ms();
+        let currency = priced.prices.currency.clone();
+        let mut verdicts: Vec<Option<(Code, Outcome)>> = vec![None; query.descriptors.len()];
+        let mut requests: Vec<Request> = Vec::new();
+        for (i, d) in query.descriptors.iter().enumerate() {
+            let (path, usage) = match d.entries.split_last() {
+                Some((&(USAGE_KEY, kind), rest)) => (rest, Some(kind)),
+                _ => (&d.entries[..], None),
+            };
+            let kind = match usage.map(Kind::parse) {
+                Some(None) => {
+                    count_refusal(domain, "unknown_usage_kind");
+                    verdicts[i] = Some((Code::Ok, Outcome::NoLimit));
+                    continue;
+                }
+                other => other.flatten(),
+            };
+            if let Some(kind) = kind {
+                // The kinds of one request's settlement arrive together: one op.
+                if let Some(r) = requests.iter_mut().find(|r| {
+                    matches!(r.op.action, BudgetAction::Settle { .. })
+                        && settles(&query.descriptors[r.descriptors[0]].entries, path)
+                }) {
+                    if let BudgetAction::Settle { usage } = &mut r.op.action {
+                        usage.push((kind, d.hits, cost(d.hits, r.op.row.price(kind))));
+                    }
+                    r.descriptors.push(i);
+                    continue;
+                }
+            }
+            match self.request(domain, priced, path, now) {
+                Err(Refusal::NotBudgeted) => verdicts[i] = Some((Code::Ok, Outcome::NoLimit)),
+                Err(Refusal::UnknownModel) => {
+                    count_refusal(domain, "unknown_model");
+                    let report = BudgetReport {
+                        exhausted: Some(priced.model_key.clone()),
+                        least: None,
+                        currency: currency.clone(),
+                        retry_after_s: None,
+                    };
+                    verdicts[i] = Some((Code::OverLimit, Outcome::Budget(report)));
+                }
+                Ok(mut request) => {
+                    request.op.action = match kind {
+                        None => {
+                            let (amount, tokens) = request.model.hold(d.hits);
+                            BudgetAction::Hold { amount, tokens, ttl_ms: priced.hold_ttl.as_millis() as u64 }
+                        }
+                        Some(kind) => BudgetAction::Settle {
+                            usage: vec![(kind, d.hits, cost(d.hits, request.op.row.price(kind)))],
+                        },
+                    };
+                    request.descriptors.push(i);
+                    requests.push(request);
+                }
+            }
+        }
+        let mut failure = None;
+        for request in &requests {
+            let (code, outcome) = match self.budget_call(&request.op).await {
+                Ok(outcome) => {
+                    self.count_budget(domain, priced, request, &outcome);
+                    let (code, report) = report(request, &outcome, &currency);
+                    (code, Outcome::Budget(report))
+                }
+                Err(error) => {
+                    budget_store_failed(domain, &error);
+                    let mode = domain.failure_mode;
+                    let code = if mode == FailureMode::Allow { Code::Ok } else { Code::OverLimit };
+                    failure.get_or_insert(error);
+                    (code, Outcome::BudgetFailed { mode })
+                }
+            };
+            for &i in &request.descriptors {
+                verdicts[i] = Some((code, outcome.clone()));
+            }
+        }
+        let descriptors: Vec<DescriptorVerdict> = verdicts
+            .into_iter()
+            .zip(&query.descriptors)
+            .map(|(v, d)| {
+                let (code, outcome) = v.expect("every descriptor answered");
+                DescriptorVerdict { code, outcome, hits: d.hits }
+            })
+            .collect();
+        let overall =
+            if descriptors.iter().any(|d| d.code == Code::OverLimit) { Code::OverLimit } else { Code::Ok };
+        let decision = Decision { overall, descriptors, domain: Some(domain.clone()) };
+        self.telemetry.record(query, &decision);
+        match failure {
+            Some(source) if domain.failure_mode == FailureMode::Error => {
+                Err(DecideError::Unavailable { domain: domain.name.clone(), source })
+            }
+            _ => Ok(decision),
+        }
+    }
+
+    // The op for the request whose descriptor walks `path`, without its action yet.
+    fn request(
+        &self,
+        domain: &Domain,
+        priced: &Priced,
+        path: &[(&str, &str)],
+        now: u64,
+    ) -> Result<Request, Refusal> {
+        let value = |key: &str| path.iter().find(|(k, _)| *k == key).map(|(_, v)| *v);
+        let request_id = value(&priced.request_id_key).ok_or(Refusal::NotBudgeted)?;
+        let nodes = domain.root.path(path).ok_or(Refusal::NotBudgeted)?;
+        let model = value(&priced.model_key)
+            .and_then(|m| priced.prices.models.get(m))
+            .ok_or(Refusal::UnknownModel)?
+            .clone();
+        let mut levels = Vec::new();
+        let mut level_names = Vec::new();
+        let mut buckets = Vec::new();
+        for (depth, node) in nodes.iter().enumerate() {
+            let entries = &path[..=depth];
+            if let Some(budget) = &node.budget {
+                levels.push(LevelOp {
+                    base: identity::budget_level(domain, entries),
+                    amount: budget.amount,
+                    around: budget.calendar.around(now as i64),
+                });
+                level_names.push(node.key.clone());
+            }
+            if let Some(rule) = &node.rule {
+                if let Limit::Bucket(spec) = rule.limit {
+                    buckets.push(BucketLevel { key: identity::rule_bucket(domain, rule, entries).key, spec });
+                }
+            }
+        }
+        let op = BudgetOp {
+            record: identity::budget_record(domain, path, request_id),
+            levels,
+            buckets,
+            version: priced.prices.version.clone(),
+            row: model.row,
+            lost: priced.on_lost_settle,
+            life_ms: priced.hold_ttl.as_millis() as u64 + RECORD_GRACE_MS,
+            action: BudgetAction::Settle { usage: Vec::new() },
+        };
+        Ok(Request { op, level_names, model, descriptors: Vec::new() })
+    }
+
+    // One budget op; a settlement of a hold made at another price version is priced again at
+    // that version's row, which the store keeps with the hold.
+    async fn budget_call(&self, op: &BudgetOp) -> Result<BudgetOutcome, StoreError> {
+        let outcome = self.store.budget(op).await?;
+        let BudgetOutcome::Reprice { version, row, .. } = outcome else { return Ok(outcome) };
+        let BudgetAction::Settle { usage } = &op.action else {
+            return Err(StoreError::Protocol("a hold answered 'reprice'".into()));
+        };
+        let usage =
+            usage.iter().map(|&(kind, tokens, _)| (kind, tokens, cost(tokens, row.price(kind)))).collect();
+        let again = BudgetOp { version, row, action: BudgetAction::Settle { usage }, ..op.clone() };
+        match self.store.budget(&again).await? {
+            BudgetOutcome::Reprice { .. } => {
+                Err(StoreError::Protocol("a hold changed price version twice".into()))
+            }
+            outcome => Ok(outcome),
+        }
+    }
+
+    // Spend, holds, settlements and denials, in metrics.
+    fn count_budget(&self, domain: &Domain, priced: &Priced, request: &Request, outcome: &BudgetOutcome) {
+        let name = domain.name.clone();
+        match outcome {
+            BudgetOutcome::Held { verdict, exhausted, short, .. } => {
+                let verdict = match verdict {
+                    HoldVerdict::Admitted => "admitted",
+                    HoldVerdict::Duplicate => "duplicate",
+                    HoldVerdict::Denied => "denied",
+                };
+                metrics::counter!("tollgate_budget_holds_total", "domain" => name.clone(), "verdict" => verdict)
+                    .increment(1);
+                let level = match (exhausted, short) {
+                    (Some(l), _) => request.level_names.get(*l).cloned(),
+                    (None, Some(_)) => Some("token_bucket".to_owned()),
+                    (None, None) => None,
+                };
+                if let Some(level) = level {
+                    metrics::counter!("tollgate_budget_denials_total", "domain" => name, "level" => level)
+                        .increment(1);
+                }
+            }
+            BudgetOutcome::Settled { charged, had, .. } => {
+                let had = serde_json::to_value(had)
+                    .ok()
+                    .and_then(|v| v.as_str().map(str::to_owned))
+                    .unwrap_or_default();
+                metrics::counter!("tollgate_budget_settlements_total", "domain" => name.clone(), "hold" => had)
+                    .increment(1);
+                metrics::counter!(
+                    "tollgate_budget_spend_nanos_total",
+                    "domain" => name,
+                    "currency" => priced.prices.currency.clone(),
+                    "version" => request.op.version.clone()
+                )
+                .increment(u64::try_from(charged.0).unwrap_or(u64::MAX));
+            }
+            BudgetOutcome::Reprice { .. } => {}
+        }
+    }
+}
+
+// The verdict and report of a request's answer.
+fn report(request: &Request, outcome: &BudgetOutcome, currency: &str) -> (Code, BudgetReport) {
+    let (now_ms, levels, code, exhausted, retry) = match outcome {
+        BudgetOutcome::Held { now_ms, verdict, exhausted, short, levels, buckets } => {
+            let code = if *verdict == HoldVerdict::Denied { Code::OverLimit } else { Code::Ok };
+            let retry = match (exhausted, short) {
+                (Some(l), _) => levels.get(*l).map(|r| seconds_until(r.end_ms, *now_ms)),
+                (None, Some(b)) => {
+                    buckets.get(*b).and_then(|(_, wait)| wait.map(|ms| ms.div_ceil(1000).max(1)))
+                }
+                (None, None) => None,
+            };
+            (*now_ms, levels.as_slice(), code, *exhausted, retry)
+        }
+        BudgetOutcome::Settled { now_ms, levels, .. } => (*now_ms, levels.as_slice(), Code::Ok, None, None),
+        BudgetOutcome::Reprice { .. } => (0, &[][..], Code::Ok, None, None),
+    };
+    let amounts = request.op.levels.iter().map(|l| l.amount);
+    let least = levels
+        .iter()
+        .zip(amounts)
+        .map(|(r, amount): (&LevelReading, Money)| {
+            (amount.saturating_sub(r.used), seconds_until(r.end_ms, now_ms))
+        })
+        .min_by_key(|(left, _)| *left);
+    let report = BudgetReport {
+        exhausted: exhausted.and_then(|l| request.level_names.get(l).cloned()),
+        least,
+        currency: currency.to_owned(),
+        retry_after_s: retry,
+    };
+    (code, report)
+}
+
+// Whether `entries` are a settlement of the request `path` names.
+fn settles(entries: &[(&str, &str)], path: &[(&str, &str)]) -> bool {
+    entries.len() == path.len() + 1 && entries.starts_with(path)
+}
+
+// Whole seconds from `now_ms` to `end_ms`, rounded up.
+fn seconds_until(end_ms: i64, now_ms: u64) -> u64 {
+    u64::try_from(end_ms).unwrap_or(0).saturating_sub(now_ms).div_ceil(1000)
+}
+
+fn count_refusal(domain: &Domain, reason: &'static str) {
+    metrics::counter!("tollgate_budget_refusals_total", "domain" => domain.name.clone(), "reason" => reason)
+        .increment(1);
+}
+
+// A budget op the store failed: counted and logged as every store failure is.
+fn budget_store_failed(domain: &Domain, error: &StoreError) {
+    count_store_error(domain, if matches!(error, StoreError::Timeout(_)) { "timeout" } else { "error" });
+    if let Some(held_back) = logs::throttled("budget_store_failed") {
+        let mode = domain.failure_mode;
+        tracing::warn!(domain = %domain.name, error = %ErrorChain(error), failure_mode = %mode, held_back, "store failed on a budget; applying the failure mode");
+    }
+}

@@ -1,0 +1,294 @@
+-- Money budgets (follows bucket.lua and group.lua in one script): a request's hold taken at every
+-- level of its path at once, and its settlement at stream end; the twin of src/budget/ledger.rs.
+--
+-- Money is whole nano-units, stored as decimal text and added on two limbs ({high, low}, low
+-- below 10^9): Lua's numbers are exact only to 2^53, a budget of 10^9 units is 10^18 nano-units.
+-- Prices are applied by the caller (each charge rounded up once); the script only adds,
+-- subtracts and compares.
+--
+-- Keys, all in the org's hash tag (so the level keys the script names lie in KEYS[1]'s slot):
+--   <level base>:<period start>     hash: s = spent, h = held, in the period
+--   <level base>:<period start>:q   sorted set of its open holds, '<amount>|<record key>' by
+--                                   expiry (ms)
+--   (each hash also has x = when it expires, ms)
+--   KEYS[1], the request's record   hash: v = price version, r = its price row, a = amount held,
+--                                   t = tokens held (0 once trued up), e = hold expiry (ms),
+--                                   o = open (1/0), c = charged so far, k = the settled kinds'
+--                                   cost, p = the levels held ('<key> <period end> ...'),
+--                                   k:<kind> = 1 per settled usage kind
+--
+-- KEYS: the request's record, then the token buckets on the path.
+-- ARGV: 'hold' or 'settle', what an expired hold becomes ('charge' or 'release'), how long a
+--       record and a period's state outlive it (ms), price version, price row; level count, then
+--       per level: base key, amount, and the periods around the caller's clock (previous start,
+--       start, end, next end); bucket count, then per bucket: key index, capacity, refill per
+--       second, max debt ('' = charged only if admitted); then for 'hold': amount, tokens, hold
+--       TTL (ms); for 'settle': kind count, then per kind: name, tokens, cost at this version.
+-- Reply: now_ms, outcome, then
+--   hold ('admitted', 'duplicate': the record exists, 'denied'): the exhausted level (1-based,
+--     0: none), the short bucket (0: none), the level count and per level: used (spent + held)
+--     and period end (ms), the count of buckets evaluated and per bucket: tokens (%.17g) and
+--     retry (ms, -1: never);
+--   settle ('settled'): the amount charged now, what the hold was ('open', 'expired',
+--     'settled', 'none'), the count of levels charged and per level: used and period end;
+--   settle ('reprice'): the hold's version and price row, at which the caller prices again.
+
+local LIMB = 1000000000
+local function money(text)
+  if not text or text == '' then return {0, 0} end
+  local n = #text
+  if n <= 9 then return {0, tonumber(text)} end
+  return {tonumber(string.sub(text, 1, n - 9)), tonumber(string.sub(text, n - 8))}
+end
+local function money_text(m)
+  if m[1] == 0 then return string.format('%d', m[2]) end
+  return string.format('%d%09d', m[1], m[2])
+end
+local function less(a, b)
+  return a[1] < b[1] or (a[1] == b[1] and a[2] < b[2])
+end
+local function plus(a, b)
+  local hi, lo = a[1] + b[1], a[2] + b[2]
+  if lo >= LIMB then hi, lo = hi + 1, lo - LIMB end
+  return {hi, lo}
+end
+-- a - b, or zero when b is larger.
+local function minus(a, b)
+  if less(a, b) then return {0, 0} end
+  local hi, lo = a[1] - b[1], a[2] - b[2]
+  if lo < 0 then hi, lo = hi - 1, lo + LIMB end
+  return {hi, lo}
+end
+
+local argi = 0
+local function arg()
+  argi = argi + 1
+  return ARGV[argi]
+end
+local op, lost, life, version, row = arg(), arg(), tonumber(arg()), arg(), arg()
+local record = KEYS[1]
+-- Keys expire by their x field, on the script's clock, not by Redis's own expiry, which runs on
+-- the clock the script started at (a millisecond earlier, at times); PEXPIREAT only cleans up.
+local function expired(key)
+  local x = redis.call('HGET', key, 'x')
+  if x and tonumber(x) < now then
+    redis.call('DEL', key)
+    return true
+  end
+  return not x
+end
+
+-- A level's state in a period, by key: {spent, held, period end, written}. Loading it settles
+-- the holds that expired: their amount is no longer held and, under 'charge', is spent.
+local ledger = {}
+local function level(key, finish)
+  local l = ledger[key]
+  if l then return l end
+  local v = redis.call('HMGET', key, 's', 'h', 'x')
+  local q = key .. ':q'
+  if v[3] and tonumber(v[3]) < now then
+    redis.call('DEL', key, q)
+    v = {}
+  end
+  l = {money(v[1]), money(v[2]), finish, false}
+  local due = redis.call('ZRANGEBYSCORE', q, '-inf', now)
+  if #due > 0 then
+    for _, m in ipairs(due) do
+      local amount = money(string.match(m, '^(%d+)|'))
+      l[2] = minus(l[2], amount)
+      if lost == 'charge' then l[1] = plus(l[1], amount) end
+    end
+    redis.call('ZREMRANGEBYSCORE', q, '-inf', now)
+    l[4] = true
+  end
+  ledger[key] = l
+  return l
+end
+
+-- Written levels live until their period's end plus a record's life, so that a settlement late
+-- by that much still finds the period it charges.
+local function write_levels()
+  for key, l in pairs(ledger) do
+    if l[4] then
+      local expires = string.format('%d', l[3] + life)
+      redis.call('HSET', key, 's', money_text(l[1]), 'h', money_text(l[2]), 'x', expires)
+      redis.call('PEXPIREAT', key, expires)
+      redis.call('PEXPIREAT', key .. ':q', expires)
+    end
+  end
+end
+
+local levels = {}
+for i = 1, tonumber(arg()) do
+  local base, amount = arg(), money(arg())
+  local before, start, finish, after = tonumber(arg()), tonumber(arg()), tonumber(arg()), tonumber(arg())
+  if now < start then
+    start, finish = before, start
+  elseif now >= finish then
+    start, finish = finish, after
+  end
+  levels[i] = {base .. ':' .. string.format('%d', start), amount, finish}
+end
+local buckets = {}
+for i = 1, tonumber(arg()) do
+  buckets[i] = {tonumber(arg()), tonumber(arg()), tonumber(arg()), tonumber(arg())}
+end
+
+-- The token buckets' group for `need` tokens each.
+local function bucket_group(need)
+  local group = {}
+  for i, b in ipairs(buckets) do group[i] = {b[1], b[2], b[3], need, '0', b[4], 0} end
+  return group
+end
+
+local out = {now}
+if op == 'hold' then
+  local amount, tokens, ttl = money(arg()), tonumber(arg()), tonumber(arg())
+  local outcome, exhausted, short = 'admitted', 0, 0
+  for _, lv in ipairs(levels) do lv[4] = level(lv[1], lv[3]) end
+  if not expired(record) then
+    outcome = 'duplicate'
+  else
+    for i, lv in ipairs(levels) do
+      if exhausted == 0 and less(lv[2], plus(plus(lv[4][1], lv[4][2]), amount)) then exhausted = i end
+    end
+    if exhausted > 0 then outcome = 'denied' end
+  end
+  local results = {}
+  if outcome == 'admitted' and #buckets > 0 then
+    local admitted
+    admitted, results = evaluate_group(bucket_group(tokens))
+    if not admitted then
+      outcome = 'denied'
+      for i, r in ipairs(results) do
+        if short == 0 and not r[1] then short = i end
+      end
+    end
+  end
+  if outcome == 'admitted' then
+    local expires = now + ttl
+    local held = {}
+    for _, lv in ipairs(levels) do
+      lv[4][2] = plus(lv[4][2], amount)
+      lv[4][4] = true
+      redis.call('ZADD', lv[1] .. ':q', string.format('%d', expires), money_text(amount) .. '|' .. record)
+      held[#held + 1] = lv[1] .. ' ' .. string.format('%d', lv[3])
+    end
+    redis.call('HSET', record, 'v', version, 'r', row, 'a', money_text(amount), 't', string.format('%d', tokens),
+      'e', string.format('%d', expires), 'o', '1', 'c', '0', 'k', '0', 'p', table.concat(held, ' '),
+      'x', string.format('%d', now + life))
+    redis.call('PEXPIREAT', record, string.format('%d', now + life))
+  end
+  write_dirty()
+  write_levels()
+  out[#out + 1] = outcome
+  out[#out + 1] = exhausted
+  out[#out + 1] = short
+  out[#out + 1] = #levels
+  for _, lv in ipairs(levels) do
+    out[#out + 1] = money_text(plus(lv[4][1], lv[4][2]))
+    out[#out + 1] = lv[3]
+  end
+  out[#out + 1] = #results
+  for _, r in ipairs(results) do
+    out[#out + 1] = string.format('%.17g', r[2])
+    out[#out + 1] = r[3]
+  end
+  return out
+end
+
+-- settle
+local kinds = {}
+for i = 1, tonumber(arg()) do kinds[i] = {arg(), tonumber(arg()), money(arg())} end
+local rec = {}
+if not expired(record) then rec = redis.call('HMGET', record, 'v', 'r', 'a', 't', 'e', 'o', 'c', 'k', 'p', 'x') end
+local charged_levels = levels
+if rec[1] then
+  if rec[1] ~= version then return {now, 'reprice', rec[1], rec[2]} end
+  charged_levels = {}
+  for key, finish in string.gmatch(rec[9], '(%S+) (%S+)') do
+    charged_levels[#charged_levels + 1] = {key, nil, tonumber(finish)}
+  end
+end
+for _, lv in ipairs(charged_levels) do lv[4] = level(lv[1], lv[3]) end
+
+-- Only kinds not settled before count (a retried or duplicated call charges once).
+local cost, tokens, fresh = {0, 0}, 0, {}
+for _, kind in ipairs(kinds) do
+  if not fresh[kind[1]] and redis.call('HEXISTS', record, 'k:' .. kind[1]) == 0 then
+    fresh[#fresh + 1] = kind[1]
+    fresh[kind[1]] = true
+    cost = plus(cost, kind[3])
+    tokens = tokens + kind[2]
+  end
+end
+
+local had, held_tokens, charged, settled = 'none', 0, {0, 0}, {0, 0}
+if rec[1] then
+  local amount = money(rec[3])
+  held_tokens, charged, settled = tonumber(rec[4]) or 0, money(rec[7]), money(rec[8])
+  if rec[6] ~= '1' then
+    had = 'settled'
+  elseif tonumber(rec[5]) <= now then
+    -- Loading its levels settled the expired hold: charged in full under 'charge'.
+    had = 'expired'
+    if lost == 'charge' then charged = plus(charged, amount) end
+  else
+    had = 'open'
+    for _, lv in ipairs(charged_levels) do
+      lv[4][2] = minus(lv[4][2], amount)
+      lv[4][4] = true
+      redis.call('ZREM', lv[1] .. ':q', money_text(amount) .. '|' .. record)
+    end
+  end
+end
+-- Every level is charged what the settled kinds cost beyond what it was charged already.
+settled = plus(settled, cost)
+local now_charge = minus(settled, charged)
+if less(charged, settled) then charged = settled end
+if now_charge[1] > 0 or now_charge[2] > 0 then
+  for _, lv in ipairs(charged_levels) do
+    lv[4][1] = plus(lv[4][1], now_charge)
+    lv[4][4] = true
+  end
+end
+-- Token buckets are trued up from the tokens held to the tokens used.
+local delta = tokens - held_tokens
+if #fresh > 0 and delta ~= 0 and #buckets > 0 then evaluate_group(bucket_group(delta)) end
+
+if #fresh > 0 or had ~= 'settled' then
+  local fields = {'o', '0', 'c', money_text(charged), 'k', money_text(settled)}
+  if #fresh > 0 then
+    fields[#fields + 1] = 't'
+    fields[#fields + 1] = '0'
+  end
+  for _, name in ipairs(fresh) do
+    fields[#fields + 1] = 'k:' .. name
+    fields[#fields + 1] = '1'
+  end
+  if not rec[1] then
+    local held = {}
+    for _, lv in ipairs(charged_levels) do held[#held + 1] = lv[1] .. ' ' .. string.format('%d', lv[3]) end
+    for _, f in ipairs({'v', version, 'r', row, 'a', '0', 't', '0', 'e', string.format('%d', now),
+                        'p', table.concat(held, ' ')}) do
+      fields[#fields + 1] = f
+    end
+  end
+  local expires = now + life
+  if rec[10] and tonumber(rec[10]) > expires then expires = tonumber(rec[10]) end
+  fields[#fields + 1] = 'x'
+  fields[#fields + 1] = string.format('%d', expires)
+  redis.call('HSET', record, unpack(fields))
+  redis.call('PEXPIREAT', record, string.format('%d', expires))
+end
+write_dirty()
+write_levels()
+out[#out + 1] = 'settled'
+out[#out + 1] = money_text(now_charge)
+out[#out + 1] = had
+out[#out + 1] = #charged_levels
+for _, lv in ipairs(charged_levels) do
+  out[#out + 1] = money_text(plus(lv[4][1], lv[4][2]))
+  out[#out + 1] = lv[3]
+end
+return out

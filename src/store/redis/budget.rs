@@ -1,0 +1,137 @@
+//! Money budgets in Redis: one `budget.lua` run (after `bucket.lua` and `group.lua`) per op, in
+//! the slot of the request's org, which every key of the op shares.
+
+use redis::Value;
+
+use super::RedisStore;
+use crate::budget::{
+    BudgetAction, BudgetOp, BudgetOutcome, HadHold, HoldVerdict, LevelReading, Money, PriceRow,
+};
+use crate::store::StoreError;
+
+impl RedisStore {
+    pub(super) async fn budget_op(&self, op: &BudgetOp) -> Result<BudgetOutcome, StoreError> {
+        let slot = self.shared.connection.slot(&op.record);
+        let mut keys: Vec<&str> = vec![&op.record];
+        keys.extend(op.buckets.iter().map(|b| b.key.as_str()));
+        let (name, debt) = match op.action {
+            BudgetAction::Hold { .. } => ("hold", false),
+            BudgetAction::Settle { .. } => ("settle", true),
+        };
+        let mut args = vec![
+            name.to_owned(),
+            op.lost.name().to_owned(),
+            op.life_ms.to_string(),
+            op.version.clone(),
+            op.row.text(),
+            op.levels.len().to_string(),
+        ];
+        for level in &op.levels {
+            args.extend([level.base.clone(), level.amount.nanos()]);
+            args.extend(level.around.iter().map(i64::to_string));
+        }
+        args.push(op.buckets.len().to_string());
+        for (i, b) in op.buckets.iter().enumerate() {
+            // A settlement trues a bucket up whatever it has, down to a capacity's debt.
+            let debt = if debt { b.spec.capacity().to_string() } else { String::new() };
+            args.extend([
+                (i + 2).to_string(),
+                b.spec.capacity().to_string(),
+                b.spec.refill_per_second().to_string(),
+                debt,
+            ]);
+        }
+        match &op.action {
+            BudgetAction::Hold { amount, tokens, ttl_ms } => {
+                args.extend([amount.nanos(), tokens.to_string(), ttl_ms.to_string()]);
+            }
+            BudgetAction::Settle { usage } => {
+                args.push(usage.len().to_string());
+                for (kind, tokens, cost) in usage {
+                    args.extend([kind.name().to_owned(), tokens.to_string(), cost.nanos()]);
+                }
+            }
+        }
+        let reply = self.shared.eval_in_slot(&self.shared.budget_script, slot, &keys, &args).await?;
+        parse(reply)
+    }
+}
+
+// The script's reply (see budget.lua).
+fn parse(reply: Value) -> Result<BudgetOutcome, StoreError> {
+    let Value::Array(items) = reply else { return Err(bad("expected an array")) };
+    let mut r = Reply(items.into_iter());
+    let now_ms = u64::try_from(r.int()?).map_err(|_| bad("a negative clock"))?;
+    let outcome = r.text()?;
+    let verdict = match outcome.as_str() {
+        "admitted" => HoldVerdict::Admitted,
+        "duplicate" => HoldVerdict::Duplicate,
+        "denied" => HoldVerdict::Denied,
+        "settled" => {
+            let charged = r.money()?;
+            let had = match r.text()?.as_str() {
+                "open" => HadHold::Open,
+                "expired" => HadHold::Expired,
+                "settled" => HadHold::Settled,
+                "none" => HadHold::None,
+                other => return Err(bad(&format!("unknown hold state '{other}'"))),
+            };
+            let levels = r.readings()?;
+            return Ok(BudgetOutcome::Settled { now_ms, charged, had, levels });
+        }
+        "reprice" => {
+            let version = r.text()?;
+            let row = PriceRow::parse(&r.text()?).ok_or_else(|| bad("not a price row"))?;
+            return Ok(BudgetOutcome::Reprice { now_ms, version, row });
+        }
+        other => return Err(bad(&format!("unknown outcome '{other}'"))),
+    };
+    let exhausted = usize::try_from(r.int()? - 1).ok();
+    let short = usize::try_from(r.int()? - 1).ok();
+    let levels = r.readings()?;
+    let buckets = (0..r.int()?)
+        .map(|_| Ok((r.float()?, u64::try_from(r.int()?).ok())))
+        .collect::<Result<Vec<_>, StoreError>>()?;
+    Ok(BudgetOutcome::Held { now_ms, verdict, exhausted, short, levels, buckets })
+}
+
+fn bad(what: &str) -> StoreError {
+    StoreError::Protocol(format!("budget script: {what}"))
+}
+
+// The reply's items, read in order.
+struct Reply(std::vec::IntoIter<Value>);
+
+impl Reply {
+    fn next(&mut self) -> Result<Value, StoreError> {
+        self.0.next().ok_or_else(|| bad("reply too short"))
+    }
+
+    fn int(&mut self) -> Result<i64, StoreError> {
+        match self.next()? {
+            Value::Int(i) => Ok(i),
+            other => Err(bad(&format!("expected an integer, got {other:?}"))),
+        }
+    }
+
+    fn text(&mut self) -> Result<String, StoreError> {
+        match self.next()? {
+            Value::BulkString(b) => String::from_utf8(b).map_err(|_| bad("not UTF-8")),
+            Value::SimpleString(s) => Ok(s),
+            other => Err(bad(&format!("expected a string, got {other:?}"))),
+        }
+    }
+
+    fn money(&mut self) -> Result<Money, StoreError> {
+        Money::from_nanos(&self.text()?).ok_or_else(|| bad("not an amount"))
+    }
+
+    fn float(&mut self) -> Result<f64, StoreError> {
+        self.text()?.parse().map_err(|_| bad("not a number"))
+    }
+
+    // A count, then that many levels' used money and period end.
+    fn readings(&mut self) -> Result<Vec<LevelReading>, StoreError> {
+        (0..self.int()?).map(|_| Ok(LevelReading { used: self.money()?, end_ms: self.int()? })).collect()
+    }
+}
