@@ -16,6 +16,11 @@
 //! * `ietf`: `RateLimit-Policy` and `RateLimit` structured fields of
 //!   draft-ietf-httpapi-ratelimit-headers (-09): one item per bucket, `q` = capacity, `w` =
 //!   seconds to refill from empty, `r` = remaining, `t` = seconds until full.
+//! * (always, in a domain with prices) `X-Budget-Exhausted` (the exhausted level's descriptor
+//!   key, nearest the top; `model` for a model without a price), `X-Budget-Remaining` (the money
+//!   left at the level with the least, all nine decimals and the currency) and `X-Budget-Reset`
+//!   (whole seconds to that level's period end); with `retry-after`, a budget's denial is retried
+//!   at its period end.
 //! * `grpc-status-details`: on OVER_LIMIT, `grpc-status-details-bin`, the base64 of a
 //!   `google.rpc.Status` (RESOURCE_EXHAUSTED) carrying `google.rpc.RetryInfo` with the same wait
 //!   as `Retry-After` (without RetryInfo when retrying cannot help). Envoy's gRPC local reply for
@@ -27,17 +32,19 @@ use base64::engine::general_purpose::STANDARD_NO_PAD;
 use base64::Engine;
 use tonic_types::{ErrorDetails, StatusExt};
 
-use crate::limiter::{BucketReport, Code, Decision, Outcome};
+use crate::limiter::{BucketReport, BudgetReport, Code, Decision, Outcome};
 
 /// Set on an answer the failure mode gave, with the mode.
 pub const FAILURE_MODE_HEADER: &str = "X-Tollgate-Failure-Mode";
+/// Names the exhausted budget level of a priced request's denial.
+pub const BUDGET_EXHAUSTED: &str = "X-Budget-Exhausted";
 
 /// The headers for `decision`, as (name, value) pairs.
 pub fn response_headers(decision: &Decision) -> Vec<(&'static str, String)> {
     let Some(domain) = &decision.domain else { return Vec::new() };
     let sets = domain.headers;
     let failed = decision.descriptors.iter().find_map(|d| match &d.outcome {
-        Outcome::StoreFailed { mode, .. } => Some(mode.to_string()),
+        Outcome::StoreFailed { mode, .. } | Outcome::BudgetFailed { mode } => Some(mode.to_string()),
         _ => None,
     });
     let buckets: Vec<&BucketReport> = decision
@@ -57,6 +64,8 @@ pub fn response_headers(decision: &Decision) -> Vec<(&'static str, String)> {
     if let Some(mode) = failed {
         headers.push((FAILURE_MODE_HEADER, mode));
     }
+
+    budget_headers(decision, sets.retry_after, &mut headers);
 
     let candidates = if denying.is_empty() { &buckets } else { &denying };
     let most_constrained = candidates.iter().min_by(|a, b| {
@@ -95,6 +104,34 @@ pub fn response_headers(decision: &Decision) -> Vec<(&'static str, String)> {
         headers.push(("RateLimit", states.join(", ")));
     }
     headers
+}
+
+// Where a priced request's budgets stand, on OK and OVER_LIMIT alike: the exhausted level, the
+// money left at the level with the least of it and when its period ends; `Retry-After` when a
+// budget (its period end) or a token bucket (its refill) denied.
+fn budget_headers(decision: &Decision, retry_after: bool, headers: &mut Vec<(&'static str, String)>) {
+    let reports: Vec<&BudgetReport> = decision
+        .descriptors
+        .iter()
+        .filter_map(|d| match &d.outcome {
+            Outcome::Budget(r) => Some(r),
+            _ => None,
+        })
+        .collect();
+    if let Some(level) = reports.iter().find_map(|r| r.exhausted.as_ref()) {
+        headers.push((BUDGET_EXHAUSTED, level.clone()));
+    }
+    if let Some((report, (left, reset))) =
+        reports.iter().filter_map(|r| Some((r, r.least?))).min_by_key(|(_, (left, _))| *left)
+    {
+        headers.push(("X-Budget-Remaining", format!("{left} {}", report.currency)));
+        headers.push(("X-Budget-Reset", reset.to_string()));
+    }
+    if retry_after && decision.overall == Code::OverLimit {
+        if let Some(seconds) = reports.iter().filter_map(|r| r.retry_after_s).max() {
+            headers.push(("Retry-After", seconds.max(1).to_string()));
+        }
+    }
 }
 
 // google.rpc.Status { RESOURCE_EXHAUSTED, RetryInfo }, encoded as gRPC binary headers are.

@@ -1,0 +1,329 @@
+//! LLM spend budgets through the RLS API (a neutral gRPC client, as Envoy's ratelimit filter
+//! calls it): a request-time descriptor down to the request id holds what the request may cost
+//! at every level, stream-end descriptors with a `usage` entry settle it. On the embedded store,
+//! a standalone Redis and a Redis Cluster, with every level's spent and held money read back from
+//! Redis in nano-units.
+//!
+//! * a hold and its settlement: exact spend at org, team and key; headers on OK;
+//! * a settlement sent twice, or a kind sent twice, is charged once;
+//! * a model without a price is denied (`X-Budget-Exhausted: model`), never priced at zero;
+//! * all or nothing: a team budget exhausted denies without touching org, key or bucket;
+//! * a hold never settled: charged in full (`on_lost_settle: charge`) or released, and a late
+//!   settlement charges only what exceeds what the expiry charged;
+//! * a price reload while a hold is open: it settles at the version it was held at;
+//! * calendar rollover with `per: minute` in a non-UTC zone (standalone Redis).
+
+mod common;
+
+use std::path::Path;
+use std::time::Duration;
+
+use common::*;
+use envoy_types::pb::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimitResponse};
+use envoy_types::pb::google::protobuf::UInt64Value;
+use tollgate::budget::{Calendar, Money, Per};
+
+fn config(version: &str, output_price: &str, hold_ttl: &str, lost: &str) -> String {
+    format!(
+        r#"
+domain: llm
+tenant_key: org
+hold_ttl: {hold_ttl}
+on_lost_settle: {lost}
+prices:
+  version: "{version}"
+  currency: USD
+  models:
+    gpt-4o:        {{input: 2.50, cached_input: 1.25, output: {output_price}, default_output_tokens: 1000}}
+    claude-sonnet: {{input: 3.00, cached_input: 0.30, cache_write: 3.75, output: 15.00, reserve_input_tokens: 4000}}
+descriptors:
+  - key: org
+    budget: {{amount: 1000.00, per: month, timezone: Europe/Berlin}}
+    descriptors:
+      - key: team
+        budget: {{amount: 2.00, per: month}}
+        descriptors:
+          - key: api_key
+            budget: {{amount: 1.00, per: day}}
+            token_bucket: {{capacity: 200000, refill_per_second: 2000}}
+            descriptors:
+              - key: model
+                descriptors:
+                  - key: request_id
+"#
+    )
+}
+
+/// Where a test reads levels back: the backend's connection, or nothing for the memory store.
+enum Levels {
+    Memory,
+    Redis(redis::Connection),
+    Cluster(redis::cluster::ClusterConnection),
+}
+
+impl Levels {
+    /// Spent and held money of the level `path` (`org=o:team=t`) in the period `calendar` has now.
+    fn read(&mut self, path: &str, calendar: &Calendar) -> Option<(Money, Money)> {
+        let now =
+            std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_millis() as i64;
+        let org = path.split(':').next().unwrap().trim_start_matches("org=");
+        let key = format!("rl:{{{org}}}:llm:{path}:budget:{}", calendar.window(now).start_ms);
+        let cmd = redis::cmd("HMGET").arg(&key).arg("s").arg("h").clone();
+        let (s, h): (Option<String>, Option<String>) = match self {
+            Levels::Memory => return None,
+            Levels::Redis(con) => cmd.query(con).unwrap(),
+            Levels::Cluster(con) => cmd.query(con).unwrap(),
+        };
+        let money = |t: Option<String>| t.map(|t| Money::from_nanos(&t).expect("nano-units"));
+        Some((money(s).unwrap_or_default(), money(h).unwrap_or_default()))
+    }
+
+    fn exists(&mut self, key: &str) -> Option<bool> {
+        let cmd = redis::cmd("EXISTS").arg(key).clone();
+        match self {
+            Levels::Memory => None,
+            Levels::Redis(con) => Some(cmd.query(con).unwrap()),
+            Levels::Cluster(con) => Some(cmd.query(con).unwrap()),
+        }
+    }
+}
+
+fn month() -> Calendar {
+    Calendar::new(Per::Month, "Europe/Berlin").unwrap()
+}
+fn team_month() -> Calendar {
+    Calendar::new(Per::Month, "UTC").unwrap()
+}
+fn day() -> Calendar {
+    Calendar::new(Per::Day, "UTC").unwrap()
+}
+
+fn usd(text: &str) -> Money {
+    Money::parse(text).unwrap()
+}
+
+/// The request-time descriptor: `max_tokens` as hits.
+fn hold(org: &str, team: &str, key: &str, model: &str, id: &str, max_tokens: u64) -> RateLimitRequest {
+    let mut r =
+        req("llm", &[&format!("org={org},team={team},api_key={key},model={model},request_id={id}")], 1);
+    r.descriptors[0].hits_addend = Some(UInt64Value { value: max_tokens });
+    r
+}
+
+/// The stream-end descriptors: one per usage kind.
+fn settle(
+    org: &str,
+    team: &str,
+    key: &str,
+    model: &str,
+    id: &str,
+    usage: &[(&str, u64)],
+) -> RateLimitRequest {
+    let path = format!("org={org},team={team},api_key={key},model={model},request_id={id}");
+    let descriptors: Vec<String> = usage.iter().map(|(kind, _)| format!("{path},usage={kind}")).collect();
+    let refs: Vec<&str> = descriptors.iter().map(String::as_str).collect();
+    let mut r = req("llm", &refs, 1);
+    for (d, (_, n)) in r.descriptors.iter_mut().zip(usage) {
+        d.hits_addend = Some(UInt64Value { value: *n });
+    }
+    r
+}
+
+fn code_and(r: &RateLimitResponse, name: &str) -> (i32, Option<String>) {
+    (r.overall_code, header(r, name).map(str::to_owned))
+}
+
+async fn hold_and_settle(addr: &str, levels: &mut Levels) {
+    // 1,000 output tokens at $10/M: a hold of $0.01 at every level.
+    let r = ask(addr, hold("o1", "t", "k", "gpt-4o", "r1", 1_000)).await.unwrap();
+    assert_eq!(r.overall_code, OK);
+    // The key's daily $1.00 has least left.
+    assert_eq!(header(&r, "X-Budget-Remaining"), Some("0.990000000 USD"));
+    let reset: u64 = header(&r, "X-Budget-Reset").unwrap().parse().unwrap();
+    assert!((1..=86_400).contains(&reset), "{reset}");
+    assert_eq!(header(&r, "X-Budget-Exhausted"), None);
+    if let Some(key) = levels.read("org=o1:team=t:api_key=k", &day()) {
+        assert_eq!(key, (Money::ZERO, usd("0.01")), "held, not spent");
+    }
+    // Usage: 1,200 input at $2.50/M ($0.003), 300 cached at $1.25/M ($0.000375), 800 output at
+    // $10/M ($0.008): $0.011375, the hold released.
+    let usage = [("input", 1_200), ("cached_input", 300), ("output", 800)];
+    let r = ask(addr, settle("o1", "t", "k", "gpt-4o", "r1", &usage)).await.unwrap();
+    assert_eq!(r.overall_code, OK);
+    assert_eq!(header(&r, "X-Budget-Remaining"), Some("0.988625000 USD"));
+    let spent = usd("0.011375");
+    for (path, calendar) in
+        [("org=o1", month()), ("org=o1:team=t", team_month()), ("org=o1:team=t:api_key=k", day())]
+    {
+        if let Some(level) = levels.read(path, &calendar) {
+            assert_eq!(level, (spent, Money::ZERO), "{path}: spent exactly the priced usage, nothing held");
+        }
+    }
+    // The same settlement again, and a kind sent twice in one call: charged once.
+    ask(addr, settle("o1", "t", "k", "gpt-4o", "r1", &usage)).await.unwrap();
+    let r =
+        ask(addr, settle("o1", "t", "k", "gpt-4o", "r1", &[("output", 800), ("output", 800)])).await.unwrap();
+    assert_eq!(header(&r, "X-Budget-Remaining"), Some("0.988625000 USD"));
+    if let Some(level) = levels.read("org=o1", &month()) {
+        assert_eq!(level, (spent, Money::ZERO), "a settlement is idempotent per (request, kind)");
+    }
+    // A request id whose hold exists: admitted again, nothing held twice.
+    let r = ask(addr, hold("o1", "t", "k", "gpt-4o", "r2", 1_000)).await.unwrap();
+    let again = ask(addr, hold("o1", "t", "k", "gpt-4o", "r2", 1_000)).await.unwrap();
+    assert_eq!((r.overall_code, again.overall_code), (OK, OK));
+    if let Some(key) = levels.read("org=o1:team=t:api_key=k", &day()) {
+        assert_eq!(key, (spent, usd("0.01")), "one hold for r2, however often it is asked");
+    }
+}
+
+async fn unknown_model(addr: &str) {
+    let r = ask(addr, hold("o2", "t", "k", "gpt-9", "r1", 10)).await.unwrap();
+    assert_eq!(code_and(&r, "X-Budget-Exhausted"), (OVER_LIMIT, Some("model".into())));
+}
+
+async fn all_or_nothing(addr: &str, levels: &mut Levels) {
+    // Keys a and b each spend $0.90 of team t's $2.00 a month.
+    for (key, id) in [("a", "r1"), ("b", "r2")] {
+        assert_eq!(ask(addr, hold("o3", "t", key, "gpt-4o", id, 90_000)).await.unwrap().overall_code, OK);
+        ask(addr, settle("o3", "t", key, "gpt-4o", id, &[("output", 90_000)])).await.unwrap();
+    }
+    // Key c has its whole $1.00 for the day, but a $0.30 hold would take the team past $2.00.
+    let r = ask(addr, hold("o3", "t", "c", "gpt-4o", "r3", 30_000)).await.unwrap();
+    assert_eq!(code_and(&r, "X-Budget-Exhausted"), (OVER_LIMIT, Some("team".into())));
+    assert_eq!(
+        header(&r, "X-Budget-Remaining"),
+        Some("0.200000000 USD"),
+        "the team's $0.20 left is the least"
+    );
+    let retry: u64 =
+        header(&r, "Retry-After").expect("Retry-After at the team's period end").parse().unwrap();
+    assert!(retry >= 1, "{retry}");
+    if let Some(org) = levels.read("org=o3", &month()) {
+        assert_eq!(org, (usd("1.80"), Money::ZERO), "the org is untouched by the denial");
+        assert_eq!(levels.read("org=o3:team=t:api_key=c", &day()), Some((Money::ZERO, Money::ZERO)));
+        assert_eq!(
+            levels.exists("rl:{o3}:llm:org=o3:team=t:api_key=c"),
+            Some(false),
+            "the key's bucket untouched"
+        );
+        assert_eq!(levels.exists("rl:{o3}:llm:hold:r3"), Some(false), "no record for a denied request");
+    }
+    // What fits is still admitted.
+    assert_eq!(ask(addr, hold("o3", "t", "c", "gpt-4o", "r4", 20_000)).await.unwrap().overall_code, OK);
+}
+
+async fn scenarios(addr: &str, levels: &mut Levels) {
+    hold_and_settle(addr, levels).await;
+    unknown_model(addr).await;
+    all_or_nothing(addr, levels).await;
+}
+
+fn write_config(dir: &Path, text: &str) -> std::path::PathBuf {
+    let path = dir.join("llm.yaml");
+    std::fs::write(&path, text).unwrap();
+    path
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn embedded_memory_store() {
+    let (_dir, path) = config_file(&config("2026-12-01", "10.00", "10m", "charge"));
+    let server = Tollgate::start(&path, &Backend::Memory, &[]);
+    scenarios(&server.addr(), &mut Levels::Memory).await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn standalone_redis() {
+    let redis = Redis::start();
+    let (_dir, path) = config_file(&config("2026-12-01", "10.00", "10m", "charge"));
+    let server = Tollgate::start(&path, &Backend::Redis(redis.url()), &[]);
+    scenarios(&server.addr(), &mut Levels::Redis(redis.connection())).await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn redis_cluster() {
+    let cluster = RedisCluster::start();
+    let (_dir, path) = config_file(&config("2026-12-01", "10.00", "10m", "charge"));
+    let server = Tollgate::start(&path, &Backend::Cluster(cluster.seeds()), &[]);
+    scenarios(&server.addr(), &mut Levels::Cluster(cluster.connection())).await;
+}
+
+/// A hold nobody settles: after `hold_ttl` it is charged in full (or released), and a settlement
+/// that comes later is charged only what exceeds what the expiry charged.
+#[tokio::test(flavor = "multi_thread")]
+async fn lost_settlements_are_charged_or_released() {
+    let redis = Redis::start();
+    for (lost, org) in [("charge", "lc"), ("release", "lr")] {
+        let (_dir, path) = config_file(&config("2026-12-01", "10.00", "1s", lost));
+        let server = Tollgate::start(&path, &Backend::Redis(redis.url()), &[]);
+        let mut levels = Levels::Redis(redis.connection());
+        let addr = server.addr();
+        // $0.01 held, never settled in time.
+        assert_eq!(ask(&addr, hold(org, "t", "k", "gpt-4o", "r1", 1_000)).await.unwrap().overall_code, OK);
+        tokio::time::sleep(Duration::from_millis(1_300)).await;
+        // Another request's hold sweeps the expired one out of the key's level.
+        assert_eq!(ask(&addr, hold(org, "t", "k", "gpt-4o", "r2", 0)).await.unwrap().overall_code, OK);
+        let expired = if lost == "charge" { usd("0.01") } else { Money::ZERO };
+        let key = levels.read(&format!("org={org}:team=t:api_key=k"), &day()).unwrap();
+        assert_eq!(key, (expired, usd("0.01")), "{lost}: the expired hold; r2's is still held");
+        // r1's usage comes late: $0.012. Charged in full after a release, only $0.002 more after
+        // the expiry charged $0.01.
+        ask(&addr, settle(org, "t", "k", "gpt-4o", "r1", &[("output", 1_200)])).await.unwrap();
+        let key = levels.read(&format!("org={org}:team=t:api_key=k"), &day()).unwrap();
+        assert_eq!(key, (usd("0.012"), usd("0.01")), "{lost}: the late settlement makes the spend exact");
+        let org_level = levels.read(&format!("org={org}"), &month()).unwrap();
+        assert_eq!(org_level, (usd("0.012"), usd("0.01")), "{lost}: every level alike");
+    }
+}
+
+/// A reload to a new price version while a hold is open: the hold settles at its own version's
+/// prices, a hold made after the reload at the new ones.
+#[tokio::test(flavor = "multi_thread")]
+async fn holds_settle_at_the_price_version_they_were_held_at() {
+    let redis = Redis::start();
+    let dir = tempfile::tempdir().unwrap();
+    let path = write_config(dir.path(), &config("v1", "10.00", "10m", "charge"));
+    let server = Tollgate::start(&path, &Backend::Redis(redis.url()), &[]);
+    let mut levels = Levels::Redis(redis.connection());
+    let addr = server.addr();
+    assert_eq!(ask(&addr, hold("pv", "t", "k", "gpt-4o", "old", 1_000)).await.unwrap().overall_code, OK);
+    // v2 doubles the output price.
+    write_config(dir.path(), &config("v2", "20.00", "10m", "charge"));
+    let reloaded = || sample(&server.metrics(), "tollgate_config_reloads_total", &[("result", "success")]);
+    wait_until("the price reload", 200, Duration::from_millis(50), || reloaded() >= 1.0);
+    assert_eq!(ask(&addr, hold("pv", "t", "k", "gpt-4o", "new", 1_000)).await.unwrap().overall_code, OK);
+    let key = levels.read("org=pv:team=t:api_key=k", &day()).unwrap();
+    assert_eq!(key, (Money::ZERO, usd("0.03")), "$0.01 held at v1, $0.02 at v2");
+    ask(&addr, settle("pv", "t", "k", "gpt-4o", "old", &[("output", 1_000)])).await.unwrap();
+    ask(&addr, settle("pv", "t", "k", "gpt-4o", "new", &[("output", 1_000)])).await.unwrap();
+    let key = levels.read("org=pv:team=t:api_key=k", &day()).unwrap();
+    assert_eq!(key, (usd("0.03"), Money::ZERO), "1,000 output tokens at $10/M (v1) and at $20/M (v2)");
+}
+
+/// `per: minute` in Asia/Kolkata (UTC+5:30): the spend of one minute is gone in the next.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_minute_budget_resets_at_the_boundary() {
+    let redis = Redis::start();
+    let text = config("2026-12-01", "10.00", "10m", "charge").replace(
+        "budget: {amount: 1.00, per: day}",
+        "budget: {amount: 0.015, per: minute, timezone: Asia/Kolkata}",
+    );
+    let (_dir, path) = config_file(&text);
+    let server = Tollgate::start(&path, &Backend::Redis(redis.url()), &[]);
+    let addr = server.addr();
+    let minute = Calendar::new(Per::Minute, "Asia/Kolkata").unwrap();
+    // Not at the very end of a minute, so that the two requests share it.
+    let now_ms =
+        || std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_millis() as i64;
+    let end = minute.window(now_ms()).end_ms;
+    if end - now_ms() < 3_000 {
+        tokio::time::sleep(Duration::from_millis((end - now_ms()) as u64 + 50)).await;
+    }
+    assert_eq!(ask(&addr, hold("mn", "t", "k", "gpt-4o", "r1", 1_000)).await.unwrap().overall_code, OK);
+    let r = ask(&addr, hold("mn", "t", "k", "gpt-4o", "r2", 1_000)).await.unwrap();
+    assert_eq!(code_and(&r, "X-Budget-Exhausted"), (OVER_LIMIT, Some("api_key".into())), "$0.02 > $0.015");
+    let retry: i64 = header(&r, "Retry-After").unwrap().parse().unwrap();
+    let left = (minute.window(now_ms()).end_ms - now_ms()).div_euclid(1000);
+    assert!((left..=left + 1).contains(&retry), "Retry-After {retry} s, the minute ends in {left} s");
+    tokio::time::sleep(Duration::from_millis((minute.window(now_ms()).end_ms - now_ms()) as u64 + 50)).await;
+    assert_eq!(ask(&addr, hold("mn", "t", "k", "gpt-4o", "r3", 1_000)).await.unwrap().overall_code, OK);
+}
