@@ -58,7 +58,7 @@ descriptors:
 enum Levels {
     Memory,
     Redis(redis::Connection),
-    Cluster(redis::cluster::ClusterConnection),
+    Cluster(Box<redis::cluster::ClusterConnection>),
 }
 
 impl Levels {
@@ -244,7 +244,7 @@ async fn redis_cluster() {
     let cluster = RedisCluster::start();
     let (_dir, path) = config_file(&config("2026-12-01", "10.00", "10m", "charge"));
     let server = Tollgate::start(&path, &Backend::Cluster(cluster.seeds()), &[]);
-    scenarios(&server.addr(), &mut Levels::Cluster(cluster.connection())).await;
+    scenarios(&server.addr(), &mut Levels::Cluster(Box::new(cluster.connection()))).await;
 }
 
 /// A hold nobody settles: after `hold_ttl` it is charged in full (or released), and a settlement
