@@ -17,12 +17,17 @@
 //! before the request (hits 0) and a charge when the response is done, with the hits read from
 //! its `hits_from` response header, or from that trailer, which a small Lua filter copies into
 //! dynamic metadata (Envoy 1.40 cannot read trailers there).
+//!
+//! A domain with prices (LLM spend budgets) is rendered by `budget.rs`: a Lua filter that reads
+//! the model, the tokens to hold and the usage out of the bodies, and filter-level entries that
+//! hold at request time and settle at stream end.
 
 use std::collections::BTreeMap;
 use std::time::Duration;
 
 use serde_json::{json, Value};
 
+mod budget;
 mod rlqs;
 
 use crate::config::{ChargeRule, Domain, FailureMode, Limit, Rule, RuleSet, Source};
@@ -308,6 +313,14 @@ pub fn envoy(rules: &RuleSet, options: &RenderOptions, address: &str) -> Result<
         return Ok(json!({
             "domain": domain.name,
             "http_filters": quota_filters(domain, &options.jwt, "tollgate", options.envoy_name.as_deref())?,
+            "cluster": tollgate_cluster(host, port),
+        }));
+    }
+    if let Some(priced) = &domain.priced {
+        let limits = budget::rate_limits(domain, priced, &options.jwt)?;
+        return Ok(json!({
+            "domain": domain.name,
+            "http_filters": [budget::lua_filter(), http_filter(domain, "tollgate", options, &limits)],
             "cluster": tollgate_cluster(host, port),
         }));
     }
