@@ -222,6 +222,7 @@ async fn redis_restarts_with_an_empty_script_cache() {
 fn tollgate_script_sha() -> String {
     let source = concat!(
         include_str!("../src/store/redis/bucket.lua"),
+        include_str!("../src/store/redis/group.lua"),
         include_str!("../src/store/redis/token_bucket.lua")
     );
     redis::Script::new(source).get_hash().to_owned()

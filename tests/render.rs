@@ -89,6 +89,27 @@ fn rendering_the_llm_example_reproduces_the_shipped_llm_gateway() {
 }
 
 #[test]
+fn rendering_the_budgets_example_reproduces_the_shipped_llm_budgets_gateway() {
+    let rendered = render(&["envoy", "--config", &examples(), "--domain", "llm"]).unwrap();
+    let shipped = repo_yaml("envoy/llm-budgets.yaml");
+    let hcm = &shipped["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"];
+    let filters = hcm["http_filters"].as_array().unwrap();
+    let names: Vec<&str> = filters.iter().map(|f| f["name"].as_str().unwrap()).collect();
+    assert_eq!(
+        names,
+        ["envoy.filters.http.lua", "envoy.filters.http.ratelimit", "envoy.filters.http.router"]
+    );
+    assert_eq!(&json!(filters[..2]), &rendered["http_filters"]);
+    assert_same_tollgate_cluster(&shipped, &rendered);
+    // One entry down to the request id, and one per usage kind at stream end.
+    let entries = rendered["http_filters"][1]["typed_config"]["rate_limits"].as_array().unwrap();
+    assert_eq!(entries.len(), 5);
+    assert_eq!(entries.iter().filter(|e| e["apply_on_stream_done"] == true).count(), 4);
+    let (ok, output) = envoy_validate(&shipped);
+    assert!(ok, "{output}");
+}
+
+#[test]
 fn rendering_the_grpc_example_for_rlqs_reproduces_the_shipped_rlqs_proxy() {
     let rendered =
         render(&["envoy", "--config", &examples(), "--domain", "grpc-api", "--protocol", "rlqs"]).unwrap();
@@ -171,7 +192,7 @@ fn rendered_envoy_config_loads_in_envoy() {
 fn render_explains_what_it_cannot_do() {
     let err = render(&["envoy", "--config", &examples()]).unwrap_err();
     assert!(
-        err.contains("several domains (grpc-api, llm-gateway, api-gateway): choose one with --domain"),
+        err.contains("several domains (grpc-api, llm, llm-gateway, api-gateway): choose one with --domain"),
         "{err}"
     );
     let (_dir, config) = config_file(

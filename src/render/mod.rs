@@ -95,6 +95,13 @@ pub enum RenderError {
         /// The descriptor's place in the tree.
         path: String,
     },
+    /// A priced domain needs Envoy's ratelimit filter with its body-reading Lua filter, which
+    /// only `render envoy` prints.
+    #[error("domain '{domain}' has prices: render it with `tollgate render envoy` (RLS, with the Lua filter that reads the bodies)")]
+    Priced {
+        /// The domain rendered.
+        domain: String,
+    },
     /// A route marker has no rendering for the rate_limit_quota filter.
     #[error("domain '{domain}': descriptor '{path}' marks routes with a generic_key, which the rate_limit_quota filter cannot (it has no per-route switch): render this domain with --protocol rls")]
     RouteMarker {
@@ -309,18 +316,21 @@ pub fn envoy(rules: &RuleSet, options: &RenderOptions, address: &str) -> Result<
     let domain = select(rules, options)?;
     let (host, port) = address.rsplit_once(':').unwrap_or((address, "8081"));
     let port: u16 = port.parse().unwrap_or(8081);
-    if options.protocol == Protocol::Rlqs {
-        return Ok(json!({
-            "domain": domain.name,
-            "http_filters": quota_filters(domain, &options.jwt, "tollgate", options.envoy_name.as_deref())?,
-            "cluster": tollgate_cluster(host, port),
-        }));
-    }
     if let Some(priced) = &domain.priced {
+        if options.protocol == Protocol::Rlqs {
+            return Err(RenderError::Priced { domain: domain.name.clone() });
+        }
         let limits = budget::rate_limits(domain, priced, &options.jwt)?;
         return Ok(json!({
             "domain": domain.name,
             "http_filters": [budget::lua_filter(), http_filter(domain, "tollgate", options, &limits)],
+            "cluster": tollgate_cluster(host, port),
+        }));
+    }
+    if options.protocol == Protocol::Rlqs {
+        return Ok(json!({
+            "domain": domain.name,
+            "http_filters": quota_filters(domain, &options.jwt, "tollgate", options.envoy_name.as_deref())?,
             "cluster": tollgate_cluster(host, port),
         }));
     }
@@ -393,6 +403,9 @@ pub fn istio(
     port: u16,
 ) -> Result<Value, RenderError> {
     let domain = select(rules, options)?;
+    if domain.priced.is_some() {
+        return Err(RenderError::Priced { domain: domain.name.clone() });
+    }
     let limits = rate_limits(domain, &options.jwt)?;
     let (context, namespace, selector, name) = match target {
         IstioTarget::Gateway => (
