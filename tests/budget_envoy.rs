@@ -140,7 +140,9 @@ async fn fifty_concurrent_requests_spend_exactly_their_priced_usage() {
             == Money::ZERO
     });
     let budget = Money::parse("0.05").unwrap();
-    println!("budgets through Envoy: {admitted} admitted ({admitted_at_once} of the burst of 50), each ${cost}");
+    println!(
+        "budgets through Envoy: {admitted} admitted ({admitted_at_once} of the burst of 50), each ${cost}"
+    );
     let expected = Money(cost.0 * admitted);
     assert!(
         expected <= budget && Money(expected.0 + Money::parse("0.02").unwrap().0) > budget,
