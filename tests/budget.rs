@@ -11,13 +11,17 @@
 //! * a hold never settled: charged in full (`on_lost_settle: charge`) or released, and a late
 //!   settlement charges only what exceeds what the expiry charged;
 //! * a price reload while a hold is open: it settles at the version it was held at;
-//! * calendar rollover with `per: minute` in a non-UTC zone (standalone Redis).
+//! * calendar rollover with `per: minute` in a non-UTC zone (standalone Redis);
+//! * exactly once through the fault proxy: a hold whose reply is lost or late (the request
+//!   denied by `failure_mode: deny`) is cancelled, a settlement whose reply is lost is sent
+//!   again and charged once.
 
 mod common;
 
 use std::path::Path;
 use std::time::Duration;
 
+use common::proxy::{Fault, FaultProxy};
 use common::*;
 use envoy_types::pb::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimitResponse};
 use envoy_types::pb::google::protobuf::UInt64Value;
@@ -326,4 +330,56 @@ async fn a_minute_budget_resets_at_the_boundary() {
     assert!((left..=left + 1).contains(&retry), "Retry-After {retry} s, the minute ends in {left} s");
     tokio::time::sleep(Duration::from_millis((minute.window(now_ms()).end_ms - now_ms()) as u64 + 50)).await;
     assert_eq!(ask(&addr, hold("mn", "t", "k", "gpt-4o", "r3", 1_000)).await.unwrap().overall_code, OK);
+}
+
+/// Replies lost or late between tollgate and Redis: nothing held or charged twice, nothing left
+/// held for a request that was denied.
+#[tokio::test(flavor = "multi_thread")]
+async fn lost_replies_are_repaired_exactly_once() {
+    let redis = Redis::start();
+    let proxy = FaultProxy::start(redis.port);
+    let text = config("2026-12-01", "10.00", "10m", "charge")
+        .replace("domain: llm\n", "domain: llm\nfailure_mode: deny\n");
+    let (_dir, path) = config_file(&text);
+    let backend = Backend::Redis(format!("redis://127.0.0.1:{}", proxy.port));
+    let server = Tollgate::start(&path, &backend, &["--redis-timeout", "100ms"]);
+    let addr = server.addr();
+    let mut levels = Levels::Redis(redis.connection());
+    let mut direct = redis.connection();
+    let key = "org=fx:team=t:api_key=k";
+    let open = |con: &mut redis::Connection, id: &str| -> Option<String> {
+        redis::cmd("HGET").arg(format!("rl:{{fx}}:llm:hold:{id}")).arg("o").query(con).unwrap()
+    };
+
+    for (fault, id) in
+        [(Fault::DropReplies, "lost"), (Fault::DelayReplies(Duration::from_millis(300)), "late")]
+    {
+        proxy.set(fault);
+        let r = ask(&addr, hold("fx", "t", "k", "gpt-4o", id, 1_000)).await.unwrap();
+        assert_eq!(r.overall_code, OVER_LIMIT, "{fault:?}: failure_mode deny");
+        assert_eq!(header(&r, "X-Tollgate-Failure-Mode"), Some("deny"));
+        proxy.set(Fault::Pass);
+        wait_until("the cancel", 100, Duration::from_millis(50), || {
+            open(&mut direct, id).as_deref() == Some("0")
+        });
+        tokio::time::sleep(Duration::from_millis(400)).await;
+        assert_eq!(
+            levels.read(key, &day()),
+            Some((Money::ZERO, Money::ZERO)),
+            "{fault:?}: the denied request holds nothing"
+        );
+    }
+
+    // A settlement whose reply is lost: sent again, charged once.
+    assert_eq!(ask(&addr, hold("fx", "t", "k", "gpt-4o", "settled", 1_000)).await.unwrap().overall_code, OK);
+    proxy.set(Fault::DropReplies);
+    let _ = ask(&addr, settle("fx", "t", "k", "gpt-4o", "settled", &[("output", 1_200)])).await.unwrap();
+    proxy.set(Fault::Pass);
+    wait_until("the settlement", 100, Duration::from_millis(50), || {
+        levels.read(key, &day()) == Some((usd("0.012"), Money::ZERO))
+    });
+    tokio::time::sleep(Duration::from_millis(800)).await;
+    assert_eq!(levels.read(key, &day()), Some((usd("0.012"), Money::ZERO)), "charged once");
+    let recoveries = sample(&server.metrics(), "tollgate_budget_recoveries_total", &[("outcome", "ok")]);
+    assert!(recoveries >= 3.0, "two cancels and a settlement repaired: {recoveries}");
 }

@@ -54,7 +54,9 @@ fn op(rng: &mut StdRng, now: i64, lost: LostSettle) -> BudgetOp {
         spec: BucketSpec::new(6_000.0, 4_000.0).unwrap(),
     }];
     let version = if rng.random_bool(0.9) { "v1" } else { "v2" };
-    let action = if rng.random_bool(0.6) {
+    let action = if rng.random_bool(0.12) {
+        BudgetAction::Cancel
+    } else if rng.random_bool(0.6) {
         BudgetAction::Hold {
             amount: Money(rng.random_range(0..4_000_000)),
             tokens: rng.random_range(0..3_000),
@@ -90,7 +92,8 @@ fn now_of(outcome: &BudgetOutcome) -> u64 {
     match outcome {
         BudgetOutcome::Held { now_ms, .. }
         | BudgetOutcome::Settled { now_ms, .. }
-        | BudgetOutcome::Reprice { now_ms, .. } => *now_ms,
+        | BudgetOutcome::Reprice { now_ms, .. }
+        | BudgetOutcome::Cancelled { now_ms, .. } => *now_ms,
     }
 }
 
@@ -129,6 +132,9 @@ async fn replay(seed: u64, redis: &common::Redis) -> HashMap<&'static str, usize
             BudgetOutcome::Settled { had: HadHold::Settled, .. } => "settled again",
             BudgetOutcome::Settled { had: HadHold::None, .. } => "settled without hold",
             BudgetOutcome::Reprice { .. } => "repriced",
+            BudgetOutcome::Cancelled { had: HadHold::Open, .. } => "cancelled open",
+            BudgetOutcome::Cancelled { had: HadHold::None, .. } => "cancelled before held",
+            BudgetOutcome::Cancelled { .. } => "cancelled nothing",
         };
         *seen.entry(what).or_default() += 1;
         // Every level the op read that is clearly alive in Redis: the same spent and held money
@@ -177,6 +183,8 @@ async fn memory_ledger_and_lua_script_agree() {
         "settled again",
         "settled without hold",
         "repriced",
+        "cancelled open",
+        "cancelled before held",
         "levels compared",
     ] {
         assert!(seen.get(what).copied().unwrap_or(0) > 5, "{what} exercised too rarely: {seen:?}");

@@ -112,7 +112,7 @@ impl Ledger {
                     unseen: 0.0,
                     role: Role::Enforced,
                     charge: match op.action {
-                        BudgetAction::Hold { .. } => Charge::Admitted,
+                        BudgetAction::Hold { .. } | BudgetAction::Cancel => Charge::Admitted,
                         BudgetAction::Settle { .. } => Charge::Always { max_debt: b.spec.capacity() },
                     },
                 })
@@ -176,6 +176,36 @@ impl Ledger {
                 }
                 let levels = indices.iter().map(|&w| reading(&work[w])).collect();
                 BudgetOutcome::Held { now_ms, verdict, exhausted, short, levels, buckets: bucket_readings }
+            }
+            BudgetAction::Cancel => {
+                let had = match &record {
+                    None => {
+                        let mut closed = Record::unheld(op, now_ms, &[]);
+                        closed.expires_at_ms = now_ms + op.life_ms;
+                        self.records.insert(op.record.clone(), closed);
+                        HadHold::None
+                    }
+                    Some(r) if !r.open => HadHold::Settled,
+                    Some(r) if r.hold_expires_ms <= now_ms => HadHold::Expired,
+                    Some(r) => {
+                        let member = format!("{}|{}", r.amount.nanos(), op.record);
+                        for (key, end) in &r.levels {
+                            let w = self.load(&mut work, key, *end, now_ms, op.lost);
+                            let level = &mut work[w];
+                            level.state.held = level.state.held.saturating_sub(r.amount);
+                            level.written = true;
+                            level.state.holds.retain(|(_, m)| *m != member);
+                        }
+                        if r.tokens > 0 && !op.buckets.is_empty() {
+                            buckets(group(-(r.tokens as f64)));
+                        }
+                        let entry = self.records.get_mut(&op.record).expect("alive");
+                        entry.open = false;
+                        entry.tokens = 0;
+                        HadHold::Open
+                    }
+                };
+                BudgetOutcome::Cancelled { now_ms, had }
             }
             BudgetAction::Settle { usage } => {
                 let charged_levels: Vec<(String, i64)> = match &record {

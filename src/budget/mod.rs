@@ -218,6 +218,10 @@ pub enum BudgetAction {
         /// `(kind, tokens, cost)`.
         usage: Vec<(Kind, u64, Money)>,
     },
+    /// Undo a hold whose answer never reached the caller, which then denied the request: an
+    /// open hold is released and its tokens given back; with no record yet, one is left closed,
+    /// so that the hold, should it still arrive, takes nothing.
+    Cancel,
 }
 
 /// A level after an op.
@@ -284,6 +288,14 @@ pub enum BudgetOutcome {
         had: HadHold,
         /// Every level charged, after the op.
         levels: Vec<LevelReading>,
+    },
+    /// A cancel's answer: what it found of the hold (`Open`: released; `None`: closed before it
+    /// could be taken).
+    Cancelled {
+        /// The store's clock.
+        now_ms: u64,
+        /// What it found.
+        had: HadHold,
     },
     /// The hold was made at another price version: price the usage at this row and send again.
     Reprice {

@@ -19,7 +19,7 @@ use crate::budget::{
 };
 use crate::config::{Domain, FailureMode, Limit, Priced};
 use crate::identity;
-use crate::store::StoreError;
+use crate::store::{Store, StoreError};
 use crate::telemetry::logs::{self, ErrorChain};
 
 /// The entry key that marks a settlement descriptor; its value names the usage kind.
@@ -123,7 +123,7 @@ impl Limiter {
         }
         let mut failure = None;
         for request in &requests {
-            let (code, outcome) = match self.budget_call(&request.op).await {
+            let (code, outcome) = match call(self.store.as_ref(), &request.op).await {
                 Ok(outcome) => {
                     self.count_budget(domain, priced, request, &outcome);
                     let (code, report) = report(request, &outcome, &currency);
@@ -131,6 +131,7 @@ impl Limiter {
                 }
                 Err(error) => {
                     budget_store_failed(domain, &error);
+                    self.recover(domain, &request.op);
                     let mode = domain.failure_mode;
                     let code = if mode == FailureMode::Allow { Code::Ok } else { Code::OverLimit };
                     failure.get_or_insert(error);
@@ -208,23 +209,41 @@ impl Limiter {
         Ok(Request { op, level_names, model, descriptors: Vec::new() })
     }
 
-    // One budget op; a settlement of a hold made at another price version is priced again at
-    // that version's row, which the store keeps with the hold.
-    async fn budget_call(&self, op: &BudgetOp) -> Result<BudgetOutcome, StoreError> {
-        let outcome = self.store.budget(op).await?;
-        let BudgetOutcome::Reprice { version, row, .. } = outcome else { return Ok(outcome) };
-        let BudgetAction::Settle { usage } = &op.action else {
-            return Err(StoreError::Protocol("a hold answered 'reprice'".into()));
+    // After a failed op, in the background and under the background deadline: a hold whose
+    // request the failure mode did not admit is cancelled (the script may have run and its reply
+    // been lost: the request must take nothing), and a settlement is sent again (it is
+    // idempotent per kind, and Envoy never resends it). What still fails is left to the hold's
+    // expiry (`on_lost_settle`), logged and counted.
+    fn recover(&self, domain: &Domain, op: &BudgetOp) {
+        let (kind, op) = match op.action {
+            BudgetAction::Hold { .. } if domain.failure_mode == FailureMode::Allow => return,
+            BudgetAction::Hold { .. } => ("cancel", BudgetOp { action: BudgetAction::Cancel, ..op.clone() }),
+            BudgetAction::Settle { .. } => ("settle", op.clone()),
+            BudgetAction::Cancel => return,
         };
-        let usage =
-            usage.iter().map(|&(kind, tokens, _)| (kind, tokens, cost(tokens, row.price(kind)))).collect();
-        let again = BudgetOp { version, row, action: BudgetAction::Settle { usage }, ..op.clone() };
-        match self.store.budget(&again).await? {
-            BudgetOutcome::Reprice { .. } => {
-                Err(StoreError::Protocol("a hold changed price version twice".into()))
+        let store = self.store.clone();
+        let name = domain.name.clone();
+        tokio::spawn(async move {
+            let mut last = None;
+            for attempt in 0..RECOVERY_ATTEMPTS {
+                if attempt > 0 {
+                    tokio::time::sleep(RECOVERY_PAUSE).await;
+                }
+                match crate::store::with_deadline(RECOVERY_DEADLINE, call(store.as_ref(), &op)).await {
+                    Ok(_) => {
+                        last = None;
+                        break;
+                    }
+                    Err(e) => last = Some(e),
+                }
             }
-            outcome => Ok(outcome),
-        }
+            let outcome = if last.is_some() { "failed" } else { "ok" };
+            metrics::counter!("tollgate_budget_recoveries_total", "domain" => name.clone(), "kind" => kind, "outcome" => outcome)
+                .increment(1);
+            if let Some(error) = last {
+                tracing::warn!(domain = %name, kind, error = %ErrorChain(&error), "a budget op could not be repaired; the hold expires as on_lost_settle says");
+            }
+        });
     }
 
     // Spend, holds, settlements and denials, in metrics.
@@ -264,7 +283,7 @@ impl Limiter {
                 )
                 .increment(u64::try_from(charged.0).unwrap_or(u64::MAX));
             }
-            BudgetOutcome::Reprice { .. } => {}
+            BudgetOutcome::Reprice { .. } | BudgetOutcome::Cancelled { .. } => {}
         }
     }
 }
@@ -284,7 +303,7 @@ fn report(request: &Request, outcome: &BudgetOutcome, currency: &str) -> (Code, 
             (*now_ms, levels.as_slice(), code, *exhausted, retry)
         }
         BudgetOutcome::Settled { now_ms, levels, .. } => (*now_ms, levels.as_slice(), Code::Ok, None, None),
-        BudgetOutcome::Reprice { .. } => (0, &[][..], Code::Ok, None, None),
+        BudgetOutcome::Reprice { .. } | BudgetOutcome::Cancelled { .. } => (0, &[][..], Code::Ok, None, None),
     };
     let amounts = request.op.levels.iter().map(|l| l.amount);
     let least = levels
@@ -301,6 +320,31 @@ fn report(request: &Request, outcome: &BudgetOutcome, currency: &str) -> (Code, 
         retry_after_s: retry,
     };
     (code, report)
+}
+
+/// How often a failed hold's cancel or a failed settlement is tried again, how far apart, and how
+/// long each try may take (no request waits on them).
+const RECOVERY_ATTEMPTS: u32 = 3;
+const RECOVERY_PAUSE: std::time::Duration = std::time::Duration::from_millis(200);
+const RECOVERY_DEADLINE: std::time::Duration = std::time::Duration::from_secs(2);
+
+// One budget op; a settlement of a hold made at another price version is priced again at that
+// version's row, which the store keeps with the hold.
+async fn call(store: &dyn Store, op: &BudgetOp) -> Result<BudgetOutcome, StoreError> {
+    let outcome = store.budget(op).await?;
+    let BudgetOutcome::Reprice { version, row, .. } = outcome else { return Ok(outcome) };
+    let BudgetAction::Settle { usage } = &op.action else {
+        return Err(StoreError::Protocol("only a settlement is repriced".into()));
+    };
+    let usage =
+        usage.iter().map(|&(kind, tokens, _)| (kind, tokens, cost(tokens, row.price(kind)))).collect();
+    let again = BudgetOp { version, row, action: BudgetAction::Settle { usage }, ..op.clone() };
+    match store.budget(&again).await? {
+        BudgetOutcome::Reprice { .. } => {
+            Err(StoreError::Protocol("a hold changed price version twice".into()))
+        }
+        outcome => Ok(outcome),
+    }
 }
 
 // Whether `entries` are a settlement of the request `path` names.

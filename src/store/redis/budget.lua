@@ -18,7 +18,7 @@
 --                                   k:<kind> = 1 per settled usage kind
 --
 -- KEYS: the request's record, then the token buckets on the path.
--- ARGV: 'hold' or 'settle', what an expired hold becomes ('charge' or 'release'), how long a
+-- ARGV: 'hold', 'settle' or 'cancel', what an expired hold becomes ('charge' or 'release'), how long a
 --       record and a period's state outlive it (ms), price version, price row; level count, then
 --       per level: base key, amount, and the periods around the caller's clock (previous start,
 --       start, end, next end); bucket count, then per bucket: key index, capacity, refill per
@@ -31,7 +31,10 @@
 --     retry (ms, -1: never);
 --   settle ('settled'): the amount charged now, what the hold was ('open', 'expired',
 --     'settled', 'none'), the count of levels charged and per level: used and period end;
---   settle ('reprice'): the hold's version and price row, at which the caller prices again.
+--   settle ('reprice'): the hold's version and price row, at which the caller prices again;
+--   cancel ('cancelled'): what the hold was ('open': released, its tokens given back; 'none': a
+--     closed record is left, so that the hold, should it still arrive, takes nothing; 'settled',
+--     'expired': nothing to undo).
 
 local LIMB = 1000000000
 local function money(text)
@@ -195,6 +198,36 @@ if op == 'hold' then
     out[#out + 1] = r[3]
   end
   return out
+end
+
+if op == 'cancel' then
+  local rec = {}
+  if not expired(record) then rec = redis.call('HMGET', record, 'a', 't', 'e', 'o', 'p') end
+  local had = 'none'
+  if not rec[1] then
+    redis.call('HSET', record, 'v', version, 'r', row, 'a', '0', 't', '0', 'e', string.format('%d', now),
+      'o', '0', 'c', '0', 'k', '0', 'p', '', 'x', string.format('%d', now + life))
+    redis.call('PEXPIREAT', record, string.format('%d', now + life))
+  elseif rec[4] ~= '1' then
+    had = 'settled'
+  elseif tonumber(rec[3]) <= now then
+    had = 'expired'
+  else
+    had = 'open'
+    local amount = money(rec[1])
+    for key, finish in string.gmatch(rec[5], '(%S+) (%S+)') do
+      local l = level(key, tonumber(finish))
+      l[2] = minus(l[2], amount)
+      l[4] = true
+      redis.call('ZREM', key .. ':q', money_text(amount) .. '|' .. record)
+    end
+    local tokens = tonumber(rec[2]) or 0
+    if tokens > 0 and #buckets > 0 then evaluate_group(bucket_group(-tokens)) end
+    redis.call('HSET', record, 'o', '0', 't', '0')
+  end
+  write_dirty()
+  write_levels()
+  return {now, 'cancelled', had}
 end
 
 -- settle

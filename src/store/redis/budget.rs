@@ -17,6 +17,7 @@ impl RedisStore {
         let (name, debt) = match op.action {
             BudgetAction::Hold { .. } => ("hold", false),
             BudgetAction::Settle { .. } => ("settle", true),
+            BudgetAction::Cancel => ("cancel", false),
         };
         let mut args = vec![
             name.to_owned(),
@@ -45,6 +46,7 @@ impl RedisStore {
             BudgetAction::Hold { amount, tokens, ttl_ms } => {
                 args.extend([amount.nanos(), tokens.to_string(), ttl_ms.to_string()]);
             }
+            BudgetAction::Cancel => {}
             BudgetAction::Settle { usage } => {
                 args.push(usage.len().to_string());
                 for (kind, tokens, cost) in usage {
@@ -69,16 +71,11 @@ fn parse(reply: Value) -> Result<BudgetOutcome, StoreError> {
         "denied" => HoldVerdict::Denied,
         "settled" => {
             let charged = r.money()?;
-            let had = match r.text()?.as_str() {
-                "open" => HadHold::Open,
-                "expired" => HadHold::Expired,
-                "settled" => HadHold::Settled,
-                "none" => HadHold::None,
-                other => return Err(bad(&format!("unknown hold state '{other}'"))),
-            };
+            let had = r.had()?;
             let levels = r.readings()?;
             return Ok(BudgetOutcome::Settled { now_ms, charged, had, levels });
         }
+        "cancelled" => return Ok(BudgetOutcome::Cancelled { now_ms, had: r.had()? }),
         "reprice" => {
             let version = r.text()?;
             let row = PriceRow::parse(&r.text()?).ok_or_else(|| bad("not a price row"))?;
@@ -119,6 +116,16 @@ impl Reply {
             Value::BulkString(b) => String::from_utf8(b).map_err(|_| bad("not UTF-8")),
             Value::SimpleString(s) => Ok(s),
             other => Err(bad(&format!("expected a string, got {other:?}"))),
+        }
+    }
+
+    fn had(&mut self) -> Result<HadHold, StoreError> {
+        match self.text()?.as_str() {
+            "open" => Ok(HadHold::Open),
+            "expired" => Ok(HadHold::Expired),
+            "settled" => Ok(HadHold::Settled),
+            "none" => Ok(HadHold::None),
+            other => Err(bad(&format!("unknown hold state '{other}'"))),
         }
     }
 
