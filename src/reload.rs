@@ -135,7 +135,11 @@ impl Reloader {
     /// returns whether it was swapped. On error the rules in force stay.
     pub fn reload(&self, trigger: Trigger) -> Result<bool, ConfigError> {
         let sources = Sources::read(&self.path)?;
-        if trigger == Trigger::Files && sources.fingerprint() == self.rules.load().fingerprint() {
+        let current = self.rules.load();
+        if trigger == Trigger::Files
+            && sources.fingerprint() == current.fingerprint()
+            && current.price_files_unchanged()
+        {
             return Ok(false);
         }
         let rules = RuleSet::compile(sources)?;
@@ -164,10 +168,17 @@ impl Reloader {
         }
     }
 
-    /// Watches the path, and `SIGHUP`, for as long as the returned [`Watch`] lives.
+    /// Watches the path, the directories of the price files the config names now, and
+    /// `SIGHUP`, for as long as the returned [`Watch`] lives.
     pub fn watch(self) -> Result<Watch, notify::Error> {
-        let dir = if self.path.is_dir() { self.path.clone() } else { parent(&self.path) };
+        let mut dirs = vec![if self.path.is_dir() { self.path.clone() } else { parent(&self.path) }];
+        for file in self.rules.load().price_files() {
+            let dir = parent(file);
+            if !dirs.contains(&dir) {
+                dirs.push(dir);
+            }
+        }
         metrics::gauge!("tollgate_config_last_reload_successful").set(1.0);
-        Watch::start("config", &[dir], true, move |trigger| self.reload_and_report(trigger))
+        Watch::start("config", &dirs, true, move |trigger| self.reload_and_report(trigger))
     }
 }

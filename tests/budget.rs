@@ -383,3 +383,43 @@ async fn lost_replies_are_repaired_exactly_once() {
     let recoveries = sample(&server.metrics(), "tollgate_budget_recoveries_total", &[("outcome", "ok")]);
     assert!(recoveries >= 3.0, "two cancels and a settlement repaired: {recoveries}");
 }
+
+/// `prices: {file: PATH}`: the file is watched like the config; a new version prices the holds made
+/// after it, and a table without a version is refused while the last good one keeps serving.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_price_file_is_watched_and_checked() {
+    let redis = Redis::start();
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::create_dir(dir.path().join("prices")).unwrap();
+    let table = |version: &str, output: &str| {
+        format!(
+            "version: \"{version}\"\ncurrency: USD\nmodels:\n  gpt-4o: {{input: 2.50, output: {output}}}\n"
+        )
+    };
+    let prices_at = dir.path().join("prices/table.yaml");
+    std::fs::write(&prices_at, table("f1", "10.00")).unwrap();
+    let text = config("unused", "10.00", "10m", "charge");
+    let start = text.find("prices:").unwrap();
+    let end = text.find("descriptors:").unwrap();
+    let text = format!("{}prices: {{file: prices/table.yaml}}\n{}", &text[..start], &text[end..]);
+    let path = write_config(dir.path(), &text);
+    let server = Tollgate::start(&path, &Backend::Redis(redis.url()), &[]);
+    let mut levels = Levels::Redis(redis.connection());
+    let addr = server.addr();
+    let reloads =
+        |result: &str| sample(&server.metrics(), "tollgate_config_reloads_total", &[("result", result)]);
+
+    assert_eq!(ask(&addr, hold("pf", "t", "k", "gpt-4o", "a", 1_000)).await.unwrap().overall_code, OK);
+    std::fs::write(&prices_at, table("f2", "20.00")).unwrap();
+    wait_until("the price file's reload", 200, Duration::from_millis(50), || reloads("success") >= 1.0);
+    assert_eq!(ask(&addr, hold("pf", "t", "k", "gpt-4o", "b", 1_000)).await.unwrap().overall_code, OK);
+    let key = levels.read("org=pf:team=t:api_key=k", &day()).unwrap();
+    assert_eq!(key, (Money::ZERO, usd("0.03")), "$0.01 held at f1, $0.02 at f2");
+
+    std::fs::write(&prices_at, "currency: USD\nmodels:\n  gpt-4o: {input: 1, output: 1}\n").unwrap();
+    wait_until("the refusal", 200, Duration::from_millis(50), || reloads("failure") >= 1.0);
+    assert!(server.log().contains("needs its `version`"), "the log says why");
+    assert_eq!(ask(&addr, hold("pf", "t", "k", "gpt-4o", "c", 1_000)).await.unwrap().overall_code, OK);
+    let key = levels.read("org=pf:team=t:api_key=k", &day()).unwrap();
+    assert_eq!(key, (Money::ZERO, usd("0.05")), "f2 still prices: $0.02 more");
+}

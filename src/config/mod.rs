@@ -125,6 +125,23 @@ impl RuleSet {
         self.fingerprint
     }
 
+    /// The price files the domains read (`prices: {file: PATH}`).
+    pub fn price_files(&self) -> impl Iterator<Item = &Path> {
+        self.domains
+            .values()
+            .filter_map(|d| d.priced.as_ref()?.prices_file.as_ref())
+            .map(|(p, _)| p.as_path())
+    }
+
+    /// Whether every price file still holds what it held when this set was loaded (a file that
+    /// cannot be read counts as changed: the reload will say why).
+    pub fn price_files_unchanged(&self) -> bool {
+        self.domains
+            .values()
+            .filter_map(|d| d.priced.as_ref()?.prices_file.as_ref())
+            .all(|(path, hash)| std::fs::read_to_string(path).is_ok_and(|text| text_hash(&text) == *hash))
+    }
+
     /// The domain named `name`.
     pub fn domain(&self, name: &str) -> Option<&Arc<Domain>> {
         self.domains.get(name)
@@ -236,6 +253,13 @@ fn config_files(path: &Path) -> Result<Vec<PathBuf>, ConfigError> {
     Ok(files)
 }
 
+/// The hash a price file's text is compared by.
+pub(crate) fn text_hash(text: &str) -> u64 {
+    let mut hasher = DefaultHasher::new();
+    text.hash(&mut hasher);
+    hasher.finish()
+}
+
 /// Why a config could not be loaded. Every variant names the file, in the form
 /// `file:line:column: path: problem` where the position and path are known.
 #[derive(Debug, thiserror::Error)]
@@ -321,8 +345,9 @@ pub struct Domain {
 pub struct Priced {
     /// The price table in force.
     pub prices: Arc<PriceTable>,
-    /// The file the table was read from (`prices: {file: PATH}`), watched like the config.
-    pub prices_file: Option<PathBuf>,
+    /// The file the table was read from (`prices: {file: PATH}`), watched like the config, and
+    /// a hash of what it held.
+    pub prices_file: Option<(PathBuf, u64)>,
     /// The descriptor key whose value names the model (`model_key:`).
     pub model_key: String,
     /// The descriptor key whose value pairs a request's hold with its settlement.

@@ -70,7 +70,7 @@ pub(super) fn priced(raw: &mut raw::DomainFile, file: &Path) -> Result<Option<Pr
 }
 
 // The table inline, or read from its file.
-fn price_table(raw: raw::Prices, file: &Path) -> Result<(PriceTable, Option<PathBuf>), String> {
+fn price_table(raw: raw::Prices, file: &Path) -> Result<(PriceTable, Option<(PathBuf, u64)>), String> {
     let Some(path) = raw.file else { return Ok((table(raw)?, None)) };
     if raw.version.is_some() || raw.currency.is_some() || !raw.models.is_empty() {
         return Err("a price table is either inline or in `file:`, not both".into());
@@ -81,7 +81,8 @@ fn price_table(raw: raw::Prices, file: &Path) -> Result<(PriceTable, Option<Path
     if raw.file.is_some() {
         return Err(format!("{}: a price file cannot name another (`file:`)", path.display()));
     }
-    Ok((table(raw).map_err(|m| format!("{}: {m}", path.display()))?, Some(path)))
+    let hash = super::text_hash(&text);
+    Ok((table(raw).map_err(|m| format!("{}: {m}", path.display()))?, Some((path, hash))))
 }
 
 fn table(raw: raw::Prices) -> Result<PriceTable, String> {
