@@ -269,6 +269,10 @@ async fn lost_settlements_are_charged_or_released() {
         let expired = if lost == "charge" { usd("0.01") } else { Money::ZERO };
         let key = levels.read(&format!("org={org}:team=t:api_key=k"), &day()).unwrap();
         assert_eq!(key, (expired, usd("0.01")), "{lost}: the expired hold; r2's is still held");
+        let outcome = if lost == "charge" { "charged" } else { "released" };
+        let counted =
+            sample(&server.metrics(), "tollgate_budget_holds_expired_total", &[("outcome", outcome)]);
+        assert_eq!(counted, 1.0, "{lost}: one expired hold counted, once for its three levels");
         // r1's usage comes late: $0.012. Charged in full after a release, only $0.002 more after
         // the expiry charged $0.01.
         ask(&addr, settle(org, "t", "k", "gpt-4o", "r1", &[("output", 1_200)])).await.unwrap();

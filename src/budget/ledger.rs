@@ -75,6 +75,8 @@ struct Working {
     state: Level,
     end_ms: i64,
     written: bool,
+    // Holds found expired when it was loaded.
+    swept: u64,
 }
 
 impl Ledger {
@@ -175,7 +177,16 @@ impl Ledger {
                     );
                 }
                 let levels = indices.iter().map(|&w| reading(&work[w])).collect();
-                BudgetOutcome::Held { now_ms, verdict, exhausted, short, levels, buckets: bucket_readings }
+                let expired = expired(&work);
+                BudgetOutcome::Held {
+                    now_ms,
+                    verdict,
+                    exhausted,
+                    short,
+                    levels,
+                    buckets: bucket_readings,
+                    expired,
+                }
             }
             BudgetAction::Cancel => {
                 let had = match &record {
@@ -205,7 +216,7 @@ impl Ledger {
                         HadHold::Open
                     }
                 };
-                BudgetOutcome::Cancelled { now_ms, had }
+                BudgetOutcome::Cancelled { now_ms, had, expired: expired(&work) }
             }
             BudgetAction::Settle { usage } => {
                 let charged_levels: Vec<(String, i64)> = match &record {
@@ -283,7 +294,7 @@ impl Ledger {
                     entry.expires_at_ms = entry.expires_at_ms.max(now_ms + op.life_ms);
                 }
                 let levels = indices.iter().map(|&w| reading(&work[w])).collect();
-                BudgetOutcome::Settled { now_ms, charged: now_charge, had, levels }
+                BudgetOutcome::Settled { now_ms, charged: now_charge, had, levels, expired: expired(&work) }
             }
         };
         for level in work.into_iter().filter(|l| l.written) {
@@ -313,7 +324,13 @@ impl Ledger {
             }
             state.holds.remove(hold);
         }
-        work.push(Working { key: key.to_owned(), state, end_ms, written: !due.is_empty() });
+        work.push(Working {
+            key: key.to_owned(),
+            state,
+            end_ms,
+            written: !due.is_empty(),
+            swept: due.len() as u64,
+        });
         work.len() - 1
     }
 
@@ -331,6 +348,11 @@ impl Ledger {
     pub fn level(&self, key: &str) -> Option<(Money, Money)> {
         self.levels.get(key).map(|l| (l.spent, l.held))
     }
+}
+
+// Holds the op found expired at the first level it loaded (its top one).
+fn expired(work: &[Working]) -> u64 {
+    work.first().map_or(0, |w| w.swept)
 }
 
 fn reading(level: &Working) -> LevelReading {

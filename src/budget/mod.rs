@@ -277,6 +277,8 @@ pub enum BudgetOutcome {
         /// Every bucket's tokens and wait until it covers the hold (ms; `None`: never), when
         /// the buckets were asked.
         buckets: Vec<(f64, Option<u64>)>,
+        /// Other requests' holds this op found expired (counted at its top level).
+        expired: u64,
     },
     /// A settlement's answer.
     Settled {
@@ -288,6 +290,8 @@ pub enum BudgetOutcome {
         had: HadHold,
         /// Every level charged, after the op.
         levels: Vec<LevelReading>,
+        /// Holds this op found expired (counted at its top level).
+        expired: u64,
     },
     /// A cancel's answer: what it found of the hold (`Open`: released; `None`: closed before it
     /// could be taken).
@@ -296,6 +300,8 @@ pub enum BudgetOutcome {
         now_ms: u64,
         /// What it found.
         had: HadHold,
+        /// Holds this op found expired (counted at its top level).
+        expired: u64,
     },
     /// The hold was made at another price version: price the usage at this row and send again.
     Reprice {

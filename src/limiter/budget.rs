@@ -14,8 +14,8 @@ use std::sync::Arc;
 
 use super::{count_store_error, Code, DecideError, Decision, DescriptorVerdict, Limiter, Outcome, Query};
 use crate::budget::{
-    cost, BucketLevel, BudgetAction, BudgetOp, BudgetOutcome, HoldVerdict, Kind, LevelOp, LevelReading,
-    ModelPrices, Money, RECORD_GRACE_MS,
+    cost, BucketLevel, BudgetAction, BudgetOp, BudgetOutcome, HadHold, HoldVerdict, Kind, LevelOp,
+    LevelReading, LostSettle, ModelPrices, Money, RECORD_GRACE_MS,
 };
 use crate::config::{Domain, FailureMode, Limit, Priced};
 use crate::identity;
@@ -246,9 +246,20 @@ impl Limiter {
         });
     }
 
-    // Spend, holds, settlements and denials, in metrics.
+    // Spend, holds, settlements, cancels, expiries and denials, in metrics.
     fn count_budget(&self, domain: &Domain, priced: &Priced, request: &Request, outcome: &BudgetOutcome) {
         let name = domain.name.clone();
+        if let BudgetOutcome::Held { expired, .. }
+        | BudgetOutcome::Settled { expired, .. }
+        | BudgetOutcome::Cancelled { expired, .. } = outcome
+        {
+            let outcome = match priced.on_lost_settle {
+                LostSettle::Charge => "charged",
+                LostSettle::Release => "released",
+            };
+            metrics::counter!("tollgate_budget_holds_expired_total", "domain" => name.clone(), "outcome" => outcome)
+                .increment(*expired);
+        }
         match outcome {
             BudgetOutcome::Held { verdict, exhausted, short, .. } => {
                 let verdict = match verdict {
@@ -269,11 +280,7 @@ impl Limiter {
                 }
             }
             BudgetOutcome::Settled { charged, had, .. } => {
-                let had = serde_json::to_value(had)
-                    .ok()
-                    .and_then(|v| v.as_str().map(str::to_owned))
-                    .unwrap_or_default();
-                metrics::counter!("tollgate_budget_settlements_total", "domain" => name.clone(), "hold" => had)
+                metrics::counter!("tollgate_budget_settlements_total", "domain" => name.clone(), "hold" => had_label(had))
                     .increment(1);
                 metrics::counter!(
                     "tollgate_budget_spend_nanos_total",
@@ -283,7 +290,11 @@ impl Limiter {
                 )
                 .increment(u64::try_from(charged.0).unwrap_or(u64::MAX));
             }
-            BudgetOutcome::Reprice { .. } | BudgetOutcome::Cancelled { .. } => {}
+            BudgetOutcome::Cancelled { had, .. } => {
+                metrics::counter!("tollgate_budget_cancels_total", "domain" => name, "hold" => had_label(had))
+                    .increment(1);
+            }
+            BudgetOutcome::Reprice { .. } => {}
         }
     }
 }
@@ -291,7 +302,7 @@ impl Limiter {
 // The verdict and report of a request's answer.
 fn report(request: &Request, outcome: &BudgetOutcome, currency: &str) -> (Code, BudgetReport) {
     let (now_ms, levels, code, exhausted, retry) = match outcome {
-        BudgetOutcome::Held { now_ms, verdict, exhausted, short, levels, buckets } => {
+        BudgetOutcome::Held { now_ms, verdict, exhausted, short, levels, buckets, .. } => {
             let code = if *verdict == HoldVerdict::Denied { Code::OverLimit } else { Code::Ok };
             let retry = match (exhausted, short) {
                 (Some(l), _) => levels.get(*l).map(|r| seconds_until(r.end_ms, *now_ms)),
@@ -344,6 +355,16 @@ async fn call(store: &dyn Store, op: &BudgetOp) -> Result<BudgetOutcome, StoreEr
             Err(StoreError::Protocol("a hold changed price version twice".into()))
         }
         outcome => Ok(outcome),
+    }
+}
+
+// What a settlement or cancel found of its hold, as a metric label.
+fn had_label(had: &HadHold) -> &'static str {
+    match had {
+        HadHold::Open => "open",
+        HadHold::Expired => "expired",
+        HadHold::Settled => "settled",
+        HadHold::None => "none",
     }
 }
 

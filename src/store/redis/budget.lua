@@ -31,6 +31,8 @@
 --     retry (ms, -1: never);
 --   settle ('settled'): the amount charged now, what the hold was ('open', 'expired',
 --     'settled', 'none'), the count of levels charged and per level: used and period end;
+--   and last, for every outcome but 'reprice', the count of holds found expired (at the op's
+--   first level);
 --   settle ('reprice'): the hold's version and price row, at which the caller prices again;
 --   cancel ('cancelled'): what the hold was ('open': released, its tokens given back; 'none': a
 --     closed record is left, so that the hold, should it still arrive, takes nothing; 'settled',
@@ -84,9 +86,13 @@ end
 -- A level's state in a period, by key: {spent, held, period end, written}. Loading it settles
 -- the holds that expired: their amount is no longer held and, under 'charge', is spent.
 local ledger = {}
+-- Holds found expired at the first level the op loads (its top one, where every hold of the
+-- requests under it is listed once): what the reply counts.
+local swept, top = 0, nil
 local function level(key, finish)
   local l = ledger[key]
   if l then return l end
+  if top == nil then top = key end
   local v = redis.call('HMGET', key, 's', 'h', 'x')
   local q = key .. ':q'
   if v[3] and tonumber(v[3]) < now then
@@ -103,6 +109,7 @@ local function level(key, finish)
     end
     redis.call('ZREMRANGEBYSCORE', q, '-inf', now)
     l[4] = true
+    if key == top then swept = #due end
   end
   ledger[key] = l
   return l
@@ -197,6 +204,7 @@ if op == 'hold' then
     out[#out + 1] = string.format('%.17g', r[2])
     out[#out + 1] = r[3]
   end
+  out[#out + 1] = swept
   return out
 end
 
@@ -227,7 +235,7 @@ if op == 'cancel' then
   end
   write_dirty()
   write_levels()
-  return {now, 'cancelled', had}
+  return {now, 'cancelled', had, swept}
 end
 
 -- settle
@@ -324,4 +332,5 @@ for _, lv in ipairs(charged_levels) do
   out[#out + 1] = money_text(plus(lv[4][1], lv[4][2]))
   out[#out + 1] = lv[3]
 end
+out[#out + 1] = swept
 return out

@@ -73,9 +73,13 @@ fn parse(reply: Value) -> Result<BudgetOutcome, StoreError> {
             let charged = r.money()?;
             let had = r.had()?;
             let levels = r.readings()?;
-            return Ok(BudgetOutcome::Settled { now_ms, charged, had, levels });
+            let expired = r.count()?;
+            return Ok(BudgetOutcome::Settled { now_ms, charged, had, levels, expired });
         }
-        "cancelled" => return Ok(BudgetOutcome::Cancelled { now_ms, had: r.had()? }),
+        "cancelled" => {
+            let had = r.had()?;
+            return Ok(BudgetOutcome::Cancelled { now_ms, had, expired: r.count()? });
+        }
         "reprice" => {
             let version = r.text()?;
             let row = PriceRow::parse(&r.text()?).ok_or_else(|| bad("not a price row"))?;
@@ -89,7 +93,8 @@ fn parse(reply: Value) -> Result<BudgetOutcome, StoreError> {
     let buckets = (0..r.int()?)
         .map(|_| Ok((r.float()?, u64::try_from(r.int()?).ok())))
         .collect::<Result<Vec<_>, StoreError>>()?;
-    Ok(BudgetOutcome::Held { now_ms, verdict, exhausted, short, levels, buckets })
+    let expired = r.count()?;
+    Ok(BudgetOutcome::Held { now_ms, verdict, exhausted, short, levels, buckets, expired })
 }
 
 fn bad(what: &str) -> StoreError {
@@ -117,6 +122,10 @@ impl Reply {
             Value::SimpleString(s) => Ok(s),
             other => Err(bad(&format!("expected a string, got {other:?}"))),
         }
+    }
+
+    fn count(&mut self) -> Result<u64, StoreError> {
+        u64::try_from(self.int()?).map_err(|_| bad("a negative count"))
     }
 
     fn had(&mut self) -> Result<HadHold, StoreError> {
