@@ -22,7 +22,7 @@ mod budget;
 mod explain;
 mod lease;
 
-pub use self::budget::{BudgetReport, USAGE_KEY};
+pub use self::budget::{BudgetExplained, BudgetReport, USAGE_KEY};
 pub use self::explain::{Effect, Explained, Explanation, SpecOrigin};
 pub use self::lease::{HeldBucket, Holding, QuotaBucket, ASSIGNMENT_TTL, HOLD_TTL, RENEW_AFTER};
 

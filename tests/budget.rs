@@ -12,6 +12,7 @@
 //!   settlement charges only what exceeds what the expiry charged;
 //! * a price reload while a hold is open: it settles at the version it was held at;
 //! * calendar rollover with `per: minute` in a non-UTC zone (standalone Redis);
+//! * `tollgate explain` shows the prices, the hold and every budget's spent and held money;
 //! * exactly once through the fault proxy: a hold whose reply is lost or late (the request
 //!   denied by `failure_mode: deny`) is cancelled, a settlement whose reply is lost is sent
 //!   again and charged once.
@@ -426,4 +427,48 @@ async fn a_price_file_is_watched_and_checked() {
     assert_eq!(ask(&addr, hold("pf", "t", "k", "gpt-4o", "c", 1_000)).await.unwrap().overall_code, OK);
     let key = levels.read("org=pf:team=t:api_key=k", &day()).unwrap();
     assert_eq!(key, (Money::ZERO, usd("0.05")), "f2 still prices: $0.02 more");
+}
+
+/// `tollgate explain` on a priced domain: the model's prices and version, what the request would
+/// hold, and each budget on its path with what its period spent and holds, read from Redis
+/// without changing anything.
+#[tokio::test(flavor = "multi_thread")]
+async fn explain_shows_prices_the_hold_and_every_budget() {
+    let redis = Redis::start();
+    let (_dir, path) = config_file(&config("2026-12-01", "10.00", "10m", "charge"));
+    let server = Tollgate::start(&path, &Backend::Redis(redis.url()), &[]);
+    assert_eq!(
+        ask(&server.addr(), hold("ex", "t", "k", "gpt-4o", "r1", 1_000)).await.unwrap().overall_code,
+        OK
+    );
+    let explain = |model: &str| {
+        let out = std::process::Command::new(tollgate_bin())
+            .args(["explain", "--config", path.to_str().unwrap(), "--domain", "llm", "--hits", "2000"])
+            .args(["--descriptor", &format!("org=ex,team=t,api_key=k,model={model},request_id=r2")])
+            .args(["--redis-url", &redis.url()])
+            .env("RUST_LOG", "off")
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        String::from_utf8(out.stdout).unwrap()
+    };
+    let text = explain("gpt-4o");
+    for expected in [
+        "gpt-4o at version 2026-12-01 (USD per 1,000,000 tokens: input 2.500000000, cached_input 1.250000000, cache_write 2.500000000, output 10.000000000)",
+        "holds:    0.020000000 USD and 2000 tokens for 2000 output tokens",
+        "record:   rl:{ex}:llm:hold:r2",
+        "org: 1000.000000000 USD a period",
+        "api_key: 1.000000000 USD a period",
+        "spent 0.000000000, held 0.010000000, left 0.990000000",
+        "bucket:   rl:{ex}:llm:org=ex:team=t:api_key=k   capacity 200000, refill 2000/s",
+    ] {
+        assert!(text.contains(expected), "{expected}: {text}");
+    }
+    assert!(explain("gpt-9").contains("has no price"));
+    let mut levels = Levels::Redis(redis.connection());
+    assert_eq!(
+        levels.read("org=ex:team=t:api_key=k", &day()),
+        Some((Money::ZERO, usd("0.01"))),
+        "explain takes nothing"
+    );
 }

@@ -114,7 +114,9 @@ impl Ledger {
                     unseen: 0.0,
                     role: Role::Enforced,
                     charge: match op.action {
-                        BudgetAction::Hold { .. } | BudgetAction::Cancel => Charge::Admitted,
+                        BudgetAction::Hold { .. } | BudgetAction::Cancel | BudgetAction::Peek => {
+                            Charge::Admitted
+                        }
                         BudgetAction::Settle { .. } => Charge::Always { max_debt: b.spec.capacity() },
                     },
                 })
@@ -187,6 +189,16 @@ impl Ledger {
                     buckets: bucket_readings,
                     expired,
                 }
+            }
+            BudgetAction::Peek => {
+                let levels = levels
+                    .iter()
+                    .map(|(key, _, end)| {
+                        let alive = self.levels.get(key).filter(|l| l.expires_at_ms >= now_ms);
+                        alive.map_or((Money::ZERO, Money::ZERO, *end), |l| (l.spent, l.held, *end))
+                    })
+                    .collect();
+                return BudgetOutcome::Peeked { now_ms, levels };
             }
             BudgetAction::Cancel => {
                 let had = match &record {

@@ -218,6 +218,9 @@ pub enum BudgetAction {
         /// `(kind, tokens, cost)`.
         usage: Vec<(Kind, u64, Money)>,
     },
+    /// Read every level's spent and held money in the period the store's clock is in, changing
+    /// nothing (`tollgate explain`).
+    Peek,
     /// Undo a hold whose answer never reached the caller, which then denied the request: an
     /// open hold is released and its tokens given back; with no record yet, one is left closed,
     /// so that the hold, should it still arrive, takes nothing.
@@ -292,6 +295,14 @@ pub enum BudgetOutcome {
         levels: Vec<LevelReading>,
         /// Holds this op found expired (counted at its top level).
         expired: u64,
+    },
+    /// A peek's answer: per level, spent and held money (holds past their expiry included until
+    /// an op finds them) and the period's end.
+    Peeked {
+        /// The store's clock.
+        now_ms: u64,
+        /// `(spent, held, period end ms)` per level, top first.
+        levels: Vec<(Money, Money, i64)>,
     },
     /// A cancel's answer: what it found of the hold (`Open`: released; `None`: closed before it
     /// could be taken).

@@ -2,7 +2,9 @@
 //! rule it matches (file:line), its bucket's key and Cluster slot, the capacity and rate and
 //! where they come from (rule, tier, tenant override, request override), what changes the
 //! outcome (shadow, quota mode, replaces, unlimited, charge: always), and, given a Redis, the
-//! bucket's balance and time to full, read without debiting anything.
+//! bucket's balance and time to full, read without debiting anything. In a priced domain: the
+//! model's prices and price version, what the request would hold, and each budget on its path
+//! with its period and, given a Redis, what the period has spent and holds.
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -13,13 +15,15 @@ use anyhow::Context as _;
 use arc_swap::ArcSwap;
 use clap::Args;
 use tollgate::bucket::{refill, Role};
+use tollgate::budget::{BudgetAction, BudgetOp, BudgetOutcome, Kind};
 use tollgate::client;
 use tollgate::config::{ChargeRule, RuleSet};
-use tollgate::limiter::{Effect, Explained, Limiter, Query, QueryDescriptor, SpecOrigin};
+use tollgate::identity::cluster_slot;
+use tollgate::limiter::{BudgetExplained, Effect, Explained, Limiter, Query, QueryDescriptor, SpecOrigin};
 use tollgate::quota::cache::CachedQuotas;
 use tollgate::quota::postgres::PostgresQuotas;
 use tollgate::quota::{EmbeddedQuotas, QuotaSource};
-use tollgate::store::{MemoryStore, RedisStore};
+use tollgate::store::{MemoryStore, RedisStore, Store};
 use tollgate::telemetry::{Telemetry, TelemetryConfig};
 
 use super::redis_args::RedisArgs;
@@ -150,6 +154,11 @@ async fn print_descriptor(
             );
             return Ok(());
         }
+        Effect::UnknownModel => {
+            println!("  the model has no price in the table: OVER_LIMIT (X-Budget-Exhausted: model)");
+            return Ok(());
+        }
+        Effect::Budget(budget) => return print_budget(budget, hits, store).await,
         Effect::Bucket { limit, origin, role, need, tenant, slot } => {
             (limit, origin, role, need, tenant, slot)
         }
@@ -207,4 +216,75 @@ async fn print_descriptor(
         }
     }
     Ok(())
+}
+
+// A priced request: the prices it is held at, what it would hold, and each budget on its path
+// with, given a Redis, what the period has spent and holds.
+async fn print_budget(budget: &BudgetExplained, hits: u64, store: Option<&RedisStore>) -> anyhow::Result<()> {
+    let op = &budget.op;
+    let prices: Vec<String> =
+        Kind::ALL.iter().map(|k| format!("{} {}", k.name(), op.row.price(*k))).collect();
+    println!(
+        "  prices:   {} at version {} ({} per 1,000,000 tokens: {})",
+        budget.model,
+        op.version,
+        budget.currency,
+        prices.join(", ")
+    );
+    if let BudgetAction::Hold { amount, tokens, .. } = op.action {
+        println!(
+            "  holds:    {amount} {} and {tokens} tokens for {hits} output tokens (0: the model's default)",
+            budget.currency
+        );
+    }
+    println!("  record:   {}   slot {}", op.record, cluster_slot(&op.record));
+    let read = match store {
+        Some(store) => {
+            let peek = BudgetOp { action: BudgetAction::Peek, ..op.clone() };
+            match store
+                .budget(&peek)
+                .await
+                .with_context(|| format!("reading the budgets of {}", op.record))?
+            {
+                BudgetOutcome::Peeked { levels, .. } => Some(levels),
+                other => anyhow::bail!("the store answered a peek with {other:?}"),
+            }
+        }
+        None => None,
+    };
+    for (i, (level, name)) in op.levels.iter().zip(&budget.level_names).enumerate() {
+        let [_, start, end, _] = level.around;
+        println!(
+            "  budget:   {name}: {} {} a period, {} .. {}   key {}:{start}",
+            level.amount,
+            budget.currency,
+            instant(start),
+            instant(end),
+            level.base
+        );
+        match read.as_ref().and_then(|r| r.get(i)) {
+            Some((spent, held, end)) => println!(
+                "            spent {spent}, held {held}, left {} (period ends {})",
+                level.amount.saturating_sub(*spent + *held),
+                instant(*end)
+            ),
+            None => println!(
+                "            spent: not read (give --redis-url, --redis-cluster or --redis-sentinel)"
+            ),
+        }
+    }
+    for bucket in &op.buckets {
+        println!(
+            "  bucket:   {}   capacity {}, refill {}/s (tokens)",
+            bucket.key,
+            bucket.spec.capacity(),
+            bucket.spec.refill_per_second()
+        );
+    }
+    Ok(())
+}
+
+// Milliseconds since the epoch as an RFC 3339 instant.
+fn instant(ms: i64) -> String {
+    jiff::Timestamp::from_millisecond(ms).map_or_else(|_| ms.to_string(), |t| t.to_string())
 }

@@ -12,7 +12,9 @@
 
 use std::sync::Arc;
 
-use super::{count_store_error, Code, DecideError, Decision, DescriptorVerdict, Limiter, Outcome, Query};
+use super::{
+    count_store_error, Code, DecideError, Decision, DescriptorVerdict, Effect, Limiter, Outcome, Query,
+};
 use crate::budget::{
     cost, BucketLevel, BudgetAction, BudgetOp, BudgetOutcome, HadHold, HoldVerdict, Kind, LevelOp,
     LevelReading, LostSettle, ModelPrices, Money, RECORD_GRACE_MS,
@@ -39,6 +41,19 @@ pub struct BudgetReport {
     /// When a denial could end, in whole seconds: the exhausted budget's period end, or the
     /// short bucket's refill.
     pub retry_after_s: Option<u64>,
+}
+
+/// What a priced domain's descriptor would send, for `tollgate explain`.
+#[derive(Debug, Clone)]
+pub struct BudgetExplained {
+    /// The op: a hold of the descriptor's hits as output tokens.
+    pub op: BudgetOp,
+    /// Each budget level's descriptor key, top first (as `op.levels`).
+    pub level_names: Vec<String>,
+    /// The model, and the price table's currency.
+    pub model: String,
+    /// The currency.
+    pub currency: String,
 }
 
 // A request's op, before the store: what it is for and which descriptors it answers.
@@ -162,6 +177,37 @@ impl Limiter {
         }
     }
 
+    /// What `entries` (a request-time or stream-end descriptor of priced `domain`) would be held
+    /// to, with `hits` output tokens to hold.
+    pub(super) fn explain_priced(
+        &self,
+        domain: &Domain,
+        priced: &Priced,
+        entries: &[(&str, &str)],
+        hits: u64,
+    ) -> Effect {
+        let path = match entries.split_last() {
+            Some((&(USAGE_KEY, _), rest)) => rest,
+            _ => entries,
+        };
+        match self.request(domain, priced, path, self.clock.now_ms()) {
+            Err(Refusal::NotBudgeted) => Effect::NoRule,
+            Err(Refusal::UnknownModel) => Effect::UnknownModel,
+            Ok(mut request) => {
+                let (amount, tokens) = request.model.hold(hits);
+                request.op.action =
+                    BudgetAction::Hold { amount, tokens, ttl_ms: priced.hold_ttl.as_millis() as u64 };
+                let model = path.iter().find(|(k, _)| *k == priced.model_key).map(|(_, v)| (*v).to_owned());
+                Effect::Budget(Box::new(BudgetExplained {
+                    op: request.op,
+                    level_names: request.level_names,
+                    model: model.unwrap_or_default(),
+                    currency: priced.prices.currency.clone(),
+                }))
+            }
+        }
+    }
+
     // The op for the request whose descriptor walks `path`, without its action yet.
     fn request(
         &self,
@@ -219,7 +265,7 @@ impl Limiter {
             BudgetAction::Hold { .. } if domain.failure_mode == FailureMode::Allow => return,
             BudgetAction::Hold { .. } => ("cancel", BudgetOp { action: BudgetAction::Cancel, ..op.clone() }),
             BudgetAction::Settle { .. } => ("settle", op.clone()),
-            BudgetAction::Cancel => return,
+            BudgetAction::Cancel | BudgetAction::Peek => return,
         };
         let store = self.store.clone();
         let name = domain.name.clone();
@@ -294,7 +340,7 @@ impl Limiter {
                 metrics::counter!("tollgate_budget_cancels_total", "domain" => name, "hold" => had_label(had))
                     .increment(1);
             }
-            BudgetOutcome::Reprice { .. } => {}
+            BudgetOutcome::Reprice { .. } | BudgetOutcome::Peeked { .. } => {}
         }
     }
 }
@@ -314,7 +360,9 @@ fn report(request: &Request, outcome: &BudgetOutcome, currency: &str) -> (Code, 
             (*now_ms, levels.as_slice(), code, *exhausted, retry)
         }
         BudgetOutcome::Settled { now_ms, levels, .. } => (*now_ms, levels.as_slice(), Code::Ok, None, None),
-        BudgetOutcome::Reprice { .. } | BudgetOutcome::Cancelled { .. } => (0, &[][..], Code::Ok, None, None),
+        BudgetOutcome::Reprice { .. } | BudgetOutcome::Cancelled { .. } | BudgetOutcome::Peeked { .. } => {
+            (0, &[][..], Code::Ok, None, None)
+        }
     };
     let amounts = request.op.levels.iter().map(|l| l.amount);
     let least = levels

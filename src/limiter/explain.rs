@@ -8,7 +8,7 @@
 
 use std::sync::Arc;
 
-use super::{drop_replaced, limit_info, LimitInfo, Limiter, Plan, Query};
+use super::{drop_replaced, limit_info, BudgetExplained, LimitInfo, Limiter, Plan, Query};
 use crate::bucket::Role;
 use crate::config::{Domain, Limit, Rule};
 use crate::identity;
@@ -46,6 +46,10 @@ pub enum Effect {
         /// The rule that replaced it.
         by: Arc<Rule>,
     },
+    /// A priced domain's budgets and token buckets ([`crate::budget`]).
+    Budget(Box<BudgetExplained>),
+    /// A priced domain's model that the price table lacks: denied.
+    UnknownModel,
     /// A bucket.
     Bucket {
         /// Its identity, capacity and rate.
@@ -97,6 +101,17 @@ impl Limiter {
                 .collect();
             return Explanation { domain: None, descriptors };
         };
+        if let Some(priced) = &domain.priced {
+            let descriptors = query
+                .descriptors
+                .iter()
+                .map(|d| Explained {
+                    rule: None,
+                    effect: self.explain_priced(domain, priced, &d.entries, d.hits),
+                })
+                .collect();
+            return Explanation { domain: Some(domain.clone()), descriptors };
+        }
         let mut plans: Vec<Plan<'_>> = query.descriptors.iter().map(|d| self.plan(domain, d)).collect();
         let replaced = drop_replaced(&mut plans);
         self.resolve_quotas(domain, &mut plans).await;

@@ -18,7 +18,7 @@
 --                                   k:<kind> = 1 per settled usage kind
 --
 -- KEYS: the request's record, then the token buckets on the path.
--- ARGV: 'hold', 'settle' or 'cancel', what an expired hold becomes ('charge' or 'release'), how long a
+-- ARGV: 'hold', 'settle', 'cancel' or 'peek', what an expired hold becomes ('charge' or 'release'), how long a
 --       record and a period's state outlive it (ms), price version, price row; level count, then
 --       per level: base key, amount, and the periods around the caller's clock (previous start,
 --       start, end, next end); bucket count, then per bucket: key index, capacity, refill per
@@ -33,6 +33,7 @@
 --     'settled', 'none'), the count of levels charged and per level: used and period end;
 --   and last, for every outcome but 'reprice', the count of holds found expired (at the op's
 --   first level);
+--   peek ('peeked'): per level its spent and held money and period end, nothing changed;
 --   settle ('reprice'): the hold's version and price row, at which the caller prices again;
 --   cancel ('cancelled'): what the hold was ('open': released, its tokens given back; 'none': a
 --     closed record is left, so that the hold, should it still arrive, takes nothing; 'settled',
@@ -152,6 +153,18 @@ local function bucket_group(need)
 end
 
 local out = {now}
+if op == 'peek' then
+  out[#out + 1] = 'peeked'
+  for _, lv in ipairs(levels) do
+    local v = redis.call('HMGET', lv[1], 's', 'h', 'x')
+    if v[3] and tonumber(v[3]) < now then v = {} end
+    out[#out + 1] = v[1] or '0'
+    out[#out + 1] = v[2] or '0'
+    out[#out + 1] = lv[3]
+  end
+  return out
+end
+
 if op == 'hold' then
   local amount, tokens, ttl = money(arg()), tonumber(arg()), tonumber(arg())
   local outcome, exhausted, short = 'admitted', 0, 0

@@ -18,6 +18,7 @@ impl RedisStore {
             BudgetAction::Hold { .. } => ("hold", false),
             BudgetAction::Settle { .. } => ("settle", true),
             BudgetAction::Cancel => ("cancel", false),
+            BudgetAction::Peek => ("peek", false),
         };
         let mut args = vec![
             name.to_owned(),
@@ -46,7 +47,7 @@ impl RedisStore {
             BudgetAction::Hold { amount, tokens, ttl_ms } => {
                 args.extend([amount.nanos(), tokens.to_string(), ttl_ms.to_string()]);
             }
-            BudgetAction::Cancel => {}
+            BudgetAction::Cancel | BudgetAction::Peek => {}
             BudgetAction::Settle { usage } => {
                 args.push(usage.len().to_string());
                 for (kind, tokens, cost) in usage {
@@ -75,6 +76,13 @@ fn parse(reply: Value) -> Result<BudgetOutcome, StoreError> {
             let levels = r.readings()?;
             let expired = r.count()?;
             return Ok(BudgetOutcome::Settled { now_ms, charged, had, levels, expired });
+        }
+        "peeked" => {
+            let mut levels = Vec::new();
+            while r.0.len() > 0 {
+                levels.push((r.money()?, r.money()?, r.int()?));
+            }
+            return Ok(BudgetOutcome::Peeked { now_ms, levels });
         }
         "cancelled" => {
             let had = r.had()?;
