@@ -8,7 +8,7 @@
 //! to the time each script reports), with periods of 700 ms and holds of 20-400 ms, so that
 //! periods roll over, holds expire unsettled (charged or released), records outlive their holds
 //! and expire, settlements come in parts, twice, late and without a hold, and a price version
-//! changes while holds are open.
+//! changes while holds are open; cancels and read-only peeks are among the ops.
 
 mod common;
 
@@ -56,6 +56,8 @@ fn op(rng: &mut StdRng, now: i64, lost: LostSettle) -> BudgetOp {
     let version = if rng.random_bool(0.9) { "v1" } else { "v2" };
     let action = if rng.random_bool(0.12) {
         BudgetAction::Cancel
+    } else if rng.random_bool(0.05) {
+        BudgetAction::Peek
     } else if rng.random_bool(0.6) {
         BudgetAction::Hold {
             amount: Money(rng.random_range(0..4_000_000)),
@@ -93,7 +95,8 @@ fn now_of(outcome: &BudgetOutcome) -> u64 {
         BudgetOutcome::Held { now_ms, .. }
         | BudgetOutcome::Settled { now_ms, .. }
         | BudgetOutcome::Reprice { now_ms, .. }
-        | BudgetOutcome::Cancelled { now_ms, .. } => *now_ms,
+        | BudgetOutcome::Cancelled { now_ms, .. }
+        | BudgetOutcome::Peeked { now_ms, .. } => *now_ms,
     }
 }
 
@@ -135,6 +138,7 @@ async fn replay(seed: u64, redis: &common::Redis) -> HashMap<&'static str, usize
             BudgetOutcome::Cancelled { had: HadHold::Open, .. } => "cancelled open",
             BudgetOutcome::Cancelled { had: HadHold::None, .. } => "cancelled before held",
             BudgetOutcome::Cancelled { .. } => "cancelled nothing",
+            BudgetOutcome::Peeked { .. } => "peeked",
         };
         *seen.entry(what).or_default() += 1;
         // Every level the op read that is clearly alive in Redis: the same spent and held money
@@ -185,6 +189,7 @@ async fn memory_ledger_and_lua_script_agree() {
         "repriced",
         "cancelled open",
         "cancelled before held",
+        "peeked",
         "levels compared",
     ] {
         assert!(seen.get(what).copied().unwrap_or(0) > 5, "{what} exercised too rarely: {seen:?}");
