@@ -1,8 +1,8 @@
 //! LLM spend budgets through the RLS API (a neutral gRPC client, as Envoy's ratelimit filter
 //! calls it): a request-time descriptor down to the request id holds what the request may cost
 //! at every level, stream-end descriptors with a `usage` entry settle it. On the embedded store,
-//! a standalone Redis and a Redis Cluster, with every level's spent and held money read back from
-//! Redis in nano-units.
+//! a standalone Redis, a Redis Cluster and Redis behind Sentinel, with every level's spent and
+//! held money read back from Redis in nano-units.
 //!
 //! * a hold and its settlement: exact spend at org, team and key; headers on OK;
 //! * a settlement sent twice, or a kind sent twice, is charged once;
@@ -250,6 +250,15 @@ async fn redis_cluster() {
     let (_dir, path) = config_file(&config("2026-12-01", "10.00", "10m", "charge"));
     let server = Tollgate::start(&path, &Backend::Cluster(cluster.seeds()), &[]);
     scenarios(&server.addr(), &mut Levels::Cluster(Box::new(cluster.connection()))).await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn redis_behind_sentinel() {
+    let group = SentinelGroup::start();
+    let (_dir, path) = config_file(&config("2026-12-01", "10.00", "10m", "charge"));
+    let sentinel = ["--redis-sentinel", &group.addrs(), "--redis-sentinel-master", SENTINEL_MASTER];
+    let server = Tollgate::start(&path, &Backend::Memory, &sentinel);
+    scenarios(&server.addr(), &mut Levels::Redis(group.primary.connection())).await;
 }
 
 /// A hold nobody settles: after `hold_ttl` it is charged in full (or released), and a settlement
