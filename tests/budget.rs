@@ -13,6 +13,7 @@
 //! * a price reload while a hold is open: it settles at the version it was held at;
 //! * calendar rollover with `per: minute` in a non-UTC zone (standalone Redis);
 //! * `tollgate explain` shows the prices, the hold and every budget's spent and held money;
+//! * the overshoot bound, met with equality; a reload of an amount keeps what was spent;
 //! * exactly once through the fault proxy: a hold whose reply is lost or late (the request
 //!   denied by `failure_mode: deny`) is cancelled, a settlement whose reply is lost is sent
 //!   again and charged once.
@@ -479,5 +480,57 @@ async fn explain_shows_prices_the_hold_and_every_budget() {
         levels.read("org=ex:team=t:api_key=k", &day()),
         Some((Money::ZERO, usd("0.01"))),
         "explain takes nothing"
+    );
+}
+
+/// The stated overshoot bound, met with equality: 50 requests in flight at once, each holding
+/// $0.02 of the key's $1.00 and then using $0.05, overspend by exactly the sum of (settled cost -
+/// hold) over them; the next request is denied. A reload that lowers the key's amount keeps what
+/// was spent.
+#[tokio::test(flavor = "multi_thread")]
+async fn the_overshoot_is_bounded_by_what_in_flight_requests_exceed_their_holds() {
+    let redis = Redis::start();
+    let dir = tempfile::tempdir().unwrap();
+    // A bucket large enough for the 250,000 tokens used: only money limits here.
+    let roomy = |text: String| text.replace("capacity: 200000", "capacity: 2000000");
+    let path = write_config(dir.path(), &roomy(config("2026-12-01", "10.00", "10m", "charge")));
+    let server = Tollgate::start(&path, &Backend::Redis(redis.url()), &[]);
+    let mut levels = Levels::Redis(redis.connection());
+    let addr = server.addr();
+    let holds: Vec<_> = (0..50)
+        .map(|i| {
+            let addr = addr.clone();
+            tokio::spawn(async move {
+                ask(&addr, hold("ov", "t", "k", "gpt-4o", &format!("r{i}"), 2_000)).await.unwrap()
+            })
+        })
+        .collect();
+    for h in holds {
+        assert_eq!(h.await.unwrap().overall_code, OK, "50 holds of $0.02 fit in $1.00");
+    }
+    assert_eq!(ask(&addr, hold("ov", "t", "k", "gpt-4o", "late", 1)).await.unwrap().overall_code, OVER_LIMIT);
+    for i in 0..50 {
+        ask(&addr, settle("ov", "t", "k", "gpt-4o", &format!("r{i}"), &[("output", 5_000)])).await.unwrap();
+    }
+    let key = levels.read("org=ov:team=t:api_key=k", &day()).unwrap();
+    assert_eq!(key, (usd("2.50"), Money::ZERO), "$1.00 + 50 x ($0.05 - $0.02): the bound, exactly");
+    let r = ask(&addr, hold("ov", "t", "k", "gpt-4o", "after", 1)).await.unwrap();
+    // The team ($2.00 a month) was overspent with the key: the topmost exhausted level is named.
+    assert_eq!(code_and(&r, "X-Budget-Exhausted"), (OVER_LIMIT, Some("team".into())));
+    assert_eq!(header(&r, "X-Budget-Remaining"), Some("0.000000000 USD"), "never negative");
+
+    // The key's amount raised to $3.00 and the team's to $10.00: the $2.50 spent stays.
+    let raised = roomy(config("2026-12-01", "10.00", "10m", "charge"))
+        .replace("amount: 1.00, per: day", "amount: 3.00, per: day")
+        .replace("amount: 2.00, per: month", "amount: 10.00, per: month");
+    write_config(dir.path(), &raised);
+    let reloaded = || sample(&server.metrics(), "tollgate_config_reloads_total", &[("result", "success")]);
+    wait_until("the reload", 200, Duration::from_millis(50), || reloaded() >= 1.0);
+    let r = ask(&addr, hold("ov", "t", "k", "gpt-4o", "raised", 1)).await.unwrap();
+    assert_eq!(r.overall_code, OK);
+    assert_eq!(
+        header(&r, "X-Budget-Remaining"),
+        Some("0.499990000 USD"),
+        "$3.00 - $2.50 spent - the new $0.00001 hold"
     );
 }
