@@ -241,6 +241,7 @@ proptest! {
                         capacity: (c * capacity).floor(),
                         unit: 1.0,
                         refill_per_second: r * rate,
+                        of_unheld: if c < 0.5 { 0.5 } else { 1.0 },
                         ttl_ms: 5_000,
                         demand: 0.0,
                         // An Envoy whose assignment expired starts a new one full.

@@ -125,6 +125,7 @@ fn random_holds(rng: &mut StdRng, buckets: &[Bucket]) -> Vec<HoldOp> {
                 capacity: b.spec.capacity() * parts[rng.random_range(0..parts.len())],
                 unit: [0.0, 1.0, 3.0][rng.random_range(0..3)],
                 refill_per_second: b.spec.refill_per_second() * parts[rng.random_range(0..parts.len())],
+                of_unheld: [1.0, 0.5, 1.0 / 3.0][rng.random_range(0..3)],
                 ttl_ms: [300, 5_000, 60_000, 900_000][rng.random_range(0..4)],
                 demand: [0.0, 0.5, 3.0][rng.random_range(0..3)],
                 fresh: rng.random_bool(0.2),

@@ -417,6 +417,7 @@ async fn denials_answered_locally_count_as_demand_of_a_held_bucket() {
         capacity,
         unit: 1.0,
         refill_per_second: rate,
+        of_unheld: 1.0,
         ttl_ms: 60_000,
         demand: 0.0,
         fresh: false,

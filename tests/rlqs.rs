@@ -241,9 +241,17 @@ async fn a_closed_streams_hold_outlives_its_assignment() {
 
     let mut first = Stream::open(&a.addr()).await;
     first.send("quota", vec![report(&search, 0, 1, 0)]).await;
-    // The floor first (a sixteenth: a request, but under one an hour of this rule's 0.001/s, so
-    // nothing to assign), then, alone, all that is left of the bucket (capacity 20).
-    let got = grant_for(&mut first, &search).await;
+    // The floor's capacity (a request) and half the rate first, then, alone, all that is left of
+    // the bucket (capacity 20).
+    let first_grant = grant_for(&mut first, &search).await;
+    assert_eq!(first_grant, Said::Tokens(1), "a young hold: the floor's capacity");
+    let mut got = first_grant;
+    for _ in 0..3 {
+        if matches!(got, Said::Tokens(n) if n >= 18) {
+            break;
+        }
+        got = grant_for(&mut first, &search).await;
+    }
     assert!(matches!(got, Said::Tokens(n) if n >= 18), "alone: nearly all of it: {got:?}");
     first.close().await;
 
@@ -287,6 +295,7 @@ async fn holds_are_idempotent_and_shared_in_every_store() {
         capacity,
         unit: 1.0,
         refill_per_second: rate,
+        of_unheld: 1.0,
         ttl_ms: 60_000,
         demand: rate,
         fresh: false,
@@ -377,7 +386,7 @@ async fn an_assignment_is_a_refilling_share_of_the_bucket() {
             break (*q, b);
         }
     };
-    assert_eq!(fills, [112, 1_800], "the floor, then all of it");
+    assert_eq!(fills, [900, 1_800], "half the rate (a young hold, alone), then all of it");
     let lives = q.assignment_time_to_live.unwrap().seconds;
     println!(
         "assignment: {} requests, {} per {} s, for {lives} s",
@@ -420,19 +429,25 @@ async fn replicas_hold_shares_in_proportion_to_demand() {
         let id = HashMap::from([("round".to_string(), "r".to_string())]);
         let QuotaBucket::Held(target) = limiter.quota_bucket("quota", &id).await else { panic!("held") };
         // Capacity 100 refilling 100/s; replica a's Envoys ask 95 requests a second, b's 5.
-        // A holder learns the others' demand from its own ops' outcomes. Each starts at the
-        // floor (a sixteenth), which leaves room for the others starting beside it; a's next op,
-        // 10 s later (a hold stays at the floor for its first second), knows b's demand and
-        // takes its part, 95 %, of what is free; b's 5 % is under the floor, so b keeps the
-        // floor, and a has the rest.
+        // A holder learns the others' demand from its own ops' outcomes. Each starts young: the
+        // floor's capacity (a sixteenth), which leaves room for the others starting beside it, and
+        // half the rate the others leave (a 50, then b 25), and its next op (its second look, 10 s
+        // later here) is young again. After that, a knows b's demand and takes its part, 95 %,
+        // of what is free; b's 5 % is under the floor, so b keeps the floor, and a has the rest.
         let (mut a, mut b) = (Holding::default(), Holding::default());
         let first_a = set_hold(&limiter, &target, &mut a, "a", 95.0, 0).await;
         let first_b = set_hold(&limiter, &target, &mut b, "b", 5.0, 0).await;
         set_hold(&limiter, &target, &mut a, "a", 95.0, 10_000).await;
+        set_hold(&limiter, &target, &mut b, "b", 5.0, 10_000).await;
+        set_hold(&limiter, &target, &mut a, "a", 95.0, 10_000).await;
         let then_b = set_hold(&limiter, &target, &mut b, "b", 5.0, 10_000).await;
         let then_a = set_hold(&limiter, &target, &mut a, "a", 95.0, 10_000).await;
         println!("{which}: first a {first_a:?} and b {first_b:?}; then b {then_b:?} and a {then_a:?}");
-        assert_eq!((first_a, first_b), ((6.0, 6.0), (6.0, 6.0)), "{which}: both start at the floor");
+        assert_eq!(
+            (first_a, first_b),
+            ((6.0, 50.0), (6.0, 25.0)),
+            "{which}: young: the floor, half the rate left"
+        );
         assert_eq!(then_b, (6.0, 6.0), "{which}: b keeps the floor");
         // a's growth from the floor was fresh (its Envoy's bucket restarts full): it took its whole
         // capacity again, from what the balance held, 100 - 2 x 6.25.
@@ -724,6 +739,7 @@ async fn a_hold_whose_reply_is_lost_is_taken_once() {
         capacity: 60.0,
         unit: 1.0,
         refill_per_second: 6.0,
+        of_unheld: 1.0,
         ttl_ms: 60_000,
         demand: 6.0,
         fresh: true,

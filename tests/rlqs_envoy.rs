@@ -1,9 +1,10 @@
 //! The Rate Limit Quota Service through real Envoys 1.40 (`envoy.filters.http.rate_limit_quota`),
 //! two tollgate replicas, one tenant with capacity 50 refilling 10/s:
 //!
-//! * three Envoys under load for 20 s admit within [0.8, 1.0] × (50 + 10 × 20) plus the slack of
+//! * three Envoys under load for 20 s admit within [0.9, 1.0] × (50 + 10 × 20) plus the slack of
 //!   one tick's refill (the README's formula), on a standalone Redis and on a Cluster;
-//! * with 90/5/5 % demand, the busy Envoy's share follows its demand within two reports;
+//! * with 90/5/5 % demand, the busy Envoy's share follows its demand within two reports (and the
+//!   total stays within [0.85, 1.0] of the budget, as beside RLS);
 //! * one Envoy on the RLS filter and two on RLQS spend one budget together;
 //! * a tollgate replica killed mid-run, or drained: Envoy moves its stream and assignments go on;
 //!   Redis stopped: `failure_mode: deny` denies, and assignments resume when it is back;
@@ -286,14 +287,20 @@ async fn run_counting(rig: &Rig, rates: &[u64], seconds: u64, tail: u64) -> (Vec
 }
 
 /// The admitted total, its floor and its bound. The bound is the global bound plus a second's
-/// refill of slack; the floor is 0.8 of the budget: held shares start at a sixteenth for a
-/// second and then follow demand as reports measure it (measured 0.80-0.96 over 20 s across the
-/// day's runs; the per-second leases they replaced reached 0.94-0.98, at 80 times the Redis
-/// work; issue 22 asks 0.9).
-fn within(admitted: u64, seconds: f64) -> (f64, f64, f64) {
+/// refill of slack; the floor is `floor` of the budget: a new bucket's holds start young (the
+/// floor's capacity and half the rate the others leave) for a second and then follow demand as
+/// reports measure it.
+fn within(admitted: u64, seconds: f64, floor: f64) -> (f64, f64, f64) {
     let budget = CAPACITY + RATE * seconds;
-    (admitted as f64, 0.8 * budget, budget + SLACK)
+    (admitted as f64, floor * budget, budget + SLACK)
 }
+
+/// Three Envoys that want all of it: 0.9 (measured 228-235 of 250 over 20 s; 219-226 when young
+/// holds took a sixteenth of the rate, and the full bucket lost the rest of its refill).
+const EVEN_FLOOR: f64 = 0.9;
+/// The share tests (90/5/5 demand, RLS beside RLQS): shares moving between Envoys cost a few more
+/// (measured 226-230).
+const SHARES_FLOOR: f64 = 0.85;
 
 /// Each test runs three Envoys, two tollgates and their load: one at a time, so that they
 /// measure tollgate rather than each other on a two-core machine.
@@ -305,7 +312,7 @@ async fn three_envoys_share_one_budget(backend: Backend) {
     let (_dir, config) = config_file(CONFIG);
     let rig = rig(&backend, &[rlqs_filter(), rlqs_filter(), rlqs_filter()], &config, upstream);
     let (admitted, _) = run(&rig, &[0, 0, 0], 20, 5).await;
-    let (total, low, high) = within(admitted.iter().sum(), 20.0);
+    let (total, low, high) = within(admitted.iter().sum(), 20.0, EVEN_FLOOR);
     println!("RLQS, 3 Envoys, 2 replicas, {backend:?}: admitted {admitted:?} = {total} in 20 s; bounds [{low}, {high}]");
     assert!(total >= low && total <= high, "{total} outside [{low}, {high}]");
     drop(rig);
@@ -334,7 +341,7 @@ async fn shares_follow_demand() {
     // 90, 5 and 5 requests a second against 10 a second of budget; the last 10 s come after
     // two reports.
     let (admitted, tail) = run(&rig, &[90, 5, 5], 20, 10).await;
-    let (total, low, high) = within(admitted.iter().sum(), 20.0);
+    let (total, low, high) = within(admitted.iter().sum(), 20.0, SHARES_FLOOR);
     let share = tail[0] as f64 / tail.iter().sum::<u64>() as f64;
     println!("RLQS, demand 90/5/5: admitted {admitted:?} = {total} (bounds [{low}, {high}]); last 10 s {tail:?}, busy share {share:.2}");
     assert!(total >= low && total <= high, "{total} outside [{low}, {high}]");
@@ -354,7 +361,7 @@ async fn rls_and_rlqs_spend_one_budget() {
     let rig =
         rig(&Backend::Redis(redis.url()), &[rls_filter(), rlqs_filter(), rlqs_filter()], &config, upstream);
     let (admitted, tail, sent) = run_counting(&rig, &[60, 30, 30], 20, 10).await;
-    let (total, low, high) = within(admitted.iter().sum(), 20.0);
+    let (total, low, high) = within(admitted.iter().sum(), 20.0, SHARES_FLOOR);
     let share = |v: &[u64]| v[0] as f64 / v.iter().sum::<u64>().max(1) as f64;
     println!(
         "RLS + 2 x RLQS: admitted {admitted:?} = {total} in 20 s (bounds [{low}, {high}]), {tail:?} in the last 10 s; sent {sent:?}: RLS's share of the demand {:.2}, of the admitted {:.2} (last 10 s {:.2})",
@@ -418,7 +425,7 @@ async fn a_killed_replica_and_a_restarted_envoy() {
     }
     let admitted: Vec<u64> = counts.iter().map(ok).collect();
     let ran = started.elapsed().as_secs_f64();
-    let (total, _, high) = within(admitted.iter().sum(), ran);
+    let (total, _, high) = within(admitted.iter().sum(), ran, 0.0);
     println!(
         "replica killed at 6 s, Envoy restarted at 14 s: admitted {admitted:?} = {total} in {ran:.1} s (at most {high:.0}); after the kill {after_kill:?}; the restarted Envoy {after_restart}"
     );

@@ -122,6 +122,10 @@ pub struct HoldOp {
     pub unit: f64,
     /// The rate wanted, in tokens per second.
     pub refill_per_second: f64,
+    /// The most of the rate the other holds leave that this op takes (1: all of it). A first
+    /// hold, which cannot know how many replicas start beside it, takes half: any number of them
+    /// starting at once each get some, and together they leave little of the rate unheld.
+    pub of_unheld: f64,
     /// How long the hold lives from now, in milliseconds.
     pub ttl_ms: u64,
     /// The replica's demand, in tokens per second.
@@ -187,7 +191,9 @@ pub fn hold(stored: Option<(&BucketState, u64)>, op: &HoldOp, now_ms: u64) -> (H
     }
     others.demand += state.asked.per_second(now_ms);
     let mut capacity = op.capacity.min((op.spec.capacity() - others.capacity).max(0.0));
-    let rate = op.refill_per_second.min((op.spec.refill_per_second() - others.refill_per_second).max(0.0));
+    let rate = op
+        .refill_per_second
+        .min((op.spec.refill_per_second() - others.refill_per_second).max(0.0) * op.of_unheld);
     if capacity > before {
         capacity = capacity.min(before + banked + state.tokens.max(0.0));
     }
@@ -249,6 +255,7 @@ mod tests {
             capacity,
             unit: 1.0,
             refill_per_second: rate,
+            of_unheld: 1.0,
             ttl_ms: 60_000,
             demand: 0.5,
             fresh: false,

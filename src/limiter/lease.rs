@@ -70,6 +70,10 @@ pub const BACKGROUND_DEADLINE: Duration = Duration::from_secs(2);
 /// nothing lately: an idle client wakes up to a request or more at once, and its next report
 /// moves the share.
 const FLOOR: f64 = 1.0 / 16.0;
+/// The most of the rate the other holds leave that a young hold takes: half, so that replicas
+/// starting on a bucket together each get some (halves, quarters, ...), and together leave
+/// little of its refill unheld.
+const YOUNG_OF_UNHELD: f64 = 0.5;
 /// How far a wanted share may move before it is set again: less is noise between reports.
 const SLACK: f64 = 0.2;
 /// A hold is hot when its clients ask for more than this part of its rate.
@@ -146,6 +150,7 @@ impl Holding {
             capacity: want.0,
             unit: target.cost as f64,
             refill_per_second: want.1,
+            of_unheld: if young { YOUNG_OF_UNHELD } else { 1.0 },
             ttl_ms: HOLD_TTL.as_millis() as u64,
             demand: tokens,
             fresh: fresh || self.restarts(want.0),
@@ -195,12 +200,17 @@ impl Holding {
     // the floor; alone, or all idle, the floor when idle and everything when not. A first hold
     // knows no one else's demand yet: it starts at the floor, which leaves room for the holds
     // starting beside it (every replica's stream reports a new bucket at once), and stays there
-    // while `young` ([`GROW_AFTER_MS`]), until its ops have told it theirs. At least one
+    // while `young` ([`GROW_AFTER_MS`]), until its ops have told it theirs; its rate meanwhile
+    // is half of what the others leave ([`YOUNG_OF_UNHELD`]). At least one
     // request's capacity (`unit`), which is what a local bucket needs.
     fn want(&self, spec: &BucketSpec, tokens: f64, unit: f64, young: bool) -> (f64, f64) {
         let total = tokens + self.others.demand;
         let part = if young || total <= 0.0 { FLOOR } else { (tokens / total).max(FLOOR) };
-        ((spec.capacity() * part).max(unit).min(spec.capacity()), spec.refill_per_second() * part)
+        // A young hold's rate is half of what the others leave (the op's `of_unheld`): the
+        // bucket's refill beyond its capacity is lost while holds leave it unheld, and the floor
+        // left 15 of 16 parts of it unheld for the hold's first second.
+        let rate = if young { YOUNG_OF_UNHELD } else { part };
+        ((spec.capacity() * part).max(unit).min(spec.capacity()), spec.refill_per_second() * rate)
     }
 }
 

@@ -2,9 +2,10 @@
 -- of `hold` in src/bucket/hold.rs.
 --
 -- KEYS: the distinct bucket keys of the call (one Cluster slot).
--- ARGV: op count, then per op ten values: key index (into KEYS), capacity, refill per second,
+-- ARGV: op count, then per op eleven values: key index (into KEYS), capacity, refill per second,
 --       replica, capacity wanted, rate wanted, time to live (ms), demand per second, unit (the
---       smallest capacity worth holding), fresh (1: the whole capacity is taken again).
+--       smallest capacity worth holding), fresh (1: the whole capacity is taken again), the most
+--       of the unheld rate to take (1: all).
 -- Reply: now_ms, then per op one string of five numbers (%.17g): capacity held, rate held, and
 --        the other replicas' live holds' capacity, rate and demand (one string, not five: a
 --        first report's holds are thousands of ops, and each format and reply element costs).
@@ -17,7 +18,8 @@ for _ = 1, tonumber(ARGV[1]) do
   local want_c, want_r = tonumber(ARGV[a + 4]), tonumber(ARGV[a + 5])
   local ttl, demand, unit = tonumber(ARGV[a + 6]), tonumber(ARGV[a + 7]), tonumber(ARGV[a + 8])
   local fresh = ARGV[a + 9] == '1'
-  a = a + 10
+  local of_unheld = tonumber(ARGV[a + 10])
+  a = a + 11
   -- A bucket that never refills (capacity 0) has nothing to hold.
   if rps <= 0 then
     out[#out + 1] = '0 0 0 0 0'
@@ -43,7 +45,7 @@ for _ = 1, tonumber(ARGV[1]) do
     end
     od = od + asked_per_second(st)
     local c = math.min(want_c, math.max(0, cap - oc))
-    local r = math.min(want_r, math.max(0, rps - orate))
+    local r = math.min(want_r, math.max(0, rps - orate) * of_unheld)
     if c > before then c = math.min(c, before + banked + math.max(st[1], 0)) end
     if c < unit then c = 0 end
     if c > before then

@@ -42,6 +42,7 @@ impl RedisStore {
                     op.demand.to_string(),
                     op.unit.to_string(),
                     if op.fresh { "1" } else { "0" }.to_owned(),
+                    op.of_unheld.to_string(),
                 ]);
             }
             let reply = self.shared.eval_in_slot(&self.shared.hold_script, slot, &keys, &args).await;
