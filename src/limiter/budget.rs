@@ -306,6 +306,19 @@ impl Limiter {
             metrics::counter!("tollgate_budget_holds_expired_total", "domain" => name.clone(), "outcome" => outcome)
                 .increment(*expired);
         }
+        // Holds this replica opened less those it saw closed (settled or cancelled while open,
+        // found expired): summed over the replicas, the holds open, since a hold opened on one
+        // replica may close on another.
+        let opened = matches!(outcome, BudgetOutcome::Held { verdict: HoldVerdict::Admitted, .. });
+        let (released, expired) = match outcome {
+            BudgetOutcome::Held { expired, .. } => (false, *expired),
+            BudgetOutcome::Settled { had, expired, .. } | BudgetOutcome::Cancelled { had, expired, .. } => {
+                (*had == HadHold::Open, *expired)
+            }
+            BudgetOutcome::Reprice { .. } | BudgetOutcome::Peeked { .. } => (false, 0),
+        };
+        let net = f64::from(u8::from(opened)) - f64::from(u8::from(released)) - expired as f64;
+        metrics::gauge!("tollgate_budget_holds_open", "domain" => name.clone()).increment(net);
         match outcome {
             BudgetOutcome::Held { verdict, exhausted, short, .. } => {
                 let verdict = match verdict {
