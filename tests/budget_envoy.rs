@@ -47,17 +47,22 @@ fn gateway(listener: SocketAddr, admin: SocketAddr, replicas: &[SocketAddr], llm
     c
 }
 
-/// One POST of `body` with the key's headers; the status.
-async fn complete(listener: SocketAddr, body: &str) -> u16 {
+/// One POST of `body` for API key `key` of org acme, team search; the status and the whole answer.
+async fn post(listener: SocketAddr, key: &str, body: &str) -> (u16, String) {
     let mut stream = tokio::net::TcpStream::connect(listener).await.unwrap();
     let request = format!(
-        "POST /v1/chat/completions HTTP/1.1\r\nhost: llm\r\nx-org: acme\r\nx-team: search\r\nx-api-key: k1\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+        "POST /v1/chat/completions HTTP/1.1\r\nhost: llm\r\nx-org: acme\r\nx-team: search\r\nx-api-key: {key}\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
         body.len()
     );
     stream.write_all(request.as_bytes()).await.unwrap();
     let mut answer = String::new();
     stream.read_to_string(&mut answer).await.unwrap();
-    answer.split_whitespace().nth(1).and_then(|c| c.parse().ok()).unwrap_or(0)
+    (answer.split_whitespace().nth(1).and_then(|c| c.parse().ok()).unwrap_or(0), answer)
+}
+
+/// One POST for key k1; the status.
+async fn complete(listener: SocketAddr, body: &str) -> u16 {
+    post(listener, "k1", body).await.0
 }
 
 /// What the stand-in charges for `body` at gpt-4o's prices: a quarter of its bytes cached input
@@ -162,18 +167,8 @@ async fn fifty_concurrent_requests_spend_exactly_their_priced_usage() {
 
     // A streamed answer on another key: its usage, in the last event, is settled the same way.
     let streamed = r#"{"model": "gpt-4o", "max_tokens": 400, "stream": true, "messages": []}"#;
-    let status = {
-        let mut stream = tokio::net::TcpStream::connect(listener).await.unwrap();
-        let request = format!(
-            "POST /v1/chat/completions HTTP/1.1\r\nhost: llm\r\nx-org: acme\r\nx-team: search\r\nx-api-key: k2\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{streamed}",
-            streamed.len()
-        );
-        stream.write_all(request.as_bytes()).await.unwrap();
-        let mut answer = String::new();
-        stream.read_to_string(&mut answer).await.unwrap();
-        assert!(answer.contains("data: [DONE]"), "{answer}");
-        answer.split_whitespace().nth(1).and_then(|c| c.parse::<u16>().ok()).unwrap_or(0)
-    };
+    let (status, answer) = post(listener, "k2", streamed).await;
+    assert!(answer.contains("data: [DONE]"), "{answer}");
     assert_eq!(status, 200);
     let day = Calendar::new(Per::Day, "UTC").unwrap();
     wait_until("the streamed settlement", 200, Duration::from_millis(50), || {

@@ -153,6 +153,15 @@ local function bucket_group(need)
 end
 
 local out = {now}
+-- Appends the count of `list`'s levels and, per level, its used money and period end.
+local function readings(list)
+  out[#out + 1] = #list
+  for _, lv in ipairs(list) do
+    out[#out + 1] = money_text(plus(lv[4][1], lv[4][2]))
+    out[#out + 1] = lv[3]
+  end
+end
+
 if op == 'peek' then
   out[#out + 1] = 'peeked'
   for _, lv in ipairs(levels) do
@@ -207,11 +216,7 @@ if op == 'hold' then
   out[#out + 1] = outcome
   out[#out + 1] = exhausted
   out[#out + 1] = short
-  out[#out + 1] = #levels
-  for _, lv in ipairs(levels) do
-    out[#out + 1] = money_text(plus(lv[4][1], lv[4][2]))
-    out[#out + 1] = lv[3]
-  end
+  readings(levels)
   out[#out + 1] = #results
   for _, r in ipairs(results) do
     out[#out + 1] = string.format('%.17g', r[2])
@@ -340,10 +345,6 @@ write_levels()
 out[#out + 1] = 'settled'
 out[#out + 1] = money_text(now_charge)
 out[#out + 1] = had
-out[#out + 1] = #charged_levels
-for _, lv in ipairs(charged_levels) do
-  out[#out + 1] = money_text(plus(lv[4][1], lv[4][2]))
-  out[#out + 1] = lv[3]
-end
+readings(charged_levels)
 out[#out + 1] = swept
 return out
