@@ -55,6 +55,27 @@ pub fn held_at(holds: &[Hold], at_ms: u64) -> (f64, f64) {
     held
 }
 
+/// What hold `h` has banked for its holder as of `at_ms`: a hold with no capacity banks its
+/// rate (up to `capacity`), so that a holder cut below one request still gets its rate's worth
+/// when it next grows; a hold with capacity keeps what its growth left of the bank.
+pub fn bank(h: &Hold, at_ms: u64, capacity: f64) -> f64 {
+    if h.capacity == 0.0 {
+        (h.banked + h.refill_per_second * at_ms.saturating_sub(h.since_ms) as f64 / 1000.0).min(capacity)
+    } else {
+        h.banked
+    }
+}
+
+/// What the holds alive at `alive_ms` have banked as of `at_ms`, summed in order: tokens the
+/// balance must leave room for, since their holders spend them on top of it.
+pub fn banked_at(holds: &[Hold], alive_ms: u64, at_ms: u64, capacity: f64) -> f64 {
+    let mut banked = 0.0;
+    for h in holds.iter().filter(|h| h.expires_at_ms > alive_ms) {
+        banked += bank(h, at_ms, capacity);
+    }
+    banked
+}
+
 /// Whether any of `holds` is alive at `now_ms`.
 pub fn holds_live(holds: &[Hold], now_ms: u64) -> bool {
     holds.iter().any(|h| h.expires_at_ms > now_ms)
@@ -178,11 +199,7 @@ pub fn hold(stored: Option<(&BucketState, u64)>, op: &HoldOp, now_ms: u64) -> (H
     for h in &live {
         if h.replica == op.replica {
             before = if op.fresh { 0.0 } else { h.capacity };
-            banked = h.banked;
-            if h.capacity == 0.0 {
-                banked = (banked + h.refill_per_second * now_ms.saturating_sub(h.since_ms) as f64 / 1000.0)
-                    .min(op.spec.capacity());
-            }
+            banked = bank(h, now_ms, op.spec.capacity());
         } else {
             others.capacity += h.capacity;
             others.refill_per_second += h.refill_per_second;

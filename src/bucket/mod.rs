@@ -53,7 +53,7 @@ use std::collections::HashMap;
 
 use serde::Serialize;
 
-use self::hold::{held_at, held_for_ms, holds_live};
+use self::hold::{banked_at, held_at, held_for_ms, holds_live};
 use self::spec::{wait, wait_between};
 
 /// How long after a charge first uses a refill rate faster than a bucket's rate in force that
@@ -254,7 +254,10 @@ pub fn refill(state: Option<&BucketState>, spec: &BucketSpec, now_ms: u64) -> Bu
         }
         let (held_capacity, held_rate) = held_at(&s.holds, from);
         let grow = (capped(next.fastest_refill) - held_rate / 1000.0).max(0.0);
-        tokens = (spec.capacity() - held_capacity).max(0.0).min(tokens + (to - from) as f64 * grow);
+        // The banks grow while the balance refills: the two together stay within the capacity.
+        let room =
+            (spec.capacity() - held_capacity - banked_at(&s.holds, from, to, spec.capacity())).max(0.0);
+        tokens = room.min(tokens + (to - from) as f64 * grow);
         from = to;
         if from >= now_ms {
             break;
@@ -278,7 +281,8 @@ fn take_effect(state: &mut BucketState) {
 /// What is left of `spec` beside the holds alive at `now_ms`: capacity, and refill per ms.
 fn unheld(state: &BucketState, spec: &BucketSpec, now_ms: u64) -> (f64, f64) {
     let (held_capacity, held_rate) = held_at(&state.holds, now_ms);
-    ((spec.capacity() - held_capacity).max(0.0), (spec.rate_per_ms() - held_rate / 1000.0).max(0.0))
+    let banked = banked_at(&state.holds, now_ms, now_ms, spec.capacity());
+    ((spec.capacity() - held_capacity - banked).max(0.0), (spec.rate_per_ms() - held_rate / 1000.0).max(0.0))
 }
 
 /// Whether a balance of `tokens` covers `need`: credits always do; a check (0) needs a

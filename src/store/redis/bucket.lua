@@ -94,6 +94,22 @@ local function held_at(holds, at)
   return c, r
 end
 
+-- What hold h has banked for its holder as of `at` (src/bucket/hold.rs bank): a hold with no
+-- capacity banks its rate, up to cap; one with capacity keeps what its growth left.
+local function bank(h, at, cap)
+  if h[2] == 0 then return math.min(h[6] + h[3] * math.max(0, at - h[7]) / 1000, cap) end
+  return h[6]
+end
+
+-- What the holds alive at `alive` have banked as of `at`, summed in order.
+local function banked_at(holds, alive, at, cap)
+  local b = 0
+  for _, h in ipairs(holds) do
+    if h[4] > alive then b = b + bank(h, at, cap) end
+  end
+  return b
+end
+
 -- Whether any hold is alive now.
 local function holds_live(holds)
   for _, h in ipairs(holds) do
@@ -158,7 +174,9 @@ local function refill(s, cap, rate)
     if n[4] > 0 and n[5] <= from and from < now then take_effect(n) end
     local hc, hr = held_at(s[8], from)
     local grow = math.max(0, capped(n[3]) - hr / 1000)
-    tokens = math.min(math.max(0, cap - hc), tokens + (to - from) * grow)
+    -- The banks grow while the balance refills: the two together stay within the capacity.
+    local room = math.max(0, cap - hc - banked_at(s[8], from, to, cap))
+    tokens = math.min(room, tokens + (to - from) * grow)
     from = to
     if from >= now then break end
   end
@@ -171,7 +189,7 @@ end
 -- What is left of the spec (cap, rate per ms) beside the holds alive now.
 local function unheld(st, cap, rate)
   local hc, hr = held_at(st[8], now)
-  return math.max(0, cap - hc), math.max(0, rate - hr / 1000)
+  return math.max(0, cap - hc - banked_at(st[8], now, now, cap)), math.max(0, rate - hr / 1000)
 end
 
 local function wait(deficit, rate)

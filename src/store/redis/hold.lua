@@ -33,10 +33,7 @@ for _ = 1, tonumber(ARGV[1]) do
     for _, h in ipairs(live) do
       if h[1] == replica then
         if not fresh then before = h[2] end
-        banked = h[6]
-        if h[2] == 0 then
-          banked = math.min(banked + h[3] * math.max(0, now - h[7]) / 1000, cap)
-        end
+        banked = bank(h, now, cap)
       else
         oc = oc + h[2]
         orate = orate + h[3]
