@@ -17,7 +17,7 @@ use super::{
 };
 use crate::budget::{
     cost, BucketLevel, BudgetAction, BudgetOp, BudgetOutcome, HadHold, HoldVerdict, Kind, LevelOp,
-    LevelReading, LostSettle, ModelPrices, Money, RECORD_GRACE_MS,
+    LevelReading, LostSettle, Money, PriceRow, RECORD_GRACE_MS,
 };
 use crate::config::{Domain, FailureMode, Limit, Priced};
 use crate::identity;
@@ -61,7 +61,6 @@ struct Request {
     op: BudgetOp,
     // The descriptor key of each budget level, top first (for `X-Budget-Exhausted`).
     level_names: Vec<String>,
-    model: ModelPrices,
     descriptors: Vec<usize>,
 }
 
@@ -103,13 +102,13 @@ impl Limiter {
                         && settles(&query.descriptors[r.descriptors[0]].entries, path)
                 }) {
                     if let BudgetAction::Settle { usage } = &mut r.op.action {
-                        usage.push((kind, d.hits, cost(d.hits, r.op.row.price(kind))));
+                        usage.push(priced_usage(&r.op.row, kind, d.hits));
                     }
                     r.descriptors.push(i);
                     continue;
                 }
             }
-            match self.request(domain, priced, path, now) {
+            match self.request(domain, priced, path, now, d.hits, kind) {
                 Err(Refusal::NotBudgeted) => verdicts[i] = Some((Code::Ok, Outcome::NoLimit)),
                 Err(Refusal::UnknownModel) => {
                     count_refusal(domain, "unknown_model");
@@ -122,15 +121,6 @@ impl Limiter {
                     verdicts[i] = Some((Code::OverLimit, Outcome::Budget(report)));
                 }
                 Ok(mut request) => {
-                    request.op.action = match kind {
-                        None => {
-                            let (amount, tokens) = request.model.hold(d.hits);
-                            BudgetAction::Hold { amount, tokens, ttl_ms: priced.hold_ttl.as_millis() as u64 }
-                        }
-                        Some(kind) => BudgetAction::Settle {
-                            usage: vec![(kind, d.hits, cost(d.hits, request.op.row.price(kind)))],
-                        },
-                    };
                     request.descriptors.push(i);
                     requests.push(request);
                 }
@@ -190,13 +180,10 @@ impl Limiter {
             Some((&(USAGE_KEY, _), rest)) => rest,
             _ => entries,
         };
-        match self.request(domain, priced, path, self.clock.now_ms()) {
+        match self.request(domain, priced, path, self.clock.now_ms(), hits, None) {
             Err(Refusal::NotBudgeted) => Effect::NoRule,
             Err(Refusal::UnknownModel) => Effect::UnknownModel,
-            Ok(mut request) => {
-                let (amount, tokens) = request.model.hold(hits);
-                request.op.action =
-                    BudgetAction::Hold { amount, tokens, ttl_ms: priced.hold_ttl.as_millis() as u64 };
+            Ok(request) => {
                 let model = path.iter().find(|(k, _)| *k == priced.model_key).map(|(_, v)| (*v).to_owned());
                 Effect::Budget(Box::new(BudgetExplained {
                     op: request.op,
@@ -208,21 +195,23 @@ impl Limiter {
         }
     }
 
-    // The op for the request whose descriptor walks `path`, without its action yet.
+    // The op for the request whose descriptor walks `path`: a hold of `hits` output tokens, or
+    // with a usage `kind`, the settlement of `hits` of them.
     fn request(
         &self,
         domain: &Domain,
         priced: &Priced,
         path: &[(&str, &str)],
         now: u64,
+        hits: u64,
+        kind: Option<Kind>,
     ) -> Result<Request, Refusal> {
         let value = |key: &str| path.iter().find(|(k, _)| *k == key).map(|(_, v)| *v);
         let request_id = value(&priced.request_id_key).ok_or(Refusal::NotBudgeted)?;
         let nodes = domain.root.path(path).ok_or(Refusal::NotBudgeted)?;
         let model = value(&priced.model_key)
             .and_then(|m| priced.prices.models.get(m))
-            .ok_or(Refusal::UnknownModel)?
-            .clone();
+            .ok_or(Refusal::UnknownModel)?;
         let mut levels = Vec::new();
         let mut level_names = Vec::new();
         let mut buckets = Vec::new();
@@ -250,9 +239,15 @@ impl Limiter {
             row: model.row,
             lost: priced.on_lost_settle,
             life_ms: priced.hold_ttl.as_millis() as u64 + RECORD_GRACE_MS,
-            action: BudgetAction::Settle { usage: Vec::new() },
+            action: match kind {
+                None => {
+                    let (amount, tokens) = model.hold(hits);
+                    BudgetAction::Hold { amount, tokens, ttl_ms: priced.hold_ttl.as_millis() as u64 }
+                }
+                Some(kind) => BudgetAction::Settle { usage: vec![priced_usage(&model.row, kind, hits)] },
+            },
         };
-        Ok(Request { op, level_names, model, descriptors: Vec::new() })
+        Ok(Request { op, level_names, descriptors: Vec::new() })
     }
 
     // After a failed op, in the background and under the background deadline: a hold whose
@@ -295,21 +290,6 @@ impl Limiter {
     // Spend, holds, settlements, cancels, expiries and denials, in metrics.
     fn count_budget(&self, domain: &Domain, priced: &Priced, request: &Request, outcome: &BudgetOutcome) {
         let name = domain.name.clone();
-        if let BudgetOutcome::Held { expired, .. }
-        | BudgetOutcome::Settled { expired, .. }
-        | BudgetOutcome::Cancelled { expired, .. } = outcome
-        {
-            let outcome = match priced.on_lost_settle {
-                LostSettle::Charge => "charged",
-                LostSettle::Release => "released",
-            };
-            metrics::counter!("tollgate_budget_holds_expired_total", "domain" => name.clone(), "outcome" => outcome)
-                .increment(*expired);
-        }
-        // Holds this replica opened less those it saw closed (settled or cancelled while open,
-        // found expired): summed over the replicas, the holds open, since a hold opened on one
-        // replica may close on another.
-        let opened = matches!(outcome, BudgetOutcome::Held { verdict: HoldVerdict::Admitted, .. });
         let (released, expired) = match outcome {
             BudgetOutcome::Held { expired, .. } => (false, *expired),
             BudgetOutcome::Settled { had, expired, .. } | BudgetOutcome::Cancelled { had, expired, .. } => {
@@ -317,6 +297,16 @@ impl Limiter {
             }
             BudgetOutcome::Reprice { .. } | BudgetOutcome::Peeked { .. } => (false, 0),
         };
+        let lost = match priced.on_lost_settle {
+            LostSettle::Charge => "charged",
+            LostSettle::Release => "released",
+        };
+        metrics::counter!("tollgate_budget_holds_expired_total", "domain" => name.clone(), "outcome" => lost)
+            .increment(expired);
+        // Holds this replica opened less those it saw closed (settled or cancelled while open,
+        // found expired): summed over the replicas, the holds open, since a hold opened on one
+        // replica may close on another.
+        let opened = matches!(outcome, BudgetOutcome::Held { verdict: HoldVerdict::Admitted, .. });
         let net = f64::from(u8::from(opened)) - f64::from(u8::from(released)) - expired as f64;
         metrics::gauge!("tollgate_budget_holds_open", "domain" => name.clone()).increment(net);
         match outcome {
@@ -408,8 +398,7 @@ async fn call(store: &dyn Store, op: &BudgetOp) -> Result<BudgetOutcome, StoreEr
     let BudgetAction::Settle { usage } = &op.action else {
         return Err(StoreError::Protocol("only a settlement is repriced".into()));
     };
-    let usage =
-        usage.iter().map(|&(kind, tokens, _)| (kind, tokens, cost(tokens, row.price(kind)))).collect();
+    let usage = usage.iter().map(|&(kind, tokens, _)| priced_usage(&row, kind, tokens)).collect();
     let again = BudgetOp { version, row, action: BudgetAction::Settle { usage }, ..op.clone() };
     match store.budget(&again).await? {
         BudgetOutcome::Reprice { .. } => {
@@ -427,6 +416,11 @@ fn had_label(had: &HadHold) -> &'static str {
         HadHold::Settled => "settled",
         HadHold::None => "none",
     }
+}
+
+// `tokens` of `kind` and what they cost at `row`'s prices, as a settlement carries them.
+fn priced_usage(row: &PriceRow, kind: Kind, tokens: u64) -> (Kind, u64, Money) {
+    (kind, tokens, cost(tokens, row.price(kind)))
 }
 
 // Whether `entries` are a settlement of the request `path` names.
