@@ -295,7 +295,7 @@ fn within(admitted: u64, seconds: f64, floor: f64) -> (f64, f64, f64) {
     (admitted as f64, floor * budget, budget + SLACK)
 }
 
-/// Three Envoys that want all of it evenly: 0.9 (measured 228-235 of 250 over 20 s; 219-226
+/// Three Envoys that want all of it evenly: 0.9 (measured 227-236 of 250 over 20 s; 219-226
 /// when young holds took a sixteenth of the rate, and the full bucket lost the rest of its
 /// refill).
 const EVEN_FLOOR: f64 = 0.9;
