@@ -158,6 +158,15 @@ pub fn budget_record(domain: &Domain, entries: &[(&str, &str)], request_id: &str
     key
 }
 
+/// `entries` as a key writes them (`k=v:k=v`, every part escaped): one text per path, no two
+/// paths alike. A budget record binds its request id to it (the request's path, model included),
+/// and a budget override names the level it sets by it.
+pub fn path_text(entries: &[(&str, &str)]) -> String {
+    let mut out = String::with_capacity(64);
+    write_entries(&mut out, entries, &[]);
+    out
+}
+
 // The value of the domain's tenant entry on `entries`.
 fn tenant_of<'a>(domain: &Domain, entries: &[(&'a str, &'a str)]) -> Option<&'a str> {
     entries.iter().find(|(k, _)| *k == domain.tenant_key).map(|(_, v)| *v)

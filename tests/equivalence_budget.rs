@@ -8,7 +8,10 @@
 //! to the time each script reports), with periods of 700 ms and holds of 20-400 ms, so that
 //! periods roll over, holds expire unsettled (charged or released), records outlive their holds
 //! and expire, settlements come in parts, twice, late and without a hold, and a price version
-//! changes while holds are open; cancels and read-only peeks are among the ops.
+//! changes while holds are open; cancels and read-only peeks are among the ops. Request ids are
+//! reused by other paths and other holds (refused, nothing charged), counts come far above any
+//! hold, settlements come whose model left the price table (priced at the record's row), and
+//! soft limits are crossed (counted once a period, in both).
 
 mod common;
 
@@ -38,37 +41,49 @@ fn op(rng: &mut StdRng, now: i64, lost: LostSettle) -> BudgetOp {
     let request = rng.random_range(0..24);
     let start = now.div_euclid(PERIOD_MS) * PERIOD_MS;
     let around = [start - PERIOD_MS, start, start + PERIOD_MS, start + 2 * PERIOD_MS];
-    // A request id belongs to one path, as its hold and settlement descriptors share it.
-    let team = request % 2;
+    // A request id belongs to one path, as its hold and settlement descriptors share it; now and
+    // then another request (another team's) reuses it.
+    let team = if rng.random_bool(0.1) { 1 - request % 2 } else { request % 2 };
+    // Soft limits at half and four fifths of each amount.
+    let level = |base: String, amount: u128| LevelOp {
+        base,
+        amount: Money(amount),
+        around,
+        alerts: vec![Money(amount / 2), Money(amount * 4 / 5)],
+    };
     let levels = vec![
-        LevelOp { base: "rl:{o}:llm:org=o:budget".into(), amount: Money(40_000_000), around },
-        LevelOp { base: format!("rl:{{o}}:llm:org=o:team={team}:budget"), amount: Money(15_000_000), around },
-        LevelOp {
-            base: format!("rl:{{o}}:llm:org=o:team={team}:key=k:budget"),
-            amount: Money(6_000_000),
-            around,
-        },
+        level("rl:{o}:llm:org=o:budget".into(), 40_000_000),
+        level(format!("rl:{{o}}:llm:org=o:team={team}:budget"), 15_000_000),
+        level(format!("rl:{{o}}:llm:org=o:team={team}:key=k:budget"), 6_000_000),
     ];
     let buckets = vec![BucketLevel {
         key: format!("rl:{{o}}:llm:org=o:team={team}:key=k"),
         spec: BucketSpec::new(6_000.0, 4_000.0).unwrap(),
     }];
-    let version = if rng.random_bool(0.9) { "v1" } else { "v2" };
+    // v3: a settlement whose model left the price table, priced at its record's row.
+    let version = match rng.random_range(0..20) {
+        0 => "v2",
+        1 => "",
+        _ => "v1",
+    };
     let action = if rng.random_bool(0.12) {
         BudgetAction::Cancel
     } else if rng.random_bool(0.05) {
         BudgetAction::Peek
     } else if rng.random_bool(0.6) {
-        BudgetAction::Hold {
-            amount: Money(rng.random_range(0..4_000_000)),
-            tokens: rng.random_range(0..3_000),
-            ttl_ms: rng.random_range(20..400),
-        }
+        // Mostly the request's own hold, so that retries are genuine; sometimes another.
+        let (amount, tokens) = if rng.random_bool(0.8) {
+            (Money(u128::from(request as u32 + 1) * 150_000), (request + 1) * 100)
+        } else {
+            (Money(rng.random_range(0..4_000_000)), rng.random_range(0..3_000))
+        };
+        BudgetAction::Hold { amount, tokens, ttl_ms: rng.random_range(20..400) }
     } else {
         let mut usage = Vec::new();
         for kind in Kind::ALL {
             if rng.random_bool(0.5) {
-                let tokens = rng.random_range(0..300u64);
+                // Now and then a count far past any hold (the limiter caps counts at 10^12).
+                let tokens = if rng.random_bool(0.03) { 1_000_000_000_000 } else { rng.random_range(0..300u64) };
                 usage.push((kind, tokens, tollgate::budget::cost(tokens, row(version).price(kind))));
             }
         }
@@ -80,6 +95,7 @@ fn op(rng: &mut StdRng, now: i64, lost: LostSettle) -> BudgetOp {
     };
     BudgetOp {
         record: format!("rl:{{o}}:llm:hold:r{request}"),
+        binding: format!("org=o:team={team}:key=k:model=m"),
         levels,
         buckets,
         version: version.into(),
@@ -128,12 +144,15 @@ async fn replay(seed: u64, redis: &common::Redis) -> HashMap<&'static str, usize
         let what = match &from_redis {
             BudgetOutcome::Held { verdict: HoldVerdict::Admitted, .. } => "held",
             BudgetOutcome::Held { verdict: HoldVerdict::Duplicate, .. } => "duplicate hold",
+            BudgetOutcome::Held { verdict: HoldVerdict::Reused, .. } => "reused id refused",
             BudgetOutcome::Held { exhausted: Some(_), .. } => "budget denied",
             BudgetOutcome::Held { .. } => "bucket denied",
             BudgetOutcome::Settled { had: HadHold::Open, .. } => "settled open",
             BudgetOutcome::Settled { had: HadHold::Expired, .. } => "settled expired",
             BudgetOutcome::Settled { had: HadHold::Settled, .. } => "settled again",
+            BudgetOutcome::Settled { had: HadHold::None, levels, .. } if levels.is_empty() => "unpriced, no record",
             BudgetOutcome::Settled { had: HadHold::None, .. } => "settled without hold",
+            BudgetOutcome::Settled { had: HadHold::Other, .. } => "settled another's record",
             BudgetOutcome::Reprice { .. } => "repriced",
             BudgetOutcome::Cancelled { had: HadHold::Open, .. } => "cancelled open",
             BudgetOutcome::Cancelled { had: HadHold::None, .. } => "cancelled before held",
@@ -141,6 +160,11 @@ async fn replay(seed: u64, redis: &common::Redis) -> HashMap<&'static str, usize
             BudgetOutcome::Peeked { .. } => "peeked",
         };
         *seen.entry(what).or_default() += 1;
+        if let BudgetOutcome::Held { levels, .. } | BudgetOutcome::Settled { levels, .. } = &from_redis {
+            if levels.iter().any(|l| l.alerted.1 > l.alerted.0) {
+                *seen.entry("alert crossed").or_default() += 1;
+            }
+        }
         // Every level the op read that is clearly alive in Redis: the same spent and held money
         // in the memory store.
         if let BudgetOutcome::Held { levels: readings, .. }
@@ -180,6 +204,9 @@ async fn memory_ledger_and_lua_script_agree() {
     for what in [
         "held",
         "duplicate hold",
+        "reused id refused",
+        "settled another's record",
+        "alert crossed",
         "budget denied",
         "bucket denied",
         "settled open",

@@ -30,12 +30,15 @@ struct Level {
     held: Money,
     // (expiry ms, '<amount>|<record>')
     holds: BTreeSet<(u64, String)>,
+    // How many of its alerts the spend has crossed, as counted so far.
+    alerted: u32,
     expires_at_ms: u64,
 }
 
 // A request's record.
 #[derive(Debug, Clone)]
 struct Record {
+    binding: String,
     version: String,
     row: String,
     amount: Money,
@@ -54,6 +57,7 @@ impl Record {
     // The record of a settlement that found none: nothing held, the levels it charges.
     fn unheld(op: &BudgetOp, now_ms: u64, levels: &[(String, i64)]) -> Record {
         Record {
+            binding: op.binding.clone(),
             version: op.version.clone(),
             row: op.row.text(),
             amount: Money::ZERO,
@@ -77,6 +81,9 @@ struct Working {
     written: bool,
     // Holds found expired when it was loaded.
     swept: u64,
+    // Its alerts (spends, ascending), and how many were crossed when it was loaded.
+    alerts: Vec<Money>,
+    alerted_before: u32,
 }
 
 impl Ledger {
@@ -128,12 +135,18 @@ impl Ledger {
             BudgetAction::Hold { amount, tokens, ttl_ms } => {
                 let indices: Vec<usize> = levels
                     .iter()
-                    .map(|(key, _, end)| self.load(&mut work, key, *end, now_ms, op.lost))
+                    .zip(&op.levels)
+                    .map(|((key, _, end), l)| self.load(&mut work, key, *end, now_ms, op.lost, &l.alerts))
                     .collect();
                 let mut verdict = HoldVerdict::Admitted;
                 let mut exhausted = None;
-                if record.is_some() {
-                    verdict = HoldVerdict::Duplicate;
+                if let Some(r) = &record {
+                    // Only the same request asking again is a retry: open, same path, same hold.
+                    let retry = r.open
+                        && r.hold_expires_ms > now_ms
+                        && r.binding == op.binding
+                        && (r.amount, r.tokens) == (*amount, *tokens);
+                    verdict = if retry { HoldVerdict::Duplicate } else { HoldVerdict::Reused };
                 } else {
                     exhausted = indices.iter().zip(&levels).position(|(&w, (_, cap, _))| {
                         *cap < work[w].state.spent + work[w].state.held + *amount
@@ -164,6 +177,7 @@ impl Ledger {
                     self.records.insert(
                         op.record.clone(),
                         Record {
+                            binding: op.binding.clone(),
                             version: op.version.clone(),
                             row: op.row.text(),
                             amount: *amount,
@@ -178,6 +192,7 @@ impl Ledger {
                         },
                     );
                 }
+                alert(&mut work);
                 let levels = indices.iter().map(|&w| reading(&work[w])).collect();
                 let expired = expired(&work);
                 BudgetOutcome::Held {
@@ -208,12 +223,13 @@ impl Ledger {
                         self.records.insert(op.record.clone(), closed);
                         HadHold::None
                     }
+                    Some(r) if r.binding != op.binding => HadHold::Other,
                     Some(r) if !r.open => HadHold::Settled,
                     Some(r) if r.hold_expires_ms <= now_ms => HadHold::Expired,
                     Some(r) => {
                         let member = format!("{}|{}", r.amount.nanos(), op.record);
                         for (key, end) in &r.levels {
-                            let w = self.load(&mut work, key, *end, now_ms, op.lost);
+                            let w = self.load(&mut work, key, *end, now_ms, op.lost, &[]);
                             let level = &mut work[w];
                             level.state.held = level.state.held.saturating_sub(r.amount);
                             level.written = true;
@@ -232,6 +248,25 @@ impl Ledger {
             }
             BudgetAction::Settle { usage } => {
                 let charged_levels: Vec<(String, i64)> = match &record {
+                    // Another request's record, or no record and no price to charge at: nothing.
+                    Some(r) if r.binding != op.binding => {
+                        return BudgetOutcome::Settled {
+                            now_ms,
+                            charged: Money::ZERO,
+                            had: HadHold::Other,
+                            levels: Vec::new(),
+                            expired: 0,
+                        };
+                    }
+                    None if op.version.is_empty() => {
+                        return BudgetOutcome::Settled {
+                            now_ms,
+                            charged: Money::ZERO,
+                            had: HadHold::None,
+                            levels: Vec::new(),
+                            expired: 0,
+                        };
+                    }
                     Some(r) if r.version != op.version => {
                         return BudgetOutcome::Reprice {
                             now_ms,
@@ -242,9 +277,14 @@ impl Ledger {
                     Some(r) => r.levels.clone(),
                     None => levels.iter().map(|(key, _, end)| (key.clone(), *end)).collect(),
                 };
+                let no_alerts = Vec::new();
                 let indices: Vec<usize> = charged_levels
                     .iter()
-                    .map(|(key, end)| self.load(&mut work, key, *end, now_ms, op.lost))
+                    .enumerate()
+                    .map(|(i, (key, end))| {
+                        let alerts = op.levels.get(i).map_or(&no_alerts, |l| &l.alerts);
+                        self.load(&mut work, key, *end, now_ms, op.lost, alerts)
+                    })
                     .collect();
                 let (mut cost, mut tokens, mut fresh) = (Money::ZERO, 0u64, Vec::<&str>::new());
                 for (kind, count, price) in usage {
@@ -305,6 +345,7 @@ impl Ledger {
                     entry.kinds.extend(fresh.iter().map(|k| (*k).to_owned()));
                     entry.expires_at_ms = entry.expires_at_ms.max(now_ms + op.life_ms);
                 }
+                alert(&mut work);
                 let levels = indices.iter().map(|&w| reading(&work[w])).collect();
                 BudgetOutcome::Settled { now_ms, charged: now_charge, had, levels, expired: expired(&work) }
             }
@@ -320,7 +361,15 @@ impl Ledger {
 
     // The index in `work` of level `key` (period ending `end_ms`), loaded on first use: its
     // holds due by now are no longer held and, under `charge`, are spent.
-    fn load(&self, work: &mut Vec<Working>, key: &str, end_ms: i64, now_ms: u64, lost: LostSettle) -> usize {
+    fn load(
+        &self,
+        work: &mut Vec<Working>,
+        key: &str,
+        end_ms: i64,
+        now_ms: u64,
+        lost: LostSettle,
+        alerts: &[Money],
+    ) -> usize {
         if let Some(i) = work.iter().position(|w| w.key == key) {
             return i;
         }
@@ -336,12 +385,15 @@ impl Ledger {
             }
             state.holds.remove(hold);
         }
+        let alerted_before = state.alerted;
         work.push(Working {
             key: key.to_owned(),
             state,
             end_ms,
             written: !due.is_empty(),
             swept: due.len() as u64,
+            alerts: alerts.to_vec(),
+            alerted_before,
         });
         work.len() - 1
     }
@@ -367,6 +419,22 @@ fn expired(work: &[Working]) -> u64 {
     work.first().map_or(0, |w| w.swept)
 }
 
+// Counts the alerts each level's spend has now crossed; a level whose count grew is written.
+fn alert(work: &mut [Working]) {
+    for level in work {
+        let crossed = level.alerts.iter().filter(|a| **a <= level.state.spent).count() as u32;
+        if crossed > level.state.alerted {
+            level.state.alerted = crossed;
+            level.written = true;
+        }
+    }
+}
+
 fn reading(level: &Working) -> LevelReading {
-    LevelReading { used: level.state.spent + level.state.held, end_ms: level.end_ms }
+    LevelReading {
+        used: level.state.spent + level.state.held,
+        spent: level.state.spent,
+        end_ms: level.end_ms,
+        alerted: (level.alerted_before, level.state.alerted),
+    }
 }

@@ -5,11 +5,14 @@
 //! nodes of its tree with `budget:` cap the money spent under them in each calendar period
 //! ([`BudgetSpec`], [`period`]). A request names its path down to a request id:
 //!
-//! * **At request time** it asks for a hold of what it may cost (its output tokens at the output
-//!   price plus the model's reserved input tokens at the input price, rounded up once). It is
-//!   admitted only if every budget on its path has that much left (amount - spent - held) and
-//!   every token bucket on its path has the tokens; then the hold is taken at every level, and the
-//!   tokens from every bucket, in one atomic step ([`BudgetAction::Hold`]).
+//! * **At request time** it asks for a hold of the most it may cost ([`ModelPrices::hold`]): its
+//!   output tokens (`max_tokens`, at most the model's `max_output_tokens`) at the output price
+//!   plus its input tokens (from the body's size, at most `max_input_tokens`) at the dearest
+//!   input-kind price, rounded up once. It is admitted only if every budget on its path has that
+//!   much left (amount - spent - held) and every token bucket on its path has the tokens; then the
+//!   hold is taken at every level, and the tokens from every bucket, in one atomic step
+//!   ([`BudgetAction::Hold`]). The request's record binds its id to its path and hold: the id
+//!   reused by any other request is refused ([`HoldVerdict::Reused`]).
 //! * **At stream end** it reports its usage per token kind. Each kind is priced at the price
 //!   version of the hold (rounded up once per kind) and charged at every level the hold was taken
 //!   from, the hold released, the token buckets trued up from the tokens held to the tokens used
@@ -19,7 +22,11 @@
 //!
 //! **The bound.** A level admits a request only while its spend and holds leave room for the
 //! hold, so its spend in a period exceeds its amount by at most the sum, over requests in flight
-//! when it was reached, of (settled cost - hold): zero when usage stays within the hold.
+//! when it was reached, of (settled cost - hold). The hold is an upper bound of what the upstream
+//! can bill (`max_output_tokens`, and input bytes over a `bytes_per_token` no tokenizer of the
+//! model goes below), and a settlement never charges more than those maxima: the term is zero
+//! for every request that gives its body's size. Without the size it holds
+//! `reserve_input_tokens`, and the term is at most (input used - reserve) x the input price.
 //!
 //! Money is integers of nano-units ([`money`]); nothing here is a float. The arithmetic is
 //! [`ledger`] in Rust (the memory store's) and `store/redis/budget.lua` in Redis, kept equal by
@@ -100,17 +107,48 @@ pub struct ModelPrices {
     pub row: PriceRow,
     /// Output tokens held for a request that names none (`max_tokens` absent or 0).
     pub default_output_tokens: u64,
-    /// Input tokens held for every request, beside its output.
+    /// Input tokens held for a request whose body size is not known.
     pub reserve_input_tokens: u64,
+    /// The most output tokens a request can be billed (`max_output_tokens`): the most ever held,
+    /// and the most an output count is charged for. [`money::MAX_TOKENS`] when not given.
+    pub max_output_tokens: u64,
+    /// The model's context window (`max_input_tokens`): the most input tokens held, and the most
+    /// an input-kind count is charged for. [`money::MAX_TOKENS`] when not given.
+    pub max_input_tokens: u64,
+    /// Fewest bytes of request body a token of this model's tokenizer spans (`bytes_per_token`):
+    /// a body of N bytes is at most N / this many input tokens. 1 (the default) holds for every
+    /// byte-level tokenizer, since no token spans less than a byte.
+    pub bytes_per_token: u64,
 }
 
 impl ModelPrices {
-    /// What a request asking for `output_tokens` holds: its money (rounded up once) and tokens.
-    pub fn hold(&self, output_tokens: u64) -> (Money, u64) {
+    /// What a request asking for `output_tokens` holds, its body `input_bytes` long if known:
+    /// its money (rounded up once) and tokens. Output is `max_tokens` (the model's default if 0)
+    /// and input the body's size in tokens (`reserve_input_tokens` without it), each at most the
+    /// model's maximum; input is priced at the dearest of the input kinds, since the usage may
+    /// come back as any of them.
+    pub fn hold(&self, output_tokens: u64, input_bytes: Option<u64>) -> (Money, u64) {
         let output = if output_tokens == 0 { self.default_output_tokens } else { output_tokens };
-        let scaled = u128::from(output) * self.row.price(Kind::Output).0
-            + u128::from(self.reserve_input_tokens) * self.row.price(Kind::Input).0;
-        (Money(scaled.div_ceil(money::PRICE_PER_TOKENS)), output.saturating_add(self.reserve_input_tokens))
+        let output = output.min(self.max_output_tokens);
+        let input = input_bytes.map_or(self.reserve_input_tokens, |b| b.div_ceil(self.bytes_per_token.max(1)));
+        let input = input.min(self.max_input_tokens);
+        let input_price = [Kind::Input, Kind::CachedInput, Kind::CacheWrite]
+            .map(|k| self.row.price(k))
+            .into_iter()
+            .max()
+            .unwrap_or_default();
+        let scaled =
+            u128::from(output) * self.row.price(Kind::Output).0 + u128::from(input) * input_price.0;
+        (Money(scaled.div_ceil(money::PRICE_PER_TOKENS)), output.saturating_add(input))
+    }
+
+    /// The most `kind` can be charged for: the context window for input kinds,
+    /// `max_output_tokens` for output.
+    pub fn most(&self, kind: Kind) -> u64 {
+        match kind {
+            Kind::Output => self.max_output_tokens,
+            Kind::Input | Kind::CachedInput | Kind::CacheWrite => self.max_input_tokens,
+        }
     }
 }
 
@@ -123,6 +161,16 @@ pub struct PriceTable {
     pub currency: String,
     /// The rows, by model name.
     pub models: IndexMap<String, ModelPrices>,
+    /// Other names of a model (`aliases:`, e.g. dated snapshots), to the model's name.
+    pub aliases: IndexMap<String, String>,
+}
+
+impl PriceTable {
+    /// The row of `name`, a model or one of its aliases, and the model's own name.
+    pub fn model(&self, name: &str) -> Option<(&str, &ModelPrices)> {
+        let name = self.aliases.get(name).map_or(name, String::as_str);
+        self.models.get_key_value(name).map(|(k, v)| (k.as_str(), v))
+    }
 }
 
 /// A money budget on a node: an amount per calendar period.
@@ -132,6 +180,26 @@ pub struct BudgetSpec {
     pub amount: Money,
     /// Its periods.
     pub calendar: Calendar,
+    /// Soft limits (`alert_at:`): fractions of the amount, ascending, in nano-units of one
+    /// (0.8 is 800,000,000), whose crossing by the spend is logged and counted once a period.
+    pub alert_at: Vec<Money>,
+}
+
+impl BudgetSpec {
+    /// The spend at which each of `alert_at` is crossed, for an amount of `amount`.
+    pub fn alerts(&self, amount: Money) -> Vec<Money> {
+        self.alert_at.iter().map(|f| Money((amount.0 * f.0).div_ceil(money::NANOS))).collect()
+    }
+}
+
+/// A budget's amount, and optionally its period, set for one level of one domain without a file
+/// edit (`tollgate budget set`, read from PostgreSQL beside tenant quotas).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BudgetOverride {
+    /// The money a period allows.
+    pub amount: Money,
+    /// The period, when it differs from the file's.
+    pub per: Option<Per>,
 }
 
 /// What an expired hold becomes (`on_lost_settle:`).
@@ -164,6 +232,8 @@ pub struct LevelOp {
     pub amount: Money,
     /// The periods around the caller's clock ([`Calendar::around`]); the store picks by its own.
     pub around: [i64; 4],
+    /// The spends at which its soft limits are crossed, ascending ([`BudgetSpec::alerts`]).
+    pub alerts: Vec<Money>,
 }
 
 /// A token bucket on a request's path.
@@ -180,6 +250,10 @@ pub struct BucketLevel {
 pub struct BudgetOp {
     /// The key of the request's record ([`crate::identity::budget_record`]).
     pub record: String,
+    /// What the record binds the request id to: the request's path, model included
+    /// ([`crate::identity::budget_binding`]). An op whose binding differs from the record's
+    /// belongs to another request: its hold is refused, its settlement charges nothing.
+    pub binding: String,
     /// The budgets on its path, top first.
     pub levels: Vec<LevelOp>,
     /// The token buckets on its path, top first.
@@ -232,8 +306,14 @@ pub enum BudgetAction {
 pub struct LevelReading {
     /// Spent and held in its period.
     pub used: Money,
+    /// Spent in its period.
+    pub spent: Money,
     /// When its period ends (ms since the epoch, the store's clock).
     pub end_ms: i64,
+    /// How many of the level's alerts the spend had crossed before the op and has after it
+    /// (as the store counts them, once a period across every replica): `(2, 3)` means the op
+    /// crossed the third.
+    pub alerted: (u32, u32),
 }
 
 /// What a hold op decided.
@@ -242,8 +322,12 @@ pub struct LevelReading {
 pub enum HoldVerdict {
     /// Held at every level.
     Admitted,
-    /// The request already has a record (a retried call): admitted, nothing taken again.
+    /// The request already has an open record with the same path and hold (a retried call):
+    /// admitted, nothing taken again.
     Duplicate,
+    /// The request id has a record of another request (another path or hold, or one that is
+    /// closed): refused, nothing taken.
+    Reused,
     /// A budget or a bucket is short; nothing taken.
     Denied,
 }
@@ -260,6 +344,8 @@ pub enum HadHold {
     Settled,
     /// None: never held, or its record is gone.
     None,
+    /// The record is another request's (another path): nothing charged or released.
+    Other,
 }
 
 /// The store's answer to a [`BudgetOp`].

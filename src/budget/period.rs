@@ -95,6 +95,11 @@ impl Calendar {
         Ok(Calendar { per, zone_name: zone.to_owned(), zone: tz })
     }
 
+    /// The same calendar with periods of `per` (a budget override's period), in the same zone.
+    pub fn with_per(&self, per: Per) -> Calendar {
+        Calendar { per, ..self.clone() }
+    }
+
     /// The period `at_ms` falls in.
     pub fn window(&self, at_ms: i64) -> Window {
         let at = Timestamp::from_millisecond(at_ms).unwrap_or(Timestamp::UNIX_EPOCH);

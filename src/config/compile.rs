@@ -109,8 +109,12 @@ pub(super) fn domain(file: &Path, text_: &str) -> Result<Domain, ConfigError> {
         return Err(invalid(Problem::new("class_scope", at, "must not be empty")));
     }
     let (mode, at) = text(raw.failure_mode);
-    let failure_mode =
-        failure_mode(mode.as_deref()).map_err(|m| invalid(Problem::new("failure_mode", at, m)))?;
+    // A priced domain fails closed unless it says otherwise: a store outage must not be
+    // unlimited spend.
+    let failure_mode = match mode.as_deref() {
+        None if priced.is_some() => FailureMode::Deny,
+        mode => failure_mode(mode).map_err(|m| invalid(Problem::new("failure_mode", at, m)))?,
+    };
     let (answer, at) = text(raw.rlqs_unknown);
     let rlqs_unknown = match answer.as_deref() {
         None | Some("allow") => Blanket::AllowAll,

@@ -352,6 +352,9 @@ pub struct Priced {
     pub model_key: String,
     /// The descriptor key whose value pairs a request's hold with its settlement.
     pub request_id_key: String,
+    /// The descriptor key of the optional entry, right before the request id, whose value is the
+    /// request body's size in bytes (`input_bytes_key:`): the input tokens held are sized by it.
+    pub input_bytes_key: String,
     /// How long a hold stands unless settled.
     pub hold_ttl: std::time::Duration,
     /// What an expired hold becomes.

@@ -10,6 +10,7 @@ use serde_saphyr::Spanned;
 
 use super::compile::{position, text, Problem};
 use super::{raw, Priced};
+use crate::budget::money::MAX_TOKENS;
 use crate::budget::{BudgetSpec, Calendar, LostSettle, ModelPrices, Money, Per, PriceRow, PriceTable};
 
 /// How long a hold stands unless settled, by default.
@@ -21,6 +22,7 @@ pub(super) fn priced(raw: &mut raw::DomainFile, file: &Path) -> Result<Option<Pr
     let keys_without_prices = [
         ("model_key", raw.model_key.as_ref().map(position)),
         ("request_id_key", raw.request_id_key.as_ref().map(position)),
+        ("input_bytes_key", raw.input_bytes_key.as_ref().map(position)),
         ("hold_ttl", raw.hold_ttl.as_ref().map(position)),
         ("on_lost_settle", raw.on_lost_settle.as_ref().map(position)),
     ];
@@ -34,6 +36,7 @@ pub(super) fn priced(raw: &mut raw::DomainFile, file: &Path) -> Result<Option<Pr
     let (prices, prices_file) = price_table(prices.value, file).map_err(|m| Problem::new("prices", at, m))?;
     let (model_key, _) = text(raw.model_key.take());
     let (request_id_key, _) = text(raw.request_id_key.take());
+    let (input_bytes_key, _) = text(raw.input_bytes_key.take());
     let (hold_ttl, ttl_at) = text(raw.hold_ttl.take());
     let hold_ttl = match hold_ttl {
         None => DEFAULT_HOLD_TTL,
@@ -64,6 +67,7 @@ pub(super) fn priced(raw: &mut raw::DomainFile, file: &Path) -> Result<Option<Pr
         prices_file,
         model_key: model_key.unwrap_or_else(|| "model".into()),
         request_id_key: request_id_key.unwrap_or_else(|| "request_id".into()),
+        input_bytes_key: input_bytes_key.unwrap_or_else(|| "input_bytes".into()),
         hold_ttl,
         on_lost_settle,
     }))
@@ -98,6 +102,7 @@ fn table(raw: raw::Prices) -> Result<PriceTable, String> {
         return Err("a price table needs at least one model".into());
     }
     let mut models = IndexMap::new();
+    let mut aliases = IndexMap::new();
     for (name, row) in raw.models {
         let row = row.value;
         let price = |kind: &str, text: Option<&String>| -> Result<Option<Money>, String> {
@@ -110,16 +115,42 @@ fn table(raw: raw::Prices) -> Result<PriceTable, String> {
         };
         let cached = price("cached_input", row.cached_input.as_ref())?.unwrap_or(input);
         let write = price("cache_write", row.cache_write.as_ref())?.unwrap_or(input);
+        // Counts above MAX_TOKENS are not priced exactly; a maximum past it means none.
+        let most = |key: &str, n: Option<u64>| -> Result<u64, String> {
+            match n {
+                None => Ok(MAX_TOKENS),
+                Some(n) if (1..=MAX_TOKENS).contains(&n) => Ok(n),
+                Some(n) => Err(format!("models.{name}.{key}: {n} is not between 1 and {MAX_TOKENS}")),
+            }
+        };
+        let max_output_tokens = most("max_output_tokens", row.max_output_tokens)?;
+        let max_input_tokens = most("max_input_tokens", row.max_input_tokens)?;
+        let bytes_per_token = match row.bytes_per_token {
+            None => 1,
+            Some(n @ 1..=16) => n,
+            Some(n) => return Err(format!("models.{name}.bytes_per_token: {n} is not between 1 and 16")),
+        };
+        for alias in row.aliases {
+            if let Some(earlier) = aliases.insert(alias.clone(), name.clone()) {
+                return Err(format!("models.{name}.aliases: '{alias}' is already an alias of {earlier}"));
+            }
+        }
         models.insert(
             name,
             ModelPrices {
                 row: PriceRow([input, cached, write, output]),
-                default_output_tokens: row.default_output_tokens.unwrap_or(DEFAULT_OUTPUT_TOKENS),
-                reserve_input_tokens: row.reserve_input_tokens.unwrap_or(0),
+                default_output_tokens: row.default_output_tokens.unwrap_or(DEFAULT_OUTPUT_TOKENS).min(max_output_tokens),
+                reserve_input_tokens: row.reserve_input_tokens.unwrap_or(0).min(max_input_tokens),
+                max_output_tokens,
+                max_input_tokens,
+                bytes_per_token,
             },
         );
     }
-    Ok(PriceTable { version, currency, models })
+    if let Some(alias) = aliases.keys().find(|a| models.contains_key(*a)) {
+        return Err(format!("'{alias}' is both a model and an alias"));
+    }
+    Ok(PriceTable { version, currency, models, aliases })
 }
 
 /// Output tokens held for a request that names none, where the model's row does not say.
@@ -134,5 +165,16 @@ pub(super) fn budget(raw: &Spanned<raw::Budget>) -> Result<BudgetSpec, String> {
     })?;
     let calendar = Calendar::new(per, b.timezone.as_deref().unwrap_or("UTC"))
         .map_err(|e| format!("budget.timezone: {e}"))?;
-    Ok(BudgetSpec { amount, calendar })
+    let mut alert_at = Vec::new();
+    for text in &b.alert_at {
+        let fraction = Money::parse(text)
+            .ok()
+            .filter(|f| f.0 > 0 && f.0 <= crate::budget::money::NANOS)
+            .ok_or_else(|| format!("budget.alert_at: '{text}' is not a fraction above 0 and at most 1"))?;
+        if alert_at.last().is_some_and(|last| *last >= fraction) {
+            return Err(format!("budget.alert_at: '{text}' is not above the one before (list them ascending)"));
+        }
+        alert_at.push(fraction);
+    }
+    Ok(BudgetSpec { amount, calendar, alert_at })
 }

@@ -35,6 +35,7 @@ pub struct DomainFile {
     pub prices: Option<Spanned<Prices>>,
     pub model_key: Option<Spanned<String>>,
     pub request_id_key: Option<Spanned<String>>,
+    pub input_bytes_key: Option<Spanned<String>>,
     pub hold_ttl: Option<Spanned<String>>,
     pub on_lost_settle: Option<Spanned<String>>,
 }
@@ -60,6 +61,11 @@ pub struct ModelPrices {
     pub output: Option<String>,
     pub default_output_tokens: Option<u64>,
     pub reserve_input_tokens: Option<u64>,
+    pub max_output_tokens: Option<u64>,
+    pub max_input_tokens: Option<u64>,
+    pub bytes_per_token: Option<u64>,
+    #[serde(default)]
+    pub aliases: Vec<String>,
 }
 
 /// A money budget on a node.
@@ -69,6 +75,8 @@ pub struct Budget {
     pub amount: String,
     pub per: String,
     pub timezone: Option<String>,
+    #[serde(default)]
+    pub alert_at: Vec<String>,
 }
 
 /// A node of the descriptor tree.

@@ -102,14 +102,11 @@ impl Limiter {
             return Explanation { domain: None, descriptors };
         };
         if let Some(priced) = &domain.priced {
-            let descriptors = query
-                .descriptors
-                .iter()
-                .map(|d| Explained {
-                    rule: None,
-                    effect: self.explain_priced(domain, priced, &d.entries, d.hits),
-                })
-                .collect();
+            let mut descriptors = Vec::with_capacity(query.descriptors.len());
+            for d in &query.descriptors {
+                let effect = self.explain_priced(domain, priced, &d.entries, d.hits).await;
+                descriptors.push(Explained { rule: None, effect });
+            }
             return Explanation { domain: Some(domain.clone()), descriptors };
         }
         let mut plans: Vec<Plan<'_>> = query.descriptors.iter().map(|d| self.plan(domain, d)).collect();

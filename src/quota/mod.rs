@@ -24,6 +24,7 @@ use futures::future::BoxFuture;
 use serde::Serialize;
 
 use crate::bucket::BucketSpec;
+use crate::budget::BudgetOverride;
 
 /// The class every tier must be able to fall back to.
 pub const DEFAULT_CLASS: &str = "default";
@@ -105,6 +106,13 @@ pub trait QuotaSource: Send + Sync + 'static {
         inline: &'a InlineTenants,
         tenant: &'a str,
     ) -> BoxFuture<'a, Option<Arc<TenantRecord>>>;
+
+    /// The override of the budget at the level `path` ([`crate::identity::path_text`]) of
+    /// `domain`, if one is set; a source without budget overrides has none.
+    fn budget<'a>(&'a self, domain: &'a str, path: &'a str) -> BoxFuture<'a, Option<BudgetOverride>> {
+        let _ = (domain, path);
+        Box::pin(std::future::ready(None))
+    }
 }
 
 /// Tenant records written inline in the domain file (`tenants:`).

@@ -1,26 +1,48 @@
 //! `tollgate render envoy` for a priced domain (LLM spend budgets): what Envoy 1.40 must send so
 //! that a request holds its cost before it is forwarded and settles its usage when it is done.
 //!
-//! * A Lua filter, before the ratelimit filter, reads the request body's `model` and
-//!   `max_completion_tokens` (else `max_tokens`, else 0: the model's default) into dynamic
-//!   metadata (`tollgate:model`, `tollgate:max_tokens`). On the response it passes the body
-//!   through chunk by chunk, keeping only its tail, and reads the last `usage` object in it: an
-//!   OpenAI-style JSON response's, or a streamed response's final usage event. It sets the four
-//!   usage kinds, disjoint: `input` is `prompt_tokens` less the cached tokens (OpenAI counts those
-//!   inside it; Anthropic's `input_tokens` already excludes cached and cache-write tokens).
-//! * The ratelimit filter's own `rate_limits`: one entry with the path down to the request id
-//!   (`x-request-id`, which Envoy sets on every request, unless the node names a source) and
-//!   `hits_addend` = the held output tokens; four entries at stream end, one per usage kind, the
-//!   same path and a `usage` entry, `hits_addend` = that kind's count. Envoy sends no descriptor
-//!   whose count it cannot read (a response without usage, Envoy's own 429): nothing is settled,
-//!   and the hold expires as `on_lost_settle` says.
+//! * A Lua filter, before the ratelimit filter, reads the request body with a JSON scanner of
+//!   its own (top-level members only, escapes decoded, nested values skipped) and refuses with
+//!   400 and a reason a body that is not a JSON object, whose top-level `model` is missing, not a
+//!   string or given twice, or whose `max_tokens` / `max_completion_tokens` is not a whole number
+//!   or given twice: a decoy `"model"` inside `metadata` is never what is priced. It puts the
+//!   model, the larger of the two token maxima (0 when neither: the model's default) and the
+//!   body's size in bytes into dynamic metadata (`tollgate:model`, `tollgate:max_tokens`,
+//!   `tollgate:input_bytes`). On the response it passes the body through chunk by chunk, keeping
+//!   its head and tail: the model the answer names (`tollgate:served_model`) and the last `usage`
+//!   object (an OpenAI-style JSON response's, or a streamed response's final usage event). It
+//!   sets the four usage kinds, disjoint: `input` is `prompt_tokens` less the cached tokens
+//!   (OpenAI counts those inside it; Anthropic's `input_tokens` already excludes cached and
+//!   cache-write tokens).
+//! * The ratelimit filter's own `rate_limits`: one entry with the path down to the request id,
+//!   the body size (`input_bytes_key`) right before it and `hits_addend` = the held output
+//!   tokens; four entries at stream end, one per usage kind, the same path, the served model if
+//!   the answer named one, and a `usage` entry, `hits_addend` = that kind's count. Envoy sends no
+//!   descriptor whose count it cannot read (a response without usage, Envoy's own 429): nothing
+//!   is settled, and the hold expires as `on_lost_settle` says.
+//! * The request id is `x-request-id` unless the node names a source. The connection manager
+//!   must make it Envoy's own ([`connection_manager`]: `use_remote_address`, the client's header
+//!   not preserved), since a client that chooses its id could pair its requests with one hold.
+//!   Header sources skip an absent header (`skip_if_absent`), so a request without one sends a
+//!   path with a level missing, which tollgate refuses, instead of no descriptor at all, which
+//!   Envoy would let through.
+//! * The filter fails closed (`failure_mode_deny: true`): a priced domain's `failure_mode` is
+//!   `deny` unless its file says `allow`.
 
 use serde_json::{json, Value};
 
 use super::{action, JwtPayload, RenderError};
 use crate::config::{Domain, Priced, Source};
-use crate::limiter::USAGE_KEY;
+use crate::limiter::{SERVED_MODEL_KEY, USAGE_KEY};
 use crate::matcher::{Level, Node};
+
+/// What the HTTP connection manager in front of a priced domain must set: Envoy makes the
+/// `x-request-id` of every request from outside (since 1.40 no downstream address is internal
+/// unless `internal_address_config` lists it; no client may reach the listener from a listed
+/// one), so no client picks the id its hold is recorded under.
+pub fn connection_manager() -> Value {
+    json!({ "use_remote_address": true, "preserve_external_request_id": false })
+}
 
 /// The Lua filter that fills the `tollgate` metadata the entries read.
 pub fn lua_filter() -> Value {
@@ -33,20 +55,145 @@ pub fn lua_filter() -> Value {
     })
 }
 
-const LUA: &str = r#"function envoy_on_request(handle)
+const LUA: &str = r#"-- A JSON object's top-level members: name -> list of {type, value} (strings decoded, whole
+-- numbers read, nested values skipped), or nil and why the text is not one.
+local function members(text)
+  local pos, n = 1, #text
+  local function ws() pos = string.find(text, "[^ \t\r\n]", pos) or n + 1 end
+  local function utf8(c)
+    if c < 0x80 then return string.char(c) end
+    if c < 0x800 then return string.char(0xC0 + math.floor(c / 0x40), 0x80 + c % 0x40) end
+    if c < 0x10000 then
+      return string.char(0xE0 + math.floor(c / 0x1000), 0x80 + math.floor(c / 0x40) % 0x40, 0x80 + c % 0x40)
+    end
+    return string.char(0xF0 + math.floor(c / 0x40000), 0x80 + math.floor(c / 0x1000) % 0x40,
+      0x80 + math.floor(c / 0x40) % 0x40, 0x80 + c % 0x40)
+  end
+  local escapes = { ['"'] = '"', ["\\"] = "\\", ["/"] = "/", b = "\b", f = "\f", n = "\n", r = "\r", t = "\t" }
+  local function str()
+    local out = {}
+    pos = pos + 1
+    while true do
+      local at = string.find(text, '["\\]', pos)
+      if not at then return nil end
+      out[#out + 1] = string.sub(text, pos, at - 1)
+      if string.sub(text, at, at) == '"' then
+        pos = at + 1
+        return table.concat(out)
+      end
+      local e = string.sub(text, at + 1, at + 1)
+      if escapes[e] then
+        out[#out + 1] = escapes[e]
+        pos = at + 2
+      elseif e == "u" then
+        local c = tonumber(string.sub(text, at + 2, at + 5), 16)
+        if not c then return nil end
+        pos = at + 6
+        if c >= 0xD800 and c < 0xDC00 and string.sub(text, pos, pos + 1) == "\\u" then
+          local low = tonumber(string.sub(text, pos + 2, pos + 5), 16)
+          if low and low >= 0xDC00 and low < 0xE000 then
+            c = 0x10000 + (c - 0xD800) * 0x400 + (low - 0xDC00)
+            pos = pos + 6
+          end
+        end
+        out[#out + 1] = utf8(c)
+      else
+        return nil
+      end
+    end
+  end
+  -- Reads past a value; its type and, for strings and whole numbers, its value.
+  local function value()
+    ws()
+    local c = string.sub(text, pos, pos)
+    if c == '"' then
+      local s = str()
+      if s == nil then return nil end
+      return "string", s
+    elseif c == "{" or c == "[" then
+      local depth = 0
+      repeat
+        local at = string.find(text, '[][{}"]', pos)
+        if not at then return nil end
+        local d = string.sub(text, at, at)
+        pos = at
+        if d == '"' then
+          if str() == nil then return nil end
+        else
+          depth = depth + ((d == "{" or d == "[") and 1 or -1)
+          pos = at + 1
+        end
+      until depth == 0
+      return "nested"
+    end
+    local token = string.match(text, "^[^,}%] \t\r\n]+", pos)
+    if not token then return nil end
+    pos = pos + #token
+    if string.match(token, "^%d+$") then return "number", tonumber(token) end
+    return "other", token
+  end
+  ws()
+  if string.sub(text, pos, pos) ~= "{" then return nil, "the body is not a JSON object" end
+  pos = pos + 1
+  local found = {}
+  ws()
+  if string.sub(text, pos, pos) == "}" then return found end
+  while true do
+    ws()
+    if string.sub(text, pos, pos) ~= '"' then return nil, "the body is not valid JSON" end
+    local name = str()
+    ws()
+    if name == nil or string.sub(text, pos, pos) ~= ":" then return nil, "the body is not valid JSON" end
+    pos = pos + 1
+    local kind, v = value()
+    if kind == nil then return nil, "the body is not valid JSON" end
+    found[name] = found[name] or {}
+    table.insert(found[name], { kind, v })
+    ws()
+    local c = string.sub(text, pos, pos)
+    pos = pos + 1
+    if c == "}" then return found end
+    if c ~= "," then return nil, "the body is not valid JSON" end
+  end
+end
+
+function envoy_on_request(handle)
   local body = handle:body()
   local text = body and body:getBytes(0, body:length()) or ""
+  local function refuse(why)
+    handle:respond({ [":status"] = "400", ["content-type"] = "text/plain" }, why .. "\n")
+  end
+  local found, why = members(text)
+  if not found then return refuse(why) end
+  local model = found["model"]
+  if not model then return refuse("the body has no top-level \"model\"") end
+  if #model > 1 then return refuse("the body gives \"model\" more than once") end
+  if model[1][1] ~= "string" or model[1][2] == "" then return refuse("\"model\" is not a model name") end
+  local max = 0
+  for _, name in ipairs({ "max_tokens", "max_completion_tokens" }) do
+    local given = found[name]
+    if given then
+      if #given > 1 then return refuse("the body gives \"" .. name .. "\" more than once") end
+      if given[1][1] ~= "number" then return refuse("\"" .. name .. "\" is not a whole number") end
+      if given[1][2] > max then max = given[1][2] end
+    end
+  end
   local meta = handle:streamInfo():dynamicMetadata()
-  meta:set("tollgate", "model", string.match(text, '"model"%s*:%s*"([^"]*)"') or "")
-  local max = string.match(text, '"max_completion_tokens"%s*:%s*(%d+)') or string.match(text, '"max_tokens"%s*:%s*(%d+)')
-  meta:set("tollgate", "max_tokens", max or "0")
+  meta:set("tollgate", "model", model[1][2])
+  meta:set("tollgate", "max_tokens", string.format("%d", max))
+  meta:set("tollgate", "input_bytes", tostring(#text))
 end
 
 function envoy_on_response(handle)
-  local tail = ""
+  local head, tail = "", ""
   for chunk in handle:bodyChunks() do
-    tail = string.sub(tail .. chunk:getBytes(0, chunk:length()), -16384)
+    local bytes = chunk:getBytes(0, chunk:length())
+    if #head < 4096 then head = head .. string.sub(bytes, 1, 4096 - #head) end
+    tail = string.sub(tail .. bytes, -16384)
   end
+  local meta = handle:streamInfo():dynamicMetadata()
+  local served = string.match(head, '"model"%s*:%s*"([^"]*)"')
+  if served and served ~= "" then meta:set("tollgate", "served_model", served) end
   local usage
   for u in string.gmatch(tail, '"usage"%s*:%s*(%b{})') do usage = u end
   if not usage then return end
@@ -57,13 +204,26 @@ function envoy_on_response(handle)
   local written = count("cache_creation_input_tokens") or 0
   local input = count("input_tokens")
   if count("prompt_tokens") then input = math.max(0, count("prompt_tokens") - cached - written) end
-  local meta = handle:streamInfo():dynamicMetadata()
   meta:set("tollgate", "input", tostring(input or 0))
   meta:set("tollgate", "cached_input", tostring(cached))
   meta:set("tollgate", "cache_write", tostring(written))
   meta:set("tollgate", "output", tostring(count("completion_tokens") or count("output_tokens") or 0))
 end
 "#;
+
+// An action reading `field` of the `tollgate` metadata into entry `key`; with `skip_if_absent`,
+// the entry is left out when the field is not set.
+fn metadata(key: &str, field: &str, skip_if_absent: bool) -> Value {
+    let mut action = json!({ "metadata": {
+        "descriptor_key": key,
+        "source": "DYNAMIC",
+        "metadata_key": { "key": "tollgate", "path": [{ "key": field }] },
+    }});
+    if skip_if_absent {
+        action["metadata"]["skip_if_absent"] = json!(true);
+    }
+    action
+}
 
 /// The ratelimit filter's `rate_limits` for priced `domain`: one entry per path down to a
 /// request id, and four at stream end.
@@ -85,12 +245,18 @@ fn walk(
         let mut path = actions.to_vec();
         path.push(node_action(domain, priced, node, jwt)?);
         if node.key == priced.request_id_key {
+            // The body's size goes right before the request id.
+            let mut path = path.clone();
+            let id = path.pop().expect("just pushed");
+            path.push(metadata(&priced.input_bytes_key, "input_bytes", false));
+            path.push(id);
             out.push(json!({
                 "actions": path,
                 "hits_addend": { "format": "%DYNAMIC_METADATA(tollgate:max_tokens)%" },
             }));
             for kind in crate::budget::Kind::ALL {
                 let mut settle = path.clone();
+                settle.push(metadata(SERVED_MODEL_KEY, "served_model", true));
                 settle.push(json!({ "generic_key": { "descriptor_key": USAGE_KEY, "descriptor_value": kind.name() } }));
                 out.push(json!({
                     "actions": settle,
@@ -112,17 +278,22 @@ fn node_action(
     node: &Node,
     jwt: &JwtPayload,
 ) -> Result<Value, RenderError> {
-    match &node.source {
-        Some(source) => Ok(action(&node.key, source, jwt)),
-        None if node.key == priced.model_key => Ok(json!({ "metadata": {
-            "descriptor_key": node.key,
-            "source": "DYNAMIC",
-            "metadata_key": { "key": "tollgate", "path": [{ "key": "model" }] },
-            "default_value": "_no_model",
-        }})),
-        None if node.key == priced.request_id_key => {
-            Ok(action(&node.key, &Source::RequestHeader("x-request-id".into()), jwt))
+    let mut action = match &node.source {
+        Some(source) => action(&node.key, source, jwt),
+        None if node.key == priced.model_key => {
+            let mut model = metadata(&node.key, "model", false);
+            model["metadata"]["default_value"] = json!("_no_model");
+            model
         }
-        None => Err(RenderError::NoSource { domain: domain.name.clone(), path: node.key.clone() }),
+        None if node.key == priced.request_id_key => {
+            action(&node.key, &Source::RequestHeader("x-request-id".into()), jwt)
+        }
+        None => return Err(RenderError::NoSource { domain: domain.name.clone(), path: node.key.clone() }),
+    };
+    // An absent header leaves its level out of the path (refused by tollgate) rather than the
+    // whole descriptor (let through by Envoy).
+    if let Some(headers) = action.get_mut("request_headers") {
+        headers["skip_if_absent"] = json!(true);
     }
+    Ok(action)
 }

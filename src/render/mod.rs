@@ -323,6 +323,7 @@ pub fn envoy(rules: &RuleSet, options: &RenderOptions, address: &str) -> Result<
         let limits = budget::rate_limits(domain, priced, &options.jwt)?;
         return Ok(json!({
             "domain": domain.name,
+            "http_connection_manager": budget::connection_manager(),
             "http_filters": [budget::lua_filter(), http_filter(domain, "tollgate", options, &limits)],
             "cluster": tollgate_cluster(host, port),
         }));

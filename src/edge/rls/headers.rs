@@ -20,7 +20,9 @@
 //!   key, nearest the top; `model` for a model without a price), `X-Budget-Remaining` (the money
 //!   left at the level with the least, all nine decimals and the currency) and `X-Budget-Reset`
 //!   (whole seconds to that level's period end); with `retry-after`, a budget's denial is retried
-//!   at its period end.
+//!   at its period end, and a request refused whatever the budgets say (`request`, `request_id`:
+//!   retrying cannot help) gets none. `X-Budget-Warning` (`<level>=<threshold>, ...`) names each
+//!   level whose spend is at or above one of its `alert_at` soft limits, with the highest.
 //! * `grpc-status-details`: on OVER_LIMIT, `grpc-status-details-bin`, the base64 of a
 //!   `google.rpc.Status` (RESOURCE_EXHAUSTED) carrying `google.rpc.RetryInfo` with the same wait
 //!   as `Retry-After` (without RetryInfo when retrying cannot help). Envoy's gRPC local reply for
@@ -38,6 +40,8 @@ use crate::limiter::{BucketReport, BudgetReport, Code, Decision, Outcome};
 pub const FAILURE_MODE_HEADER: &str = "X-Tollgate-Failure-Mode";
 /// Names the exhausted budget level of a priced request's denial.
 pub const BUDGET_EXHAUSTED: &str = "X-Budget-Exhausted";
+/// Names each budget level whose spend is at or above a soft limit, with that limit.
+pub const BUDGET_WARNING: &str = "X-Budget-Warning";
 
 /// The headers for `decision`, as (name, value) pairs.
 pub fn response_headers(decision: &Decision) -> Vec<(&'static str, String)> {
@@ -120,6 +124,16 @@ fn budget_headers(decision: &Decision, retry_after: bool, headers: &mut Vec<(&'s
         .collect();
     if let Some(level) = reports.iter().find_map(|r| r.exhausted.as_ref()) {
         headers.push((BUDGET_EXHAUSTED, level.clone()));
+    }
+    let mut warnings: Vec<String> = Vec::new();
+    for (level, fraction) in reports.iter().flat_map(|r| &r.warnings) {
+        let text = format!("{level}={}", crate::limiter::fraction_text(*fraction));
+        if !warnings.contains(&text) {
+            warnings.push(text);
+        }
+    }
+    if !warnings.is_empty() {
+        headers.push((BUDGET_WARNING, warnings.join(", ")));
     }
     if let Some((report, (left, reset))) =
         reports.iter().filter_map(|r| Some((r, r.least?))).min_by_key(|(_, (left, _))| *left)

@@ -7,11 +7,13 @@
 -- subtracts and compares.
 --
 -- Keys, all in the org's hash tag (so the level keys the script names lie in KEYS[1]'s slot):
---   <level base>:<period start>     hash: s = spent, h = held, in the period
+--   <level base>:<period start>     hash: s = spent, h = held, in the period, w = how many of
+--                                   its alerts the spend has crossed
 --   <level base>:<period start>:q   sorted set of its open holds, '<amount>|<record key>' by
 --                                   expiry (ms)
 --   (each hash also has x = when it expires, ms)
---   KEYS[1], the request's record   hash: v = price version, r = its price row, a = amount held,
+--   KEYS[1], the request's record   hash: b = its binding (the request's path), v = price
+--                                   version, r = its price row, a = amount held,
 --                                   t = tokens held (0 once trued up), e = hold expiry (ms),
 --                                   o = open (1/0), c = charged so far, k = the settled kinds'
 --                                   cost, p = the levels held ('<key> <period end> ...'),
@@ -19,25 +21,28 @@
 --
 -- KEYS: the request's record, then the token buckets on the path.
 -- ARGV: 'hold', 'settle', 'cancel' or 'peek', what an expired hold becomes ('charge' or 'release'), how long a
---       record and a period's state outlive it (ms), price version, price row; level count, then
---       per level: base key, amount, and the periods around the caller's clock (previous start,
---       start, end, next end); bucket count, then per bucket: key index, capacity, refill per
+--       record and a period's state outlive it (ms), price version ('' for a settlement that can
+--       only be priced at its record's), price row, binding; level count, then per level: base
+--       key, amount, the periods around the caller's clock (previous start, start, end, next
+--       end), the alert count and each alert's spend (ascending); bucket count, then per bucket: key index, capacity, refill per
 --       second, max debt ('' = charged only if admitted); then for 'hold': amount, tokens, hold
 --       TTL (ms); for 'settle': kind count, then per kind: name, tokens, cost at this version.
 -- Reply: now_ms, outcome, then
---   hold ('admitted', 'duplicate': the record exists, 'denied'): the exhausted level (1-based,
---     0: none), the short bucket (0: none), the level count and per level: used (spent + held)
---     and period end (ms), the count of buckets evaluated and per bucket: tokens (%.17g) and
+--   hold ('admitted', 'duplicate': the record is open with this binding and hold, 'reused': the
+--     record is another request's or closed, 'denied'): the exhausted level (1-based, 0: none),
+--     the short bucket (0: none), the level count and per level: used (spent + held), spent,
+--     period end (ms), and the alerts crossed before and after the op, the count of buckets evaluated and per bucket: tokens (%.17g) and
 --     retry (ms, -1: never);
 --   settle ('settled'): the amount charged now, what the hold was ('open', 'expired',
---     'settled', 'none'), the count of levels charged and per level: used and period end;
+--     'settled', 'none', 'other': the record has another binding, nothing charged), the count of
+--     levels charged and per level as for a hold;
 --   and last, for every outcome but 'reprice', the count of holds found expired (at the op's
 --   first level);
 --   peek ('peeked'): per level its spent and held money and period end, nothing changed;
 --   settle ('reprice'): the hold's version and price row, at which the caller prices again;
 --   cancel ('cancelled'): what the hold was ('open': released, its tokens given back; 'none': a
 --     closed record is left, so that the hold, should it still arrive, takes nothing; 'settled',
---     'expired': nothing to undo).
+--     'expired', 'other': nothing to undo).
 
 local LIMB = 1000000000
 local function money(text)
@@ -71,7 +76,7 @@ local function arg()
   argi = argi + 1
   return ARGV[argi]
 end
-local op, lost, life, version, row = arg(), arg(), tonumber(arg()), arg(), arg()
+local op, lost, life, version, row, binding = arg(), arg(), tonumber(arg()), arg(), arg(), arg()
 local record = KEYS[1]
 -- Keys expire by their x field, on the script's clock, not by Redis's own expiry, which runs on
 -- the clock the script started at (a millisecond earlier, at times); PEXPIREAT only cleans up.
@@ -84,23 +89,25 @@ local function expired(key)
   return not x
 end
 
--- A level's state in a period, by key: {spent, held, period end, written}. Loading it settles
--- the holds that expired: their amount is no longer held and, under 'charge', is spent.
+-- A level's state in a period, by key: {spent, held, period end, written, alerts crossed,
+-- alerts crossed when loaded, alert spends}. Loading it settles the holds that expired: their
+-- amount is no longer held and, under 'charge', is spent.
 local ledger = {}
 -- Holds found expired at the first level the op loads (its top one, where every hold of the
 -- requests under it is listed once): what the reply counts.
 local swept, top = 0, nil
-local function level(key, finish)
+local function level(key, finish, alerts)
   local l = ledger[key]
   if l then return l end
   if top == nil then top = key end
-  local v = redis.call('HMGET', key, 's', 'h', 'x')
+  local v = redis.call('HMGET', key, 's', 'h', 'x', 'w')
   local q = key .. ':q'
   if v[3] and tonumber(v[3]) < now then
     redis.call('DEL', key, q)
     v = {}
   end
-  l = {money(v[1]), money(v[2]), finish, false}
+  local w = tonumber(v[4]) or 0
+  l = {money(v[1]), money(v[2]), finish, false, w, w, alerts or {}}
   local due = redis.call('ZRANGEBYSCORE', q, '-inf', now)
   if #due > 0 then
     for _, m in ipairs(due) do
@@ -122,9 +129,24 @@ local function write_levels()
   for key, l in pairs(ledger) do
     if l[4] then
       local expires = string.format('%d', l[3] + life)
-      redis.call('HSET', key, 's', money_text(l[1]), 'h', money_text(l[2]), 'x', expires)
+      redis.call('HSET', key, 's', money_text(l[1]), 'h', money_text(l[2]), 'x', expires,
+        'w', string.format('%d', l[5]))
       redis.call('PEXPIREAT', key, expires)
       redis.call('PEXPIREAT', key .. ':q', expires)
+    end
+  end
+end
+
+-- Counts the alerts each level's spend has now crossed; a level whose count grew is written.
+local function alert()
+  for _, l in pairs(ledger) do
+    local crossed = 0
+    for _, a in ipairs(l[7]) do
+      if not less(l[1], a) then crossed = crossed + 1 end
+    end
+    if crossed > l[5] then
+      l[5] = crossed
+      l[4] = true
     end
   end
 end
@@ -138,7 +160,9 @@ for i = 1, tonumber(arg()) do
   elseif now >= finish then
     start, finish = finish, after
   end
-  levels[i] = {base .. ':' .. string.format('%d', start), amount, finish}
+  local alerts = {}
+  for j = 1, tonumber(arg()) do alerts[j] = money(arg()) end
+  levels[i] = {base .. ':' .. string.format('%d', start), amount, finish, nil, alerts}
 end
 local buckets = {}
 for i = 1, tonumber(arg()) do
@@ -153,12 +177,16 @@ local function bucket_group(need)
 end
 
 local out = {now}
--- Appends the count of `list`'s levels and, per level, its used money and period end.
+-- Appends the count of `list`'s levels and, per level, its used and spent money, period end
+-- and alerts crossed before and after.
 local function readings(list)
   out[#out + 1] = #list
   for _, lv in ipairs(list) do
     out[#out + 1] = money_text(plus(lv[4][1], lv[4][2]))
+    out[#out + 1] = money_text(lv[4][1])
     out[#out + 1] = lv[3]
+    out[#out + 1] = lv[4][6]
+    out[#out + 1] = lv[4][5]
   end
 end
 
@@ -177,9 +205,16 @@ end
 if op == 'hold' then
   local amount, tokens, ttl = money(arg()), tonumber(arg()), tonumber(arg())
   local outcome, exhausted, short = 'admitted', 0, 0
-  for _, lv in ipairs(levels) do lv[4] = level(lv[1], lv[3]) end
+  for _, lv in ipairs(levels) do lv[4] = level(lv[1], lv[3], lv[5]) end
   if not expired(record) then
-    outcome = 'duplicate'
+    -- Only the same request asking again is a retry: open, same path, same hold.
+    local r = redis.call('HMGET', record, 'o', 'e', 'b', 'a', 't')
+    if r[1] == '1' and tonumber(r[2]) > now and r[3] == binding and r[4] == money_text(amount)
+        and tonumber(r[5]) == tokens then
+      outcome = 'duplicate'
+    else
+      outcome = 'reused'
+    end
   else
     for i, lv in ipairs(levels) do
       if exhausted == 0 and less(lv[2], plus(plus(lv[4][1], lv[4][2]), amount)) then exhausted = i end
@@ -206,12 +241,14 @@ if op == 'hold' then
       redis.call('ZADD', lv[1] .. ':q', string.format('%d', expires), money_text(amount) .. '|' .. record)
       held[#held + 1] = lv[1] .. ' ' .. string.format('%d', lv[3])
     end
-    redis.call('HSET', record, 'v', version, 'r', row, 'a', money_text(amount), 't', string.format('%d', tokens),
+    redis.call('HSET', record, 'b', binding, 'v', version, 'r', row, 'a', money_text(amount),
+      't', string.format('%d', tokens),
       'e', string.format('%d', expires), 'o', '1', 'c', '0', 'k', '0', 'p', table.concat(held, ' '),
       'x', string.format('%d', now + life))
     redis.call('PEXPIREAT', record, string.format('%d', now + life))
   end
   write_dirty()
+  alert()
   write_levels()
   out[#out + 1] = outcome
   out[#out + 1] = exhausted
@@ -228,12 +265,14 @@ end
 
 if op == 'cancel' then
   local rec = {}
-  if not expired(record) then rec = redis.call('HMGET', record, 'a', 't', 'e', 'o', 'p') end
+  if not expired(record) then rec = redis.call('HMGET', record, 'a', 't', 'e', 'o', 'p', 'b') end
   local had = 'none'
   if not rec[1] then
-    redis.call('HSET', record, 'v', version, 'r', row, 'a', '0', 't', '0', 'e', string.format('%d', now),
-      'o', '0', 'c', '0', 'k', '0', 'p', '', 'x', string.format('%d', now + life))
+    redis.call('HSET', record, 'b', binding, 'v', version, 'r', row, 'a', '0', 't', '0',
+      'e', string.format('%d', now), 'o', '0', 'c', '0', 'k', '0', 'p', '', 'x', string.format('%d', now + life))
     redis.call('PEXPIREAT', record, string.format('%d', now + life))
+  elseif rec[6] ~= binding then
+    had = 'other'
   elseif rec[4] ~= '1' then
     had = 'settled'
   elseif tonumber(rec[3]) <= now then
@@ -260,16 +299,23 @@ end
 local kinds = {}
 for i = 1, tonumber(arg()) do kinds[i] = {arg(), tonumber(arg()), money(arg())} end
 local rec = {}
-if not expired(record) then rec = redis.call('HMGET', record, 'v', 'r', 'a', 't', 'e', 'o', 'c', 'k', 'p', 'x') end
+if not expired(record) then
+  rec = redis.call('HMGET', record, 'v', 'r', 'a', 't', 'e', 'o', 'c', 'k', 'p', 'x', 'b')
+end
+-- Another request's record, or no record and no price to charge at: nothing.
+if rec[1] and rec[11] ~= binding then return {now, 'settled', '0', 'other', 0, 0} end
+if not rec[1] and version == '' then return {now, 'settled', '0', 'none', 0, 0} end
 local charged_levels = levels
 if rec[1] then
   if rec[1] ~= version then return {now, 'reprice', rec[1], rec[2]} end
   charged_levels = {}
+  local i = 0
   for key, finish in string.gmatch(rec[9], '(%S+) (%S+)') do
-    charged_levels[#charged_levels + 1] = {key, nil, tonumber(finish)}
+    i = i + 1
+    charged_levels[i] = {key, nil, tonumber(finish), nil, levels[i] and levels[i][5]}
   end
 end
-for _, lv in ipairs(charged_levels) do lv[4] = level(lv[1], lv[3]) end
+for _, lv in ipairs(charged_levels) do lv[4] = level(lv[1], lv[3], lv[5]) end
 
 -- Only kinds not settled before count (a retried or duplicated call charges once).
 local cost, tokens, fresh = {0, 0}, 0, {}
@@ -328,7 +374,7 @@ if #fresh > 0 or had ~= 'settled' then
   if not rec[1] then
     local held = {}
     for _, lv in ipairs(charged_levels) do held[#held + 1] = lv[1] .. ' ' .. string.format('%d', lv[3]) end
-    for _, f in ipairs({'v', version, 'r', row, 'a', '0', 't', '0', 'e', string.format('%d', now),
+    for _, f in ipairs({'b', binding, 'v', version, 'r', row, 'a', '0', 't', '0', 'e', string.format('%d', now),
                         'p', table.concat(held, ' ')}) do
       fields[#fields + 1] = f
     end
@@ -341,6 +387,7 @@ if #fresh > 0 or had ~= 'settled' then
   redis.call('PEXPIREAT', record, string.format('%d', expires))
 end
 write_dirty()
+alert()
 write_levels()
 out[#out + 1] = 'settled'
 out[#out + 1] = money_text(now_charge)

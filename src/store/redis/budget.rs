@@ -26,11 +26,14 @@ impl RedisStore {
             op.life_ms.to_string(),
             op.version.clone(),
             op.row.text(),
+            op.binding.clone(),
             op.levels.len().to_string(),
         ];
         for level in &op.levels {
             args.extend([level.base.clone(), level.amount.nanos()]);
             args.extend(level.around.iter().map(i64::to_string));
+            args.push(level.alerts.len().to_string());
+            args.extend(level.alerts.iter().map(|a| a.nanos()));
         }
         args.push(op.buckets.len().to_string());
         for (i, b) in op.buckets.iter().enumerate() {
@@ -69,6 +72,7 @@ fn parse(reply: Value) -> Result<BudgetOutcome, StoreError> {
     let verdict = match outcome.as_str() {
         "admitted" => HoldVerdict::Admitted,
         "duplicate" => HoldVerdict::Duplicate,
+        "reused" => HoldVerdict::Reused,
         "denied" => HoldVerdict::Denied,
         "settled" => {
             let charged = r.money()?;
@@ -142,6 +146,7 @@ impl Reply {
             "expired" => Ok(HadHold::Expired),
             "settled" => Ok(HadHold::Settled),
             "none" => Ok(HadHold::None),
+            "other" => Ok(HadHold::Other),
             other => Err(bad(&format!("unknown hold state '{other}'"))),
         }
     }
@@ -154,8 +159,21 @@ impl Reply {
         self.text()?.parse().map_err(|_| bad("not a number"))
     }
 
-    // A count, then that many levels' used money and period end.
+    // A count, then per level: used and spent money, period end, alerts crossed before and after.
     fn readings(&mut self) -> Result<Vec<LevelReading>, StoreError> {
-        (0..self.int()?).map(|_| Ok(LevelReading { used: self.money()?, end_ms: self.int()? })).collect()
+        (0..self.int()?)
+            .map(|_| {
+                Ok(LevelReading {
+                    used: self.money()?,
+                    spent: self.money()?,
+                    end_ms: self.int()?,
+                    alerted: (self.alerts()?, self.alerts()?),
+                })
+            })
+            .collect()
+    }
+
+    fn alerts(&mut self) -> Result<u32, StoreError> {
+        u32::try_from(self.int()?).map_err(|_| bad("not an alert count"))
     }
 }
