@@ -40,7 +40,9 @@ prices:
   version: "{version}"
   currency: USD
   models:
-    gpt-4o:        {{input: 2.50, cached_input: 1.25, output: {output_price}, default_output_tokens: 1000}}
+    gpt-4o:        {{input: 2.50, cached_input: 1.25, output: {output_price}, default_output_tokens: 1000,
+                    aliases: [gpt-4o-2024-08-06]}}
+    gpt-4o-mini:   {{input: 0.15, output: 0.60, max_output_tokens: 16384, max_input_tokens: 128000}}
     claude-sonnet: {{input: 3.00, cached_input: 0.30, cache_write: 3.75, output: 15.00, reserve_input_tokens: 4000}}
 descriptors:
   - key: org
@@ -50,7 +52,7 @@ descriptors:
         budget: {{amount: 2.00, per: month}}
         descriptors:
           - key: api_key
-            budget: {{amount: 1.00, per: day}}
+            budget: {{amount: 1.00, per: day, alert_at: [0.5, 0.9]}}
             token_bucket: {{capacity: 200000, refill_per_second: 2000}}
             descriptors:
               - key: model
@@ -218,10 +220,141 @@ async fn all_or_nothing(addr: &str, levels: &mut Levels) {
     assert_eq!(ask(addr, hold("o3", "t", "c", "gpt-4o", "r4", 20_000)).await.unwrap().overall_code, OK);
 }
 
+/// A request id used again: after its settlement, or by another key while its hold is open. The
+/// second asker is refused (`X-Budget-Exhausted: request_id`), nothing held or charged anywhere,
+/// and the settlement of the other path charges nothing; the real settlement still lands.
+async fn reused_request_ids(addr: &str, levels: &mut Levels) {
+    let refused =
+        |r: &RateLimitResponse| code_and(r, "X-Budget-Exhausted") == (OVER_LIMIT, Some("request_id".into()));
+    assert_eq!(ask(addr, hold("ru", "t", "k", "gpt-4o", "r1", 1_000)).await.unwrap().overall_code, OK);
+    ask(addr, settle("ru", "t", "k", "gpt-4o", "r1", &[("output", 1_000)])).await.unwrap();
+    // Replayed after its settlement, on the same path: refused, not a free retry.
+    for _ in 0..3 {
+        let r = ask(addr, hold("ru", "t", "k", "gpt-4o", "r1", 1_000)).await.unwrap();
+        assert!(refused(&r), "a settled id is never admitted again: {r:?}");
+        assert_eq!(header(&r, "Retry-After"), None, "retrying cannot help");
+    }
+    // An open id taken by another team's key, and by the same key asking another hold.
+    assert_eq!(ask(addr, hold("ru", "t", "k", "gpt-4o", "open", 1_000)).await.unwrap().overall_code, OK);
+    assert!(refused(&ask(addr, hold("ru", "t2", "k2", "gpt-4o", "open", 1_000)).await.unwrap()));
+    assert!(refused(&ask(addr, hold("ru", "t", "k", "gpt-4o", "open", 9_000)).await.unwrap()));
+    // The other key's usage for that id is not charged to the first key's path, nor its own.
+    ask(addr, settle("ru", "t2", "k2", "gpt-4o", "open", &[("output", 75_900)])).await.unwrap();
+    if let Some(key) = levels.read("org=ru:team=t:api_key=k", &day()) {
+        assert_eq!(key, (usd("0.01"), usd("0.01")), "r1 spent, 'open' still held: nothing of k2's");
+        assert_eq!(levels.read("org=ru:team=t2:api_key=k2", &day()), Some((Money::ZERO, Money::ZERO)));
+        assert_eq!(levels.read("org=ru", &month()), Some((usd("0.01"), usd("0.01"))));
+    }
+    // The first key's own settlement is still taken.
+    ask(addr, settle("ru", "t", "k", "gpt-4o", "open", &[("output", 500)])).await.unwrap();
+    if let Some(key) = levels.read("org=ru:team=t:api_key=k", &day()) {
+        assert_eq!(key, (usd("0.015"), Money::ZERO), "k's real settlement charged, its hold released");
+    }
+    // An empty request id is nobody's.
+    assert!(refused(&ask(addr, hold("ru", "t", "k", "gpt-4o", "", 1_000)).await.unwrap()));
+}
+
+/// What a client sends never turns into an admit: a descriptor with a level missing or an entry
+/// extra, a value over the size limit, or a hold larger than a level's whole amount gets
+/// OVER_LIMIT with `X-Budget-Exhausted: request` and no Retry-After, and nothing is held.
+async fn malformed_requests(addr: &str, levels: &mut Levels) {
+    let request_refused = |r: &RateLimitResponse| {
+        code_and(r, "X-Budget-Exhausted") == (OVER_LIMIT, Some("request".into()))
+            && header(r, "Retry-After").is_none()
+    };
+    let path = |entries: &str, hits: u64| {
+        let mut r = req("llm", &[entries], 1);
+        r.descriptors[0].hits_addend = Some(UInt64Value { value: hits });
+        r
+    };
+    for entries in [
+        "org=mf,team=t,api_key=k,request_id=r1",
+        "org=mf,team=t,model=gpt-4o,request_id=r1",
+        "org=mf,team=t,api_key=k,model=gpt-4o,request_id=r1,extra=x",
+        "org=mf,team=t,api_key=k,model=gpt-4o",
+        "org=mf,team=t,api_key=k,model=gpt-4o,input_bytes=lots,request_id=r1",
+    ] {
+        let r = ask(addr, path(entries, 10)).await.unwrap();
+        assert!(request_refused(&r), "{entries}: {r:?}");
+    }
+    // A value over 1,024 bytes: not a call error, which Envoy would let through uncharged.
+    let r = ask(addr, hold("mf", "t", &"k".repeat(2_000), "gpt-4o", "r2", 10)).await.unwrap();
+    assert!(request_refused(&r), "{r:?}");
+    // 200,000 output tokens at $15/M is $3.00, above the key's whole $1.00 a day.
+    let r = ask(addr, hold("mf", "t", "k", "claude-sonnet", "r3", 200_000)).await.unwrap();
+    assert!(request_refused(&r), "{r:?}");
+    if let Some(key) = levels.read("org=mf:team=t:api_key=k", &day()) {
+        assert_eq!(key, (Money::ZERO, Money::ZERO), "nothing held for any of them");
+    }
+}
+
+/// The hold is an upper bound: `max_tokens` is held up to the model's `max_output_tokens`, the
+/// body's size (`input_bytes`) is held as input tokens at the dearest input price, up to the
+/// context window; a settled count above the model's maximum is charged at the maximum; a
+/// response naming another model in the table (or an alias) is priced at it.
+async fn holds_and_counts_are_bounded(addr: &str, levels: &mut Levels) {
+    let mini = "gpt-4o-mini";
+    let sized = |id: &str, bytes: u64, max_tokens: u64| {
+        let entries = format!("org=hb,team=t,api_key=k,model={mini},input_bytes={bytes},request_id={id}");
+        let mut r = req("llm", &[&entries], 1);
+        r.descriptors[0].hits_addend = Some(UInt64Value { value: max_tokens });
+        r
+    };
+    // 8,000 bytes: at most 8,000 input tokens at $0.15/M ($0.0012), and 1,000 output at $0.60/M.
+    let r = ask(addr, sized("r1", 8_000, 1_000)).await.unwrap();
+    assert_eq!((r.overall_code, header(&r, "X-Budget-Remaining")), (OK, Some("0.998200000 USD")));
+    // A body past the context window holds 128,000 input tokens ($0.0192); max_tokens past the
+    // model's 16,384 holds 16,384 ($0.0098304).
+    let r = ask(addr, sized("r2", 10_000_000, 1_000_000)).await.unwrap();
+    assert_eq!((r.overall_code, header(&r, "X-Budget-Remaining")), (OK, Some("0.969169600 USD")));
+    // A count of 2^64-1 output tokens is charged as 16,384, logged and counted.
+    let entries =
+        format!("org=hb,team=t,api_key=k,model={mini},input_bytes=10000000,request_id=r2,usage=output");
+    let mut r = req("llm", &[&entries], 1);
+    r.descriptors[0].hits_addend = Some(UInt64Value { value: u64::MAX });
+    ask(addr, r).await.unwrap();
+    if let Some(key) = levels.read("org=hb:team=t:api_key=k", &day()) {
+        assert_eq!(key, (usd("0.0098304"), usd("0.0018")), "capped at max_output_tokens; r1 still held");
+    }
+    // A hold on gpt-4o served by gpt-4o-mini is priced at gpt-4o-mini ($0.0006); one on
+    // gpt-4o-mini served by a dated alias of gpt-4o at gpt-4o ($0.01).
+    let served = |model: &str, id: &str, served: &str| {
+        let entries = format!(
+            "org=hb,team=t,api_key=k,model={model},request_id={id},served_model={served},usage=output"
+        );
+        let mut r = req("llm", &[&entries], 1);
+        r.descriptors[0].hits_addend = Some(UInt64Value { value: 1_000 });
+        r
+    };
+    assert_eq!(ask(addr, hold("hb", "t", "k", "gpt-4o", "r3", 1_000)).await.unwrap().overall_code, OK);
+    ask(addr, served("gpt-4o", "r3", mini)).await.unwrap();
+    assert_eq!(ask(addr, hold("hb", "t", "k", mini, "r4", 1_000)).await.unwrap().overall_code, OK);
+    ask(addr, served(mini, "r4", "gpt-4o-2024-08-06")).await.unwrap();
+    if let Some(key) = levels.read("org=hb:team=t:api_key=k", &day()) {
+        assert_eq!(key, (usd("0.0204304"), usd("0.0018")), "+$0.0006 at gpt-4o-mini, +$0.01 at gpt-4o");
+    }
+}
+
+/// Soft limits: the key's `alert_at: [0.5, 0.9]`. Past half of its $1.00, answers carry
+/// `X-Budget-Warning: api_key=0.5`, and the crossing is counted once.
+async fn soft_limits_warn(addr: &str) {
+    assert_eq!(ask(addr, hold("sl", "t", "k", "gpt-4o", "r1", 10_000)).await.unwrap().overall_code, OK);
+    let r = ask(addr, settle("sl", "t", "k", "gpt-4o", "r1", &[("output", 60_000)])).await.unwrap();
+    assert_eq!(header(&r, "X-Budget-Warning"), Some("api_key=0.5"), "$0.60 of $1.00 spent");
+    let r = ask(addr, hold("sl", "t", "k", "gpt-4o", "r2", 1_000)).await.unwrap();
+    assert_eq!((r.overall_code, header(&r, "X-Budget-Warning")), (OK, Some("api_key=0.5")), "while above it");
+    let r = ask(addr, hold("sl", "t2", "k", "gpt-4o", "r3", 1_000)).await.unwrap();
+    assert_eq!(header(&r, "X-Budget-Warning"), None, "another key is below its limits");
+}
+
 async fn scenarios(addr: &str, levels: &mut Levels) {
     hold_and_settle(addr, levels).await;
     unknown_model(addr).await;
     all_or_nothing(addr, levels).await;
+    reused_request_ids(addr, levels).await;
+    malformed_requests(addr, levels).await;
+    holds_and_counts_are_bounded(addr, levels).await;
+    soft_limits_warn(addr).await;
 }
 
 fn write_config(dir: &Path, text: &str) -> std::path::PathBuf {
@@ -535,4 +668,68 @@ async fn the_overshoot_is_bounded_by_what_in_flight_requests_exceed_their_holds(
         Some("0.499990000 USD"),
         "$3.00 - $2.50 spent - the new $0.00001 hold"
     );
+}
+
+/// A reload that drops a model while one of its holds is open: the settlement is priced at the
+/// row the hold's record keeps, not refused; a settlement for the dropped model without a hold
+/// charges nothing. A count above the model's maximum is counted and the money metric does not
+/// wrap.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_dropped_model_settles_at_its_records_row() {
+    let redis = Redis::start();
+    let dir = tempfile::tempdir().unwrap();
+    let path = write_config(dir.path(), &config("v1", "10.00", "10m", "charge"));
+    let server = Tollgate::start(&path, &Backend::Redis(redis.url()), &[]);
+    let mut levels = Levels::Redis(redis.connection());
+    let addr = server.addr();
+    // 1,000 output tokens of claude-sonnet at $15/M, and 4,000 reserved input tokens at the
+    // dearest input price (cache writes, $3.75/M): $0.03 held.
+    let r = ask(&addr, hold("dm", "t", "k", "claude-sonnet", "open", 1_000)).await.unwrap();
+    assert_eq!((r.overall_code, header(&r, "X-Budget-Remaining")), (OK, Some("0.970000000 USD")));
+    let dropped = config("v2", "10.00", "10m", "charge").replace(
+        "    claude-sonnet: {input: 3.00, cached_input: 0.30, cache_write: 3.75, output: 15.00, reserve_input_tokens: 4000}\n",
+        "",
+    );
+    assert!(!dropped.contains("claude-sonnet"));
+    write_config(dir.path(), &dropped);
+    let reloaded = || sample(&server.metrics(), "tollgate_config_reloads_total", &[("result", "success")]);
+    wait_until("the reload", 200, Duration::from_millis(50), || reloaded() >= 1.0);
+    let r = ask(&addr, hold("dm", "t", "k", "claude-sonnet", "late", 1_000)).await.unwrap();
+    assert_eq!(code_and(&r, "X-Budget-Exhausted"), (OVER_LIMIT, Some("model".into())), "no new holds");
+    // 2,000 output tokens at the record's $15/M: $0.03.
+    ask(&addr, settle("dm", "t", "k", "claude-sonnet", "open", &[("output", 2_000)])).await.unwrap();
+    ask(&addr, settle("dm", "t", "k", "claude-sonnet", "never-held", &[("output", 2_000)])).await.unwrap();
+    let key = levels.read("org=dm:team=t:api_key=k", &day()).unwrap();
+    assert_eq!(key, (usd("0.03"), Money::ZERO), "settled at v1's row, the unheld one charged nothing");
+
+    // 2^64-1 tokens of gpt-4o without a table maximum: charged as 10^12 tokens ($10,000,000).
+    assert_eq!(ask(&addr, hold("dm", "t", "k", "gpt-4o", "big", 1)).await.unwrap().overall_code, OK);
+    ask(&addr, settle("dm", "t", "k", "gpt-4o", "big", &[("output", u64::MAX)])).await.unwrap();
+    let org = levels.read("org=dm", &month()).unwrap();
+    assert_eq!(org, (usd("10000000.03"), Money::ZERO));
+    let metrics = server.metrics();
+    assert_eq!(sample(&metrics, "tollgate_budget_usage_capped_total", &[("kind", "output")]), 1.0);
+    let spent = sample(&metrics, "tollgate_budget_spend_nanos_total", &[("version", "v2")]);
+    assert!(spent >= 1e16, "the spend metric reads what was charged, never wrapped: {spent}");
+}
+
+/// A priced domain's failure mode is `deny` unless its file says otherwise: with Redis's replies
+/// lost, a hold is answered OVER_LIMIT and nothing is held once the cancel lands.
+#[tokio::test(flavor = "multi_thread")]
+async fn priced_domains_fail_closed_by_default() {
+    let redis = Redis::start();
+    let proxy = FaultProxy::start(redis.port);
+    let (_dir, path) = config_file(&config("2026-12-01", "10.00", "10m", "charge"));
+    let backend = Backend::Redis(format!("redis://127.0.0.1:{}", proxy.port));
+    let server = Tollgate::start(&path, &backend, &["--redis-timeout", "100ms"]);
+    let mut levels = Levels::Redis(redis.connection());
+    proxy.set(Fault::DropReplies);
+    let r = ask(&server.addr(), hold("fc", "t", "k", "gpt-4o", "r1", 1_000)).await.unwrap();
+    assert_eq!(r.overall_code, OVER_LIMIT);
+    assert_eq!(header(&r, "X-Tollgate-Failure-Mode"), Some("deny"));
+    proxy.set(Fault::Pass);
+    wait_until("the cancel", 100, Duration::from_millis(50), || {
+        sample(&server.metrics(), "tollgate_budget_recoveries_total", &[("outcome", "ok")]) >= 1.0
+    });
+    assert_eq!(levels.read("org=fc:team=t:api_key=k", &day()), Some((Money::ZERO, Money::ZERO)));
 }

@@ -83,7 +83,8 @@ fn op(rng: &mut StdRng, now: i64, lost: LostSettle) -> BudgetOp {
         for kind in Kind::ALL {
             if rng.random_bool(0.5) {
                 // Now and then a count far past any hold (the limiter caps counts at 10^12).
-                let tokens = if rng.random_bool(0.03) { 1_000_000_000_000 } else { rng.random_range(0..300u64) };
+                let tokens =
+                    if rng.random_bool(0.03) { 1_000_000_000_000 } else { rng.random_range(0..300u64) };
                 usage.push((kind, tokens, tollgate::budget::cost(tokens, row(version).price(kind))));
             }
         }
@@ -131,7 +132,7 @@ async fn replay(seed: u64, redis: &common::Redis) -> HashMap<&'static str, usize
     let mut con = redis.connection();
     let _: () = redis::cmd("FLUSHALL").query(&mut con).unwrap();
     let mut seen: HashMap<&'static str, usize> = HashMap::new();
-    for step in 0..400 {
+    for step in 0..500 {
         if rng.random_bool(0.1) {
             tokio::time::sleep(Duration::from_millis(rng.random_range(10..300))).await;
         }
@@ -150,7 +151,9 @@ async fn replay(seed: u64, redis: &common::Redis) -> HashMap<&'static str, usize
             BudgetOutcome::Settled { had: HadHold::Open, .. } => "settled open",
             BudgetOutcome::Settled { had: HadHold::Expired, .. } => "settled expired",
             BudgetOutcome::Settled { had: HadHold::Settled, .. } => "settled again",
-            BudgetOutcome::Settled { had: HadHold::None, levels, .. } if levels.is_empty() => "unpriced, no record",
+            BudgetOutcome::Settled { had: HadHold::None, levels, .. } if levels.is_empty() => {
+                "unpriced, no record"
+            }
             BudgetOutcome::Settled { had: HadHold::None, .. } => "settled without hold",
             BudgetOutcome::Settled { had: HadHold::Other, .. } => "settled another's record",
             BudgetOutcome::Reprice { .. } => "repriced",

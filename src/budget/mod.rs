@@ -130,15 +130,15 @@ impl ModelPrices {
     pub fn hold(&self, output_tokens: u64, input_bytes: Option<u64>) -> (Money, u64) {
         let output = if output_tokens == 0 { self.default_output_tokens } else { output_tokens };
         let output = output.min(self.max_output_tokens);
-        let input = input_bytes.map_or(self.reserve_input_tokens, |b| b.div_ceil(self.bytes_per_token.max(1)));
+        let input =
+            input_bytes.map_or(self.reserve_input_tokens, |b| b.div_ceil(self.bytes_per_token.max(1)));
         let input = input.min(self.max_input_tokens);
         let input_price = [Kind::Input, Kind::CachedInput, Kind::CacheWrite]
             .map(|k| self.row.price(k))
             .into_iter()
             .max()
             .unwrap_or_default();
-        let scaled =
-            u128::from(output) * self.row.price(Kind::Output).0 + u128::from(input) * input_price.0;
+        let scaled = u128::from(output) * self.row.price(Kind::Output).0 + u128::from(input) * input_price.0;
         (Money(scaled.div_ceil(money::PRICE_PER_TOKENS)), output.saturating_add(input))
     }
 

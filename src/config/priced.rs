@@ -139,7 +139,10 @@ fn table(raw: raw::Prices) -> Result<PriceTable, String> {
             name,
             ModelPrices {
                 row: PriceRow([input, cached, write, output]),
-                default_output_tokens: row.default_output_tokens.unwrap_or(DEFAULT_OUTPUT_TOKENS).min(max_output_tokens),
+                default_output_tokens: row
+                    .default_output_tokens
+                    .unwrap_or(DEFAULT_OUTPUT_TOKENS)
+                    .min(max_output_tokens),
                 reserve_input_tokens: row.reserve_input_tokens.unwrap_or(0).min(max_input_tokens),
                 max_output_tokens,
                 max_input_tokens,
@@ -172,7 +175,9 @@ pub(super) fn budget(raw: &Spanned<raw::Budget>) -> Result<BudgetSpec, String> {
             .filter(|f| f.0 > 0 && f.0 <= crate::budget::money::NANOS)
             .ok_or_else(|| format!("budget.alert_at: '{text}' is not a fraction above 0 and at most 1"))?;
         if alert_at.last().is_some_and(|last| *last >= fraction) {
-            return Err(format!("budget.alert_at: '{text}' is not above the one before (list them ascending)"));
+            return Err(format!(
+                "budget.alert_at: '{text}' is not above the one before (list them ascending)"
+            ));
         }
         alert_at.push(fraction);
     }

@@ -317,7 +317,8 @@ impl Limiter {
             Err(Refusal::UnknownModel) => Effect::UnknownModel,
             Err(_) => Effect::NoRule,
             Ok(request) => {
-                let model = parsed.path.iter().find(|(k, _)| *k == priced.model_key).map(|(_, v)| (*v).to_owned());
+                let model =
+                    parsed.path.iter().find(|(k, _)| *k == priced.model_key).map(|(_, v)| (*v).to_owned());
                 Effect::Budget(Box::new(BudgetExplained {
                     op: request.op,
                     level_names: request.level_names,
@@ -382,7 +383,9 @@ impl Limiter {
                 let text = identity::path_text(entries);
                 let over = overrides.iter().find(|(p, _)| *p == text).map(|(_, o)| o);
                 let (amount, calendar) = match over {
-                    Some(o) => (o.amount, o.per.map_or(budget.calendar.clone(), |per| budget.calendar.with_per(per))),
+                    Some(o) => {
+                        (o.amount, o.per.map_or(budget.calendar.clone(), |per| budget.calendar.with_per(per)))
+                    }
                     None => (budget.amount, budget.calendar.clone()),
                 };
                 levels.push(LevelOp {
@@ -436,7 +439,7 @@ impl Limiter {
         Ok(Request { op, level_names, alert_at, tenant, descriptors: Vec::new() })
     }
 
-// After a failed op, in the background and under the background deadline: a hold whose
+    // After a failed op, in the background and under the background deadline: a hold whose
     // request the failure mode did not admit is cancelled (the script may have run and its reply
     // been lost: the request must take nothing), and a settlement is sent again (it is
     // idempotent per kind, and Envoy never resends it). What still fails is left to the hold's
@@ -537,7 +540,8 @@ impl Limiter {
         count_refusal(domain, reason);
         if let Some(held_back) = logs::throttled("budget_record_refused") {
             let tenant = request.tenant.as_deref().map(traces::tenant_hash).unwrap_or_default();
-            let action = if matches!(request.op.action, BudgetAction::Hold { .. }) { "hold" } else { "settlement" };
+            let action =
+                if matches!(request.op.action, BudgetAction::Hold { .. }) { "hold" } else { "settlement" };
             tracing::warn!(domain = %domain.name, reason, action, tenant_hash = %tenant, held_back, "a request id's record belongs to another request: nothing held or charged");
         }
     }
@@ -653,7 +657,8 @@ async fn call(store: &dyn Store, op: &BudgetOp) -> Result<BudgetOutcome, StoreEr
     let BudgetAction::Settle { usage } = &op.action else {
         return Err(StoreError::Protocol("only a settlement is repriced".into()));
     };
-    let usage = usage.iter().map(|&(kind, tokens, _)| (kind, tokens, cost(tokens, row.price(kind)))).collect();
+    let usage =
+        usage.iter().map(|&(kind, tokens, _)| (kind, tokens, cost(tokens, row.price(kind)))).collect();
     let again = BudgetOp { version, row, action: BudgetAction::Settle { usage }, ..op.clone() };
     match store.budget(&again).await? {
         BudgetOutcome::Reprice { .. } => {
@@ -698,7 +703,13 @@ fn settlement_price(priced: &Priced, parsed: &Parsed<'_>) -> (Option<PriceRow>, 
 
 // `tokens` of `kind`, at most `most[kind]` (the model's maximum for the kind: more is charged
 // at the maximum, logged and counted), and what they cost at `row`'s prices.
-fn capped_usage(domain: &Domain, row: &PriceRow, most: [u64; 4], kind: Kind, tokens: u64) -> (Kind, u64, Money) {
+fn capped_usage(
+    domain: &Domain,
+    row: &PriceRow,
+    most: [u64; 4],
+    kind: Kind,
+    tokens: u64,
+) -> (Kind, u64, Money) {
     let most = most[kind as usize];
     if tokens > most {
         metrics::counter!("tollgate_budget_usage_capped_total", "domain" => domain.name.clone(), "kind" => kind.name())

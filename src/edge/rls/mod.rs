@@ -124,7 +124,8 @@ pub async fn decide(limiter: &Limiter, request: &RateLimitRequest) -> Result<Dec
         metrics::counter!("tollgate_invalid_requests_total").increment(1);
         // A priced domain answers OVER_LIMIT: a call error would let Envoy admit the request
         // uncharged under `failure_mode_deny: false`.
-        if let Some(decision) = limiter.refuse_malformed(&request.domain, request.descriptors.len(), &message) {
+        if let Some(decision) = limiter.refuse_malformed(&request.domain, request.descriptors.len(), &message)
+        {
             return Ok(decision);
         }
         tracing::debug!(error = %message, "rejected malformed request");
