@@ -6,7 +6,11 @@
 //!   team and key levels is exactly the priced usage of the admitted requests, in nano-units; the
 //!   usage stays within the holds, so the stated overshoot bound is zero: nothing past the budget;
 //!   every hold is released once the stream-end settlements are in;
-//! * a streamed answer's usage (its last server-sent event) is settled the same way.
+//! * a streamed answer's usage (its last server-sent event) is settled the same way;
+//! * a hostile client (one replica on a standalone Redis behind the fault proxy): its own
+//!   `x-request-id` never names the hold's record; a decoy `model`/`max_tokens` inside a nested
+//!   object is not what is held; a top-level key given twice is refused with 400; an oversized
+//!   header, an absent level's header and a failed store are answered 429, nothing charged.
 
 mod common;
 
@@ -14,6 +18,7 @@ use std::net::SocketAddr;
 use std::process::Command;
 use std::time::Duration;
 
+use common::proxy::{Fault, FaultProxy};
 use common::*;
 use serde_json::{json, Value};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -49,9 +54,15 @@ fn gateway(listener: SocketAddr, admin: SocketAddr, replicas: &[SocketAddr], llm
 
 /// One POST of `body` for API key `key` of org acme, team search; the status and the whole answer.
 async fn post(listener: SocketAddr, key: &str, body: &str) -> (u16, String) {
+    post_with(listener, &[("x-org", "acme"), ("x-team", "search"), ("x-api-key", key)], body).await
+}
+
+/// One POST of `body` with `headers`; the status and the whole answer.
+async fn post_with(listener: SocketAddr, headers: &[(&str, &str)], body: &str) -> (u16, String) {
     let mut stream = tokio::net::TcpStream::connect(listener).await.unwrap();
+    let headers: String = headers.iter().map(|(k, v)| format!("{k}: {v}\r\n")).collect();
     let request = format!(
-        "POST /v1/chat/completions HTTP/1.1\r\nhost: llm\r\nx-org: acme\r\nx-team: search\r\nx-api-key: {key}\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+        "POST /v1/chat/completions HTTP/1.1\r\nhost: llm\r\n{headers}content-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
         body.len()
     );
     stream.write_all(request.as_bytes()).await.unwrap();
@@ -63,6 +74,12 @@ async fn post(listener: SocketAddr, key: &str, body: &str) -> (u16, String) {
 /// One POST for key k1; the status.
 async fn complete(listener: SocketAddr, body: &str) -> u16 {
     post(listener, "k1", body).await.0
+}
+
+/// What a request with `body` holds at gpt-4o's prices: max_tokens output ($10/M) and the body's
+/// bytes as input tokens at the dearest input price ($2.50/M), rounded up once.
+fn held(body: &str, max_tokens: u64) -> Money {
+    Money((u128::from(max_tokens) * 10_000_000_000 + body.len() as u128 * 2_500_000_000).div_ceil(1_000_000))
 }
 
 /// What the stand-in charges for `body` at gpt-4o's prices: a quarter of its bytes cached input
@@ -149,9 +166,10 @@ async fn fifty_concurrent_requests_spend_exactly_their_priced_usage() {
         "budgets through Envoy: {admitted} admitted ({admitted_at_once} of the burst of 50), each ${cost}"
     );
     let expected = Money(cost.0 * admitted);
+    let hold = held(body, 2_000);
     assert!(
-        expected <= budget && Money(expected.0 + Money::parse("0.02").unwrap().0) > budget,
-        "{expected} spent of {budget}: then a $0.02 hold no longer fits"
+        expected <= budget && Money(expected.0 + hold.0) > budget,
+        "{expected} spent of {budget}: then a ${hold} hold no longer fits"
     );
     for (path, calendar) in [
         ("org=acme", Calendar::new(Per::Month, "Europe/Berlin").unwrap()),
@@ -178,5 +196,93 @@ async fn fifty_concurrent_requests_spend_exactly_their_priced_usage() {
         level(&mut con, "org=acme:team=search:api_key=k2", &day),
         (priced(streamed, 400), Money::ZERO)
     );
+    llm.kill();
+}
+
+/// Every record key of org acme's holds in a standalone Redis.
+fn records(con: &mut redis::Connection) -> Vec<String> {
+    redis::cmd("KEYS").arg("rl:{acme}:llm:hold:*").query(con).unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_hostile_client_cannot_bend_the_budget_through_envoy() {
+    let redis = Redis::start();
+    let proxy = FaultProxy::start(redis.port);
+    let backend = Backend::Redis(format!("redis://127.0.0.1:{}", proxy.port));
+    let replica = Tollgate::start(examples_file().as_ref(), &backend, &["--redis-timeout", "100ms"]);
+    let llm_port = free_port();
+    let mut llm = Proc::spawn(
+        "python3",
+        Command::new("python3")
+            .arg(concat!(env!("CARGO_MANIFEST_DIR"), "/envoy/demo/fake-llm.py"))
+            .arg(llm_port.to_string()),
+    );
+    let llm_addr: SocketAddr = format!("127.0.0.1:{llm_port}").parse().unwrap();
+    wait_until("the stand-in LLM", 100, Duration::from_millis(50), || {
+        std::net::TcpStream::connect(llm_addr).is_ok()
+    });
+    let (listener, admin) = (loopback(), loopback());
+    let _envoy = Envoy::start(&gateway(listener, admin, &[replica.grpc], llm_addr), admin);
+    let mut con = redis.connection();
+    let day = Calendar::new(Per::Day, "UTC").unwrap();
+    let key_level = |con: &mut redis::Connection, key: &str| {
+        let now =
+            std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_millis() as i64;
+        let level =
+            format!("rl:{{acme}}:llm:org=acme:team=search:api_key={key}:budget:{}", day.window(now).start_ms);
+        let (s, h): (Option<String>, Option<String>) =
+            redis::cmd("HMGET").arg(&level).arg("s").arg("h").query(con).unwrap();
+        let money = |t: Option<String>| t.map(|t| Money::from_nanos(&t).unwrap()).unwrap_or_default();
+        (money(s), money(h))
+    };
+    fn org(key: &str) -> Vec<(&str, &str)> {
+        vec![("x-org", "acme"), ("x-team", "search"), ("x-api-key", key)]
+    }
+
+    // The client's own x-request-id is replaced by Envoy's: the record is not under its value.
+    let body = r#"{"model": "gpt-4o", "max_tokens": 100, "messages": []}"#;
+    for _ in 0..3 {
+        let mut headers = org("k1");
+        headers.push(("x-request-id", "chosen-by-client"));
+        let (status, _) = post_with(listener, &headers, body).await;
+        assert_eq!(status, 200);
+    }
+    let keys = records(&mut con);
+    assert_eq!(keys.len(), 3, "one record per request, not one shared by the client's id: {keys:?}");
+    assert!(keys.iter().all(|k| !k.contains("chosen-by-client")), "{keys:?}");
+    wait_until("the settlements", 200, Duration::from_millis(50), || {
+        key_level(&mut con, "k1").1 == Money::ZERO
+    });
+    assert_eq!(key_level(&mut con, "k1").0, Money(priced(body, 100).0 * 3), "each charged its own usage");
+
+    // A decoy inside `metadata` is not what is held: the top-level 40,000 tokens ($0.40) are
+    // above the key's $0.05 a day, refused outright.
+    let decoy = r#"{"metadata": {"max_tokens": 1, "model": "gpt-4o-mini"}, "model": "gpt-4o", "max_tokens": 40000, "messages": []}"#;
+    let (status, answer) = post_with(listener, &org("k2"), decoy).await;
+    assert_eq!(status, 429, "{answer}");
+    assert!(answer.to_lowercase().contains("x-budget-exhausted: request\r\n"), "{answer}");
+    // A top-level key given twice (the upstream's parser would take the last): 400, no hold.
+    let twice = r#"{"model": "gpt-4o-mini", "model": "gpt-4o", "max_tokens": 10, "messages": []}"#;
+    let (status, answer) = post_with(listener, &org("k2"), twice).await;
+    assert_eq!(status, 400, "{answer}");
+    assert!(answer.contains("more than once"), "{answer}");
+    let escaped = r#"{"model": "gpt-4o", "mod\u0065l": "gpt-4o-mini", "max_tokens": 10, "messages": []}"#;
+    assert_eq!(post_with(listener, &org("k2"), escaped).await.0, 400, "an escaped duplicate is a duplicate");
+    // An API key header over 1,024 bytes, and a request without its team header: 429.
+    let long = "k".repeat(2_000);
+    let (status, answer) = post_with(listener, &org(&long), body).await;
+    assert_eq!(status, 429, "{answer}");
+    let (status, answer) = post_with(listener, &[("x-org", "acme"), ("x-api-key", "k2")], body).await;
+    assert_eq!(status, 429, "{answer}");
+    assert!(answer.to_lowercase().contains("x-budget-exhausted: request\r\n"), "{answer}");
+    // A failed store: 429 (the domain and the filter fail closed), nothing held once cancelled.
+    proxy.set(Fault::DropReplies);
+    let (status, _) = post_with(listener, &org("k2"), body).await;
+    assert_eq!(status, 429);
+    proxy.set(Fault::Pass);
+    wait_until("the cancel", 100, Duration::from_millis(50), || {
+        sample(&replica.metrics(), "tollgate_budget_recoveries_total", &[("outcome", "ok")]) >= 1.0
+    });
+    assert_eq!(key_level(&mut con, "k2"), (Money::ZERO, Money::ZERO), "nothing charged to k2");
     llm.kill();
 }

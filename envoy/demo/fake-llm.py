@@ -5,7 +5,8 @@ Every request gets a small OpenAI-style chat completion, with no model behind it
 
 * for envoy/llm-gateway.yaml (a token budget charged after the response), its cost in LLM tokens
   is in the response header x-tokens-used: the request's x-demo-tokens header, else 600;
-* for envoy/llm-budgets.yaml (money budgets), its `usage` says what it used, from the request's
+* for envoy/llm-budgets.yaml (money budgets), it names the request's `model` as the one that
+  served it, and its `usage` says what it used, from the request's
   JSON body: prompt_tokens = the body's length in bytes, a quarter of them cached
   (prompt_tokens_details.cached_tokens), completion_tokens = half of max_completion_tokens or
   max_tokens (100 without either). With "stream": true the answer is server-sent events, the
@@ -40,14 +41,20 @@ class FakeLlm(http.server.BaseHTTPRequestHandler):
             request = {}
         used = usage(body, request)
         if request.get("stream"):
+            model = request.get("model")
             events = [
-                {"choices": [{"delta": {"content": "ok"}}]},
-                {"choices": [], "usage": used},
+                {"model": model, "choices": [{"delta": {"content": "ok"}}]},
+                {"model": model, "choices": [], "usage": used},
             ]
             data = ("".join(f"data: {json.dumps(e)}\n\n" for e in events) + "data: [DONE]\n\n").encode()
             kind = "text/event-stream"
         else:
-            answer = {"object": "chat.completion", "choices": [{"message": {"content": "ok"}}], "usage": used}
+            answer = {
+                "object": "chat.completion",
+                "model": request.get("model"),
+                "choices": [{"message": {"content": "ok"}}],
+                "usage": used,
+            }
             data = json.dumps(answer).encode()
             kind = "application/json"
         self.send_response(200)
