@@ -8,8 +8,12 @@
 //! * `GET /metrics`: Prometheus text exposition.
 //! * `POST /json`: a rate-limit decision in JSON, as envoyproxy/ratelimit serves it (see
 //!   [`crate::edge::rls::json`]).
+//! * `GET /budgets?domain=D&<level>=<value>...`: where a priced domain's budgets stand on a path,
+//!   as JSON ([`crate::limiter::Standing`]); 400 with the reason for a domain without prices or
+//!   levels that are not a path from the top, 503 when the store cannot be read.
 //!
-//! `POST /json` spends any tenant's tokens and `GET /config` shows every rule and tenant, so they
+//! `POST /json` spends any tenant's tokens, `GET /budgets` reveals any tenant's spend and
+//! `GET /config` shows every rule and tenant, so they
 //! are guarded as strongly as the gRPC port ([`Access`]): when gRPC requires client certificates,
 //! this plaintext port refuses them (403, saying where they are served) unless the operator opts
 //! in, and the gRPC port serves them over its mutual TLS ([`budget_router`]). Probes and
@@ -19,7 +23,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use arc_swap::ArcSwap;
-use axum::extract::{DefaultBodyLimit, Request, State};
+use axum::extract::{DefaultBodyLimit, Query, Request, State};
 use axum::http::{header, StatusCode};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
@@ -30,7 +34,9 @@ use serde_json::{json, Value};
 use crate::config::RuleSet;
 use crate::edge::rls::json;
 use crate::edge::rls::RateLimitGrpc;
+use crate::limiter::StandingError;
 use crate::store::{health, Store};
+use crate::telemetry::logs::ErrorChain;
 use crate::telemetry::Telemetry;
 
 /// What the endpoints look at.
@@ -70,11 +76,12 @@ pub fn router(state: HttpState) -> Router {
         .with_state(state)
 }
 
-/// `POST /json` and `GET /config`, unguarded: for the HTTP port behind [`guard`], and for the
-/// gRPC port when it requires client certificates (its TLS is the guard).
+/// `POST /json`, `GET /budgets` and `GET /config`, unguarded: for the HTTP port behind
+/// [`guard`], and for the gRPC port when it requires client certificates (its TLS is the guard).
 pub fn budget_router<S>(state: HttpState) -> Router<S> {
     Router::new()
         .route("/config", get(config))
+        .route("/budgets", get(budgets))
         .route(
             "/json",
             post(json::handle)
@@ -112,6 +119,23 @@ async fn readyz(State(state): State<HttpState>) -> Response {
 
 async fn metrics(State(state): State<HttpState>) -> Response {
     ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], state.telemetry.render()).into_response()
+}
+
+async fn budgets(State(state): State<HttpState>, Query(query): Query<Vec<(String, String)>>) -> Response {
+    let domain = query.iter().find(|(k, _)| k == "domain").map(|(_, v)| v.as_str());
+    let Some(domain) = domain else {
+        return (StatusCode::BAD_REQUEST, "give the domain: /budgets?domain=D&<level>=<value>...\n")
+            .into_response();
+    };
+    let levels: Vec<(&str, &str)> =
+        query.iter().filter(|(k, _)| k != "domain").map(|(k, v)| (k.as_str(), v.as_str())).collect();
+    match state.rls.limiter().standing(domain, &levels).await {
+        Ok(standing) => Json(standing).into_response(),
+        Err(e @ StandingError::Store(_)) => {
+            (StatusCode::SERVICE_UNAVAILABLE, format!("{}\n", ErrorChain(&e))).into_response()
+        }
+        Err(e) => (StatusCode::BAD_REQUEST, format!("{e}\n")).into_response(),
+    }
 }
 
 async fn config(State(state): State<HttpState>) -> Json<Value> {

@@ -733,3 +733,157 @@ async fn priced_domains_fail_closed_by_default() {
     });
     assert_eq!(levels.read("org=fc:team=t:api_key=k", &day()), Some((Money::ZERO, Money::ZERO)));
 }
+
+fn tollgate_cli(args: &[&str]) -> (bool, String) {
+    let out = std::process::Command::new(tollgate_bin()).args(args).env("RUST_LOG", "off").output().unwrap();
+    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    (out.status.success(), text)
+}
+
+/// Budget overrides from a real PostgreSQL, beside tenant quotas: `tollgate budget set` gives
+/// one key $0.015 a day instead of the file's $1.00, in force within the cache TTL; `get` and
+/// `list` show it; `delete` gives the file's budget back.
+#[tokio::test(flavor = "multi_thread")]
+async fn budget_overrides_from_postgres() {
+    let pg = Postgres::start();
+    let url = pg.url();
+    let (ok, out) = tollgate_cli(&["quota", "migrate", "--quota-store", &url]);
+    assert!(ok, "{out}");
+    let budget = |args: &[&str]| {
+        let mut all = vec!["budget"];
+        all.extend_from_slice(args);
+        all.extend_from_slice(&["--quota-store", &url]);
+        tollgate_cli(&all)
+    };
+    let level = "org=po,team=t,api_key=k";
+    let (ok, out) = budget(&["set", "--domain", "llm", "--level", level, "--amount", "0.015"]);
+    assert!(ok && out.contains("llm org=po:team=t:api_key=k: 0.015 a period (the file's)"), "{out}");
+    let (ok, out) = budget(&["set", "--domain", "llm", "--level", "org=po", "--amount", "lots"]);
+    assert!(!ok && out.contains("not a decimal amount"), "{out}");
+    let (_, out) = budget(&["get", "--domain", "llm", "--level", level]);
+    assert!(out.contains("0.015"), "{out}");
+    let (_, out) = budget(&["list"]);
+    assert!(out.lines().count() == 1 && out.contains("org=po:team=t:api_key=k"), "{out}");
+
+    let redis = Redis::start();
+    let (_dir, path) = config_file(&config("2026-12-01", "10.00", "10m", "charge"));
+    let server = Tollgate::start(
+        &path,
+        &Backend::Redis(redis.url()),
+        &["--quota-store", &url, "--quota-cache-ttl", "1s"],
+    );
+    let addr = server.addr();
+    // $0.01 of the overridden $0.015: the next $0.01 hold does not fit.
+    let r = ask(&addr, hold("po", "t", "k", "gpt-4o", "r1", 1_000)).await.unwrap();
+    assert_eq!((r.overall_code, header(&r, "X-Budget-Remaining")), (OK, Some("0.005000000 USD")));
+    let r = ask(&addr, hold("po", "t", "k", "gpt-4o", "r2", 1_000)).await.unwrap();
+    assert_eq!(code_and(&r, "X-Budget-Exhausted"), (OVER_LIMIT, Some("api_key".into())));
+    // Another key keeps the file's $1.00.
+    let r = ask(&addr, hold("po", "t", "k2", "gpt-4o", "r3", 1_000)).await.unwrap();
+    assert_eq!(header(&r, "X-Budget-Remaining"), Some("0.990000000 USD"));
+    // Deleted: the file's $1.00 again once the cached row is stale (TTL plus one query).
+    let (ok, out) = budget(&["delete", "--domain", "llm", "--level", level]);
+    assert!(ok && out.contains("deleted 1 row(s)"), "{out}");
+    let mut id = 0;
+    wait_until("the file's budget back", 100, Duration::from_millis(100), || {
+        id += 1;
+        let r = futures::executor::block_on(ask(&addr, hold("po", "t", "k", "gpt-4o", &format!("w{id}"), 1)));
+        r.is_ok_and(|r| {
+            r.overall_code == OK && header(&r, "X-Budget-Remaining").is_some_and(|h| h.starts_with("0.98"))
+        })
+    });
+}
+
+/// Three replicas on one Redis: a soft limit crossed by settlements sent to different replicas
+/// is counted once across them, `GET /budgets` on any replica reads the same standing, and every
+/// budget series exists at 0 from startup.
+#[tokio::test(flavor = "multi_thread")]
+async fn budgets_standing_and_alerts_across_three_replicas() {
+    let redis = Redis::start();
+    let (_dir, path) = config_file(&config("2026-12-01", "10.00", "10m", "charge"));
+    let replicas: Vec<Tollgate> =
+        (0..3).map(|_| Tollgate::start(&path, &Backend::Redis(redis.url()), &[])).collect();
+    let at_zero = replicas[0].metrics();
+    for (name, labels) in [
+        ("tollgate_budget_refusals_total", vec![("reason", "path_mismatch")]),
+        ("tollgate_budget_holds_total", vec![("verdict", "reused")]),
+        ("tollgate_budget_alerts_total", vec![("level", "api_key"), ("threshold", "0.5")]),
+        ("tollgate_budget_denials_total", vec![("level", "team")]),
+        ("tollgate_budget_spend_nanos_total", vec![("version", "2026-12-01")]),
+        ("tollgate_budget_holds_open", vec![("domain", "llm")]),
+    ] {
+        assert!(
+            at_zero
+                .samples
+                .iter()
+                .any(|s| s.metric == name && labels.iter().all(|(k, v)| s.labels.get(k) == Some(*v))),
+            "{name} {labels:?} exported at 0 from startup"
+        );
+    }
+    // Ten requests of $0.10 each on key k, held and settled on replicas in turn: the key crosses
+    // 0.5 at the fifth and 0.9 at the ninth.
+    for i in 0..10 {
+        let replica = &replicas[i % 3];
+        let id = format!("r{i}");
+        assert_eq!(
+            ask(&replica.addr(), hold("al", "t", "k", "gpt-4o", &id, 10_000)).await.unwrap().overall_code,
+            OK
+        );
+        let settle_on = &replicas[(i + 1) % 3];
+        ask(&settle_on.addr(), settle("al", "t", "k", "gpt-4o", &id, &[("output", 10_000)])).await.unwrap();
+    }
+    let crossed = |threshold: &str| -> f64 {
+        replicas
+            .iter()
+            .map(|r| {
+                sample(
+                    &r.metrics(),
+                    "tollgate_budget_alerts_total",
+                    &[("level", "api_key"), ("threshold", threshold)],
+                )
+            })
+            .sum()
+    };
+    assert_eq!(
+        (crossed("0.5"), crossed("0.9")),
+        (1.0, 1.0),
+        "each crossing counted once across the replicas"
+    );
+    let logged: usize = replicas.iter().map(|r| r.log().matches("budget alert").count()).sum();
+    assert_eq!(logged, 2, "and logged once");
+    let r = ask(&replicas[2].addr(), hold("al", "t", "k", "gpt-4o", "last", 1)).await.unwrap();
+    assert_eq!(
+        code_and(&r, "X-Budget-Warning"),
+        (OVER_LIMIT, Some("api_key=0.9".into())),
+        "spent: nothing fits"
+    );
+
+    // The standing, read on each replica, in any order of the levels.
+    let mut standings = Vec::new();
+    for replica in &replicas {
+        let (status, body) =
+            http_get(replica.http, "/budgets?domain=llm&team=t&org=al&api_key=k").expect("/budgets answers");
+        assert_eq!(status, 200, "{body}");
+        standings.push(serde_json::from_str::<serde_json::Value>(&body).unwrap());
+    }
+    assert!(standings.iter().all(|s| *s == standings[0]), "{standings:?}");
+    let key = &standings[0]["levels"][2];
+    assert_eq!(standings[0]["currency"], "USD");
+    assert_eq!(
+        (
+            key["level"].as_str(),
+            key["amount"].as_str(),
+            key["spent"].as_str(),
+            key["held"].as_str(),
+            key["left"].as_str()
+        ),
+        (Some("api_key"), Some("1.000000000"), Some("1.000000000"), Some("0.000000000"), Some("0.000000000"))
+    );
+    let start = key["period_start"].as_str().unwrap();
+    assert!(start.ends_with("T00:00:00Z"), "a UTC day begins at midnight: {start}");
+    assert_eq!(standings[0]["levels"][0]["spent"], "1.000000000", "the org spent the same");
+    let (status, body) = http_get(replicas[0].http, "/budgets?domain=llm&api_key=k").unwrap();
+    assert_eq!(status, 400, "not a path from the top: {body}");
+    let (status, _) = http_get(replicas[0].http, "/budgets?domain=nope&org=al").unwrap();
+    assert_eq!(status, 400);
+}

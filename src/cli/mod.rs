@@ -3,6 +3,7 @@
 //! code. Errors are printed once, each cause once ([`ErrorChain`]).
 
 mod ask;
+mod budget;
 mod explain;
 mod quota;
 mod redis_args;
@@ -42,6 +43,8 @@ enum Command {
     Explain(Box<explain::ExplainArgs>),
     /// Manage tenant tiers and quota overrides in the quota database.
     Quota(quota::QuotaArgs),
+    /// Manage budget overrides (a level's amount and period) in the quota database.
+    Budget(budget::BudgetArgs),
     /// Print the Envoy or Istio configuration that sends the descriptors a config expects.
     Render(render::RenderArgs),
 }
@@ -62,6 +65,7 @@ pub fn main() -> ExitCode {
         Command::Ask(args) => (ask::run(args), ExitCode::from(ask::EXIT_ERROR)),
         Command::Explain(args) => (explain::run(*args), ExitCode::FAILURE),
         Command::Quota(args) => (quota::run(args), ExitCode::FAILURE),
+        Command::Budget(args) => (budget::run(args), ExitCode::FAILURE),
         Command::Render(args) => (render::run(args), ExitCode::FAILURE),
     };
     result.unwrap_or_else(|error| {

@@ -11,21 +11,37 @@ use tollgate::quota::postgres::{Listing, PostgresQuotas};
 
 use super::{runtime, Outcome};
 
+/// The quota database an operator command works on (`tollgate quota`, `tollgate budget`).
 #[derive(Args)]
-pub(super) struct QuotaArgs {
+pub(super) struct DatabaseArgs {
     /// The quota database: postgres://user:password@host:port/db.
     #[arg(long, env = "TOLLGATE_QUOTA_STORE", hide_env_values = true, global = true)]
     quota_store: Option<String>,
     /// Extra CA certificates (PEM) to verify the quota database's TLS certificate.
     #[arg(long, env = "TOLLGATE_QUOTA_STORE_CA", global = true)]
     quota_store_ca: Option<PathBuf>,
+}
+
+impl DatabaseArgs {
+    /// A pool of one connection to the database.
+    pub(super) fn connect(&self) -> anyhow::Result<PostgresQuotas> {
+        let url =
+            self.quota_store.as_deref().context("--quota-store (or TOLLGATE_QUOTA_STORE) is required")?;
+        Ok(PostgresQuotas::connect(url, 1, self.quota_store_ca.as_deref())?)
+    }
+}
+
+#[derive(Args)]
+pub(super) struct QuotaArgs {
+    #[command(flatten)]
+    database: DatabaseArgs,
     #[command(subcommand)]
     action: QuotaAction,
 }
 
 #[derive(Subcommand)]
 enum QuotaAction {
-    /// Create the quota tables if they do not exist.
+    /// Create the quota tables (tenant quotas and budget overrides) if they do not exist.
     Migrate,
     /// Set a tenant's tier (--tier) and/or its bucket for one class (--class, --capacity, --refill-per-second).
     Set {
@@ -60,9 +76,8 @@ enum QuotaAction {
 }
 
 pub(super) fn run(args: QuotaArgs) -> Outcome {
-    let url = args.quota_store.context("--quota-store (or TOLLGATE_QUOTA_STORE) is required")?;
+    let db = args.database.connect()?;
     runtime()?.block_on(async move {
-        let db = PostgresQuotas::connect(&url, 1, args.quota_store_ca.as_deref())?;
         match args.action {
             QuotaAction::Migrate => {
                 db.migrate().await?;

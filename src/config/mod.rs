@@ -362,6 +362,21 @@ pub struct Priced {
 }
 
 impl Domain {
+    /// Every node with a `budget:`, as its descriptor key and its soft limits, in tree order.
+    pub fn budget_levels(&self) -> Vec<(&str, &[crate::budget::Money])> {
+        fn walk<'a>(level: &'a Level, out: &mut Vec<(&'a str, &'a [crate::budget::Money])>) {
+            for node in level.nodes() {
+                if let Some(budget) = &node.budget {
+                    out.push((node.key.as_str(), budget.alert_at.as_slice()));
+                }
+                walk(&node.children, out);
+            }
+        }
+        let mut out = Vec::new();
+        walk(&self.root, &mut out);
+        out
+    }
+
     /// The rule `entries` selects, if any ([`crate::matcher`]).
     pub fn lookup<E: DescriptorEntry>(&self, entries: &[E]) -> Option<&Arc<Rule>> {
         self.root.lookup(entries)

@@ -1,4 +1,5 @@
-//! The in-process cache in front of the quota database.
+//! The in-process cache in front of the quota database: tenant records and budget overrides
+//! ([`super::budgets`]), each looked up by its own key under the same rules.
 //!
 //! The database is read off the hot path, and a decision never waits on it longer than the
 //! Redis deadline:
@@ -32,18 +33,20 @@ use tokio::task::AbortHandle;
 
 use super::postgres::PostgresQuotas;
 use super::{InlineTenants, QuotaSource, TenantRecord};
+use crate::budget::BudgetOverride;
 
 /// How long a failed lookup of a tenant never seen is remembered before the next try.
 const FAILURE_BACKOFF: Duration = Duration::from_secs(1);
 /// How long a background query may take before it is abandoned.
 const QUERY_LIMIT: Duration = Duration::from_secs(5);
 
-/// Tenant records from PostgreSQL through a bounded, TTL'd, single-flight cache.
+/// Tenant records and budget overrides from PostgreSQL through a bounded, TTL'd, single-flight
+/// cache.
 pub struct CachedQuotas {
     db: Arc<PostgresQuotas>,
-    entries: moka::sync::Cache<String, Arc<Entry>>,
+    entries: moka::sync::Cache<Key, Arc<Entry>>,
     // Each query's shared answer, and the handle that stops its task when the cache goes.
-    inflight: Arc<Mutex<HashMap<String, (Query, AbortHandle)>>>,
+    inflight: Arc<Mutex<HashMap<Key, (Query, AbortHandle)>>>,
     ttl: Duration,
     deadline: Duration,
 }
@@ -52,9 +55,32 @@ pub struct CachedQuotas {
 /// (`None` if the task died).
 type Query = Shared<BoxFuture<'static, Option<Arc<Entry>>>>;
 
+// What is looked up: a tenant's record, or the budget override of a (domain, level path).
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+enum Key {
+    Tenant(String),
+    Budget(String, String),
+}
+
+impl std::fmt::Display for Key {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Key::Tenant(tenant) => write!(f, "tenant {tenant}"),
+            Key::Budget(domain, path) => write!(f, "budget {path} of domain {domain}"),
+        }
+    }
+}
+
+// What the database has for a key.
+#[derive(Debug, Clone)]
+enum Found {
+    Tenant(Arc<TenantRecord>),
+    Budget(BudgetOverride),
+}
+
 struct Entry {
-    // `None`: the database has no such tenant (or could not be asked, see FAILURE_BACKOFF).
-    record: Option<Arc<TenantRecord>>,
+    // `None`: the database has no such row (or could not be asked, see FAILURE_BACKOFF).
+    record: Option<Found>,
     fresh_until: Instant,
 }
 
@@ -71,22 +97,22 @@ impl CachedQuotas {
         }
     }
 
-    /// The database's record of `tenant`: `Some(None)` if it has none, `None` if it could not
-    /// tell within the deadline.
-    async fn lookup(&self, tenant: &str) -> Option<Option<Arc<TenantRecord>>> {
-        if let Some(entry) = self.entries.get(tenant) {
+    /// The database's row for `key`: `Some(None)` if it has none, `None` if it could not tell
+    /// within the deadline.
+    async fn lookup(&self, key: Key) -> Option<Option<Found>> {
+        if let Some(entry) = self.entries.get(&key) {
             let result = if Instant::now() < entry.fresh_until {
                 "hit"
             } else {
                 // Fire and forget: the spawned query refreshes the entry.
-                drop(self.refresh(tenant));
+                drop(self.refresh(&key));
                 "stale"
             };
             metrics::counter!("tollgate_quota_cache_lookups_total", "result" => result).increment(1);
             return Some(entry.record.clone());
         }
         metrics::counter!("tollgate_quota_cache_lookups_total", "result" => "miss").increment(1);
-        match tokio::time::timeout(self.deadline, self.refresh(tenant)).await {
+        match tokio::time::timeout(self.deadline, self.refresh(&key)).await {
             // The query's own answer, not a re-read of the cache: the cache may have declined
             // or already evicted the entry.
             Ok(entry) => entry.map(|e| e.record.clone()),
@@ -97,30 +123,42 @@ impl CachedQuotas {
         }
     }
 
-    // Starts (or joins) the one query for `tenant`; the query runs to completion on its own.
-    fn refresh(&self, tenant: &str) -> Query {
+    // Starts (or joins) the one query for `key`; the query runs to completion on its own.
+    fn refresh(&self, key: &Key) -> Query {
         let mut inflight = self.inflight.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some((query, _)) = inflight.get(tenant) {
+        if let Some((query, _)) = inflight.get(key) {
             return query.clone();
         }
         // A query that finished since the caller looked has left a fresh entry: use it. (A query
         // fills the cache before it leaves `inflight`, so under this lock one of them is seen.)
-        if let Some(entry) = self.entries.get(tenant).filter(|e| Instant::now() < e.fresh_until) {
+        if let Some(entry) = self.entries.get(key).filter(|e| Instant::now() < e.fresh_until) {
             return futures::future::ready(Some(entry)).boxed().shared();
         }
         let (db, entries, registry, ttl) =
             (self.db.clone(), self.entries.clone(), self.inflight.clone(), self.ttl);
-        let key = tenant.to_owned();
+        let owned = key.clone();
         let task = tokio::spawn(async move {
+            let key = owned;
             let now = Instant::now();
-            let entry = match tokio::time::timeout(QUERY_LIMIT, db.fetch(&key)).await {
-                Ok(Ok(fetched)) => {
+            let fetch = async {
+                match &key {
+                    Key::Tenant(tenant) => db
+                        .fetch(tenant)
+                        .await
+                        .map(|f| (f.record.map(|r| Found::Tenant(Arc::new(r))), f.expires_at)),
+                    Key::Budget(domain, path) => {
+                        db.fetch_budget(domain, path).await.map(|b| (b.map(Found::Budget), None))
+                    }
+                }
+            };
+            let entry = match tokio::time::timeout(QUERY_LIMIT, fetch).await {
+                Ok(Ok((record, expires_at))) => {
                     let mut fresh_until = now + ttl;
-                    if let Some(at) = fetched.expires_at {
+                    if let Some(at) = expires_at {
                         let left = at.duration_since(SystemTime::now()).unwrap_or_default();
                         fresh_until = fresh_until.min(now + left);
                     }
-                    let entry = Arc::new(Entry { record: fetched.record.map(Arc::new), fresh_until });
+                    let entry = Arc::new(Entry { record, fresh_until });
                     entries.insert(key.clone(), entry.clone());
                     metrics::gauge!("tollgate_quota_cache_entries").set(entries.entry_count() as f64);
                     entry
@@ -132,8 +170,8 @@ impl CachedQuotas {
                     };
                     metrics::counter!("tollgate_quota_db_errors_total", "kind" => kind).increment(1);
                     match failed {
-                        Ok(Err(error)) => tracing::warn!(tenant = %key, %error, "quota lookup failed"),
-                        _ => tracing::warn!(tenant = %key, limit = ?QUERY_LIMIT, "quota lookup timed out"),
+                        Ok(Err(error)) => tracing::warn!(lookup = %key, %error, "quota lookup failed"),
+                        _ => tracing::warn!(lookup = %key, limit = ?QUERY_LIMIT, "quota lookup timed out"),
                     }
                     // Keep what is known (or nothing), and ask again after the backoff.
                     let record = entries.get(&key).and_then(|e| e.record.clone());
@@ -147,7 +185,7 @@ impl CachedQuotas {
         });
         let abort = task.abort_handle();
         let query = task.map(Result::ok).boxed().shared();
-        inflight.insert(tenant.to_owned(), (query.clone(), abort));
+        inflight.insert(key.clone(), (query.clone(), abort));
         query
     }
 }
@@ -169,6 +207,21 @@ impl QuotaSource for CachedQuotas {
         inline: &'a InlineTenants,
         tenant: &'a str,
     ) -> BoxFuture<'a, Option<Arc<TenantRecord>>> {
-        Box::pin(async move { self.lookup(tenant).await.flatten().or_else(|| inline.get(tenant).cloned()) })
+        Box::pin(async move {
+            match self.lookup(Key::Tenant(tenant.to_owned())).await.flatten() {
+                Some(Found::Tenant(record)) => Some(record),
+                _ => inline.get(tenant).cloned(),
+            }
+        })
+    }
+
+    /// The database's override of the level, else none (the file's budget).
+    fn budget<'a>(&'a self, domain: &'a str, path: &'a str) -> BoxFuture<'a, Option<BudgetOverride>> {
+        Box::pin(async move {
+            match self.lookup(Key::Budget(domain.to_owned(), path.to_owned())).await.flatten() {
+                Some(Found::Budget(found)) => Some(found),
+                _ => None,
+            }
+        })
     }
 }

@@ -14,6 +14,7 @@
 //! back to the inline records. Validation guarantees `default_tier` has a `default` bucket, so
 //! resolution always ends in a bucket.
 
+pub mod budgets;
 pub mod cache;
 pub mod postgres;
 

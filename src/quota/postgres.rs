@@ -22,8 +22,12 @@ use tokio_postgres_rustls::MakeRustlsConnect;
 use super::TenantRecord;
 use crate::bucket::BucketSpec;
 
-/// The schema, applied by `tollgate quota migrate`.
-pub const MIGRATION: &str = include_str!("../../migrations/0001_tollgate_quotas.sql");
+/// The schema, applied in order by `tollgate quota migrate`: tenant quotas, then budget overrides
+/// ([`super::budgets`]).
+pub const MIGRATIONS: [&str; 2] = [
+    include_str!("../../migrations/0001_tollgate_quotas.sql"),
+    include_str!("../../migrations/0002_tollgate_budget_overrides.sql"),
+];
 
 /// Why the quota database could not be used.
 #[derive(Debug, Clone, thiserror::Error)]
@@ -125,7 +129,7 @@ impl PostgresQuotas {
         &self.description
     }
 
-    async fn client(&self) -> Result<deadpool_postgres::Object, QuotaError> {
+    pub(super) async fn client(&self) -> Result<deadpool_postgres::Object, QuotaError> {
         self.pool.get().await.map_err(|e| match e {
             deadpool_postgres::PoolError::Backend(e) => db(e),
             other => QuotaError::Db(other.to_string()),
@@ -134,7 +138,11 @@ impl PostgresQuotas {
 
     /// Creates the tables if they do not exist.
     pub async fn migrate(&self) -> Result<(), QuotaError> {
-        self.client().await?.batch_execute(MIGRATION).await.map_err(db)
+        let client = self.client().await?;
+        for migration in MIGRATIONS {
+            client.batch_execute(migration).await.map_err(db)?;
+        }
+        Ok(())
     }
 
     /// Everything the database says about `tenant`, with invalid override rows skipped.
@@ -297,7 +305,7 @@ fn tls_connector(ca_file: Option<&Path>) -> Result<MakeRustlsConnect, QuotaError
 }
 
 // tokio-postgres puts the useful part (the server's message, the I/O error) in the source.
-fn db(e: tokio_postgres::Error) -> QuotaError {
+pub(super) fn db(e: tokio_postgres::Error) -> QuotaError {
     match std::error::Error::source(&e) {
         Some(source) => QuotaError::Db(format!("{e}: {source}")),
         None => QuotaError::Db(e.to_string()),

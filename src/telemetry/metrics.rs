@@ -9,7 +9,7 @@
 //! are counted as `(unknown)`), rules are config paths, per-tenant series exist only for rules
 //! with `detailed_metric: true` and are capped, and the top denied tenants are k series.
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::fmt::Write as _;
 use std::sync::Mutex;
 use std::time::Duration;
@@ -60,6 +60,9 @@ pub struct Telemetry {
     // Keeps the exporter's histograms bounded; stops with the telemetry.
     _upkeep: Option<AbortOnDropHandle<()>>,
     top_denied: TopDenied,
+    // Per (domain, budget level), the top spenders of the window, in nano-units.
+    top_spenders: Mutex<HashMap<(String, String), TopDenied>>,
+    top_config: (usize, Duration),
     detailed_series: usize,
     detailed_seen: Mutex<HashSet<String>>,
 }
@@ -94,6 +97,8 @@ impl Telemetry {
             prometheus: None,
             _upkeep: None,
             top_denied: TopDenied::new(config.top_denied, config.top_denied_window),
+            top_spenders: Mutex::default(),
+            top_config: (config.top_denied, config.top_denied_window),
             detailed_series: config.detailed_series,
             detailed_seen: Mutex::new(HashSet::new()),
         }
@@ -142,6 +147,17 @@ impl Telemetry {
         }
     }
 
+    /// Counts `nanos` spent by `subject` (a level's value, or its hash) at budget `level` of
+    /// `domain`, for the top spenders per level; bounded like the top denied tenants, and by
+    /// the levels of the loaded priced domains.
+    pub fn record_spend(&self, domain: &str, level: &str, subject: &str, nanos: u128) {
+        let (k, window) = self.top_config;
+        let mut tops = self.top_spenders.lock().unwrap_or_else(|p| p.into_inner());
+        tops.entry((domain.to_owned(), level.to_owned()))
+            .or_insert_with(|| TopDenied::new(k, window))
+            .record(subject, u64::try_from(nanos).unwrap_or(u64::MAX));
+    }
+
     // The tenant label, or `(other)` once the series budget is spent on other tenants.
     fn detailed_label(&self, domain: &str, rule: &str, tenant: &str) -> String {
         let series = format!("{domain}\0{rule}\0{tenant}");
@@ -167,6 +183,22 @@ impl Telemetry {
                 rank + 1,
                 escape_label(tenant)
             );
+        }
+        let help = METRICS.iter().find(|m| m.0 == "tollgate_budget_top_spenders_nanos").map_or("", |m| m.2);
+        let _ = writeln!(out, "# HELP tollgate_budget_top_spenders_nanos {help}");
+        out.push_str("# TYPE tollgate_budget_top_spenders_nanos gauge\n");
+        let tops = self.top_spenders.lock().unwrap_or_else(|p| p.into_inner());
+        for ((domain, level), top) in tops.iter() {
+            for (rank, (subject, nanos)) in top.last_window().iter().enumerate() {
+                let _ = writeln!(
+                    out,
+                    "tollgate_budget_top_spenders_nanos{{domain=\"{}\",level=\"{}\",rank=\"{}\",value=\"{}\"}} {nanos}",
+                    escape_label(domain),
+                    escape_label(level),
+                    rank + 1,
+                    escape_label(subject)
+                );
+            }
         }
         out
     }
@@ -231,6 +263,18 @@ pub const METRICS: &[(&str, Kind, &str)] = &[
     ("tollgate_tls_reloads_total", Kind::Counter, "Reloads of the gRPC TLS certificates by result (success, failure)."),
     ("tollgate_tls_handshake_failures_total", Kind::Counter, "gRPC TLS handshakes that failed or timed out (e.g. a client without an accepted certificate)."),
     ("tollgate_build_info", Kind::Gauge, "Always 1; the version label says which tollgate runs."),
+    ("tollgate_budget_holds_total", Kind::Counter, "Budget holds by verdict: admitted, duplicate (a retry, nothing taken again), reused (the request id is another request's: refused) or denied."),
+    ("tollgate_budget_holds_open", Kind::Gauge, "Holds this replica opened less those it saw closed (settled, cancelled or expired); summed over the replicas, the holds open."),
+    ("tollgate_budget_holds_expired_total", Kind::Counter, "Holds found expired unsettled, by what on_lost_settle made of them (charged or released)."),
+    ("tollgate_budget_denials_total", Kind::Counter, "Holds denied, by the level that had too little left (its descriptor key, or token_bucket)."),
+    ("tollgate_budget_settlements_total", Kind::Counter, "Settlements by what they found of their hold: open, expired, settled (a repeat), none (no hold) or other (another request's: nothing charged)."),
+    ("tollgate_budget_spend_nanos_total", Kind::Counter, "Money charged, in nano-units of the currency, by price version (saturates, never wraps)."),
+    ("tollgate_budget_cancels_total", Kind::Counter, "Holds cancelled after their answer was lost and the request denied, by what the cancel found."),
+    ("tollgate_budget_recoveries_total", Kind::Counter, "Background repairs of failed budget ops (a cancel or a settlement sent again), by outcome."),
+    ("tollgate_budget_refusals_total", Kind::Counter, "Priced requests refused before or by the store, by reason: malformed, empty_request_id, unknown_model, hold_above_amount, request_id_reused, path_mismatch, unknown_usage_kind."),
+    ("tollgate_budget_usage_capped_total", Kind::Counter, "Usage counts above the model's maximum for their kind, charged at that maximum."),
+    ("tollgate_budget_alerts_total", Kind::Counter, "Soft limits (alert_at) crossed by a level's spend, once per level, period and threshold across the replicas."),
+    ("tollgate_budget_top_spenders_nanos", Kind::Gauge, "Money spent by the top spenders of each budget level in the last complete window (the tenant level's value, a hash below it)."),
 ];
 
 /// Series that exist from startup at 0, so that dashboards and alerts see 0 rather than no
@@ -322,6 +366,50 @@ pub fn register_domains(rules: &RuleSet) {
                 .increment(0);
         }
         counter!("tollgate_debt_forgiven_tokens_total", "domain" => domain.name.clone()).increment(0);
+        if let Some(priced) = &domain.priced {
+            register_budgets(domain, priced);
+        }
+    }
+}
+
+// The budget series of priced `domain`, at 0.
+fn register_budgets(domain: &crate::config::Domain, priced: &crate::config::Priced) {
+    let name = || domain.name.clone();
+    for verdict in ["admitted", "duplicate", "reused", "denied"] {
+        counter!("tollgate_budget_holds_total", "domain" => name(), "verdict" => verdict).increment(0);
+    }
+    gauge!("tollgate_budget_holds_open", "domain" => name()).increment(0.0);
+    for outcome in ["charged", "released"] {
+        counter!("tollgate_budget_holds_expired_total", "domain" => name(), "outcome" => outcome)
+            .increment(0);
+    }
+    for hold in ["open", "expired", "settled", "none", "other"] {
+        counter!("tollgate_budget_settlements_total", "domain" => name(), "hold" => hold).increment(0);
+        counter!("tollgate_budget_cancels_total", "domain" => name(), "hold" => hold).increment(0);
+    }
+    counter!("tollgate_budget_spend_nanos_total", "domain" => name(), "currency" => priced.prices.currency.clone(), "version" => priced.prices.version.clone())
+        .increment(0);
+    for kind in ["cancel", "settle"] {
+        for outcome in ["ok", "failed"] {
+            counter!("tollgate_budget_recoveries_total", "domain" => name(), "kind" => kind, "outcome" => outcome)
+                .increment(0);
+        }
+    }
+    for reason in crate::limiter::BUDGET_REFUSALS {
+        counter!("tollgate_budget_refusals_total", "domain" => name(), "reason" => *reason).increment(0);
+    }
+    for kind in crate::budget::Kind::ALL {
+        counter!("tollgate_budget_usage_capped_total", "domain" => name(), "kind" => kind.name())
+            .increment(0);
+    }
+    counter!("tollgate_budget_denials_total", "domain" => name(), "level" => "token_bucket").increment(0);
+    for (level, alerts) in domain.budget_levels() {
+        counter!("tollgate_budget_denials_total", "domain" => name(), "level" => level.to_owned())
+            .increment(0);
+        for fraction in alerts {
+            counter!("tollgate_budget_alerts_total", "domain" => name(), "level" => level.to_owned(), "threshold" => crate::limiter::fraction_text(*fraction))
+                .increment(0);
+        }
     }
 }
 

@@ -63,6 +63,11 @@ impl RateLimitGrpc {
 }
 
 impl RateLimitGrpc {
+    /// The limiter it answers with.
+    pub fn limiter(&self) -> &Arc<Limiter> {
+        &self.limiter
+    }
+
     /// The answer to `request`, whichever edge it came through (gRPC or `POST /json`): bounded
     /// in flight, validated, decided, encoded, timed.
     pub async fn answer(&self, request: &RateLimitRequest) -> Result<RateLimitResponse, Status> {

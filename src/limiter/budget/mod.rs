@@ -23,17 +23,25 @@
 //! else at the held model; a hold whose model has left the table settles at the row its record
 //! keeps.
 
+mod count;
+mod parse;
+mod standing;
+
+pub use self::count::{fraction_text, had_label, verdict_label};
+pub use self::parse::BUDGET_REFUSALS;
+pub use self::standing::{LevelStanding, Standing, StandingError};
+
 use std::sync::Arc;
 
 use futures::future::join_all;
 
-use super::{
-    count_store_error, Code, DecideError, Decision, DescriptorVerdict, Effect, Limiter, Outcome, Query,
-};
-use crate::budget::money::MAX_TOKENS;
+use self::count::{budget_store_failed, count_refusal};
+use self::parse::{capped_usage, parse, settlement_price, Parsed, Refusal};
+
+use super::{Code, DecideError, Decision, DescriptorVerdict, Effect, Limiter, Outcome, Query};
 use crate::budget::{
-    cost, BucketLevel, BudgetAction, BudgetOp, BudgetOutcome, BudgetOverride, HadHold, HoldVerdict, Kind,
-    LevelOp, LevelReading, LostSettle, Money, PriceRow, RECORD_GRACE_MS,
+    cost, BucketLevel, BudgetAction, BudgetOp, BudgetOutcome, BudgetOverride, BudgetSpec, Calendar,
+    HoldVerdict, Kind, LevelOp, LevelReading, Money, PriceRow, RECORD_GRACE_MS,
 };
 use crate::config::{Domain, FailureMode, Limit, Priced};
 use crate::identity;
@@ -103,79 +111,12 @@ struct Request {
     level_names: Vec<String>,
     // Each level's `alert_at` fractions (for `X-Budget-Warning` and the alert log).
     alert_at: Vec<Vec<Money>>,
+    // Each level's value, as the top spenders metric shows it: the tenant's own, a hash below it
+    // (a level such as an API key may be a credential).
+    level_subjects: Vec<String>,
     // The request's tenant (for logs).
     tenant: Option<String>,
     descriptors: Vec<usize>,
-}
-
-// Why a descriptor gets no op.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Refusal {
-    // Not a path down to a request id, one for one.
-    Malformed,
-    // An empty request id.
-    EmptyId,
-    // The model has no price.
-    UnknownModel,
-    // The hold is larger than a level's whole amount.
-    TooLarge,
-}
-
-impl Refusal {
-    fn exhausted(self, priced: &Priced) -> &str {
-        match self {
-            Refusal::Malformed | Refusal::TooLarge => REFUSED_REQUEST,
-            Refusal::EmptyId => REFUSED_REQUEST_ID,
-            Refusal::UnknownModel => &priced.model_key,
-        }
-    }
-
-    fn reason(self) -> &'static str {
-        match self {
-            Refusal::Malformed => "malformed",
-            Refusal::EmptyId => "empty_request_id",
-            Refusal::UnknownModel => "unknown_model",
-            Refusal::TooLarge => "hold_above_amount",
-        }
-    }
-}
-
-/// A priced descriptor's entries, taken apart: the path through the tree (levels, model and
-/// request id), the body size, and for a stream-end call the served model and usage kind.
-#[derive(Debug, Clone, PartialEq)]
-struct Parsed<'q> {
-    path: Vec<(&'q str, &'q str)>,
-    input_bytes: Option<u64>,
-    served: Option<&'q str>,
-    usage: Option<&'q str>,
-}
-
-fn parse<'q>(priced: &Priced, entries: &[(&'q str, &'q str)]) -> Result<Parsed<'q>, Refusal> {
-    let (mut rest, usage) = match entries.split_last() {
-        Some((&(USAGE_KEY, kind), rest)) => (rest, Some(kind)),
-        _ => (entries, None),
-    };
-    let mut served = None;
-    if usage.is_some() {
-        if let Some((&(SERVED_MODEL_KEY, model), before)) = rest.split_last() {
-            served = Some(model);
-            rest = before;
-        }
-    }
-    let Some((&(id_key, id), before)) = rest.split_last() else { return Err(Refusal::Malformed) };
-    if id_key != priced.request_id_key {
-        return Err(Refusal::Malformed);
-    }
-    let mut path = before.to_vec();
-    let mut input_bytes = None;
-    if let Some(&(key, bytes)) = path.last() {
-        if key == priced.input_bytes_key {
-            input_bytes = Some(bytes.parse::<u64>().map_err(|_| Refusal::Malformed)?);
-            path.pop();
-        }
-    }
-    path.push((id_key, id));
-    Ok(Parsed { path, input_bytes, served, usage })
 }
 
 impl Limiter {
@@ -211,7 +152,9 @@ impl Limiter {
         let mut verdicts: Vec<Option<(Code, Outcome)>> = vec![None; query.descriptors.len()];
         let parsed: Vec<Result<Parsed<'_>, Refusal>> =
             query.descriptors.iter().map(|d| parse(priced, &d.entries)).collect();
-        let overrides = self.budget_overrides(domain, parsed.iter().filter_map(|p| p.as_ref().ok())).await;
+        let overrides = self
+            .budget_overrides(domain, parsed.iter().filter_map(|p| Some(&p.as_ref().ok()?.path[..])))
+            .await;
         let mut requests: Vec<Request> = Vec::new();
         let parsed_all = &parsed;
         for (i, (d, parsed)) in query.descriptors.iter().zip(parsed_all).enumerate() {
@@ -312,7 +255,7 @@ impl Limiter {
             Ok(p) => Parsed { usage: None, served: None, ..p },
             Err(_) => return Effect::NoRule,
         };
-        let overrides = self.budget_overrides(domain, std::iter::once(&parsed)).await;
+        let overrides = self.budget_overrides(domain, std::iter::once(&parsed.path[..])).await;
         match self.request(domain, priced, &parsed, self.clock.now_ms(), hits, None, &overrides) {
             Err(Refusal::UnknownModel) => Effect::UnknownModel,
             Err(_) => Effect::NoRule,
@@ -329,27 +272,27 @@ impl Limiter {
         }
     }
 
-    // The overrides of every level on the paths of `parsed`, from the quota source, by the
-    // level's path text ([`identity::path_text`]).
+    // The overrides of every budget level on `paths`, from the quota source, by the level's
+    // path text ([`identity::path_text`]).
     async fn budget_overrides<'p, 'q: 'p>(
         &self,
         domain: &Domain,
-        parsed: impl Iterator<Item = &'p Parsed<'q>>,
-    ) -> Vec<(String, BudgetOverride)> {
-        let mut paths: Vec<String> = Vec::new();
-        for p in parsed {
-            let Some(nodes) = domain.root.path(&p.path) else { continue };
+        paths: impl Iterator<Item = &'p [(&'q str, &'q str)]>,
+    ) -> Overrides {
+        let mut texts: Vec<String> = Vec::new();
+        for path in paths {
+            let Some(nodes) = domain.root.path(path) else { continue };
             for (depth, node) in nodes.iter().enumerate() {
                 if node.budget.is_some() {
-                    let text = identity::path_text(&p.path[..=depth]);
-                    if !paths.contains(&text) {
-                        paths.push(text);
+                    let text = identity::path_text(&path[..=depth]);
+                    if !texts.contains(&text) {
+                        texts.push(text);
                     }
                 }
             }
         }
-        let found = join_all(paths.iter().map(|p| self.quotas.budget(&domain.name, p))).await;
-        paths.into_iter().zip(found).filter_map(|(p, o)| Some((p, o?))).collect()
+        let found = join_all(texts.iter().map(|p| self.quotas.budget(&domain.name, p))).await;
+        texts.into_iter().zip(found).filter_map(|(p, o)| Some((p, o?))).collect()
     }
 
     // The op for the request whose descriptor is `parsed`: a hold of `hits` output tokens, or
@@ -363,7 +306,7 @@ impl Limiter {
         now: u64,
         hits: u64,
         kind: Option<Kind>,
-        overrides: &[(String, BudgetOverride)],
+        overrides: &Overrides,
     ) -> Result<Request, Refusal> {
         let path = &parsed.path[..];
         let nodes = domain.root.path(path).ok_or(Refusal::Malformed)?;
@@ -376,18 +319,12 @@ impl Limiter {
         let mut levels = Vec::new();
         let mut level_names = Vec::new();
         let mut alert_at = Vec::new();
+        let mut level_subjects = Vec::new();
         let mut buckets = Vec::new();
         for (depth, node) in nodes.iter().enumerate() {
             let entries = &path[..=depth];
             if let Some(budget) = &node.budget {
-                let text = identity::path_text(entries);
-                let over = overrides.iter().find(|(p, _)| *p == text).map(|(_, o)| o);
-                let (amount, calendar) = match over {
-                    Some(o) => {
-                        (o.amount, o.per.map_or(budget.calendar.clone(), |per| budget.calendar.with_per(per)))
-                    }
-                    None => (budget.amount, budget.calendar.clone()),
-                };
+                let (amount, calendar) = amount_and_calendar(budget, overrides, entries);
                 levels.push(LevelOp {
                     base: identity::budget_level(domain, entries),
                     amount,
@@ -396,6 +333,12 @@ impl Limiter {
                 });
                 level_names.push(node.key.clone());
                 alert_at.push(budget.alert_at.clone());
+                let value = entries[depth].1;
+                level_subjects.push(if node.key == domain.tenant_key {
+                    value.to_owned()
+                } else {
+                    traces::tenant_hash(value)
+                });
             }
             if let Some(rule) = &node.rule {
                 if let Limit::Bucket(spec) = rule.limit {
@@ -436,7 +379,7 @@ impl Limiter {
             life_ms: priced.hold_ttl.as_millis() as u64 + RECORD_GRACE_MS,
             action,
         };
-        Ok(Request { op, level_names, alert_at, tenant, descriptors: Vec::new() })
+        Ok(Request { op, level_names, alert_at, level_subjects, tenant, descriptors: Vec::new() })
     }
 
     // After a failed op, in the background and under the background deadline: a hold whose
@@ -475,122 +418,25 @@ impl Limiter {
             }
         });
     }
-
-    // Spend, holds, settlements, cancels, expiries, denials, refusals and alerts, in metrics
-    // and, for what an operator must hear of, logs.
-    fn count_budget(&self, domain: &Domain, priced: &Priced, request: &Request, outcome: &BudgetOutcome) {
-        let name = domain.name.clone();
-        let (released, expired) = match outcome {
-            BudgetOutcome::Held { expired, .. } => (false, *expired),
-            BudgetOutcome::Settled { had, expired, .. } | BudgetOutcome::Cancelled { had, expired, .. } => {
-                (*had == HadHold::Open, *expired)
-            }
-            BudgetOutcome::Reprice { .. } | BudgetOutcome::Peeked { .. } => (false, 0),
-        };
-        let lost = match priced.on_lost_settle {
-            LostSettle::Charge => "charged",
-            LostSettle::Release => "released",
-        };
-        metrics::counter!("tollgate_budget_holds_expired_total", "domain" => name.clone(), "outcome" => lost)
-            .increment(expired);
-        // Holds this replica opened less those it saw closed (settled or cancelled while open,
-        // found expired): summed over the replicas, the holds open, since a hold opened on one
-        // replica may close on another.
-        let opened = matches!(outcome, BudgetOutcome::Held { verdict: HoldVerdict::Admitted, .. });
-        let net = f64::from(u8::from(opened)) - f64::from(u8::from(released)) - expired as f64;
-        metrics::gauge!("tollgate_budget_holds_open", "domain" => name.clone()).increment(net);
-        match outcome {
-            BudgetOutcome::Held { verdict, exhausted, short, levels, .. } => {
-                metrics::counter!("tollgate_budget_holds_total", "domain" => name.clone(), "verdict" => verdict_label(*verdict))
-                    .increment(1);
-                if *verdict == HoldVerdict::Reused {
-                    self.refused_by_record(domain, request, "request_id_reused");
-                }
-                let level = match (exhausted, short) {
-                    (Some(l), _) => request.level_names.get(*l).cloned(),
-                    (None, Some(_)) => Some("token_bucket".to_owned()),
-                    (None, None) => None,
-                };
-                if let Some(level) = level {
-                    metrics::counter!("tollgate_budget_denials_total", "domain" => name, "level" => level)
-                        .increment(1);
-                }
-                alerts(domain, request, levels);
-            }
-            BudgetOutcome::Settled { charged, had, levels, .. } => {
-                metrics::counter!("tollgate_budget_settlements_total", "domain" => name.clone(), "hold" => had_label(had))
-                    .increment(1);
-                if *had == HadHold::Other {
-                    self.refused_by_record(domain, request, "path_mismatch");
-                }
-                count_spend(name, &priced.prices.currency, &request.op.version, *charged);
-                alerts(domain, request, levels);
-            }
-            BudgetOutcome::Cancelled { had, .. } => {
-                metrics::counter!("tollgate_budget_cancels_total", "domain" => name, "hold" => had_label(had))
-                    .increment(1);
-            }
-            BudgetOutcome::Reprice { .. } | BudgetOutcome::Peeked { .. } => {}
-        }
-    }
-
-    // A request the store refused because its id's record is another request's: counted, and
-    // logged with the tenant (never the request id, which a client may have chosen).
-    fn refused_by_record(&self, domain: &Domain, request: &Request, reason: &'static str) {
-        count_refusal(domain, reason);
-        if let Some(held_back) = logs::throttled("budget_record_refused") {
-            let tenant = request.tenant.as_deref().map(traces::tenant_hash).unwrap_or_default();
-            let action =
-                if matches!(request.op.action, BudgetAction::Hold { .. }) { "hold" } else { "settlement" };
-            tracing::warn!(domain = %domain.name, reason, action, tenant_hash = %tenant, held_back, "a request id's record belongs to another request: nothing held or charged");
-        }
-    }
 }
 
-// Alerts the op crossed, once a period across every replica (the store counts them): logged
-// and counted by level and threshold.
-fn alerts(domain: &Domain, request: &Request, levels: &[LevelReading]) {
-    for (i, reading) in levels.iter().enumerate() {
-        let (before, after) = reading.alerted;
-        for k in before..after {
-            let (Some(level), Some(fraction)) =
-                (request.level_names.get(i), request.alert_at.get(i).and_then(|a| a.get(k as usize)))
-            else {
-                continue;
-            };
-            let threshold = fraction_text(*fraction);
-            metrics::counter!("tollgate_budget_alerts_total", "domain" => domain.name.clone(), "level" => level.clone(), "threshold" => threshold.clone())
-                .increment(1);
-            let tenant = request.tenant.as_deref().map(traces::tenant_hash).unwrap_or_default();
-            tracing::warn!(domain = %domain.name, level = %level, threshold = %threshold, tenant_hash = %tenant, spent = %reading.spent, period_end_ms = reading.end_ms, "budget alert: a level's spend crossed a soft limit");
+// The overrides found, by level path text.
+type Overrides = Vec<(String, BudgetOverride)>;
+
+// The amount and calendar of `budget` at the level `entries` reach: an override's, else the
+// file's.
+fn amount_and_calendar(
+    budget: &BudgetSpec,
+    overrides: &Overrides,
+    entries: &[(&str, &str)],
+) -> (Money, Calendar) {
+    let text = identity::path_text(entries);
+    match overrides.iter().find(|(p, _)| *p == text).map(|(_, o)| o) {
+        Some(o) => {
+            (o.amount, o.per.map_or_else(|| budget.calendar.clone(), |per| budget.calendar.with_per(per)))
         }
+        None => (budget.amount, budget.calendar.clone()),
     }
-}
-
-// Money spent, in nano-units: a counter that saturates instead of wrapping, so that no charge,
-// however large, makes the total read small.
-fn count_spend(domain: String, currency: &str, version: &str, charged: Money) {
-    use std::collections::HashMap;
-    use std::sync::{Mutex, OnceLock};
-    type Totals = Mutex<HashMap<(String, String, String), u64>>;
-    static TOTALS: OnceLock<Totals> = OnceLock::new();
-    let labels = (domain, currency.to_owned(), version.to_owned());
-    let total = {
-        let mut totals = TOTALS.get_or_init(Totals::default).lock().unwrap_or_else(|e| e.into_inner());
-        let total = totals.entry(labels.clone()).or_default();
-        *total = total.saturating_add(u64::try_from(charged.0).unwrap_or(u64::MAX));
-        *total
-    };
-    let (domain, currency, version) = labels;
-    metrics::counter!("tollgate_budget_spend_nanos_total", "domain" => domain, "currency" => currency, "version" => version)
-        .absolute(total);
-}
-
-/// A fraction in nano-units as its shortest decimal (800,000,000: `0.8`).
-pub fn fraction_text(fraction: Money) -> String {
-    let text = fraction.to_string();
-    let text = text.trim_end_matches('0');
-    text.strip_suffix('.').unwrap_or(text).to_owned()
 }
 
 // The verdict and report of a request's answer.
@@ -668,75 +514,7 @@ async fn call(store: &dyn Store, op: &BudgetOp) -> Result<BudgetOutcome, StoreEr
     }
 }
 
-/// What a settlement or cancel found of its hold, as a metric label.
-pub fn had_label(had: &HadHold) -> &'static str {
-    match had {
-        HadHold::Open => "open",
-        HadHold::Expired => "expired",
-        HadHold::Settled => "settled",
-        HadHold::None => "none",
-        HadHold::Other => "other",
-    }
-}
-
-/// A hold's verdict, as a metric label.
-pub fn verdict_label(verdict: HoldVerdict) -> &'static str {
-    match verdict {
-        HoldVerdict::Admitted => "admitted",
-        HoldVerdict::Duplicate => "duplicate",
-        HoldVerdict::Reused => "reused",
-        HoldVerdict::Denied => "denied",
-    }
-}
-
-// The row a settlement is priced at, and the most each kind is charged for: the served model's
-// when the table has it, else the held model's; no row when neither is in the table (the
-// record's row then prices it).
-fn settlement_price(priced: &Priced, parsed: &Parsed<'_>) -> (Option<PriceRow>, [u64; 4]) {
-    let held = parsed.path.iter().find(|(k, _)| *k == priced.model_key).map(|(_, v)| *v);
-    let model = parsed.served.and_then(|m| priced.prices.model(m)).or_else(|| priced.prices.model(held?));
-    match model {
-        Some((_, row)) => (Some(row.row), Kind::ALL.map(|k| row.most(k))),
-        None => (None, [MAX_TOKENS; 4]),
-    }
-}
-
-// `tokens` of `kind`, at most `most[kind]` (the model's maximum for the kind: more is charged
-// at the maximum, logged and counted), and what they cost at `row`'s prices.
-fn capped_usage(
-    domain: &Domain,
-    row: &PriceRow,
-    most: [u64; 4],
-    kind: Kind,
-    tokens: u64,
-) -> (Kind, u64, Money) {
-    let most = most[kind as usize];
-    if tokens > most {
-        metrics::counter!("tollgate_budget_usage_capped_total", "domain" => domain.name.clone(), "kind" => kind.name())
-            .increment(1);
-        if let Some(held_back) = logs::throttled("budget_usage_capped") {
-            tracing::warn!(domain = %domain.name, kind = kind.name(), tokens, charged_as = most, held_back, "a usage count above the model's maximum was charged at the maximum");
-        }
-    }
-    let tokens = tokens.min(most);
-    (kind, tokens, cost(tokens, row.price(kind)))
-}
-
 // Whole seconds from `now_ms` to `end_ms`, rounded up.
 fn seconds_until(end_ms: i64, now_ms: u64) -> u64 {
     u64::try_from(end_ms).unwrap_or(0).saturating_sub(now_ms).div_ceil(1000)
-}
-
-fn count_refusal(domain: &Domain, reason: &'static str) {
-    metrics::counter!("tollgate_budget_refusals_total", "domain" => domain.name.clone(), "reason" => reason)
-        .increment(1);
-}
-
-// A budget op the store failed: counted and logged as every store failure is.
-fn budget_store_failed(domain: &Domain, error: &StoreError) {
-    count_store_error(domain, if matches!(error, StoreError::Timeout(_)) { "timeout" } else { "error" });
-    if let Some(held_back) = logs::throttled("budget_store_failed") {
-        let mode = domain.failure_mode;
-        tracing::warn!(domain = %domain.name, error = %ErrorChain(error), failure_mode = %mode, held_back, "store failed on a budget; applying the failure mode");
-    }
 }
