@@ -458,7 +458,7 @@ async fn holds_settle_at_the_price_version_they_were_held_at() {
 async fn a_minute_budget_resets_at_the_boundary() {
     let redis = Redis::start();
     let text = config("2026-12-01", "10.00", "10m", "charge").replace(
-        "budget: {amount: 1.00, per: day}",
+        "budget: {amount: 1.00, per: day, alert_at: [0.5, 0.9]}",
         "budget: {amount: 0.015, per: minute, timezone: Asia/Kolkata}",
     );
     let (_dir, path) = config_file(&text);
@@ -804,6 +804,14 @@ async fn budgets_standing_and_alerts_across_three_replicas() {
     let replicas: Vec<Tollgate> =
         (0..3).map(|_| Tollgate::start(&path, &Backend::Redis(redis.url()), &[])).collect();
     let at_zero = replicas[0].metrics();
+    for (name, _, _) in tollgate::telemetry::METRICS.iter().filter(|(n, _, _)| n.starts_with("tollgate_budget_")) {
+        if !tollgate::telemetry::LABELLED_BY_TRAFFIC.contains(name) {
+            assert!(
+                at_zero.samples.iter().any(|s| s.metric == *name && s.labels.get("domain") == Some("llm")),
+                "{name} is exported from startup for the priced domain"
+            );
+        }
+    }
     for (name, labels) in [
         ("tollgate_budget_refusals_total", vec![("reason", "path_mismatch")]),
         ("tollgate_budget_holds_total", vec![("verdict", "reused")]),
