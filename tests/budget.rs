@@ -804,7 +804,9 @@ async fn budgets_standing_and_alerts_across_three_replicas() {
     let replicas: Vec<Tollgate> =
         (0..3).map(|_| Tollgate::start(&path, &Backend::Redis(redis.url()), &[])).collect();
     let at_zero = replicas[0].metrics();
-    for (name, _, _) in tollgate::telemetry::METRICS.iter().filter(|(n, _, _)| n.starts_with("tollgate_budget_")) {
+    for (name, _, _) in
+        tollgate::telemetry::METRICS.iter().filter(|(n, _, _)| n.starts_with("tollgate_budget_"))
+    {
         if !tollgate::telemetry::LABELLED_BY_TRAFFIC.contains(name) {
             assert!(
                 at_zero.samples.iter().any(|s| s.metric == *name && s.labels.get("domain") == Some("llm")),

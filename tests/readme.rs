@@ -172,7 +172,14 @@ fn the_walkthrough_works_as_printed() {
     let lines: Vec<&str> = budgets.lines().collect();
     assert_eq!(codes(lines[0]), [200, 200, 200, 429], "{budgets}");
     let headers = lines[1..].join("\n").to_lowercase();
-    for expected in ["http/1.1 429", "x-budget-exhausted: api_key", "x-budget-remaining: 0.019400000 usd"] {
+    for expected in [
+        "http/1.1 429",
+        "x-budget-exhausted: api_key",
+        "x-budget-remaining: 0.019400000 usd",
+        "x-budget-warning: api_key=0.5",
+        r#""level":"api_key","value":"k1""#,
+        r#""spent":"0.030600000","held":"0.000000000","left":"0.019400000""#,
+    ] {
         assert!(headers.contains(expected), "{expected}: {budgets}");
     }
     let reset: u64 =
@@ -197,6 +204,7 @@ fn the_walkthrough_works_as_printed() {
     let quota = run_text("quota", &format!("set -e\n{quota}echo done\n"), Duration::from_secs(60));
     assert!(quota.ends_with("done\n"), "every quota command succeeds: {quota}");
     assert!(quota.contains("tier pro") && quota.contains("export"), "{quota}");
+    assert!(quota.contains("llm org=acme:team=search: 500.00 a month"), "{quota}");
 
     let redis = run("redis", Duration::from_secs(60));
     assert!(redis.contains("overall: OK") && redis.contains("remaining=50"), "{redis}");

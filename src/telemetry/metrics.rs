@@ -339,8 +339,11 @@ const AT_ZERO: &[(&str, &[(&str, &str)])] = &[
 /// The metrics whose series only traffic creates (their labels name tenants); every other metric
 /// is registered at 0 at startup, those labelled by domain and rule for every loaded one, and the
 /// budget metrics (`tollgate_budget_*`) for every loaded priced domain ([`register_domains`]).
-pub const LABELLED_BY_TRAFFIC: &[&str] =
-    &["tollgate_tenant_decisions_total", "tollgate_top_denied_tenant_hits", "tollgate_budget_top_spenders_nanos"];
+pub const LABELLED_BY_TRAFFIC: &[&str] = &[
+    "tollgate_tenant_decisions_total",
+    "tollgate_top_denied_tenant_hits",
+    "tollgate_budget_top_spenders_nanos",
+];
 
 /// Registers at 0 the series of every domain and rule of `rules` (at startup and after each
 /// reload), so that dashboards and alerts see 0 rather than no data: the decisions each rule can
