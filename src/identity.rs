@@ -167,6 +167,16 @@ pub fn path_text(entries: &[(&str, &str)]) -> String {
     out
 }
 
+/// The name an RLQS bucket id (a map of entries, in no order) is known by: its entries sorted by
+/// key, written as [`path_text`] writes a path. Every key and value is escaped, so that no raw
+/// `=` or `:` is inside one: two ids share a name only if they have the same entries, whatever
+/// their keys and values hold (`{route: "search:tenant=X"}` is not `{route: search, tenant: X}`).
+pub fn bucket_id_name<'a>(entries: impl IntoIterator<Item = (&'a str, &'a str)>) -> String {
+    let mut entries: Vec<(&str, &str)> = entries.into_iter().collect();
+    entries.sort_unstable();
+    path_text(&entries)
+}
+
 // The value of the domain's tenant entry on `entries`.
 fn tenant_of<'a>(domain: &Domain, entries: &[(&'a str, &'a str)]) -> Option<&'a str> {
     entries.iter().find(|(k, _)| *k == domain.tenant_key).map(|(_, v)| *v)

@@ -9,8 +9,12 @@ use std::path::Path;
 #[test]
 fn seeds_and_regressions_pass_the_fuzz_checks() {
     type Check = fn(&[u8]);
-    let targets: [(&str, Check); 3] =
-        [("config", checks::config), ("matching", checks::matching), ("keys", checks::keys)];
+    let targets: [(&str, Check); 4] = [
+        ("config", checks::config),
+        ("matching", checks::matching),
+        ("keys", checks::keys),
+        ("bucket_ids", checks::bucket_ids),
+    ];
     let mut checked = 0;
     for (target, check) in targets {
         for kind in ["seeds", "regressions"] {

@@ -417,3 +417,20 @@ async fn random_configs_share_buckets_exactly_as_the_reference_does() {
     println!("{checked} admitted requests checked against the reference identity");
     assert!(checked > 300, "only {checked} requests reached a bucket");
 }
+
+proptest::proptest! {
+    #![proptest_config(proptest::prelude::ProptestConfig::with_cases(2_000))]
+
+    /// RLQS bucket ids built from hostile keys and values (separators, escapes, braces, control
+    /// characters): two ids share a name only if they have the same entries.
+    #[test]
+    fn rlqs_bucket_ids_that_differ_never_share_a_name(
+        a in proptest::collection::btree_map("[a=:,%{}\\x01 ]{0,4}", "[a=:,%{}\\x01 ]{0,4}", 0..4),
+        b in proptest::collection::btree_map("[a=:,%{}\\x01 ]{0,4}", "[a=:,%{}\\x01 ]{0,4}", 0..4),
+    ) {
+        let name = |m: &BTreeMap<String, String>| {
+            tollgate::identity::bucket_id_name(m.iter().map(|(k, v)| (k.as_str(), v.as_str())))
+        };
+        proptest::prop_assert_eq!(name(&a) == name(&b), a == b, "{:?} {:?}", name(&a), name(&b));
+    }
+}

@@ -461,11 +461,9 @@ fn elapsed_ms(usage: &BucketQuotaUsage) -> u64 {
     })
 }
 
-// A bucket id as a stable name: its entries, sorted.
+// A bucket id as a stable name that no other id shares ([`identity::bucket_id_name`]).
 fn name(id: &BucketId) -> String {
-    let mut entries: Vec<(&String, &String)> = id.bucket.iter().collect();
-    entries.sort();
-    entries.iter().map(|(k, v)| format!("{k}={v}")).collect::<Vec<_>>().join(",")
+    crate::identity::bucket_id_name(id.bucket.iter().map(|(k, v)| (k.as_str(), v.as_str())))
 }
 
 #[cfg(test)]
@@ -476,7 +474,12 @@ mod tests {
     fn a_bucket_id_is_named_by_its_sorted_entries() {
         assert_eq!(
             name(&BucketId { bucket: HashMap::from([("b".into(), "2".into()), ("a".into(), "1".into())]) }),
-            "a=1,b=2"
+            "a=1:b=2"
         );
+        let crafted = BucketId { bucket: HashMap::from([("route".into(), "search,tenant=X".into())]) };
+        let real = BucketId {
+            bucket: HashMap::from([("route".into(), "search".into()), ("tenant".into(), "X".into())]),
+        };
+        assert_ne!(name(&crafted), name(&real));
     }
 }
