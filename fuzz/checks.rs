@@ -162,37 +162,13 @@ pub fn bucket_ids(data: &[u8]) {
     let id: std::collections::BTreeMap<&str, &str> =
         f.chunks(2).map(|p| (p[0].as_str(), p.get(1).map_or("", String::as_str))).collect();
     let name = identity::bucket_id_name(id.iter().map(|(k, v)| (*k, *v)));
-    let decoded: Vec<(String, String)> = if name.is_empty() {
-        Vec::new()
-    } else {
-        name.split(':')
-            .map(|pair| {
-                let (k, v) = pair.split_once('=').expect("one raw '=' per entry");
-                assert!(!v.contains('='), "{name}");
-                (unescape(k), unescape(v))
-            })
-            .collect()
-    };
+    // A name is the entries part of a key: decoded as the keys check decodes one.
+    let decoded = if name.is_empty() { Vec::new() } else { unescape_entries(&format!("_:{name}")) };
+    assert!(
+        name.is_empty() || name.split(':').all(|e| e.matches('=').count() == 1),
+        "one raw '=' per entry: {name}"
+    );
     let expected: Vec<(String, String)> =
         id.iter().map(|(k, v)| ((*k).to_owned(), (*v).to_owned())).collect();
     assert_eq!(decoded, expected, "{name}");
-}
-
-// Undoes the percent-escaping of identity keys.
-fn unescape(s: &str) -> String {
-    let mut out = Vec::new();
-    let bytes = s.as_bytes();
-    let mut i = 0;
-    while i < bytes.len() {
-        if bytes[i] == b'%' {
-            let hex = std::str::from_utf8(&bytes[i + 1..i + 3]).expect("two hex digits");
-            let c = char::from_u32(u32::from_str_radix(hex, 16).expect("hex")).expect("a char");
-            out.extend_from_slice(c.to_string().as_bytes());
-            i += 3;
-        } else {
-            out.push(bytes[i]);
-            i += 1;
-        }
-    }
-    String::from_utf8(out).expect("UTF-8")
 }

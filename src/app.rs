@@ -61,6 +61,9 @@ pub struct Settings {
     pub exporter: bool,
     /// Watch the config and TLS files, and `SIGHUP`.
     pub watch: bool,
+    /// Drop a domain whose file is gone on the reload that finds it gone, rather than keep it
+    /// until `SIGHUP` confirms the removal.
+    pub allow_domain_removal: bool,
 }
 
 impl Settings {
@@ -80,6 +83,7 @@ impl Settings {
             telemetry: TelemetryConfig::default(),
             exporter: false,
             watch: false,
+            allow_domain_removal: false,
         }
     }
 }
@@ -221,7 +225,8 @@ impl App {
         };
         let mut watches = Vec::new();
         if settings.watch {
-            let config = Reloader::new(&settings.config, rules.clone()).watch();
+            let config =
+                Reloader::new(&settings.config, rules.clone(), settings.allow_domain_removal).watch();
             watches.push(config.map_err(|source| StartError::Watch { what: "the config", source })?);
             if let Some(tls) = &tls {
                 watches

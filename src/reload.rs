@@ -120,40 +120,72 @@ pub fn parent(path: &Path) -> PathBuf {
 }
 
 /// Reloads the rules at `path` into `rules`.
+///
+/// A file that vanishes never means no limit. A config file that cannot be read (a dangling
+/// symlink, no permission) fails the reload, and the rules in force stay. A domain whose file is
+/// gone while the rest of the config loads stays served from the rules in force, and each reload
+/// that keeps it names it in a warning, until the operator confirms the removal: `SIGHUP`
+/// ([`Trigger::Signal`]) or `--allow-domain-removal`.
 pub struct Reloader {
     path: PathBuf,
     rules: Arc<ArcSwap<RuleSet>>,
+    allow_domain_removal: bool,
+}
+
+/// What a reload did.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Reloaded {
+    /// The files hold what is in force: nothing to do.
+    Unchanged,
+    /// The new rules are in force.
+    Swapped,
+    /// The new rules are in force, with these domains, whose files are gone, kept from before.
+    Kept(Vec<String>),
 }
 
 impl Reloader {
-    /// A reloader for the config at `path`, serving into `rules`.
-    pub fn new(path: &Path, rules: Arc<ArcSwap<RuleSet>>) -> Self {
-        Reloader { path: path.to_owned(), rules }
+    /// A reloader for the config at `path`, serving into `rules`; with `allow_domain_removal`, a
+    /// domain whose file is gone is dropped on the reload that finds it gone.
+    pub fn new(path: &Path, rules: Arc<ArcSwap<RuleSet>>, allow_domain_removal: bool) -> Self {
+        Reloader { path: path.to_owned(), rules, allow_domain_removal }
     }
 
-    /// Loads the config now and swaps it in if its files changed (or for a [`Trigger::Signal`]);
-    /// returns whether it was swapped. On error the rules in force stay.
-    pub fn reload(&self, trigger: Trigger) -> Result<bool, ConfigError> {
+    /// Loads the config now and swaps it in if its files changed (or for a [`Trigger::Signal`]).
+    /// On error the rules in force stay.
+    pub fn reload(&self, trigger: Trigger) -> Result<Reloaded, ConfigError> {
         let sources = Sources::read(&self.path)?;
         let current = self.rules.load();
         if trigger == Trigger::Files
             && sources.fingerprint() == current.fingerprint()
             && current.price_files_unchanged()
         {
-            return Ok(false);
+            return Ok(Reloaded::Unchanged);
         }
-        let rules = RuleSet::compile(sources)?;
+        let mut rules = RuleSet::compile(sources)?;
+        let mut kept = Vec::new();
+        if trigger == Trigger::Files && !self.allow_domain_removal {
+            let gone: Vec<&Arc<crate::config::Domain>> =
+                current.domains().filter(|d| rules.domain(&d.name).is_none()).collect();
+            for domain in gone {
+                kept.push(domain.name.clone());
+                rules.keep(domain.clone());
+            }
+        }
         crate::telemetry::register_domains(&rules);
         self.rules.store(Arc::new(rules));
-        Ok(true)
+        Ok(if kept.is_empty() { Reloaded::Swapped } else { Reloaded::Kept(kept) })
     }
 
     // Reloads, then logs and counts the result.
     fn reload_and_report(&self, trigger: Trigger) {
         match self.reload(trigger) {
-            Ok(swapped) => {
+            Ok(reloaded) => {
                 metrics::gauge!("tollgate_config_last_reload_successful").set(1.0);
-                if swapped {
+                if let Reloaded::Kept(domains) = &reloaded {
+                    metrics::counter!("tollgate_config_reloads_total", "result" => "warning").increment(1);
+                    tracing::warn!(path = %self.path.display(), ?domains, "config reloaded, but these domains' files are gone: they stay served from the last good config until the removal is confirmed (SIGHUP, or --allow-domain-removal)");
+                }
+                if reloaded == Reloaded::Swapped {
                     metrics::counter!("tollgate_config_reloads_total", "result" => "success").increment(1);
                     let rules = self.rules.load();
                     let domains: Vec<&str> = rules.domains().map(|d| d.name.as_str()).collect();

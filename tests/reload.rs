@@ -1,6 +1,8 @@
 //! Config hot reload on a Kubernetes ConfigMap layout: symlink swaps apply, bad configs are
 //! rejected while the old one keeps serving, SIGHUP forces a reload, and requests keep being
-//! answered throughout.
+//! answered throughout. A file that vanishes never means no limit: a dangling symlink (a `..data`
+//! swap whose target lacks the file) fails the reload, and a domain whose file is removed stays
+//! served, named in a warning, until SIGHUP confirms the removal.
 
 mod common;
 
@@ -32,11 +34,18 @@ impl ConfigMap {
     // What the kubelet does: write a new timestamped directory, point `..data_tmp` at it, rename
     // it over `..data` (atomic), remove the old directory.
     fn publish(&mut self, yaml: &str) {
+        self.publish_files(&[("rules.yaml", yaml)]);
+    }
+
+    // The same, with these files in the new directory (none: a target that lacks the file).
+    fn publish_files(&mut self, files: &[(&str, &str)]) {
         let root = self.dir.path();
         self.generation += 1;
         let fresh = format!("..2026_12_02_{:02}", self.generation);
         std::fs::create_dir(root.join(&fresh)).unwrap();
-        std::fs::write(root.join(&fresh).join("rules.yaml"), yaml).unwrap();
+        for (name, yaml) in files {
+            std::fs::write(root.join(&fresh).join(name), yaml).unwrap();
+        }
         std::os::unix::fs::symlink(&fresh, root.join("..data_tmp")).unwrap();
         std::fs::rename(root.join("..data_tmp"), root.join("..data")).unwrap();
         if self.generation > 1 {
@@ -189,4 +198,51 @@ async fn only_new_content_reloads_and_only_once() {
     quiet();
     assert_eq!(reloads(&server, "success"), 2.0, "one swap, one reload");
     assert_eq!(server.log().matches("config reloaded").count(), 2, "{}", server.log());
+}
+
+/// A vanished file never means no limit: (1) a `..data` swap whose target lacks `rules.yaml`
+/// leaves the link dangling, and the reload fails; (2) the link removed, the domain stays served
+/// and each reload that keeps it warns, until SIGHUP confirms; the limit holds throughout
+/// (`hits` over the capacity is OVER_LIMIT).
+#[tokio::test(flavor = "multi_thread")]
+async fn a_vanished_file_never_means_no_limit() {
+    let mut cm = ConfigMap::new(&rules(3));
+    std::fs::write(cm.path().join("other.yaml"), "domain: other\ndescriptors:\n  - key: a\n").unwrap();
+    let server = Tollgate::start(cm.path(), &Backend::Memory, &[]);
+    let limited = || async {
+        let r = ask(&server.addr(), req("r", &["k=big"], 30)).await.unwrap();
+        r.overall_code == OVER_LIMIT
+    };
+    assert!(limited().await);
+    let wait = |what: &str, result: &str, at_least: f64| {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while reloads(&server, result) < at_least {
+            assert!(Instant::now() < deadline, "{what}");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    };
+
+    // (1) The kubelet's swap to a directory without the file: the link dangles.
+    cm.publish_files(&[]);
+    wait("the dangling link's reload", "failure", 1.0);
+    assert!(limited().await, "the domain is still limited");
+    assert!(server.log().contains("rules.yaml"), "the log names the file");
+    cm.publish(&rules(4));
+    wait("the file's return", "success", 1.0);
+
+    // (2) The link removed: the domain stays, and the reload is counted as a warning.
+    std::fs::remove_file(cm.path().join("rules.yaml")).unwrap();
+    wait("the removal's reload", "warning", 1.0);
+    assert!(limited().await, "a removed domain stays served");
+    assert!(server.log().contains(r#"domains=["r"]"#), "the warning names the domain: {}", server.log());
+    // Another change reloads and warns again.
+    std::fs::write(cm.path().join("other.yaml"), "domain: other\ndescriptors:\n  - key: b\n").unwrap();
+    wait("the next reload's warning", "warning", 2.0);
+    assert!(limited().await);
+    // SIGHUP confirms: the domain is gone.
+    let before = reloads(&server, "success");
+    server.proc.signal("HUP");
+    wait("SIGHUP", "success", before + 1.0);
+    let r = ask(&server.addr(), req("r", &["k=big"], 30)).await.unwrap();
+    assert_eq!(r.overall_code, OK, "no domain r any more: the operator confirmed");
 }

@@ -79,6 +79,11 @@ pub(super) struct ServeArgs {
     /// On SIGTERM, how long to stay up unready before draining (lets load balancers notice).
     #[arg(long, env = "TOLLGATE_DRAIN_DELAY", default_value = "5s", value_parser = humantime::parse_duration)]
     drain_delay: Duration,
+    /// Drop a domain whose config file is gone on the reload that finds it gone. Without it the
+    /// domain stays served from the last good config, named in a warning at each reload, until
+    /// SIGHUP confirms the removal: a ConfigMap target briefly missing never means no limit.
+    #[arg(long, env = "TOLLGATE_ALLOW_DOMAIN_REMOVAL")]
+    allow_domain_removal: bool,
     /// Tenant quotas from PostgreSQL: postgres://user:password@host:port/db (see `tollgate quota`).
     #[arg(long, env = "TOLLGATE_QUOTA_STORE", hide_env_values = true)]
     quota_store: Option<String>,
@@ -140,6 +145,7 @@ impl ServeArgs {
             },
             exporter: true,
             watch: true,
+            allow_domain_removal: self.allow_domain_removal,
         })
     }
 }

@@ -120,6 +120,12 @@ impl RuleSet {
         }
     }
 
+    /// The same set with `domain` added, if no domain of the set has its name: a domain whose
+    /// file is gone, kept from the config before until the operator confirms its removal.
+    pub fn keep(&mut self, domain: Arc<Domain>) {
+        self.domains.entry(domain.name.clone()).or_insert(domain);
+    }
+
     /// A hash of the files this set was loaded from: equal fingerprints, equal configs.
     pub fn fingerprint(&self) -> u64 {
         self.fingerprint
@@ -241,9 +247,17 @@ fn config_files(path: &Path) -> Result<Vec<PathBuf>, ConfigError> {
         let name = entry.file_name();
         let name = name.to_string_lossy();
         let yaml = name.ends_with(".yaml") || name.ends_with(".yml");
-        // `is_file` follows symlinks, which is how ConfigMap volumes present their files.
-        if yaml && !name.starts_with('.') && entry.path().is_file() {
-            files.push(entry.path());
+        if !yaml || name.starts_with('.') {
+            continue;
+        }
+        // `metadata` follows symlinks, which is how ConfigMap volumes present their files: a
+        // link whose target is gone (a `..data` swap caught half way, a broken deploy) is an
+        // error, not a file that was never there.
+        let file = entry.path();
+        let metadata =
+            std::fs::metadata(&file).map_err(|source| ConfigError::Io { path: file.clone(), source })?;
+        if metadata.is_file() {
+            files.push(file);
         }
     }
     if files.is_empty() {
