@@ -469,3 +469,24 @@ fn kubernetes_configmap_layout_loads() {
     let rules = RuleSet::load(dir.path()).unwrap();
     assert_eq!(rules.domains().map(|d| d.name.as_str()).collect::<Vec<_>>(), vec!["cm"]);
 }
+
+/// The size limit of a domain file (the parser's node budget, its guard against YAML bombs) has
+/// its own error, in the config's terms; a file within it loads.
+#[test]
+fn a_file_past_the_node_limit_says_so() {
+    let rules = |n: usize| {
+        let mut text = String::from("domain: big\ndescriptors:\n");
+        for i in 0..n {
+            text.push_str(&format!(
+                "  - key: k\n    value: v{i}\n    rate_limit: {{unit: second, requests_per_unit: 1}}\n"
+            ));
+        }
+        text
+    };
+    let error = tollgate::config::RuleSet::from_yaml(std::path::Path::new("big.yaml"), &rules(30_000))
+        .err()
+        .expect("too large")
+        .to_string();
+    assert!(error.contains("larger than one domain file may be: more than 250000 YAML nodes"), "{error}");
+    assert!(tollgate::config::RuleSet::from_yaml(std::path::Path::new("ok.yaml"), &rules(10_000)).is_ok());
+}

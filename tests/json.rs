@@ -108,3 +108,32 @@ fn bad_bodies_get_a_clear_400_or_413_and_change_nothing() {
     assert_eq!(json["statuses"][0]["limitRemaining"], 4);
     assert!(sample(&server.metrics(), "tollgate_invalid_requests_total", &[]) >= 7.0);
 }
+
+/// A body a browser could send cross-site without a preflight (a form, plain text) is refused
+/// with 415 and debits nothing: `POST /json` takes `Content-Type: application/json` only.
+#[test]
+fn json_needs_its_content_type() {
+    use std::io::Write as _;
+    let (_dir, config) = config_file(CONFIG);
+    let server = Tollgate::start(&config, &Backend::Memory, &[]);
+    let body = r#"{"domain": "d", "descriptors": [{"entries": [{"key": "k", "value": "ct"}]}]}"#;
+    let post_as = |content_type: &str| {
+        let mut stream = std::net::TcpStream::connect(server.http).unwrap();
+        write!(
+            stream,
+            "POST /json HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Type: {content_type}\r\nContent-Length: {}\r\n\r\n{body}",
+            body.len()
+        )
+        .unwrap();
+        parse_response(stream)
+    };
+    for content_type in ["text/plain", "application/x-www-form-urlencoded", "multipart/form-data; boundary=x"]
+    {
+        let r = post_as(content_type);
+        assert_eq!(r.status, 415, "{content_type}: {}", r.body);
+    }
+    let r = post_as("Application/JSON; charset=utf-8");
+    assert_eq!(r.status, 200, "{}", r.body);
+    let json: serde_json::Value = serde_json::from_str(&r.body).unwrap();
+    assert_eq!(json["statuses"][0]["limitRemaining"], 4, "the refused posts took nothing");
+}

@@ -70,11 +70,30 @@ pub(super) fn text(value: Option<Spanned<String>>) -> (Option<String>, Option<(u
     }
 }
 
+/// The most YAML nodes (mappings, sequences and scalars) one domain file may hold: the parser's
+/// budget (serde-saphyr's default, set here so that the error can name it), which keeps a
+/// crafted file from growing a reload without limit.
+pub const MAX_NODES: usize = 250_000;
+
 /// A parser error as a [`ConfigError`]: its position, the tree path of the descriptor at that
 /// line (found from `text`, see [`locate`]) and its message alone, on one line (the parser's own
 /// rendering repeats the position and quotes a snippet of `<input>`).
 fn syntax(file: &Path, text: &str, error: &serde_saphyr::Error) -> ConfigError {
+    use serde_saphyr::budget::BudgetBreach;
     use serde_saphyr::MessageFormatter as _;
+    // The parser's node budget (its guard against YAML bombs) is the one limit on a file's size:
+    // say so in the config's own terms.
+    if let serde_saphyr::Error::Budget { breach: BudgetBreach::Nodes { .. }, .. } = error.without_snippet() {
+        return ConfigError::Invalid {
+            file: file.to_owned(),
+            position: None,
+            at: String::new(),
+            message: format!(
+                "the file is larger than one domain file may be: more than {} YAML nodes (about {} rules of a few lines each)",
+                MAX_NODES, MAX_NODES / 11
+            ),
+        };
+    }
     let message = serde_saphyr::DefaultMessageFormatter.format_message(error.without_snippet());
     let message: String = message.chars().map(|c| if c.is_control() { ' ' } else { c }).collect();
     let position =
@@ -85,7 +104,12 @@ fn syntax(file: &Path, text: &str, error: &serde_saphyr::Error) -> ConfigError {
 
 /// Compiles the domain file `file` with contents `text`.
 pub(super) fn domain(file: &Path, text_: &str) -> Result<Domain, ConfigError> {
-    let mut raw: raw::DomainFile = serde_saphyr::from_str(text_).map_err(|e| syntax(file, text_, &e))?;
+    let mut budget = serde_saphyr::Budget::default();
+    budget.max_nodes = MAX_NODES;
+    let mut options = serde_saphyr::Options::default();
+    options.budget = Some(budget);
+    let mut raw: raw::DomainFile =
+        serde_saphyr::from_str_with_options(text_, options).map_err(|e| syntax(file, text_, &e))?;
     let invalid = |p: Problem| ConfigError::Invalid {
         file: file.to_owned(),
         position: p.position,

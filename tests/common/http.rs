@@ -44,7 +44,7 @@ pub fn http_request(addr: SocketAddr, path: &str, headers: &[(&str, &str)]) -> H
     parse_response(stream)
 }
 
-fn parse_response(mut stream: TcpStream) -> HttpResponse {
+pub fn parse_response(mut stream: TcpStream) -> HttpResponse {
     let mut raw = String::new();
     stream.read_to_string(&mut raw).expect("read response");
     let (head, body) = raw.split_once("\r\n\r\n").unwrap_or((raw.as_str(), ""));

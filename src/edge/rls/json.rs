@@ -9,14 +9,17 @@
 //! status says the overall code as the reference does (200 OK, 429 OVER_LIMIT), and the
 //! response headers tollgate would add through Envoy (`X-RateLimit-*`, `RateLimit`,
 //! `Retry-After`) are also set on the HTTP response. Errors: 400 for a body that is not a valid
-//! request (the reason in the body), 413 past [`MAX_BODY_BYTES`], 503 when the store is
-//! unavailable under `failure_mode: error` or too many decisions are in flight.
+//! request (the reason in the body), 413 past [`MAX_BODY_BYTES`], 415 without `Content-Type:
+//! application/json` (a browser can send a form or text cross-site without asking first, but not
+//! JSON: the header makes it ask, and CORS refuses), 503 when the store is unavailable under
+//! `failure_mode: error` or too many decisions are in flight.
 
 use std::sync::Arc;
 
 use axum::body::Bytes;
 use axum::extract::State;
-use axum::http::{HeaderName, HeaderValue, StatusCode};
+use axum::http::header::CONTENT_TYPE;
+use axum::http::{HeaderMap, HeaderName, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use envoy_types::pb::envoy::config::core::v3::HeaderValue as ProtoHeader;
 use envoy_types::pb::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::{
@@ -37,7 +40,16 @@ use super::RateLimitGrpc;
 pub const MAX_BODY_BYTES: usize = 4 * 1024 * 1024;
 
 /// Answers one `POST /json`.
-pub async fn handle(State(rls): State<Arc<RateLimitGrpc>>, body: Bytes) -> Response {
+pub async fn handle(State(rls): State<Arc<RateLimitGrpc>>, headers: HeaderMap, body: Bytes) -> Response {
+    let json = headers
+        .get(CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.split(';').next())
+        .is_some_and(|v| v.trim().eq_ignore_ascii_case("application/json"));
+    if !json {
+        return (StatusCode::UNSUPPORTED_MEDIA_TYPE, "POST /json needs Content-Type: application/json\n")
+            .into_response();
+    }
     let request = match parse(&body) {
         Ok(r) => r,
         Err(message) => {
