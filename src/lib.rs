@@ -37,6 +37,7 @@ pub mod render;
 pub mod rule;
 pub mod server;
 pub mod store;
+pub mod sweep;
 pub mod telemetry;
 pub mod tls;
 pub mod units;

@@ -12,6 +12,7 @@ use super::{
     BudgetAction, BudgetOp, BudgetOutcome, HadHold, HoldVerdict, LevelReading, LostSettle, Money, PriceRow,
 };
 use crate::bucket::{BucketOp, Charge, Group, GroupOutcome, Role};
+use crate::sweep::sweep_map;
 
 /// Every level's and request's state.
 #[derive(Debug, Default)]
@@ -403,8 +404,8 @@ impl Ledger {
         if self.levels.len() + self.records.len() < self.sweep_at.max(1024) {
             return;
         }
-        self.levels.retain(|_, l| l.expires_at_ms >= now_ms);
-        self.records.retain(|_, r| r.expires_at_ms >= now_ms);
+        sweep_map(&mut self.levels, |l| l.expires_at_ms >= now_ms);
+        sweep_map(&mut self.records, |r| r.expires_at_ms >= now_ms);
         self.sweep_at = 2 * (self.levels.len() + self.records.len());
     }
 

@@ -5,7 +5,9 @@
 //! Evaluation holds one lock for the whole batch, which gives each batch the same atomicity a Lua
 //! script has in Redis. Buckets expire like Redis keys: a bucket idle long enough to be full is
 //! dropped, since a missing bucket reads as full. Expired entries are swept whenever the map has
-//! doubled since the last sweep, so memory follows the number of recently active buckets.
+//! doubled since the last sweep, and at least every [`SWEEP_EVERY_MS`] of activity, and the map
+//! gives back the room a burst left behind, so memory follows the number of recently active
+//! buckets, not the largest number there ever were.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -17,6 +19,7 @@ use crate::bucket::{self, Batch, BucketState, GroupOutcome, HoldOp, HoldOutcome}
 use crate::budget::ledger::Ledger;
 use crate::budget::{BudgetOp, BudgetOutcome};
 use crate::clock::{Clock, SystemClock};
+use crate::sweep::sweep_map;
 
 /// Bucket state in process memory.
 pub struct MemoryStore {
@@ -26,25 +29,32 @@ pub struct MemoryStore {
     ledger: Mutex<Ledger>,
 }
 
-// A map whose expired entries are dropped whenever it has doubled since the last sweep: memory
-// follows the live entries, and a call costs O(1) amortised however many there are. An expired
-// entry reads as a missing one, so sweeping late changes no answer.
+/// The longest a map goes without a sweep while it is used (ms): after a burst, the entries it
+/// left expire and their room is given back even if the map never doubles again.
+pub const SWEEP_EVERY_MS: u64 = 10_000;
+
+// A map whose expired entries are dropped whenever it has doubled since the last sweep, or
+// SWEEP_EVERY_MS has passed: memory follows the live entries, and a call costs O(1) amortised
+// however many there are. An expired entry reads as a missing one, so sweeping late changes no
+// answer.
 struct Swept<K, V> {
     map: HashMap<K, V>,
     sweep_at: usize,
+    swept_ms: u64,
 }
 
 impl<K: std::hash::Hash + Eq, V> Default for Swept<K, V> {
     fn default() -> Self {
-        Swept { map: HashMap::new(), sweep_at: 1024 }
+        Swept { map: HashMap::new(), sweep_at: 1024, swept_ms: 0 }
     }
 }
 
 impl<K: std::hash::Hash + Eq, V> Swept<K, V> {
-    fn sweep(&mut self, mut alive: impl FnMut(&V) -> bool) {
-        if self.map.len() >= self.sweep_at {
-            self.map.retain(|_, v| alive(v));
+    fn sweep(&mut self, now: u64, alive: impl FnMut(&V) -> bool) {
+        if self.map.len() >= self.sweep_at || now >= self.swept_ms.saturating_add(SWEEP_EVERY_MS) {
+            sweep_map(&mut self.map, alive);
             self.sweep_at = (self.map.len() * 2).max(1024);
+            self.swept_ms = now;
         }
     }
 }
@@ -60,7 +70,7 @@ impl Swept<String, Entry> {
         for write in evaluation.writes {
             self.put(write, now);
         }
-        self.sweep(|e| e.expires_at_ms >= now);
+        self.sweep(now, |e| e.expires_at_ms >= now);
         evaluation.groups
     }
 
@@ -120,6 +130,11 @@ impl MemoryStore {
         self.buckets.lock().map(|b| b.map.len()).unwrap_or(0)
     }
 
+    /// How many buckets the map has room for without growing (memory it holds).
+    pub fn capacity(&self) -> usize {
+        self.buckets.lock().map(|b| b.map.capacity()).unwrap_or(0)
+    }
+
     /// Whether no bucket is held.
     pub fn is_empty(&self) -> bool {
         self.len() == 0
@@ -158,7 +173,7 @@ impl Store for MemoryStore {
             })
             .collect();
         // Holds write buckets too: an RLQS-only store must sweep as well.
-        buckets.sweep(|e| e.expires_at_ms >= now);
+        buckets.sweep(now, |e| e.expires_at_ms >= now);
         Box::pin(std::future::ready(outcomes))
     }
 
@@ -217,5 +232,23 @@ mod tests {
             clock.advance(60_000);
         }
         assert!(store.len() <= 2_048, "held {} buckets", store.len());
+    }
+
+    #[test]
+    fn a_burst_gives_its_memory_back() {
+        let clock = ManualClock::new(0);
+        let store = MemoryStore::with_clock(Arc::new(clock.clone()));
+        for i in 0..50_000 {
+            take(&store, &format!("burst-{i}"), 1.0);
+        }
+        let at_peak = store.capacity();
+        // The burst's buckets refill and expire; a trickle of traffic sweeps them and shrinks.
+        clock.advance(60_000);
+        for i in 0..10 {
+            take(&store, &format!("after-{i}"), 1.0);
+            clock.advance(SWEEP_EVERY_MS);
+        }
+        assert!(store.len() <= 10, "held {} buckets", store.len());
+        assert!(store.capacity() * 16 < at_peak, "room {} of {at_peak} at the peak", store.capacity());
     }
 }
