@@ -483,10 +483,8 @@ fn a_file_past_the_node_limit_says_so() {
         }
         text
     };
-    let error = tollgate::config::RuleSet::from_yaml(std::path::Path::new("big.yaml"), &rules(30_000))
-        .err()
-        .expect("too large")
-        .to_string();
+    let error =
+        RuleSet::from_yaml(Path::new("big.yaml"), &rules(30_000)).err().expect("too large").to_string();
     assert!(error.contains("larger than one domain file may be: more than 250000 YAML nodes"), "{error}");
-    assert!(tollgate::config::RuleSet::from_yaml(std::path::Path::new("ok.yaml"), &rules(10_000)).is_ok());
+    assert!(RuleSet::from_yaml(Path::new("ok.yaml"), &rules(10_000)).is_ok());
 }
