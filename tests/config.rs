@@ -483,8 +483,7 @@ fn a_file_past_the_node_limit_says_so() {
         }
         text
     };
-    let error =
-        RuleSet::from_yaml(Path::new("big.yaml"), &rules(30_000)).err().expect("too large").to_string();
+    let error = RuleSet::from_yaml(Path::new("big.yaml"), &rules(30_000)).expect_err("too large").to_string();
     assert!(error.contains("larger than one domain file may be: more than 250000 YAML nodes"), "{error}");
     assert!(RuleSet::from_yaml(Path::new("ok.yaml"), &rules(10_000)).is_ok());
 }
