@@ -18,6 +18,7 @@ use arc_swap::ArcSwap;
 
 use crate::clock::MonotonicClock;
 use crate::config::{ConfigError, RuleSet};
+use crate::edge::rlqs::RlqsLimits;
 use crate::limiter::Limiter;
 use crate::quota::cache::CachedQuotas;
 use crate::quota::postgres::{PostgresQuotas, QuotaError};
@@ -49,8 +50,8 @@ pub struct Settings {
     pub dynamic_metadata: bool,
     /// Most decisions in flight.
     pub max_inflight: usize,
-    /// How long an RLQS bucket may go without usage before its Envoys are told to abandon it.
-    pub rlqs_abandon_after: Duration,
+    /// The RLQS edge's bounds: abandonment, bucket and stream caps.
+    pub rlqs: RlqsLimits,
     /// Serve `POST /json` and `GET /config` on the plaintext HTTP port even with mutual TLS on
     /// gRPC.
     pub http_unauthenticated: bool,
@@ -78,7 +79,7 @@ impl Settings {
             shadow_mode: false,
             dynamic_metadata: false,
             max_inflight: 10_000,
-            rlqs_abandon_after: DEFAULT_RLQS_ABANDON_AFTER,
+            rlqs: RlqsLimits::default(),
             http_unauthenticated: false,
             telemetry: TelemetryConfig::default(),
             exporter: false,
@@ -87,9 +88,6 @@ impl Settings {
         }
     }
 }
-
-/// `serve`'s default for how long an RLQS bucket may go unused before it is abandoned.
-pub const DEFAULT_RLQS_ABANDON_AFTER: Duration = Duration::from_secs(300);
 
 /// How to reach Redis.
 #[derive(Debug, Clone)]
@@ -160,7 +158,7 @@ pub struct App {
     pub tls: Option<Arc<ReloadingTls>>,
     max_inflight: usize,
     dynamic_metadata: bool,
-    rlqs_abandon_after: Duration,
+    rlqs: RlqsLimits,
     http_unauthenticated: bool,
     _watches: Vec<Watch>,
     _store_health: AbortOnDropHandle<()>,
@@ -240,7 +238,7 @@ impl App {
             tls,
             max_inflight: settings.max_inflight,
             dynamic_metadata: settings.dynamic_metadata,
-            rlqs_abandon_after: settings.rlqs_abandon_after,
+            rlqs: settings.rlqs,
             http_unauthenticated: settings.http_unauthenticated,
             _watches: watches,
             _store_health: store_health,
@@ -255,7 +253,7 @@ impl App {
             telemetry: self.telemetry.clone(),
             max_inflight: self.max_inflight,
             dynamic_metadata: self.dynamic_metadata,
-            rlqs_abandon_after: self.rlqs_abandon_after,
+            rlqs: self.rlqs,
             http_unauthenticated: self.http_unauthenticated,
         }
     }

@@ -26,7 +26,7 @@ use tonic::service::Routes;
 
 use crate::clock::MonotonicClock;
 use crate::config::RuleSet;
-use crate::edge::rlqs::RateLimitQuotaGrpc;
+use crate::edge::rlqs::{RateLimitQuotaGrpc, RlqsLimits};
 use crate::edge::rls::RateLimitGrpc;
 use crate::http::{self, Access, HttpState};
 use crate::limiter::Limiter;
@@ -111,8 +111,8 @@ pub struct Service {
     pub telemetry: Arc<Telemetry>,
     /// Send envoyproxy/ratelimit's response dynamic metadata.
     pub dynamic_metadata: bool,
-    /// How long an RLQS bucket may go without usage before its Envoys are told to abandon it.
-    pub rlqs_abandon_after: Duration,
+    /// The RLQS edge's bounds.
+    pub rlqs: RlqsLimits,
     /// Serve `POST /json` and `GET /config` on the plaintext HTTP port even when gRPC requires
     /// client certificates.
     pub http_unauthenticated: bool,
@@ -157,7 +157,7 @@ pub async fn run(
         telemetry,
         max_inflight,
         dynamic_metadata,
-        rlqs_abandon_after,
+        rlqs: rlqs_limits,
         http_unauthenticated,
     } = service;
     let rls = Arc::new(RateLimitGrpc::new(limiter.clone(), max_inflight, dynamic_metadata));
@@ -180,7 +180,7 @@ pub async fn run(
         limiter.clone(),
         replica_name(),
         Arc::new(MonotonicClock::new()),
-        rlqs_abandon_after,
+        rlqs_limits,
         stop_rx.clone(),
     );
     let grpc_routes = Routes::new(health_service)

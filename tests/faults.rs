@@ -353,12 +353,6 @@ async fn overload_is_refused_at_once_not_queued() {
     assert_eq!(sample(&server.metrics(), "tollgate_overload_rejections_total", &[]), 20.0);
 }
 
-fn rss_kib(pid: u32) -> u64 {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
-    let line = status.lines().find(|l| l.starts_with("VmRSS:")).unwrap();
-    line.split_whitespace().nth(1).unwrap().parse().unwrap()
-}
-
 #[tokio::test(flavor = "multi_thread")]
 async fn memory_stays_bounded_under_a_flood_of_unique_tenants() {
     let _serial = SERIAL.lock().await;
@@ -388,7 +382,7 @@ async fn memory_stays_bounded_under_a_flood_of_unique_tenants() {
                 c.await.unwrap();
             }
         }
-        samples.push(rss_kib(server.proc.pid()));
+        samples.push(server.proc.rss_kib());
     }
     println!("RSS after each 64,000 new tenants (384,000 in all): {samples:?} KiB");
     // The first round warms allocators and connections; after it, memory does not follow the

@@ -772,3 +772,113 @@ async fn a_hold_whose_reply_is_lost_is_taken_once() {
     assert_eq!((outcome.capacity, outcome.refill_per_second), (60.0, 6.0));
     assert!((39.9..45.0).contains(&balance), "100 - 60 taken once (and what 4/s refilled since): {balance}");
 }
+
+/// What one peer can make a replica hold is capped: a stream naming 120,000 bucket ids gets
+/// assignments for its 1,000 and the rest nothing (counted as `stream_limit`), the replica's
+/// 1,500 over every stream (`replica_limit`), and streams past `--rlqs-max-streams` are refused;
+/// RSS grows by a bounded amount, not with the ids sent.
+#[tokio::test(flavor = "multi_thread")]
+async fn bucket_ids_and_streams_are_capped() {
+    let (_dir, config) = config_file(CONFIG);
+    let caps =
+        ["--rlqs-max-buckets-per-stream", "1000", "--rlqs-max-buckets", "1500", "--rlqs-max-streams", "3"];
+    let server = Tollgate::start(&config, &Backend::Memory, &caps);
+    let before = server.proc.rss_kib() * 1024;
+    let mut a = Stream::open(&server.addr()).await;
+    for part in 0..2 {
+        let ids: Vec<BucketQuotaUsage> = (0..60_000)
+            .map(|i| report(&bucket(&[("tenant", &format!("flood-{part}-{i}"))]), 0, 1, 0))
+            .collect();
+        a.send("quota", ids).await;
+    }
+    let assigned = |said: &[(BTreeMap<String, String>, Said)]| {
+        said.iter().filter(|(_, s)| matches!(s, Said::Tokens(_))).map(|(b, _)| b.clone()).collect::<Vec<_>>()
+    };
+    let mut got: std::collections::HashSet<BTreeMap<String, String>> = Default::default();
+    let start = Instant::now();
+    while got.len() < 1_000 && start.elapsed() < Duration::from_secs(20) {
+        got.extend(assigned(&a.next().await));
+    }
+    assert_eq!(got.len(), 1_000, "the stream's cap");
+    let metrics = server.metrics();
+    let refused = sample(&metrics, "tollgate_rlqs_buckets_refused_total", &[("reason", "stream_limit")]);
+    assert!(refused >= 119_000.0, "every id beyond the cap counted: {refused}");
+    assert_eq!(sample(&metrics, "tollgate_rlqs_buckets", &[]), 1_000.0);
+    let grown = (server.proc.rss_kib() * 1024).saturating_sub(before);
+    println!("RLQS caps: 120,000 ids sent on one stream, 1,000 tracked, RSS grew {} MB", grown >> 20);
+    assert!(grown < 80 << 20, "RSS grew {} MB", grown >> 20);
+    assert!(server.log().contains("more bucket ids than tollgate tracks"));
+
+    // A second stream: the replica's 1,500 leave it 500.
+    let mut b = Stream::open(&server.addr()).await;
+    b.send("quota", (0..1_000).map(|i| report(&bucket(&[("tenant", &format!("b-{i}"))]), 0, 1, 0)).collect())
+        .await;
+    let mut got_b: std::collections::HashSet<BTreeMap<String, String>> = Default::default();
+    let start = Instant::now();
+    while got_b.len() < 500 && start.elapsed() < Duration::from_secs(20) {
+        got_b.extend(assigned(&b.next().await));
+    }
+    assert_eq!(got_b.len(), 500);
+    let refused =
+        sample(&server.metrics(), "tollgate_rlqs_buckets_refused_total", &[("reason", "replica_limit")]);
+    assert!(refused >= 500.0, "{refused}");
+
+    // Three streams open at most: a fourth is refused.
+    let _c = Stream::open(&server.addr()).await;
+    let mut client = RateLimitQuotaServiceClient::connect(format!("http://{}", server.addr())).await.unwrap();
+    let (_tx, rx) = mpsc::channel::<RateLimitQuotaUsageReports>(1);
+    let fourth = client.stream_rate_limit_quotas(tonic::Request::new(ReceiverStream::new(rx))).await;
+    assert_eq!(fourth.err().map(|s| s.code()), Some(tonic::Code::ResourceExhausted));
+    // A stream closed frees its place and its ids.
+    drop(b);
+    let mut d = None;
+    for _ in 0..50 {
+        if let Ok(s) = tokio::time::timeout(Duration::from_secs(1), async {
+            let mut client =
+                RateLimitQuotaServiceClient::connect(format!("http://{}", server.addr())).await.unwrap();
+            let (tx, rx) = mpsc::channel(16);
+            client
+                .stream_rate_limit_quotas(tonic::Request::new(ReceiverStream::new(rx)))
+                .await
+                .map(|r| (tx, r))
+        })
+        .await
+        .unwrap()
+        {
+            d = Some(s);
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(d.is_some(), "a place is free again once a stream closed");
+    wait_until("the closed stream's ids", 50, Duration::from_millis(100), || {
+        sample(&server.metrics(), "tollgate_rlqs_buckets", &[]) == 1_000.0
+    });
+}
+
+/// A stream that never reads its answers: they are bounded in bytes, and after the deadline the
+/// stream is ended with RESOURCE_EXHAUSTED and its holds given back.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_stream_that_never_reads_is_ended() {
+    let (_dir, config) = config_file(CONFIG);
+    let server = Tollgate::start(&config, &Backend::Memory, &[]);
+    let before = server.proc.rss_kib() * 1024;
+    let stream = Stream::open(&server.addr()).await;
+    // 20,000 buckets: their assignments, sent again with every hold, soon fill the queue.
+    stream
+        .send(
+            "quota",
+            (0..20_000).map(|i| report(&bucket(&[("tenant", &format!("mute-{i}"))]), 0, 1, 0)).collect(),
+        )
+        .await;
+    wait_until("the stream ended for not reading", 300, Duration::from_millis(100), || {
+        sample(&server.metrics(), "tollgate_rlqs_stream_errors_total", &[("reason", "unread")]) >= 1.0
+    });
+    wait_until("its holds given back", 50, Duration::from_millis(100), || {
+        sample(&server.metrics(), "tollgate_rlqs_holders", &[]) == 0.0
+    });
+    let grown = (server.proc.rss_kib() * 1024).saturating_sub(before);
+    println!("RLQS: a stream that never read 20,000 buckets' answers, ended; RSS grew {} MB", grown >> 20);
+    assert!(grown < 200 << 20, "RSS grew {} MB", grown >> 20);
+    drop(stream);
+}

@@ -9,6 +9,7 @@ use std::time::Duration;
 
 use clap::Args;
 use tollgate::app::{App, QuotaSettings, RedisSettings, Settings};
+use tollgate::edge::rlqs::RlqsLimits;
 use tollgate::server::{self, Shutdown};
 use tollgate::telemetry::traces::Traces;
 use tollgate::telemetry::TelemetryConfig;
@@ -51,6 +52,17 @@ pub(super) struct ServeArgs {
     /// to drop it, and tollgate drops its state (a request for it later starts it afresh).
     #[arg(long, env = "TOLLGATE_RLQS_ABANDON_AFTER", default_value = "5m", value_parser = humantime::parse_duration)]
     rlqs_abandon_after: Duration,
+    /// Most distinct bucket ids one RLQS stream may have tracked; ids beyond it get no
+    /// assignment (Envoy applies its no_assignment_behavior) and are counted.
+    #[arg(long, env = "TOLLGATE_RLQS_MAX_BUCKETS_PER_STREAM", default_value_t = RlqsLimits::default().max_buckets_per_stream)]
+    rlqs_max_buckets_per_stream: usize,
+    /// Most bucket ids this replica tracks over all its RLQS streams (about 3 KB each).
+    #[arg(long, env = "TOLLGATE_RLQS_MAX_BUCKETS", default_value_t = RlqsLimits::default().max_buckets)]
+    rlqs_max_buckets: usize,
+    /// Most RLQS streams open on this replica; new ones beyond it are refused with
+    /// RESOURCE_EXHAUSTED.
+    #[arg(long, env = "TOLLGATE_RLQS_MAX_STREAMS", default_value_t = RlqsLimits::default().max_streams)]
+    rlqs_max_streams: usize,
     /// Most decisions in progress at once; beyond it requests are refused with RESOURCE_EXHAUSTED.
     #[arg(long, env = "TOLLGATE_MAX_INFLIGHT", default_value_t = 10_000)]
     max_inflight: usize,
@@ -136,7 +148,12 @@ impl ServeArgs {
             shadow_mode: self.shadow_mode,
             dynamic_metadata: self.response_dynamic_metadata,
             max_inflight: self.max_inflight,
-            rlqs_abandon_after: self.rlqs_abandon_after,
+            rlqs: RlqsLimits {
+                abandon_after: self.rlqs_abandon_after,
+                max_buckets_per_stream: self.rlqs_max_buckets_per_stream,
+                max_buckets: self.rlqs_max_buckets,
+                max_streams: self.rlqs_max_streams,
+            },
             http_unauthenticated: self.http_unauthenticated,
             telemetry: TelemetryConfig {
                 top_denied: self.top_denied_tenants,

@@ -15,74 +15,139 @@
 //! its cached assignments and reconnects, to another replica if this one is gone). What a closed
 //! stream's Envoy may still admit is inside this replica's hold, which outlives its assignments,
 //! so nothing is settled.
+//!
+//! No peer can make a replica hold without bound ([`RlqsLimits`]): the bucket ids a stream, and
+//! all streams together, have tracked are capped (an id beyond a cap gets no assignment, so
+//! Envoy applies its `no_assignment_behavior`); the answers a stream has not read are bounded in
+//! bytes, and a stream that stays full past [`UNREAD_DEADLINE`] is ended with
+//! RESOURCE_EXHAUSTED and its holds given back; streams past `max_streams` are refused.
 
 pub mod answer;
 pub mod assign;
 pub mod pool;
 pub mod session;
+pub mod unread;
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
 use envoy_types::pb::envoy::service::rate_limit_quota::v3::rate_limit_quota_service_server::RateLimitQuotaService;
-use envoy_types::pb::envoy::service::rate_limit_quota::v3::{
-    RateLimitQuotaResponse, RateLimitQuotaUsageReports,
-};
-use tokio::sync::{mpsc, watch};
-use tokio_stream::wrappers::ReceiverStream;
+use envoy_types::pb::envoy::service::rate_limit_quota::v3::RateLimitQuotaUsageReports;
+use tokio::sync::watch;
 use tonic::{Request, Response, Status, Streaming};
 
 use self::pool::Pool;
 use crate::clock::Clock;
 use crate::limiter::Limiter;
 
+/// The RLQS edge's bounds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RlqsLimits {
+    /// How long a bucket may go without usage before its Envoys are told to abandon it.
+    pub abandon_after: Duration,
+    /// Most bucket ids one stream has tracked.
+    pub max_buckets_per_stream: usize,
+    /// Most bucket ids all streams of this replica have tracked.
+    pub max_buckets: usize,
+    /// Most streams open at once.
+    pub max_streams: usize,
+}
+
+impl Default for RlqsLimits {
+    /// `serve`'s defaults. A tracked id costs about 3 KB with its share of the store (measured:
+    /// 1M ids took the embedded store's RSS up by 2.7 GB), so 100,000 ids are about 300 MB; one
+    /// Envoy seldom has more than a few thousand buckets.
+    fn default() -> Self {
+        RlqsLimits {
+            abandon_after: Duration::from_secs(300),
+            max_buckets_per_stream: 20_000,
+            max_buckets: 100_000,
+            max_streams: 1_000,
+        }
+    }
+}
+
+/// Most bytes of answers a stream may have unread: one largest response and some.
+pub const MAX_UNREAD_BYTES: usize = answer::MAX_RESPONSE_BYTES + (1 << 20);
+/// How long a stream's unread answers may stay at [`MAX_UNREAD_BYTES`] before the stream is ended.
+pub const UNREAD_DEADLINE: Duration = Duration::from_secs(10);
+
 /// The gRPC service Envoy's rate_limit_quota filter streams to.
 pub struct RateLimitQuotaGrpc {
     limiter: Arc<Limiter>,
     pool: Arc<Pool>,
     clock: Arc<dyn Clock>,
-    abandon_after: Duration,
+    limits: RlqsLimits,
     closing: watch::Receiver<bool>,
     streams: AtomicU64,
+    // Streams open, and bucket ids tracked, over every stream.
+    open: Arc<AtomicUsize>,
+    tracked: Arc<AtomicUsize>,
 }
 
 impl RateLimitQuotaGrpc {
     /// A service holding shares through `limiter` as `replica` (its name in the buckets' holds,
-    /// unique among replicas, without whitespace); a bucket without usage for `abandon_after` is
-    /// abandoned; every stream ends when `closing` turns true.
+    /// unique among replicas, without whitespace), within `limits`; every stream ends when
+    /// `closing` turns true.
     pub fn new(
         limiter: Arc<Limiter>,
         replica: String,
         clock: Arc<dyn Clock>,
-        abandon_after: Duration,
+        limits: RlqsLimits,
         closing: watch::Receiver<bool>,
     ) -> Self {
         let pool = Arc::new(Pool::new(limiter.clone(), replica));
-        RateLimitQuotaGrpc { limiter, pool, clock, abandon_after, closing, streams: AtomicU64::new(0) }
+        RateLimitQuotaGrpc {
+            limiter,
+            pool,
+            clock,
+            limits,
+            closing,
+            streams: AtomicU64::new(0),
+            open: Arc::default(),
+            tracked: Arc::default(),
+        }
     }
 }
 
 #[tonic::async_trait]
 impl RateLimitQuotaService for RateLimitQuotaGrpc {
-    type StreamRateLimitQuotasStream = ReceiverStream<Result<RateLimitQuotaResponse, Status>>;
+    type StreamRateLimitQuotasStream = unread::Unread;
 
     async fn stream_rate_limit_quotas(
         &self,
         request: Request<Streaming<RateLimitQuotaUsageReports>>,
     ) -> Result<Response<Self::StreamRateLimitQuotasStream>, Status> {
-        let (answers, stream) = mpsc::channel(64);
+        // Counted before it is checked, so that streams opening together cannot all pass.
+        let open = session::Open::count(self.open.clone());
+        if open.now() > self.limits.max_streams {
+            metrics::counter!("tollgate_rlqs_streams_refused_total").increment(1);
+            if let Some(held_back) = crate::telemetry::logs::throttled("rlqs_max_streams") {
+                tracing::warn!(
+                    max_streams = self.limits.max_streams,
+                    held_back,
+                    "an RLQS stream refused: this replica has --rlqs-max-streams open"
+                );
+            }
+            return Err(Status::resource_exhausted(format!(
+                "this replica has {} Rate Limit Quota streams open, its most (--rlqs-max-streams)",
+                self.limits.max_streams
+            )));
+        }
+        let (answers, stream) = unread::unread(MAX_UNREAD_BYTES, UNREAD_DEADLINE);
         let context = session::Context {
             limiter: self.limiter.clone(),
             pool: self.pool.clone(),
             clock: self.clock.clone(),
-            abandon_after: self.abandon_after,
+            limits: self.limits,
+            tracked: self.tracked.clone(),
             closing: self.closing.clone(),
         };
         let id = self.streams.fetch_add(1, Ordering::Relaxed);
         let peer = session::Peer { name: envoy_name(&request) };
-        tokio::spawn(session::run(context, id, peer, request.into_inner(), answers));
-        Ok(Response::new(ReceiverStream::new(stream)))
+        tokio::spawn(session::run(context, id, peer, request.into_inner(), answers, open));
+        Ok(Response::new(stream))
     }
 }
 

@@ -22,11 +22,16 @@
 //! message size limit (RESOURCE_EXHAUSTED), a usage without a bucket id (INVALID_ARGUMENT), no
 //! domain in the first report (INVALID_ARGUMENT).
 //!
-//! The stream ends when the Envoy closes it, its connection drops or the server drains; then its
-//! buckets leave the pool. Nothing needs settling: what the Envoy may still admit under its
+//! A bucket id beyond the stream's or the replica's cap ([`RlqsLimits`]) is not tracked: it gets
+//! no assignment, so Envoy applies its `no_assignment_behavior`; each is counted
+//! (`tollgate_rlqs_buckets_refused_total{reason}`) and the stream logs the first.
+//!
+//! The stream ends when the Envoy closes it, its connection drops, it leaves its answers unread
+//! past the deadline ([`super::unread`]) or the server drains; then its buckets leave the pool. Nothing needs settling: what the Envoy may still admit under its
 //! cached assignments is inside this replica's hold, which outlives them.
 
 use std::collections::{HashMap, HashSet, VecDeque};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -43,6 +48,8 @@ use tonic::{Status, Streaming};
 use super::answer::{abandon, blanket, bundle, local_bucket};
 use super::assign::Demand;
 use super::pool::{Event, Events, MemberId, Pool};
+use super::unread::{Answers, NotSent};
+use super::RlqsLimits;
 use crate::clock::Clock;
 use crate::config::{Blanket, FailureMode};
 use crate::limiter::{HeldBucket, Limiter, QuotaBucket, ASSIGNMENT_TTL};
@@ -60,10 +67,34 @@ pub struct Context {
     pub pool: Arc<Pool>,
     /// Time for reports and abandonment.
     pub clock: Arc<dyn Clock>,
-    /// How long a bucket may go without usage before it is abandoned.
-    pub abandon_after: Duration,
+    /// Abandonment and the bucket caps.
+    pub limits: RlqsLimits,
+    /// Bucket ids tracked by every stream of this replica.
+    pub tracked: Arc<AtomicUsize>,
     /// Set when the server drains.
     pub closing: watch::Receiver<bool>,
+}
+
+/// One open stream, counted among the replica's while it lives.
+pub struct Open(Arc<AtomicUsize>);
+
+impl Open {
+    /// Counts a stream in `open`.
+    pub fn count(open: Arc<AtomicUsize>) -> Open {
+        open.fetch_add(1, Ordering::SeqCst);
+        Open(open)
+    }
+
+    /// Streams open now, this one included.
+    pub fn now(&self) -> usize {
+        self.0.load(Ordering::SeqCst)
+    }
+}
+
+impl Drop for Open {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::SeqCst);
+    }
 }
 
 struct Bucket {
@@ -100,9 +131,10 @@ pub async fn run(
     id: u64,
     peer: Peer,
     mut reports: Streaming<RateLimitQuotaUsageReports>,
-    answers: mpsc::Sender<Result<RateLimitQuotaResponse, Status>>,
+    answers: Answers,
+    _open: Open,
 ) {
-    let Context { limiter, pool, clock, abandon_after, mut closing } = context;
+    let Context { limiter, pool, clock, limits, tracked, mut closing } = context;
     let closed = async move {
         let _ = closing.wait_for(|c| *c).await;
     };
@@ -115,11 +147,14 @@ pub async fn run(
         id,
         peer: &peer,
         events: events_tx,
-        abandon_after_ms: abandon_after.as_millis().try_into().unwrap_or(u64::MAX),
+        abandon_after_ms: limits.abandon_after.as_millis().try_into().unwrap_or(u64::MAX),
+        limits,
+        tracked: &tracked,
         domain: None,
         buckets: HashMap::new(),
         recently_abandoned: HashMap::new(),
         unknown_domain_logged: false,
+        refusal_logged: false,
     };
     metrics::gauge!("tollgate_rlqs_streams").increment(1.0);
     // A message read while gathering reports that is not one (the end, an error): next.
@@ -187,6 +222,7 @@ pub async fn run(
             pool.leave(key, &(id, name.clone()));
         }
     }
+    tracked.fetch_sub(session.buckets.len(), Ordering::SeqCst);
     drop(events);
     metrics::gauge!("tollgate_rlqs_streams").decrement(1.0);
 }
@@ -233,14 +269,20 @@ fn gather(
     None
 }
 
-// Sends `responses` in order; false once the Envoy is gone.
-async fn send_all(
-    answers: &mpsc::Sender<Result<RateLimitQuotaResponse, Status>>,
-    responses: Vec<RateLimitQuotaResponse>,
-) -> bool {
+// Sends `responses` in order; false once the Envoy is gone, or has left its answers unread past
+// the deadline (the stream is then ended with RESOURCE_EXHAUSTED).
+async fn send_all(answers: &Answers, responses: Vec<RateLimitQuotaResponse>) -> bool {
     for response in responses {
-        if answers.send(Ok(response)).await.is_err() {
-            return false;
+        match answers.send(Ok(response)).await {
+            Ok(()) => {}
+            Err(NotSent::Gone) => return false,
+            Err(NotSent::Unread) => {
+                metrics::counter!("tollgate_rlqs_stream_errors_total", "reason" => "unread").increment(1);
+                if let Some(held_back) = crate::telemetry::logs::throttled("rlqs_unread") {
+                    tracing::warn!(held_back, "an RLQS stream left its answers unread past the deadline; ended with RESOURCE_EXHAUSTED, its holds given back");
+                }
+                return false;
+            }
         }
     }
     true
@@ -259,11 +301,14 @@ struct Session<'a> {
     peer: &'a Peer,
     events: mpsc::Sender<Events>,
     abandon_after_ms: u64,
+    limits: RlqsLimits,
+    tracked: &'a AtomicUsize,
     domain: Option<String>,
     buckets: HashMap<String, Bucket>,
     // Buckets abandoned within the last STALE_REPORT_MS, and when.
     recently_abandoned: HashMap<String, u64>,
     unknown_domain_logged: bool,
+    refusal_logged: bool,
 }
 
 impl Session<'_> {
@@ -358,7 +403,19 @@ impl Session<'_> {
         let mut fresh: Vec<(String, BucketId)> = Vec::new();
         for (name, id, _) in usages {
             if !self.buckets.contains_key(name) && seen.insert(name) {
-                fresh.push((name.clone(), id.clone()));
+                if self.buckets.len() + fresh.len() >= self.limits.max_buckets_per_stream {
+                    self.refuse("stream_limit");
+                } else if self
+                    .tracked
+                    .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| {
+                        (n < self.limits.max_buckets).then_some(n + 1)
+                    })
+                    .is_err()
+                {
+                    self.refuse("replica_limit");
+                } else {
+                    fresh.push((name.clone(), id.clone()));
+                }
             }
         }
         let limiter = self.limiter;
@@ -397,10 +454,21 @@ impl Session<'_> {
             && usage.num_requests_denied == 0
     }
 
+    // A bucket id beyond a cap (`stream_limit`, `replica_limit`): not tracked, no assignment;
+    // counted, and the stream's first logged.
+    fn refuse(&mut self, reason: &'static str) {
+        metrics::counter!("tollgate_rlqs_buckets_refused_total", "reason" => reason).increment(1);
+        if !self.refusal_logged {
+            self.refusal_logged = true;
+            tracing::warn!(envoy = %self.peer.name, reason, max_buckets_per_stream = self.limits.max_buckets_per_stream, max_buckets = self.limits.max_buckets, "an RLQS stream names more bucket ids than tollgate tracks: those beyond get no assignment (Envoy applies its no_assignment_behavior)");
+        }
+    }
+
     // Drops the bucket `name`, which its Envoy was told to abandon: it leaves the pool. A request
     // for it later starts it afresh.
     fn abandon(&mut self, name: &str) {
         let Some(bucket) = self.buckets.remove(name) else { return };
+        self.tracked.fetch_sub(1, Ordering::SeqCst);
         self.recently_abandoned.insert(name.to_owned(), self.clock.now_ms());
         metrics::counter!("tollgate_rlqs_abandoned_buckets_total").increment(1);
         if let QuotaBucket::Held(target) = &bucket.kind {
