@@ -18,6 +18,7 @@ use arc_swap::ArcSwap;
 
 use crate::clock::MonotonicClock;
 use crate::config::{ConfigError, RuleSet};
+use crate::connections::ConnLimits;
 use crate::edge::rlqs::RlqsLimits;
 use crate::limiter::Limiter;
 use crate::quota::cache::CachedQuotas;
@@ -52,6 +53,8 @@ pub struct Settings {
     pub max_inflight: usize,
     /// The RLQS edge's bounds: abandonment, bucket and stream caps.
     pub rlqs: RlqsLimits,
+    /// Connection caps and timeouts on both ports.
+    pub connections: ConnLimits,
     /// Serve `POST /json` and `GET /config` on the plaintext HTTP port even with mutual TLS on
     /// gRPC.
     pub http_unauthenticated: bool,
@@ -80,6 +83,7 @@ impl Settings {
             dynamic_metadata: false,
             max_inflight: 10_000,
             rlqs: RlqsLimits::default(),
+            connections: ConnLimits::default(),
             http_unauthenticated: false,
             telemetry: TelemetryConfig::default(),
             exporter: false,
@@ -159,6 +163,7 @@ pub struct App {
     max_inflight: usize,
     dynamic_metadata: bool,
     rlqs: RlqsLimits,
+    connections: ConnLimits,
     http_unauthenticated: bool,
     _watches: Vec<Watch>,
     _store_health: AbortOnDropHandle<()>,
@@ -239,6 +244,7 @@ impl App {
             max_inflight: settings.max_inflight,
             dynamic_metadata: settings.dynamic_metadata,
             rlqs: settings.rlqs,
+            connections: settings.connections,
             http_unauthenticated: settings.http_unauthenticated,
             _watches: watches,
             _store_health: store_health,
@@ -254,6 +260,7 @@ impl App {
             max_inflight: self.max_inflight,
             dynamic_metadata: self.dynamic_metadata,
             rlqs: self.rlqs,
+            connections: self.connections,
             http_unauthenticated: self.http_unauthenticated,
         }
     }

@@ -26,6 +26,7 @@ pub mod budget;
 pub mod client;
 pub mod clock;
 pub mod config;
+pub mod connections;
 pub mod edge;
 pub mod http;
 pub mod identity;

@@ -26,6 +26,7 @@ use tonic::service::Routes;
 
 use crate::clock::MonotonicClock;
 use crate::config::RuleSet;
+use crate::connections::{Admitted, ConnLimits, Gate};
 use crate::edge::rlqs::{RateLimitQuotaGrpc, RlqsLimits};
 use crate::edge::rls::RateLimitGrpc;
 use crate::http::{self, Access, HttpState};
@@ -113,6 +114,8 @@ pub struct Service {
     pub dynamic_metadata: bool,
     /// The RLQS edge's bounds.
     pub rlqs: RlqsLimits,
+    /// Connection caps and timeouts on both ports.
+    pub connections: ConnLimits,
     /// Serve `POST /json` and `GET /config` on the plaintext HTTP port even when gRPC requires
     /// client certificates.
     pub http_unauthenticated: bool,
@@ -158,8 +161,14 @@ pub async fn run(
         max_inflight,
         dynamic_metadata,
         rlqs: rlqs_limits,
+        connections,
         http_unauthenticated,
     } = service;
+    let max_connections = connections.max_connections.unwrap_or_else(|| {
+        let limit = rlimit::getrlimit(rlimit::Resource::NOFILE).map_or(1024, |(soft, _)| soft);
+        crate::connections::default_max_connections(limit)
+    });
+    let grpc_gate = Gate::new("grpc", max_connections);
     let rls = Arc::new(RateLimitGrpc::new(limiter.clone(), max_inflight, dynamic_metadata));
     // With mutual TLS on gRPC, what spends or reveals tenants' budgets is served there, and the
     // plaintext HTTP port refuses it unless the operator opted in.
@@ -173,8 +182,13 @@ pub async fn run(
         access: if mutual && !http_unauthenticated { Access::MutualTlsOnly } else { Access::Open },
     };
     let budget = mutual.then(|| http::budget_router(HttpState { access: Access::Open, ..state.clone() }));
-    let http_server =
-        axum::serve(http_listener, http::router(state)).with_graceful_shutdown(stopped(stop_rx.clone()));
+    let http_server = crate::connections::serve_http(
+        http_listener,
+        http::router(state),
+        Gate::new("http", max_connections),
+        connections,
+        stopped(stop_rx.clone()),
+    );
     // RLQS streams never end by themselves: they close when the servers stop.
     let rlqs = RateLimitQuotaGrpc::new(
         limiter.clone(),
@@ -192,17 +206,19 @@ pub async fn run(
     };
     let routes = tonic::transport::Server::builder()
         .initial_connection_window_size(GRPC_CONNECTION_WINDOW)
+        .max_connection_age(connections.max_age)
+        .max_connection_age_grace(connections.max_age_grace)
         .add_routes(grpc_routes);
-    let grpc_server: Pin<Box<dyn Future<Output = Result<(), tonic::transport::Error>> + Send>> =
-        match &tls {
-            Some(tls) => {
-                Box::pin(routes.serve_with_incoming_shutdown(tls.incoming(grpc_listener), stopped(stop_rx)))
-            }
-            None => Box::pin(routes.serve_with_incoming_shutdown(
-                crate::tls::plaintext_incoming(grpc_listener),
-                stopped(stop_rx),
-            )),
-        };
+    let admitted = Admitted { gate: grpc_gate, idle: connections.grpc_idle_timeout };
+    let grpc_server: Pin<Box<dyn Future<Output = Result<(), tonic::transport::Error>> + Send>> = match &tls {
+        Some(tls) => Box::pin(
+            routes.serve_with_incoming_shutdown(tls.incoming(grpc_listener, admitted), stopped(stop_rx)),
+        ),
+        None => Box::pin(routes.serve_with_incoming_shutdown(
+            crate::tls::plaintext_incoming(grpc_listener, admitted),
+            stopped(stop_rx),
+        )),
+    };
 
     let lifecycle = async move {
         let how = shutdown.await;
@@ -221,7 +237,8 @@ pub async fn run(
     tracing::info!(grpc = %grpc_addr, http = %http_addr, "listening");
     let servers = async {
         tokio::try_join!(async { grpc_server.await.map_err(ServeError::Grpc) }, async {
-            http_server.await.map_err(ServeError::Http)
+            http_server.await;
+            Ok(())
         })
     };
     tokio::pin!(servers, lifecycle);

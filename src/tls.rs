@@ -28,6 +28,7 @@ use tokio_rustls::server::TlsStream;
 use tokio_rustls::TlsAcceptor;
 use tokio_stream::wrappers::ReceiverStream;
 
+use crate::connections::{self, Admitted, Conn};
 use crate::reload::{parent, Trigger, Watch};
 use crate::telemetry::logs::{self, ErrorChain};
 
@@ -156,9 +157,10 @@ impl ReloadingTls {
     pub fn incoming(
         self: &Arc<Self>,
         listener: TcpListener,
-    ) -> ReceiverStream<Result<TlsStream<TcpStream>, std::io::Error>> {
+        admitted: Admitted,
+    ) -> ReceiverStream<Result<Conn<TlsStream<TcpStream>>, std::io::Error>> {
         let this = self.clone();
-        accept_each(listener, move |tcp, peer| {
+        accept_each(listener, admitted, move |tcp, peer| {
             let acceptor = TlsAcceptor::from(this.config.load_full());
             async move {
                 if opens_with(&tcp).await == Opening::Plaintext {
@@ -190,8 +192,11 @@ impl ReloadingTls {
 /// Connections accepted on a plaintext `listener`, for the gRPC server; ends when the server stops
 /// taking them. A client that opens with a TLS handshake is told nothing it could read, so
 /// tollgate says it in its log (at most once a second) and closes the connection.
-pub fn plaintext_incoming(listener: TcpListener) -> ReceiverStream<Result<TcpStream, std::io::Error>> {
-    accept_each(listener, |tcp, peer| async move {
+pub fn plaintext_incoming(
+    listener: TcpListener,
+    admitted: Admitted,
+) -> ReceiverStream<Result<Conn<TcpStream>, std::io::Error>> {
+    accept_each(listener, admitted, |tcp, peer| async move {
         if opens_with(&tcp).await == Opening::Tls {
             if let Some(held_back) = logs::throttled("tls_on_plaintext_port") {
                 tracing::warn!(%peer, held_back, "a client opened TLS on the plaintext gRPC port; serve TLS with --tls-cert/--tls-key, or connect without TLS");
@@ -202,9 +207,14 @@ pub fn plaintext_incoming(listener: TcpListener) -> ReceiverStream<Result<TcpStr
     })
 }
 
-// Accepts connections on `listener` until the server stops taking them, and hands each, in a task
-// of its own, to `admit`, which says what of it the server gets.
-fn accept_each<T, F, Fut>(listener: TcpListener, admit: F) -> ReceiverStream<Result<T, std::io::Error>>
+// Accepts connections on `listener` until the server stops taking them, each within `admitted`'s
+// cap (one past it is closed at once), and hands each, in a task of its own, to `admit`, which
+// says what of it the server gets.
+fn accept_each<T, F, Fut>(
+    listener: TcpListener,
+    admitted: Admitted,
+    admit: F,
+) -> ReceiverStream<Result<Conn<T>, std::io::Error>>
 where
     T: Send + 'static,
     F: Fn(TcpStream, std::net::SocketAddr) -> Fut + Send + 'static,
@@ -220,17 +230,16 @@ where
             let (tcp, peer) = match accepted {
                 Ok(conn) => conn,
                 Err(error) => {
-                    // Out of file descriptors and the like: back off instead of spinning.
-                    tracing::warn!(%error, "accept failed");
-                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    connections::accept_failed(&error).await;
                     continue;
                 }
             };
+            let Some(permit) = admitted.gate.admit() else { continue };
             let _ = tcp.set_nodelay(true);
-            let (tx, admitted) = (tx.clone(), admit(tcp, peer));
+            let (tx, idle, handshake) = (tx.clone(), admitted.idle, admit(tcp, peer));
             tokio::spawn(async move {
-                if let Some(conn) = admitted.await {
-                    let _ = tx.send(Ok(conn)).await;
+                if let Some(conn) = handshake.await {
+                    let _ = tx.send(Ok(Conn::new(conn, permit, idle))).await;
                 }
             });
         }

@@ -132,16 +132,25 @@ async fn replay(seed: u64, redis: &common::Redis) -> HashMap<&'static str, usize
     let mut con = redis.connection();
     let _: () = redis::cmd("FLUSHALL").query(&mut con).unwrap();
     let mut seen: HashMap<&'static str, usize> = HashMap::new();
+    let mut last_held: Option<BudgetOp> = None;
     for step in 0..500 {
         if rng.random_bool(0.1) {
             tokio::time::sleep(Duration::from_millis(rng.random_range(10..300))).await;
         }
         let (secs, micros): (i64, i64) = redis::cmd("TIME").query(&mut con).unwrap();
-        let op = op(&mut rng, secs * 1000 + micros / 1000, lost);
+        // Now and then the cancel the limiter sends after a hold whose answer it lost: of the
+        // hold just admitted, so that cancels of open holds are common.
+        let op = match last_held.take() {
+            Some(held) if rng.random_bool(0.3) => BudgetOp { action: BudgetAction::Cancel, ..held },
+            _ => op(&mut rng, secs * 1000 + micros / 1000, lost),
+        };
         let from_redis = store.budget(&op).await.expect("redis answers");
         clock.set(now_of(&from_redis));
         let from_memory = memory.budget(&op).await.unwrap();
         assert_eq!(from_redis, from_memory, "seed {seed} step {step}: {op:?}");
+        if matches!(from_redis, BudgetOutcome::Held { verdict: HoldVerdict::Admitted, .. }) {
+            last_held = Some(op.clone());
+        }
         let what = match &from_redis {
             BudgetOutcome::Held { verdict: HoldVerdict::Admitted, .. } => "held",
             BudgetOutcome::Held { verdict: HoldVerdict::Duplicate, .. } => "duplicate hold",

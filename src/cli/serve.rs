@@ -9,6 +9,7 @@ use std::time::Duration;
 
 use clap::Args;
 use tollgate::app::{App, QuotaSettings, RedisSettings, Settings};
+use tollgate::connections::ConnLimits;
 use tollgate::edge::rlqs::RlqsLimits;
 use tollgate::server::{self, Shutdown};
 use tollgate::telemetry::traces::Traces;
@@ -63,6 +64,26 @@ pub(super) struct ServeArgs {
     /// RESOURCE_EXHAUSTED.
     #[arg(long, env = "TOLLGATE_RLQS_MAX_STREAMS", default_value_t = RlqsLimits::default().max_streams)]
     rlqs_max_streams: usize,
+    /// Most connections open on each port (gRPC and HTTP, each its own); one more is closed at
+    /// once. Default: half of what the open-files limit leaves after 128 for Redis, PostgreSQL
+    /// and files, at most 10,000 (tollgate raises its soft limit to the hard one at start).
+    #[arg(long, env = "TOLLGATE_MAX_CONNECTIONS")]
+    max_connections: Option<usize>,
+    /// How long an HTTP client has to send a request's head, however slowly.
+    #[arg(long, env = "TOLLGATE_HTTP_HEADER_TIMEOUT", default_value = "10s", value_parser = humantime::parse_duration)]
+    http_header_timeout: Duration,
+    /// An HTTP connection that moves no byte for this long is closed.
+    #[arg(long, env = "TOLLGATE_HTTP_IDLE_TIMEOUT", default_value = "60s", value_parser = humantime::parse_duration)]
+    http_idle_timeout: Duration,
+    /// A gRPC connection that moves no byte for this long is closed.
+    #[arg(long, env = "TOLLGATE_GRPC_IDLE_TIMEOUT", default_value = "10m", value_parser = humantime::parse_duration)]
+    grpc_idle_timeout: Duration,
+    /// How long a gRPC connection lives before the server asks it to go away (GOAWAY).
+    #[arg(long, env = "TOLLGATE_GRPC_MAX_CONNECTION_AGE", default_value = "24h", value_parser = humantime::parse_duration)]
+    grpc_max_connection_age: Duration,
+    /// How long a gRPC connection asked to go away has to finish its requests.
+    #[arg(long, env = "TOLLGATE_GRPC_MAX_CONNECTION_AGE_GRACE", default_value = "1h", value_parser = humantime::parse_duration)]
+    grpc_max_connection_age_grace: Duration,
     /// Most decisions in progress at once; beyond it requests are refused with RESOURCE_EXHAUSTED.
     #[arg(long, env = "TOLLGATE_MAX_INFLIGHT", default_value_t = 10_000)]
     max_inflight: usize,
@@ -148,6 +169,14 @@ impl ServeArgs {
             shadow_mode: self.shadow_mode,
             dynamic_metadata: self.response_dynamic_metadata,
             max_inflight: self.max_inflight,
+            connections: ConnLimits {
+                max_connections: self.max_connections,
+                header_read_timeout: self.http_header_timeout,
+                http_idle_timeout: self.http_idle_timeout,
+                grpc_idle_timeout: self.grpc_idle_timeout,
+                max_age: self.grpc_max_connection_age,
+                max_age_grace: self.grpc_max_connection_age_grace,
+            },
             rlqs: RlqsLimits {
                 abandon_after: self.rlqs_abandon_after,
                 max_buckets_per_stream: self.rlqs_max_buckets_per_stream,
@@ -180,6 +209,9 @@ pub(super) fn run(args: ServeArgs, json: bool) -> Outcome {
     if let Some(endpoint) = &args.otlp_endpoint {
         tracing::info!(%endpoint, "exporting traces over OTLP/gRPC");
     }
+    // Every connection is a descriptor: take what the system allows before any is made.
+    let open_files = tollgate::connections::raise_fd_limit();
+    tracing::debug!(open_files, "open-files limit");
     let served = runtime.block_on(async move {
         // Bound first: a port in use fails before anything connects anywhere.
         let grpc = server::bind(args.grpc_addr).await?;

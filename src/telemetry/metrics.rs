@@ -228,6 +228,7 @@ pub const METRICS: &[(&str, Kind, &str)] = &[
     ("tollgate_top_denied_tenant_hits", Kind::Gauge, "Denied hits of the most-denied tenants in the last complete window."),
     ("tollgate_invalid_requests_total", Kind::Counter, "Requests rejected with INVALID_ARGUMENT."),
     ("tollgate_overload_rejections_total", Kind::Counter, "Requests refused with RESOURCE_EXHAUSTED because --max-inflight decisions were in progress."),
+    ("tollgate_connections_refused_total", Kind::Counter, "Connections closed at once because their port (grpc, http) had --max-connections open."),
     ("tollgate_request_duration_seconds", Kind::Histogram, "Time to answer one ShouldRateLimit call, from receipt to response."),
     ("tollgate_store_duration_seconds", Kind::Histogram, "Time of one bucket script call, measured at the Redis client, failures included."),
     ("tollgate_store_calls_total", Kind::Counter, "Bucket script calls sent to Redis."),
@@ -285,6 +286,8 @@ pub const METRICS: &[(&str, Kind, &str)] = &[
 const AT_ZERO: &[(&str, &[(&str, &str)])] = &[
     ("tollgate_invalid_requests_total", &[]),
     ("tollgate_overload_rejections_total", &[]),
+    ("tollgate_connections_refused_total", &[("port", "grpc")]),
+    ("tollgate_connections_refused_total", &[("port", "http")]),
     ("tollgate_store_calls_total", &[]),
     ("tollgate_store_up", &[]),
     ("tollgate_store_down_total", &[("cause", "authentication")]),

@@ -84,10 +84,39 @@ impl Tollgate {
         Self::spawn_with_env(config, backend, extra, &[])
     }
 
+    /// [`Tollgate::start`] with the open-files limit of the process set to `soft` and `hard`.
+    pub fn start_with_open_files(
+        config: &Path,
+        backend: &Backend,
+        extra: &[&str],
+        soft: u64,
+        hard: u64,
+    ) -> Tollgate {
+        Self::spawn_limited(config, backend, extra, &[], Some((soft, hard))).wait_for("/readyz")
+    }
+
     fn spawn_with_env(config: &Path, backend: &Backend, extra: &[&str], env: &[(&str, &str)]) -> Tollgate {
+        Self::spawn_limited(config, backend, extra, env, None)
+    }
+
+    fn spawn_limited(
+        config: &Path,
+        backend: &Backend,
+        extra: &[&str],
+        env: &[(&str, &str)],
+        open_files: Option<(u64, u64)>,
+    ) -> Tollgate {
         let grpc: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
         let http: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
-        let mut cmd = Command::new(tollgate_bin());
+        // util-linux's prlimit sets the limit and execs tollgate in its place (same PID).
+        let mut cmd = match open_files {
+            Some((soft, hard)) => {
+                let mut prlimit = Command::new("prlimit");
+                prlimit.args([format!("--nofile={soft}:{hard}").as_str(), "--", tollgate_bin()]);
+                prlimit
+            }
+            None => Command::new(tollgate_bin()),
+        };
         cmd.args(["serve", "--config", config.to_str().unwrap()])
             .args(["--grpc-addr", &grpc.to_string(), "--http-addr", &http.to_string()])
             .env("RUST_LOG", "warn")
@@ -111,6 +140,7 @@ impl Tollgate {
         }
         cmd.args(extra);
         cmd.envs(env.iter().copied());
+
         let log_dir = scratch_dir("tollgate-log");
         cmd.stderr(std::fs::File::create(log_dir.path().join("stderr.log")).unwrap());
         let proc = Proc::spawn("tollgate", &mut cmd);
