@@ -23,9 +23,10 @@ pub struct SentinelGroup {
 impl SentinelGroup {
     /// Starts everything and waits until every sentinel sees the replica and the other two.
     pub fn start() -> SentinelGroup {
-        let primary = Redis::start();
+        // Redis waits 5 s before a diskless full sync by default, to batch replicas: one here.
+        let primary = Redis::start_with(&["--repl-diskless-sync-delay", "0"]);
         let replica = Redis::start_with(&["--replicaof", "127.0.0.1", &primary.port.to_string()]);
-        wait_until("the replica to sync", 250, Duration::from_millis(20), || {
+        wait_until("the replica to sync", 500, Duration::from_millis(20), || {
             node_query::<String>(replica.port, &["INFO", "replication"])
                 .is_some_and(|info| info.contains("master_link_status:up"))
         });
