@@ -121,6 +121,38 @@ pub struct Service {
     pub http_unauthenticated: bool,
 }
 
+// A request that does not decode (a string field that is not UTF-8, bytes that are not the
+// message) is answered INTERNAL by tonic, as its own faults are; the fault is the client's:
+// INVALID_ARGUMENT, as for every other request tollgate will not evaluate.
+// The status is in the trailers (or, for an answer with no body, in the headers).
+fn client_decode_errors(
+    response: axum::http::Response<tonic::body::Body>,
+) -> axum::http::Response<tonic::body::Body> {
+    use http_body_util::BodyExt as _;
+    let (mut parts, body) = response.into_parts();
+    invalid_argument(&mut parts.headers);
+    let body = body.map_frame(|mut frame| {
+        if let Some(trailers) = frame.trailers_mut() {
+            invalid_argument(trailers);
+        }
+        frame
+    });
+    axum::http::Response::from_parts(parts, tonic::body::Body::new(body))
+}
+
+// INTERNAL for a message that did not decode becomes INVALID_ARGUMENT.
+fn invalid_argument(fields: &mut axum::http::HeaderMap) {
+    let internal = fields.get("grpc-status").is_some_and(|s| s == "13");
+    let undecodable = fields
+        .get("grpc-message")
+        .and_then(|m| m.to_str().ok())
+        // Percent-encoded on the wire, spaces included.
+        .is_some_and(|m| m.replace("%20", " ").starts_with("failed to decode Protobuf message"));
+    if internal && undecodable {
+        fields.insert("grpc-status", axum::http::HeaderValue::from_static("3"));
+    }
+}
+
 // This process's name in the store's RLQS demand registries: unique among replicas.
 fn replica_name() -> String {
     let host = std::env::var("HOSTNAME")
@@ -208,6 +240,7 @@ pub async fn run(
         .initial_connection_window_size(GRPC_CONNECTION_WINDOW)
         .max_connection_age(connections.max_age)
         .max_connection_age_grace(connections.max_age_grace)
+        .layer(tower::util::MapResponseLayer::new(client_decode_errors))
         .add_routes(grpc_routes);
     let admitted = Admitted { gate: grpc_gate, idle: connections.grpc_idle_timeout };
     let grpc_server: Pin<Box<dyn Future<Output = Result<(), tonic::transport::Error>> + Send>> = match &tls {

@@ -7,7 +7,7 @@ use common::*;
 use envoy_types::pb::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::{
     Entry, RateLimitOverride,
 };
-use envoy_types::pb::envoy::service::ratelimit::v3::RateLimitRequest;
+use envoy_types::pb::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimitResponse};
 use envoy_types::pb::google::protobuf::UInt64Value;
 use tonic::Code;
 
@@ -126,4 +126,55 @@ async fn every_bad_request_gets_a_defined_answer_and_harms_no_one() {
         keys.contains(&"rl:{%7Bbystander%7D%3Adefault%25}:h:tenant=%7Bbystander%7D%3Adefault%25".to_string()),
         "{keys:?}"
     );
+}
+
+/// A descriptor value that is not UTF-8 does not decode as a `RateLimitRequest` (protobuf strings
+/// are UTF-8): the call is the client's fault, INVALID_ARGUMENT, not INTERNAL.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_string_that_is_not_utf8_is_an_invalid_argument() {
+    // RateLimitRequest's wire shape, with bytes where the .proto has strings.
+    #[derive(Clone, PartialEq, prost::Message)]
+    struct RawEntry {
+        #[prost(bytes = "vec", tag = "1")]
+        key: Vec<u8>,
+        #[prost(bytes = "vec", tag = "2")]
+        value: Vec<u8>,
+    }
+    #[derive(Clone, PartialEq, prost::Message)]
+    struct RawDescriptor {
+        #[prost(message, repeated, tag = "1")]
+        entries: Vec<RawEntry>,
+    }
+    #[derive(Clone, PartialEq, prost::Message)]
+    struct RawRequest {
+        #[prost(string, tag = "1")]
+        domain: String,
+        #[prost(message, repeated, tag = "2")]
+        descriptors: Vec<RawDescriptor>,
+    }
+    let (_dir, config) = config_file(CONFIG);
+    let server = Tollgate::start(&config, &Backend::Memory, &[]);
+    let channel = tonic::transport::Endpoint::from_shared(format!("http://{}", server.addr()))
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    let mut grpc = tonic::client::Grpc::new(channel);
+    grpc.ready().await.unwrap();
+    let request = RawRequest {
+        domain: "h".into(),
+        descriptors: vec![RawDescriptor {
+            entries: vec![RawEntry { key: b"tenant".to_vec(), value: vec![b'a', 0xFF, 0xFE] }],
+        }],
+    };
+    let path = tonic::codegen::http::uri::PathAndQuery::from_static(
+        "/envoy.service.ratelimit.v3.RateLimitService/ShouldRateLimit",
+    );
+    let codec = tonic_prost::ProstCodec::<RawRequest, RateLimitResponse>::default();
+    let status =
+        grpc.unary(tonic::Request::new(request), path, codec).await.expect_err("not a valid request");
+    assert_eq!(status.code(), Code::InvalidArgument, "{status:?}");
+    // The server answers the next one as usual.
+    let r = ask(&server.addr(), tenant_request("ok")).await.unwrap();
+    assert_eq!(r.overall_code, OK);
 }
