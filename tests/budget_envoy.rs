@@ -32,6 +32,22 @@ fn examples_file() -> String {
     concat!(env!("CARGO_MANIFEST_DIR"), "/examples/llm-budgets.yaml").to_owned()
 }
 
+/// The stand-in LLM API (`envoy/demo/fake-llm.py`), answering; its process and address.
+fn fake_llm() -> (Proc, SocketAddr) {
+    let port = free_port();
+    let llm = Proc::spawn(
+        "python3",
+        Command::new("python3")
+            .arg(concat!(env!("CARGO_MANIFEST_DIR"), "/envoy/demo/fake-llm.py"))
+            .arg(port.to_string()),
+    );
+    let addr: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
+    wait_until("the stand-in LLM", 100, Duration::from_millis(50), || {
+        std::net::TcpStream::connect(addr).is_ok()
+    });
+    (llm, addr)
+}
+
 /// The shipped gateway, pointed at the replicas and the stand-in LLM.
 fn gateway(listener: SocketAddr, admin: SocketAddr, replicas: &[SocketAddr], llm: SocketAddr) -> Value {
     let mut c = repo_yaml("envoy/llm-budgets.yaml");
@@ -96,7 +112,7 @@ fn priced(body: &str, max_tokens: u64) -> Money {
 }
 
 /// Spent and held money at level `path` in the period `calendar` has now.
-fn level(con: &mut redis::cluster::ClusterConnection, path: &str, calendar: &Calendar) -> (Money, Money) {
+fn level(con: &mut impl redis::ConnectionLike, path: &str, calendar: &Calendar) -> (Money, Money) {
     let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_millis() as i64;
     let key = format!("rl:{{acme}}:llm:{path}:budget:{}", calendar.window(now).start_ms);
     let (s, h): (Option<String>, Option<String>) =
@@ -111,17 +127,7 @@ async fn fifty_concurrent_requests_spend_exactly_their_priced_usage() {
     let replicas: Vec<Tollgate> = (0..3)
         .map(|_| Tollgate::start(examples_file().as_ref(), &Backend::Cluster(cluster.seeds()), &[]))
         .collect();
-    let llm_port = free_port();
-    let mut llm = Proc::spawn(
-        "python3",
-        Command::new("python3")
-            .arg(concat!(env!("CARGO_MANIFEST_DIR"), "/envoy/demo/fake-llm.py"))
-            .arg(llm_port.to_string()),
-    );
-    let llm_addr: SocketAddr = format!("127.0.0.1:{llm_port}").parse().unwrap();
-    wait_until("the stand-in LLM", 100, Duration::from_millis(50), || {
-        std::net::TcpStream::connect(llm_addr).is_ok()
-    });
+    let (mut llm, llm_addr) = fake_llm();
     let (listener, admin) = (loopback(), loopback());
     let grpc: Vec<SocketAddr> = replicas.iter().map(|r| r.grpc).collect();
     let _envoy = Envoy::start(&gateway(listener, admin, &grpc, llm_addr), admin);
@@ -210,30 +216,13 @@ async fn a_hostile_client_cannot_bend_the_budget_through_envoy() {
     let proxy = FaultProxy::start(redis.port);
     let backend = Backend::Redis(format!("redis://127.0.0.1:{}", proxy.port));
     let replica = Tollgate::start(examples_file().as_ref(), &backend, &["--redis-timeout", "100ms"]);
-    let llm_port = free_port();
-    let mut llm = Proc::spawn(
-        "python3",
-        Command::new("python3")
-            .arg(concat!(env!("CARGO_MANIFEST_DIR"), "/envoy/demo/fake-llm.py"))
-            .arg(llm_port.to_string()),
-    );
-    let llm_addr: SocketAddr = format!("127.0.0.1:{llm_port}").parse().unwrap();
-    wait_until("the stand-in LLM", 100, Duration::from_millis(50), || {
-        std::net::TcpStream::connect(llm_addr).is_ok()
-    });
+    let (mut llm, llm_addr) = fake_llm();
     let (listener, admin) = (loopback(), loopback());
     let _envoy = Envoy::start(&gateway(listener, admin, &[replica.grpc], llm_addr), admin);
     let mut con = redis.connection();
     let day = Calendar::new(Per::Day, "UTC").unwrap();
     let key_level = |con: &mut redis::Connection, key: &str| {
-        let now =
-            std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_millis() as i64;
-        let level =
-            format!("rl:{{acme}}:llm:org=acme:team=search:api_key={key}:budget:{}", day.window(now).start_ms);
-        let (s, h): (Option<String>, Option<String>) =
-            redis::cmd("HMGET").arg(&level).arg("s").arg("h").query(con).unwrap();
-        let money = |t: Option<String>| t.map(|t| Money::from_nanos(&t).unwrap()).unwrap_or_default();
-        (money(s), money(h))
+        level(con, &format!("org=acme:team=search:api_key={key}"), &day)
     };
     fn org(key: &str) -> Vec<(&str, &str)> {
         vec![("x-org", "acme"), ("x-team", "search"), ("x-api-key", key)]
