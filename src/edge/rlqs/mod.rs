@@ -120,7 +120,7 @@ impl RateLimitQuotaService for RateLimitQuotaGrpc {
         request: Request<Streaming<RateLimitQuotaUsageReports>>,
     ) -> Result<Response<Self::StreamRateLimitQuotasStream>, Status> {
         // Counted before it is checked, so that streams opening together cannot all pass.
-        let open = session::Open::count(self.open.clone());
+        let open = Open::count(self.open.clone());
         if open.now() > self.limits.max_streams {
             metrics::counter!("tollgate_rlqs_streams_refused_total").increment(1);
             if let Some(held_back) = crate::telemetry::logs::throttled("rlqs_max_streams") {
@@ -148,6 +148,28 @@ impl RateLimitQuotaService for RateLimitQuotaGrpc {
         let peer = session::Peer { name: envoy_name(&request) };
         tokio::spawn(session::run(context, id, peer, request.into_inner(), answers, open));
         Ok(Response::new(stream))
+    }
+}
+
+/// One open stream, counted among the replica's while it lives.
+pub struct Open(Arc<AtomicUsize>);
+
+impl Open {
+    /// Counts a stream in `open`.
+    pub fn count(open: Arc<AtomicUsize>) -> Open {
+        open.fetch_add(1, Ordering::SeqCst);
+        Open(open)
+    }
+
+    /// Streams open now, this one included.
+    pub fn now(&self) -> usize {
+        self.0.load(Ordering::SeqCst)
+    }
+}
+
+impl Drop for Open {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::SeqCst);
     }
 }
 

@@ -75,28 +75,6 @@ pub struct Context {
     pub closing: watch::Receiver<bool>,
 }
 
-/// One open stream, counted among the replica's while it lives.
-pub struct Open(Arc<AtomicUsize>);
-
-impl Open {
-    /// Counts a stream in `open`.
-    pub fn count(open: Arc<AtomicUsize>) -> Open {
-        open.fetch_add(1, Ordering::SeqCst);
-        Open(open)
-    }
-
-    /// Streams open now, this one included.
-    pub fn now(&self) -> usize {
-        self.0.load(Ordering::SeqCst)
-    }
-}
-
-impl Drop for Open {
-    fn drop(&mut self) {
-        self.0.fetch_sub(1, Ordering::SeqCst);
-    }
-}
-
 struct Bucket {
     id: BucketId,
     // The number of the last pool event applied (see `Events`).
@@ -132,7 +110,7 @@ pub async fn run(
     peer: Peer,
     mut reports: Streaming<RateLimitQuotaUsageReports>,
     answers: Answers,
-    _open: Open,
+    _open: super::Open,
 ) {
     let Context { limiter, pool, clock, limits, tracked, mut closing } = context;
     let closed = async move {

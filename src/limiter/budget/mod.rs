@@ -25,6 +25,7 @@
 
 mod count;
 mod parse;
+mod recover;
 mod standing;
 
 pub use self::count::{fraction_text, had_label, verdict_label};
@@ -37,16 +38,17 @@ use futures::future::join_all;
 
 use self::count::{budget_store_failed, count_refusal};
 use self::parse::{capped_usage, parse, settlement_price, Parsed, Refusal};
+use self::recover::call;
 
 use super::{Code, DecideError, Decision, DescriptorVerdict, Effect, Limiter, Outcome, Query};
 use crate::budget::{
-    cost, BucketLevel, BudgetAction, BudgetOp, BudgetOutcome, BudgetOverride, BudgetSpec, Calendar,
-    HoldVerdict, Kind, LevelOp, LevelReading, Money, PriceRow, RECORD_GRACE_MS,
+    BucketLevel, BudgetAction, BudgetOp, BudgetOutcome, BudgetOverride, BudgetSpec, Calendar, HoldVerdict,
+    Kind, LevelOp, LevelReading, Money, PriceRow, RECORD_GRACE_MS,
 };
 use crate::config::{Domain, FailureMode, Limit, Priced};
 use crate::identity;
-use crate::store::{Store, StoreError};
-use crate::telemetry::logs::{self, ErrorChain};
+use crate::store::StoreError;
+use crate::telemetry::logs;
 use crate::telemetry::traces;
 
 /// The entry key that marks a settlement descriptor; its value names the usage kind.
@@ -156,21 +158,20 @@ impl Limiter {
             .budget_overrides(domain, parsed.iter().filter_map(|p| Some(&p.as_ref().ok()?.path[..])))
             .await;
         let mut requests: Vec<Request> = Vec::new();
-        let parsed_all = &parsed;
-        for (i, (d, parsed)) in query.descriptors.iter().zip(parsed_all).enumerate() {
+        for (i, (d, descriptor)) in query.descriptors.iter().zip(&parsed).enumerate() {
             let refused = |refusal: Refusal| {
                 count_refusal(domain, refusal.reason());
                 let report = BudgetReport::refused(refusal.exhausted(priced), &currency);
                 Some((Code::OverLimit, Outcome::Budget(report)))
             };
-            let parsed = match parsed {
+            let this = match descriptor {
                 Ok(p) => p,
                 Err(refusal) => {
                     verdicts[i] = refused(*refusal);
                     continue;
                 }
             };
-            let kind = match parsed.usage.map(Kind::parse) {
+            let kind = match this.usage.map(Kind::parse) {
                 Some(None) => {
                     count_refusal(domain, "unknown_usage_kind");
                     verdicts[i] = Some((Code::Ok, Outcome::NoLimit));
@@ -181,11 +182,11 @@ impl Limiter {
             if let Some(kind) = kind {
                 // The kinds of one request's settlement arrive together: one op.
                 if let Some(r) = requests.iter_mut().find(|r| {
-                    let first = parsed_all[r.descriptors[0]].as_ref();
+                    let first = parsed[r.descriptors[0]].as_ref();
                     matches!(r.op.action, BudgetAction::Settle { .. })
-                        && first.is_ok_and(|f| (&f.path, f.served) == (&parsed.path, parsed.served))
+                        && first.is_ok_and(|f| (&f.path, f.served) == (&this.path, this.served))
                 }) {
-                    let (row, most) = settlement_price(priced, parsed);
+                    let (row, most) = settlement_price(priced, this);
                     if let BudgetAction::Settle { usage } = &mut r.op.action {
                         usage.push(capped_usage(domain, &row.unwrap_or(r.op.row), most, kind, d.hits));
                     }
@@ -193,7 +194,7 @@ impl Limiter {
                     continue;
                 }
             }
-            match self.request(domain, priced, parsed, now, d.hits, kind, &overrides) {
+            match self.request(domain, priced, this, now, d.hits, kind, &overrides) {
                 Err(refusal) => verdicts[i] = refused(refusal),
                 Ok(mut request) => {
                     request.descriptors.push(i);
@@ -381,43 +382,6 @@ impl Limiter {
         };
         Ok(Request { op, level_names, alert_at, level_subjects, tenant, descriptors: Vec::new() })
     }
-
-    // After a failed op, in the background and under the background deadline: a hold whose
-    // request the failure mode did not admit is cancelled (the script may have run and its reply
-    // been lost: the request must take nothing), and a settlement is sent again (it is
-    // idempotent per kind, and Envoy never resends it). What still fails is left to the hold's
-    // expiry (`on_lost_settle`), logged and counted.
-    fn recover(&self, domain: &Domain, op: &BudgetOp) {
-        let (kind, op) = match op.action {
-            BudgetAction::Hold { .. } if domain.failure_mode == FailureMode::Allow => return,
-            BudgetAction::Hold { .. } => ("cancel", BudgetOp { action: BudgetAction::Cancel, ..op.clone() }),
-            BudgetAction::Settle { .. } => ("settle", op.clone()),
-            BudgetAction::Cancel | BudgetAction::Peek => return,
-        };
-        let store = self.store.clone();
-        let name = domain.name.clone();
-        tokio::spawn(async move {
-            let mut last = None;
-            for attempt in 0..RECOVERY_ATTEMPTS {
-                if attempt > 0 {
-                    tokio::time::sleep(RECOVERY_PAUSE).await;
-                }
-                match crate::store::with_deadline(RECOVERY_DEADLINE, call(store.as_ref(), &op)).await {
-                    Ok(_) => {
-                        last = None;
-                        break;
-                    }
-                    Err(e) => last = Some(e),
-                }
-            }
-            let outcome = if last.is_some() { "failed" } else { "ok" };
-            metrics::counter!("tollgate_budget_recoveries_total", "domain" => name.clone(), "kind" => kind, "outcome" => outcome)
-                .increment(1);
-            if let Some(error) = last {
-                tracing::warn!(domain = %name, kind, error = %ErrorChain(&error), "a budget op could not be repaired; the hold expires as on_lost_settle says");
-            }
-        });
-    }
 }
 
 // The overrides found, by level path text.
@@ -487,31 +451,6 @@ fn report(request: &Request, outcome: &BudgetOutcome, currency: &str) -> (Code, 
         warnings,
     };
     (code, report)
-}
-
-/// How often a failed hold's cancel or a failed settlement is tried again, how far apart, and how
-/// long each try may take (no request waits on them).
-const RECOVERY_ATTEMPTS: u32 = 3;
-const RECOVERY_PAUSE: std::time::Duration = std::time::Duration::from_millis(200);
-const RECOVERY_DEADLINE: std::time::Duration = std::time::Duration::from_secs(2);
-
-// One budget op; a settlement of a hold made at another price version is priced again at that
-// version's row, which the store keeps with the hold.
-async fn call(store: &dyn Store, op: &BudgetOp) -> Result<BudgetOutcome, StoreError> {
-    let outcome = store.budget(op).await?;
-    let BudgetOutcome::Reprice { version, row, .. } = outcome else { return Ok(outcome) };
-    let BudgetAction::Settle { usage } = &op.action else {
-        return Err(StoreError::Protocol("only a settlement is repriced".into()));
-    };
-    let usage =
-        usage.iter().map(|&(kind, tokens, _)| (kind, tokens, cost(tokens, row.price(kind)))).collect();
-    let again = BudgetOp { version, row, action: BudgetAction::Settle { usage }, ..op.clone() };
-    match store.budget(&again).await? {
-        BudgetOutcome::Reprice { .. } => {
-            Err(StoreError::Protocol("a hold changed price version twice".into()))
-        }
-        outcome => Ok(outcome),
-    }
 }
 
 // Whole seconds from `now_ms` to `end_ms`, rounded up.
