@@ -376,6 +376,36 @@ async fn standalone_redis() {
     let (_dir, path) = config_file(&config("2026-12-01", "10.00", "10m", "charge"));
     let server = Tollgate::start(&path, &Backend::Redis(redis.url()), &[]);
     scenarios(&server.addr(), &mut Levels::Redis(redis.connection())).await;
+    // What a request's record costs Redis (it lives hold_ttl + 1 h after its last op), open and
+    // settled: the sizing figure of the README.
+    let mut con = redis.connection();
+    assert_eq!(
+        ask(&server.addr(), hold("sz", "t", "k", "gpt-4o", "0123456789abcdef0123456789abcdef", 1_000))
+            .await
+            .unwrap()
+            .overall_code,
+        OK
+    );
+    let record = "rl:{sz}:llm:hold:0123456789abcdef0123456789abcdef";
+    let open: u64 = redis::cmd("MEMORY").arg("USAGE").arg(record).query(&mut con).unwrap();
+    ask(
+        &server.addr(),
+        settle(
+            "sz",
+            "t",
+            "k",
+            "gpt-4o",
+            "0123456789abcdef0123456789abcdef",
+            &[("input", 900), ("output", 800)],
+        ),
+    )
+    .await
+    .unwrap();
+    let settled: u64 = redis::cmd("MEMORY").arg("USAGE").arg(record).query(&mut con).unwrap();
+    println!(
+        "a budget record with a 32-character request id: {open} bytes open, {settled} settled (MEMORY USAGE)"
+    );
+    assert!(open < 1_200 && settled < 1_200, "{open} {settled}");
 }
 
 #[tokio::test(flavor = "multi_thread")]
