@@ -357,6 +357,25 @@ async fn scenarios(addr: &str, levels: &mut Levels) {
     soft_limits_warn(addr).await;
 }
 
+/// A replica on a standalone Redis, its config in a directory a test rewrites to reload it.
+struct Reloadable {
+    redis: Redis,
+    dir: tempfile::TempDir,
+    server: Tollgate,
+    levels: Levels,
+}
+
+impl Reloadable {
+    fn start(text: &str) -> Reloadable {
+        let redis = Redis::start();
+        let dir = tempfile::tempdir().unwrap();
+        let path = write_config(dir.path(), text);
+        let server = Tollgate::start(&path, &Backend::Redis(redis.url()), &[]);
+        let levels = Levels::Redis(redis.connection());
+        Reloadable { redis, dir, server, levels }
+    }
+}
+
 fn write_config(dir: &Path, text: &str) -> std::path::PathBuf {
     let path = dir.join("llm.yaml");
     std::fs::write(&path, text).unwrap();
@@ -465,11 +484,8 @@ async fn lost_settlements_are_charged_or_released() {
 /// prices, a hold made after the reload at the new ones.
 #[tokio::test(flavor = "multi_thread")]
 async fn holds_settle_at_the_price_version_they_were_held_at() {
-    let redis = Redis::start();
-    let dir = tempfile::tempdir().unwrap();
-    let path = write_config(dir.path(), &config("v1", "10.00", "10m", "charge"));
-    let server = Tollgate::start(&path, &Backend::Redis(redis.url()), &[]);
-    let mut levels = Levels::Redis(redis.connection());
+    let Reloadable { redis: _redis, dir, server, mut levels } =
+        Reloadable::start(&config("v1", "10.00", "10m", "charge"));
     let addr = server.addr();
     assert_eq!(ask(&addr, hold("pv", "t", "k", "gpt-4o", "old", 1_000)).await.unwrap().overall_code, OK);
     // v2 doubles the output price.
@@ -656,13 +672,10 @@ async fn explain_shows_prices_the_hold_and_every_budget() {
 /// was spent.
 #[tokio::test(flavor = "multi_thread")]
 async fn the_overshoot_is_bounded_by_what_in_flight_requests_exceed_their_holds() {
-    let redis = Redis::start();
-    let dir = tempfile::tempdir().unwrap();
     // A bucket large enough for the 250,000 tokens used: only money limits here.
     let roomy = |text: String| text.replace("capacity: 200000", "capacity: 2000000");
-    let path = write_config(dir.path(), &roomy(config("2026-12-01", "10.00", "10m", "charge")));
-    let server = Tollgate::start(&path, &Backend::Redis(redis.url()), &[]);
-    let mut levels = Levels::Redis(redis.connection());
+    let Reloadable { redis: _redis, dir, server, mut levels } =
+        Reloadable::start(&roomy(config("2026-12-01", "10.00", "10m", "charge")));
     let addr = server.addr();
     let holds: Vec<_> = (0..50)
         .map(|i| {
@@ -708,11 +721,8 @@ async fn the_overshoot_is_bounded_by_what_in_flight_requests_exceed_their_holds(
 /// wrap.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_dropped_model_settles_at_its_records_row() {
-    let redis = Redis::start();
-    let dir = tempfile::tempdir().unwrap();
-    let path = write_config(dir.path(), &config("v1", "10.00", "10m", "charge"));
-    let server = Tollgate::start(&path, &Backend::Redis(redis.url()), &[]);
-    let mut levels = Levels::Redis(redis.connection());
+    let Reloadable { redis: _redis, dir, server, mut levels } =
+        Reloadable::start(&config("v1", "10.00", "10m", "charge"));
     let addr = server.addr();
     // 1,000 output tokens of claude-sonnet at $15/M, and 4,000 reserved input tokens at the
     // dearest input price (cache writes, $3.75/M): $0.03 held.
