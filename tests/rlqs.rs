@@ -808,7 +808,9 @@ async fn bucket_ids_and_streams_are_capped() {
     assert_eq!(sample(&server.metrics(), "tollgate_rlqs_buckets", &[]), 1_000.0);
     let grown = (server.proc.rss_kib() * 1024).saturating_sub(before);
     println!("RLQS caps: 120,000 ids sent on one stream, 1,000 tracked, RSS grew {} MB", grown >> 20);
-    assert!(grown < 80 << 20, "RSS grew {} MB", grown >> 20);
+    // Decoding the two 3 MB reports takes most of it (measured 74 MB); 120,000 tracked ids would
+    // take about 320 MB more, and keep it.
+    assert!(grown < 150 << 20, "RSS grew {} MB", grown >> 20);
     assert!(server.log().contains("more bucket ids than tollgate tracks"));
 
     // A second stream: the replica's 1,500 leave it 500.

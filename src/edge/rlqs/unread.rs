@@ -2,9 +2,11 @@
 //!
 //! The session writes answers ([`Answers::send`]); tonic reads them ([`Unread`]) as fast as the
 //! Envoy takes them off the connection. An Envoy that stops reading leaves them queued here, so
-//! the queue holds at most `max_bytes` of them (one answer of any size always fits an empty
-//! queue); a writer that finds no room waits, and past `deadline` the stream is ended: the
-//! queue is emptied, its memory given back, and what tonic reads next is RESOURCE_EXHAUSTED.
+//! the queue holds at most `max_bytes` of them and at most [`MAX_UNREAD_MESSAGES`] (one answer of
+//! any size always fits an empty queue); a writer that finds no room waits, and past `deadline`
+//! the stream is ended: the queue is emptied, its memory given back, and what tonic reads next is
+//! RESOURCE_EXHAUSTED. The message bound also keeps a slow reader's answers bundled: while the
+//! writer waits, the pool's events gather, and go out together in fewer, larger answers.
 
 use std::collections::VecDeque;
 use std::pin::Pin;
@@ -18,6 +20,9 @@ use tokio::sync::Notify;
 use tonic::Status;
 
 type Item = Result<RateLimitQuotaResponse, Status>;
+
+/// Most answers queued for one stream, whatever their size.
+pub const MAX_UNREAD_MESSAGES: usize = 64;
 
 #[derive(Default)]
 struct Queue {
@@ -84,7 +89,8 @@ impl Answers {
                 if queue.reader_gone || queue.closed {
                     return Err(NotSent::Gone);
                 }
-                if queue.items.is_empty() || queue.bytes + size <= shared.max_bytes {
+                let room = queue.items.len() < MAX_UNREAD_MESSAGES && queue.bytes + size <= shared.max_bytes;
+                if queue.items.is_empty() || room {
                     queue.bytes += size;
                     queue.items.push_back((item, size));
                     if let Some(reader) = queue.reader.take() {
