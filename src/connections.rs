@@ -44,7 +44,7 @@ pub const MAX_CONNECTIONS_DEFAULT: usize = 10_000;
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ConnLimits {
     /// Most connections open on each port; `None` for the default from the descriptor limit
-    /// ([`default_max_connections`]).
+    /// ([`max_connections`]).
     pub max_connections: Option<usize>,
     /// How long an HTTP client has to send a request's head.
     pub header_read_timeout: Duration,
@@ -79,16 +79,23 @@ pub fn raise_fd_limit() -> u64 {
         Ok(limit) => limit,
         Err(error) => {
             tracing::warn!(%error, "could not raise the open-files limit");
-            rlimit::getrlimit(rlimit::Resource::NOFILE).map_or(1024, |(soft, _)| soft)
+            open_files_limit()
         }
     }
 }
 
-/// Each port's cap when none is given: half of what the descriptor `limit` leaves after
-/// [`FD_RESERVE`], at most [`MAX_CONNECTIONS_DEFAULT`].
-pub fn default_max_connections(limit: u64) -> usize {
-    let per_port = limit.saturating_sub(FD_RESERVE) / 2;
-    usize::try_from(per_port).unwrap_or(usize::MAX).clamp(1, MAX_CONNECTIONS_DEFAULT)
+// The soft limit on open files in force (1,024, the usual default, if it cannot be read).
+fn open_files_limit() -> u64 {
+    rlimit::getrlimit(rlimit::Resource::NOFILE).map_or(1024, |(soft, _)| soft)
+}
+
+/// Each port's cap: `limits.max_connections`, else half of what the open-files limit in force
+/// leaves after [`FD_RESERVE`], at most [`MAX_CONNECTIONS_DEFAULT`].
+pub fn max_connections(limits: &ConnLimits) -> usize {
+    limits.max_connections.unwrap_or_else(|| {
+        let per_port = open_files_limit().saturating_sub(FD_RESERVE) / 2;
+        usize::try_from(per_port).unwrap_or(usize::MAX).clamp(1, MAX_CONNECTIONS_DEFAULT)
+    })
 }
 
 /// The connections a port may have open.

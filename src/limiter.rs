@@ -23,8 +23,8 @@ mod explain;
 mod lease;
 
 pub use self::budget::{
-    fraction_text, had_label, verdict_label, BudgetExplained, BudgetReport, LevelStanding, Standing,
-    StandingError, BUDGET_REFUSALS, REFUSED_REQUEST, REFUSED_REQUEST_ID, SERVED_MODEL_KEY, USAGE_KEY,
+    BudgetExplained, BudgetReport, LevelStanding, Standing, StandingError, REFUSED_REQUEST,
+    REFUSED_REQUEST_ID, SERVED_MODEL_KEY, USAGE_KEY,
 };
 pub use self::explain::{Effect, Explained, Explanation, SpecOrigin};
 pub use self::lease::{HeldBucket, Holding, QuotaBucket, ASSIGNMENT_TTL, HOLD_TTL, RENEW_AFTER};

@@ -196,10 +196,7 @@ pub async fn run(
         connections,
         http_unauthenticated,
     } = service;
-    let max_connections = connections.max_connections.unwrap_or_else(|| {
-        let limit = rlimit::getrlimit(rlimit::Resource::NOFILE).map_or(1024, |(soft, _)| soft);
-        crate::connections::default_max_connections(limit)
-    });
+    let max_connections = crate::connections::max_connections(&connections);
     let grpc_gate = Gate::new("grpc", max_connections);
     let rls = Arc::new(RateLimitGrpc::new(limiter.clone(), max_inflight, dynamic_metadata));
     // With mutual TLS on gRPC, what spends or reveals tenants' budgets is served there, and the

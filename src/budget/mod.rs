@@ -43,6 +43,18 @@ pub use self::money::{cost, Money, MoneyError};
 pub use self::period::{Calendar, Per, UnknownZone, Window};
 use crate::bucket::BucketSpec;
 
+/// Every reason a priced request is refused for, as `tollgate_budget_refusals_total` counts it
+/// (the limiter refuses; telemetry registers the series).
+pub const REFUSALS: &[&str] = &[
+    "malformed",
+    "empty_request_id",
+    "unknown_model",
+    "hold_above_amount",
+    "request_id_reused",
+    "path_mismatch",
+    "unknown_usage_kind",
+];
+
 /// A kind of token a model prices on its own.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
 #[serde(rename_all = "snake_case")]

@@ -75,6 +75,14 @@ impl Money {
         self.0.to_string()
     }
 
+    /// A fraction in nano-units of one (`alert_at`) as its shortest decimal: 800,000,000 is
+    /// `0.8`.
+    pub fn fraction_text(self) -> String {
+        let text = self.to_string();
+        let text = text.trim_end_matches('0');
+        text.strip_suffix('.').unwrap_or(text).to_owned()
+    }
+
     /// Reads the decimal integer of nano-units [`Money::nanos`] writes.
     pub fn from_nanos(text: &str) -> Option<Money> {
         text.parse().ok().map(Money)

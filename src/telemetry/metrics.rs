@@ -408,7 +408,7 @@ fn register_budgets(domain: &crate::config::Domain, priced: &crate::config::Pric
                 .increment(0);
         }
     }
-    for reason in crate::limiter::BUDGET_REFUSALS {
+    for reason in crate::budget::REFUSALS {
         counter!("tollgate_budget_refusals_total", "domain" => name(), "reason" => *reason).increment(0);
     }
     for kind in crate::budget::Kind::ALL {
@@ -420,7 +420,7 @@ fn register_budgets(domain: &crate::config::Domain, priced: &crate::config::Pric
         counter!("tollgate_budget_denials_total", "domain" => name(), "level" => level.to_owned())
             .increment(0);
         for fraction in alerts {
-            counter!("tollgate_budget_alerts_total", "domain" => name(), "level" => level.to_owned(), "threshold" => crate::limiter::fraction_text(*fraction))
+            counter!("tollgate_budget_alerts_total", "domain" => name(), "level" => level.to_owned(), "threshold" => fraction.fraction_text())
                 .increment(0);
         }
     }

@@ -127,7 +127,7 @@ fn budget_headers(decision: &Decision, retry_after: bool, headers: &mut Vec<(&'s
     }
     let mut warnings: Vec<String> = Vec::new();
     for (level, fraction) in reports.iter().flat_map(|r| &r.warnings) {
-        let text = format!("{level}={}", crate::limiter::fraction_text(*fraction));
+        let text = format!("{level}={}", fraction.fraction_text());
         if !warnings.contains(&text) {
             warnings.push(text);
         }

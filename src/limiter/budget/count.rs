@@ -104,7 +104,7 @@ fn alerts(domain: &Domain, request: &Request, levels: &[LevelReading]) {
             else {
                 continue;
             };
-            let threshold = fraction_text(*fraction);
+            let threshold = fraction.fraction_text();
             metrics::counter!("tollgate_budget_alerts_total", "domain" => domain.name.clone(), "level" => level.clone(), "threshold" => threshold.clone())
                 .increment(1);
             let tenant = request.tenant.as_deref().map(traces::tenant_hash).unwrap_or_default();
@@ -132,15 +132,8 @@ fn count_spend(domain: String, currency: &str, version: &str, charged: Money) {
         .absolute(total);
 }
 
-/// A fraction in nano-units as its shortest decimal (800,000,000: `0.8`).
-pub fn fraction_text(fraction: Money) -> String {
-    let text = fraction.to_string();
-    let text = text.trim_end_matches('0');
-    text.strip_suffix('.').unwrap_or(text).to_owned()
-}
-
-/// What a settlement or cancel found of its hold, as a metric label.
-pub fn had_label(had: &HadHold) -> &'static str {
+// What a settlement or cancel found of its hold, as a metric label.
+fn had_label(had: &HadHold) -> &'static str {
     match had {
         HadHold::Open => "open",
         HadHold::Expired => "expired",
@@ -150,8 +143,8 @@ pub fn had_label(had: &HadHold) -> &'static str {
     }
 }
 
-/// A hold's verdict, as a metric label.
-pub fn verdict_label(verdict: HoldVerdict) -> &'static str {
+// A hold's verdict, as a metric label.
+fn verdict_label(verdict: HoldVerdict) -> &'static str {
     match verdict {
         HoldVerdict::Admitted => "admitted",
         HoldVerdict::Duplicate => "duplicate",

@@ -28,8 +28,6 @@ mod parse;
 mod recover;
 mod standing;
 
-pub use self::count::{fraction_text, had_label, verdict_label};
-pub use self::parse::BUDGET_REFUSALS;
 pub use self::standing::{LevelStanding, Standing, StandingError};
 
 use std::sync::Arc;

@@ -8,17 +8,6 @@ use crate::budget::{cost, Kind, Money, PriceRow};
 use crate::config::{Domain, Priced};
 use crate::telemetry::logs;
 
-/// Every reason `tollgate_budget_refusals_total` counts.
-pub const BUDGET_REFUSALS: &[&str] = &[
-    "malformed",
-    "empty_request_id",
-    "unknown_model",
-    "hold_above_amount",
-    "request_id_reused",
-    "path_mismatch",
-    "unknown_usage_kind",
-];
-
 // Why a descriptor gets no op.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) enum Refusal {
