@@ -17,6 +17,7 @@ use envoy_types::pb::envoy::service::rate_limit_quota::v3::rate_limit_quota_usag
 use envoy_types::pb::envoy::service::rate_limit_quota::v3::{
     BucketId, RateLimitQuotaResponse, RateLimitQuotaUsageReports,
 };
+use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_client::RateLimitServiceClient;
 use envoy_types::pb::google::protobuf::Duration as ProtoDuration;
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
@@ -885,4 +886,57 @@ async fn a_stream_that_never_reads_is_ended() {
     println!("RLQS: a stream that never read 20,000 buckets' answers, ended; RSS grew {} MB", grown >> 20);
     assert!(grown < 200 << 20, "RSS grew {} MB", grown >> 20);
     drop(stream);
+}
+
+/// RLS keeps its deadline beside the heaviest RLQS work a replica takes: while three streams'
+/// first reports of 10,000 buckets each are held (30,000 hold ops, in scripts of 256) on the same
+/// Redis, RLS requests with a 50 ms Redis deadline are all answered from their buckets, none from
+/// the failure mode. RLQS runs on a runtime of its own and its scripts go over connections of
+/// their own; sharing both, 40% of such probes missed the deadline (a release build; the full-size
+/// figures are in bench/RESULTS.md).
+#[tokio::test(flavor = "multi_thread")]
+async fn rls_keeps_its_deadline_beside_heavy_rlqs_work() {
+    let redis = Redis::start();
+    let (_dir, config) = config_file(CONFIG);
+    let server = Tollgate::start(&config, &Backend::Redis(redis.url()), &["--redis-timeout", "50ms"]);
+    let mut streams = Vec::new();
+    for s in 0..3 {
+        let stream = Stream::open(&server.addr()).await;
+        let ids = (0..10_000).map(|i| report(&bucket(&[("tenant", &format!("heavy-{s}-{i}"))]), 0, 1, 0));
+        stream.send("quota", ids.collect()).await;
+        streams.push(stream);
+    }
+    // Read the streams, as Envoy does, while the probes run.
+    let readers: Vec<_> = streams
+        .into_iter()
+        .map(|stream| {
+            tokio::spawn(async move {
+                let Stream { reports, mut answers } = stream;
+                let start = Instant::now();
+                while start.elapsed() < Duration::from_secs(8) {
+                    let _ = tokio::time::timeout(Duration::from_millis(500), answers.message()).await;
+                }
+                drop(reports);
+            })
+        })
+        .collect();
+    let mut client = RateLimitServiceClient::connect(format!("http://{}", server.addr())).await.unwrap();
+    let mut latencies = Vec::new();
+    for i in 0..100 {
+        let sent = Instant::now();
+        let answer = client.should_rate_limit(req("quota", &[&format!("round=probe-{i}")], 1)).await.unwrap();
+        latencies.push(sent.elapsed());
+        let status = &answer.into_inner().statuses[0];
+        assert!(status.duration_until_reset.is_some(), "probe {i}: answered by the failure mode");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    for reader in readers {
+        reader.await.unwrap();
+    }
+    latencies.sort();
+    println!("RLS beside 3 x 10,000 new RLQS buckets: p50 {:?}, max {:?}", latencies[50], latencies[99]);
+    let held = sample(&server.metrics(), "tollgate_rlqs_holds_total", &[("outcome", "set")]);
+    assert!(held >= 10_000.0, "the RLQS work ran meanwhile: {held} holds set");
+    let timeouts = sample(&server.metrics(), "tollgate_store_errors_total", &[("kind", "timeout")]);
+    assert_eq!(timeouts, 0.0, "store calls past the deadline\n{}", server.log());
 }

@@ -260,7 +260,7 @@ impl Limiter {
             outcome = tracing::field::Empty,
         );
         let results =
-            store::with_deadline(BACKGROUND_DEADLINE, self.store.hold(ops)).instrument(call.clone()).await;
+            store::in_background(BACKGROUND_DEADLINE, self.store.hold(ops)).instrument(call.clone()).await;
         let failed = results.iter().filter(|r| r.is_err()).count();
         span.record("failed", failed);
         call.record("outcome", if failed == 0 { "ok" } else { "error" });

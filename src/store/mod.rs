@@ -17,7 +17,8 @@
 //!
 //! A call waits for the store at most the deadline the store was built with (`--redis-timeout`),
 //! the one a request answered by the failure mode can afford. Work no request waits on (RLQS
-//! holds) runs under a longer one of its own, [`with_deadline`].
+//! holds, budget recovery) runs [`in_background`]: under a longer deadline of its own, and on
+//! connections of its own, so that it never queues in front of a request.
 
 mod cluster;
 mod coalesce;
@@ -43,16 +44,21 @@ tokio::task_local! {
     static DEADLINE: Duration;
 }
 
-/// Runs `calls` with every store call it makes (in this task) waiting up to `deadline` instead of
-/// the store's own: for background work, where a late answer delays an assignment but answers no
-/// request, and the request deadline turned queueing under a burst into failure answers. Keep it
-/// within [`redis::late_window`] of the store's deadline, so that a reply past it can still be
-/// refunded.
-pub async fn with_deadline<F: std::future::Future>(deadline: Duration, calls: F) -> F::Output {
+/// Runs `calls` as background work: every store call it makes (in this task) waits up to
+/// `deadline` instead of the store's own, and goes over the background connections. A late
+/// answer there delays an assignment but answers no request, and the request deadline turned
+/// queueing under a burst into failure answers. Keep `deadline` within [`redis::late_window`] of
+/// the store's deadline, so that a reply past it can still be refunded.
+pub async fn in_background<F: std::future::Future>(deadline: Duration, calls: F) -> F::Output {
     DEADLINE.scope(deadline, calls).await
 }
 
-/// How long a call made now waits: the task's [`with_deadline`], else `default`.
+/// Whether a call made now is background work ([`in_background`]).
+fn is_background() -> bool {
+    DEADLINE.try_with(|_| ()).is_ok()
+}
+
+/// How long a call made now waits: the task's [`in_background`] deadline, else `default`.
 fn deadline_or(default: Duration) -> Duration {
     DEADLINE.try_with(|d| *d).unwrap_or(default)
 }

@@ -9,7 +9,8 @@
 //! ([`crate::bucket::hold`]), and splits it among its streams as refilling local buckets
 //! ([`pool`]), so across any number of Envoys and replicas the bucket's limit holds. Each stream
 //! runs in one task ([`session`]); the arithmetic is in [`assign`], the answers' encoding in
-//! [`answer`].
+//! [`answer`]. Sessions and the pool run on a runtime of their own, which the server hands in:
+//! their bursts of CPU (a first report of thousands of buckets) never hold up an RLS decision.
 //!
 //! Streams never end by themselves: when the server drains, every stream is closed (Envoy keeps
 //! its cached assignments and reconnects, to another replica if this one is gone). What a closed
@@ -34,6 +35,7 @@ use std::time::Duration;
 
 use envoy_types::pb::envoy::service::rate_limit_quota::v3::rate_limit_quota_service_server::RateLimitQuotaService;
 use envoy_types::pb::envoy::service::rate_limit_quota::v3::RateLimitQuotaUsageReports;
+use tokio::runtime::Handle;
 use tokio::sync::watch;
 use tonic::{Request, Response, Status, Streaming};
 
@@ -80,6 +82,7 @@ pub struct RateLimitQuotaGrpc {
     clock: Arc<dyn Clock>,
     limits: RlqsLimits,
     closing: watch::Receiver<bool>,
+    runtime: Handle,
     streams: AtomicU64,
     // Streams open, and bucket ids tracked, over every stream.
     open: Arc<AtomicUsize>,
@@ -89,21 +92,23 @@ pub struct RateLimitQuotaGrpc {
 impl RateLimitQuotaGrpc {
     /// A service holding shares through `limiter` as `replica` (its name in the buckets' holds,
     /// unique among replicas, without whitespace), within `limits`; every stream ends when
-    /// `closing` turns true.
+    /// `closing` turns true. Its streams and their holds are worked on `runtime`.
     pub fn new(
         limiter: Arc<Limiter>,
         replica: String,
         clock: Arc<dyn Clock>,
         limits: RlqsLimits,
         closing: watch::Receiver<bool>,
+        runtime: Handle,
     ) -> Self {
-        let pool = Arc::new(Pool::new(limiter.clone(), replica));
+        let pool = Arc::new(Pool::new(limiter.clone(), replica, &runtime));
         RateLimitQuotaGrpc {
             limiter,
             pool,
             clock,
             limits,
             closing,
+            runtime,
             streams: AtomicU64::new(0),
             open: Arc::default(),
             tracked: Arc::default(),
@@ -146,7 +151,7 @@ impl RateLimitQuotaService for RateLimitQuotaGrpc {
         };
         let id = self.streams.fetch_add(1, Ordering::Relaxed);
         let peer = session::Peer { name: envoy_name(&request) };
-        tokio::spawn(session::run(context, id, peer, request.into_inner(), answers, open));
+        self.runtime.spawn(session::run(context, id, peer, request.into_inner(), answers, open));
         Ok(Response::new(stream))
     }
 }

@@ -149,8 +149,9 @@ impl Drop for Pool {
 }
 
 impl Pool {
-    /// A pool holding through `limiter` as `replica`; starts its tick task.
-    pub fn new(limiter: Arc<Limiter>, replica: String) -> Pool {
+    /// A pool holding through `limiter` as `replica`; starts its tick task on `runtime`, where
+    /// its rounds run too.
+    pub fn new(limiter: Arc<Limiter>, replica: String, runtime: &tokio::runtime::Handle) -> Pool {
         let inner = Arc::new(Inner {
             limiter,
             replica,
@@ -162,7 +163,7 @@ impl Pool {
             first_ops: Default::default(),
         });
         let ticking = Arc::downgrade(&inner);
-        let ticker = tokio::spawn(async move {
+        let ticker = runtime.spawn(async move {
             loop {
                 let (wait, phase) = until_next_phase();
                 tokio::time::sleep(wait).await;

@@ -30,7 +30,7 @@ impl Limiter {
                 if attempt > 0 {
                     tokio::time::sleep(RECOVERY_PAUSE).await;
                 }
-                match crate::store::with_deadline(RECOVERY_DEADLINE, call(store.as_ref(), &op)).await {
+                match crate::store::in_background(RECOVERY_DEADLINE, call(store.as_ref(), &op)).await {
                     Ok(_) => {
                         last = None;
                         break;

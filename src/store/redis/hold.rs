@@ -1,7 +1,7 @@
 //! RLQS held shares in Redis: the hold script (`hold.lua` after `bucket.lua`), one call per slot
 //! for all of a batch's ops in it, the slots' calls concurrent, so a replica's renewals of
 //! thousands of buckets are a few script runs per node rather than one per bucket. The calls run
-//! under the caller's deadline ([`crate::store::with_deadline`]); a lost reply needs no repair,
+//! under the caller's deadline ([`crate::store::in_background`]); a lost reply needs no repair,
 //! since the same op sent again sets the same hold.
 
 use std::collections::HashMap;
