@@ -470,6 +470,8 @@ async fn lost_settlements_are_charged_or_released() {
         assert_eq!(counted, 1.0, "{lost}: one expired hold counted, once for its three levels");
         let open = sample(&server.metrics(), "tollgate_budget_holds_open", &[("domain", "llm")]);
         assert_eq!(open, 1.0, "{lost}: r1 opened and found expired, r2 open");
+        let records = sample(&server.metrics(), "tollgate_budget_records", &[("domain", "llm")]);
+        assert_eq!(records, 2.0, "{lost}: r1's and r2's records are kept for their life");
         // r1's usage comes late: $0.012. Charged in full after a release, only $0.002 more after
         // the expiry charged $0.01.
         ask(&addr, settle(org, "t", "k", "gpt-4o", "r1", &[("output", 1_200)])).await.unwrap();

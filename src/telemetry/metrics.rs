@@ -18,6 +18,7 @@ use metrics::{counter, describe_counter, describe_gauge, describe_histogram, gau
 use metrics_exporter_prometheus::{BuildError, PrometheusBuilder, PrometheusHandle};
 use tokio_util::task::AbortOnDropHandle;
 
+use super::records::RecordsKept;
 use super::top_denied::TopDenied;
 use crate::config::{FailureMode, RuleSet};
 use crate::limiter::{Code, Decision, Outcome, Query};
@@ -63,6 +64,7 @@ pub struct Telemetry {
     // Per (domain, budget level), the top spenders of the window, in nano-units.
     top_spenders: Mutex<HashMap<(String, String), TopDenied>>,
     top_config: (usize, Duration),
+    records: RecordsKept,
     detailed_series: usize,
     detailed_seen: Mutex<HashSet<String>>,
 }
@@ -99,6 +101,7 @@ impl Telemetry {
             top_denied: TopDenied::new(config.top_denied, config.top_denied_window),
             top_spenders: Mutex::default(),
             top_config: (config.top_denied, config.top_denied_window),
+            records: RecordsKept::new(),
             detailed_series: config.detailed_series,
             detailed_seen: Mutex::new(HashSet::new()),
         }
@@ -158,6 +161,12 @@ impl Telemetry {
             .record(subject, u64::try_from(nanos).unwrap_or(u64::MAX));
     }
 
+    /// Counts a budget request record of `domain` written now, which the store may keep for
+    /// `kept` ([`RecordsKept`]).
+    pub fn record_written(&self, domain: &str, kept: Duration) {
+        self.records.written(domain, kept);
+    }
+
     // The tenant label, or `(other)` once the series budget is spent on other tenants.
     fn detailed_label(&self, domain: &str, rule: &str, tenant: &str) -> String {
         let series = format!("{domain}\0{rule}\0{tenant}");
@@ -172,6 +181,7 @@ impl Telemetry {
 
     /// The Prometheus text exposition for `/metrics`.
     pub fn render(&self) -> String {
+        self.records.refresh();
         let mut out = self.prometheus.as_ref().map(PrometheusHandle::render).unwrap_or_default();
         let help = METRICS.iter().find(|m| m.0 == "tollgate_top_denied_tenant_hits").map_or("", |m| m.2);
         let _ = writeln!(out, "# HELP tollgate_top_denied_tenant_hits {help}");
@@ -277,6 +287,7 @@ pub const METRICS: &[(&str, Kind, &str)] = &[
     ("tollgate_budget_refusals_total", Kind::Counter, "Priced requests refused before or by the store, by reason: malformed, empty_request_id, unknown_model, hold_above_amount, request_id_reused, path_mismatch, unknown_usage_kind."),
     ("tollgate_budget_usage_capped_total", Kind::Counter, "Usage counts above the model's maximum for their kind, charged at that maximum."),
     ("tollgate_budget_alerts_total", Kind::Counter, "Soft limits (alert_at) crossed by a level's spend, once per level, period and threshold across the replicas."),
+    ("tollgate_budget_records", Kind::Gauge, "Budget request records this replica wrote that the store may still keep (each for its hold_ttl plus an hour, and its hold_ttl again for a settlement to extend it); summed over the replicas, an upper bound of the records kept."),
     ("tollgate_budget_top_spenders_nanos", Kind::Gauge, "Money spent by the top spenders of each budget level in the last complete window (the tenant level's value, a hash below it)."),
 ];
 
@@ -392,6 +403,7 @@ fn register_budgets(domain: &crate::config::Domain, priced: &crate::config::Pric
         counter!("tollgate_budget_holds_total", "domain" => name(), "verdict" => verdict).increment(0);
     }
     gauge!("tollgate_budget_holds_open", "domain" => name()).increment(0.0);
+    gauge!("tollgate_budget_records", "domain" => name()).increment(0.0);
     for outcome in ["charged", "released"] {
         counter!("tollgate_budget_holds_expired_total", "domain" => name(), "outcome" => outcome)
             .increment(0);

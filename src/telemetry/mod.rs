@@ -3,6 +3,7 @@
 
 pub mod logs;
 mod metrics;
+mod records;
 pub mod top_denied;
 pub mod traces;
 

@@ -2,6 +2,8 @@
 //! denials, refusals and alerts, and log lines for what an operator must hear of (a refused
 //! record, a crossed soft limit, a store failure). Money metrics saturate, never wrap.
 
+use std::time::Duration;
+
 use super::Request;
 use crate::budget::{BudgetAction, BudgetOutcome, HadHold, HoldVerdict, LevelReading, LostSettle, Money};
 use crate::config::{Domain, Priced};
@@ -40,6 +42,18 @@ impl Limiter {
         let opened = matches!(outcome, BudgetOutcome::Held { verdict: HoldVerdict::Admitted, .. });
         let net = f64::from(u8::from(opened)) - f64::from(u8::from(released)) - expired as f64;
         metrics::gauge!("tollgate_budget_holds_open", "domain" => name.clone()).increment(net);
+        // The ops that write a record: a hold taken (its settlement may extend its life by up
+        // to its hold_ttl), and a settlement or cancel that found none.
+        let life = Duration::from_millis(request.op.life_ms);
+        let written = match outcome {
+            BudgetOutcome::Held { verdict: HoldVerdict::Admitted, .. } => Some(life + priced.hold_ttl),
+            BudgetOutcome::Settled { had: HadHold::None, .. }
+            | BudgetOutcome::Cancelled { had: HadHold::None, .. } => Some(life),
+            _ => None,
+        };
+        if let Some(kept) = written {
+            self.telemetry.record_written(&name, kept);
+        }
         match outcome {
             BudgetOutcome::Held { verdict, exhausted, short, levels, .. } => {
                 metrics::counter!("tollgate_budget_holds_total", "domain" => name.clone(), "verdict" => verdict_label(*verdict))
