@@ -1,0 +1,223 @@
+//! The attacks of tollgate's hostile-load rows (`ONLY=hostile bench/run`), each a client that
+//! takes what it can and prints one line of `key=value` results; bench/run measures tollgate
+//! (RSS, fds, RLS probes answered beside the attack) while it runs.
+//!
+//! - `hostile ids --addr A --streams S --ids N`: S RLQS streams name the same N distinct bucket
+//!   ids, in reports of 60,000, and read their answers for `--hold` seconds: `assigned` is how
+//!   many got an assignment on each stream (a replica's caps bound it).
+//! - `hostile mute --addr A --streams S --ids N`: S RLQS streams name N ids each and never read;
+//!   after `--hold` seconds each reads what it is told: `ended` is how many tollgate had ended
+//!   with RESOURCE_EXHAUSTED.
+//! - `hostile slow-http --addr H --conns N`: N HTTP connections, half sending a partial request
+//!   head and stopping, half one byte a second; after `--hold` seconds, `closed` is how many
+//!   tollgate had closed.
+//! - `hostile idle-h2 --addr G --conns N`: N HTTP/2 connections to the gRPC port that complete
+//!   the handshake and send nothing; `closed` as above.
+
+use std::collections::HashMap;
+use std::time::{Duration, Instant};
+
+use envoy_types::pb::envoy::service::rate_limit_quota::v3::rate_limit_quota_response::bucket_action::BucketAction as Action;
+use envoy_types::pb::envoy::service::rate_limit_quota::v3::rate_limit_quota_service_client::RateLimitQuotaServiceClient;
+use envoy_types::pb::envoy::service::rate_limit_quota::v3::rate_limit_quota_usage_reports::BucketQuotaUsage;
+use envoy_types::pb::envoy::service::rate_limit_quota::v3::{BucketId, RateLimitQuotaUsageReports};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::ReceiverStream;
+
+struct Args {
+    addr: String,
+    domain: String,
+    ids: usize,
+    streams: usize,
+    conns: usize,
+    hold: Duration,
+}
+
+fn parse(mut argv: impl Iterator<Item = String>) -> Args {
+    let mut a = Args {
+        addr: "127.0.0.1:8081".into(),
+        domain: "rlqs".into(),
+        ids: 1_000_000,
+        streams: 20,
+        conns: 1_000,
+        hold: Duration::from_secs(30),
+    };
+    while let Some(flag) = argv.next() {
+        let mut value = || argv.next().unwrap_or_else(|| panic!("{flag} needs a value"));
+        match flag.as_str() {
+            "--addr" => a.addr = value(),
+            "--domain" => a.domain = value(),
+            "--ids" => a.ids = value().parse().unwrap(),
+            "--streams" => a.streams = value().parse().unwrap(),
+            "--conns" => a.conns = value().parse().unwrap(),
+            "--hold" => a.hold = Duration::from_secs_f64(value().parse().unwrap()),
+            other => panic!("unknown flag {other}"),
+        }
+    }
+    a
+}
+
+fn usage(prefix: &str, i: usize) -> BucketQuotaUsage {
+    let id = BucketId { bucket: HashMap::from([("tenant".to_owned(), format!("{prefix}-{i}"))]) };
+    BucketQuotaUsage {
+        bucket_id: Some(id),
+        time_elapsed: None,
+        num_requests_allowed: 0,
+        num_requests_denied: 1,
+    }
+}
+
+// A stream whose reports are sent through the returned sender.
+async fn open(
+    addr: &str,
+) -> (
+    mpsc::Sender<RateLimitQuotaUsageReports>,
+    tonic::Streaming<envoy_types::pb::envoy::service::rate_limit_quota::v3::RateLimitQuotaResponse>,
+) {
+    let mut client = RateLimitQuotaServiceClient::connect(format!("http://{addr}"))
+        .await
+        .unwrap()
+        .max_decoding_message_size(64 << 20);
+    let (tx, rx) = mpsc::channel(4);
+    let answers = client.stream_rate_limit_quotas(ReceiverStream::new(rx)).await.unwrap().into_inner();
+    (tx, answers)
+}
+
+async fn send_ids(tx: &mpsc::Sender<RateLimitQuotaUsageReports>, domain: &str, prefix: &str, ids: usize) {
+    for start in (0..ids).step_by(60_000) {
+        let usages = (start..(start + 60_000).min(ids)).map(|i| usage(prefix, i)).collect();
+        let report = RateLimitQuotaUsageReports { domain: domain.to_owned(), bucket_quota_usages: usages };
+        if tx.send(report).await.is_err() {
+            return;
+        }
+    }
+}
+
+async fn ids(a: &Args) {
+    // Every stream names the same ids: on one replica, a hold per stream on each bucket.
+    let mut readers = Vec::new();
+    for _ in 0..a.streams {
+        let (tx, mut answers) = open(&a.addr).await;
+        let (domain, ids, hold) = (a.domain.clone(), a.ids, a.hold);
+        readers.push(tokio::spawn(async move {
+            let sender = tokio::spawn(async move {
+                send_ids(&tx, &domain, "flood", ids).await;
+                tx
+            });
+            let mut assigned = std::collections::HashSet::new();
+            let end = Instant::now() + hold;
+            while let Ok(Ok(Some(answer))) = tokio::time::timeout_at(end.into(), answers.message()).await {
+                for action in answer.bucket_action {
+                    if let (Some(id), Some(Action::QuotaAssignmentAction(_))) =
+                        (action.bucket_id, action.bucket_action)
+                    {
+                        assigned.insert(id.bucket.get("tenant").cloned().unwrap_or_default());
+                    }
+                }
+            }
+            let _tx = sender.await.unwrap();
+            assigned.len()
+        }));
+    }
+    let mut assigned = Vec::new();
+    for reader in readers {
+        assigned.push(reader.await.unwrap().to_string());
+    }
+    println!("streams={} ids={} assigned={}", a.streams, a.ids, assigned.join("+"));
+}
+
+async fn mute(a: &Args) {
+    let mut streams = Vec::new();
+    for s in 0..a.streams {
+        let (tx, answers) = open(&a.addr).await;
+        send_ids(&tx, &a.domain, &format!("mute{s}"), a.ids).await;
+        streams.push((tx, answers));
+    }
+    tokio::time::sleep(a.hold).await;
+    let mut ended = 0;
+    for (_tx, mut answers) in streams {
+        // Read what was queued, for 3 s at most: an ended stream's status comes after it; a stream
+        // still served is told something every round and never goes quiet.
+        let until = tokio::time::Instant::now() + Duration::from_secs(3);
+        while let Ok(read) = tokio::time::timeout_at(until, answers.message()).await {
+            match read {
+                Ok(Some(_)) => continue,
+                Err(status) if status.code() == tonic::Code::ResourceExhausted => ended += 1,
+                _ => {}
+            }
+            break;
+        }
+    }
+    println!("streams={} ids={} ended={ended}", a.streams, a.ids);
+}
+
+// Whether tollgate closed `stream`: a read that returns 0 bytes or an error, within 10 ms.
+async fn closed(stream: &mut TcpStream) -> bool {
+    let mut buf = [0u8; 1024];
+    loop {
+        match tokio::time::timeout(Duration::from_millis(10), stream.read(&mut buf)).await {
+            Ok(Ok(0)) | Ok(Err(_)) => return true,
+            Ok(Ok(_)) => continue,
+            Err(_) => return false,
+        }
+    }
+}
+
+async fn slow_http(a: &Args) {
+    let mut conns = Vec::new();
+    for i in 0..a.conns {
+        let Ok(mut stream) = TcpStream::connect(&a.addr).await else { break };
+        let _ = stream.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\n").await;
+        conns.push((i % 2 == 1, stream));
+    }
+    let opened = conns.len();
+    let end = Instant::now() + a.hold;
+    while Instant::now() < end {
+        for (_, stream) in conns.iter_mut().filter(|(trickle, _)| *trickle) {
+            let _ = stream.write_all(b"x").await;
+        }
+        tokio::time::sleep(Duration::from_secs(1)).await;
+    }
+    let mut closed_count = 0;
+    for (_, stream) in conns.iter_mut() {
+        closed_count += usize::from(closed(stream).await);
+    }
+    println!("conns={} opened={opened} closed={closed_count}", a.conns);
+}
+
+async fn idle_h2(a: &Args) {
+    let mut conns = Vec::new();
+    for _ in 0..a.conns {
+        let Ok(stream) = TcpStream::connect(&a.addr).await else { break };
+        match h2::client::handshake(stream).await {
+            Ok((send, connection)) => {
+                let driver = tokio::spawn(connection);
+                conns.push((send, driver));
+            }
+            Err(_) => break,
+        }
+    }
+    let opened = conns.len();
+    tokio::time::sleep(a.hold).await;
+    let closed_count = conns.iter().filter(|(_, driver)| driver.is_finished()).count();
+    println!("conns={} opened={opened} closed={closed_count}", a.conns);
+}
+
+#[tokio::main]
+async fn main() {
+    let mut argv = std::env::args().skip(1);
+    let Some(attack) = argv.next() else {
+        eprintln!("usage: hostile ids|mute|slow-http|idle-h2 [flags]");
+        std::process::exit(2);
+    };
+    let a = parse(argv);
+    match attack.as_str() {
+        "ids" => ids(&a).await,
+        "mute" => mute(&a).await,
+        "slow-http" => slow_http(&a).await,
+        "idle-h2" => idle_h2(&a).await,
+        other => panic!("unknown attack {other}"),
+    }
+}
