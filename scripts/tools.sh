@@ -43,3 +43,15 @@ venv_tools() {
     export KUBERNETES_VALIDATE_BIN="${KUBERNETES_VALIDATE_BIN:-$PWD/$venv/bin/kubernetes-validate}"
     "$ENVOY_BIN" --version >/dev/null
 }
+
+# book_tool: mdBook, pinned, built into target/tools when missing (about 3 minutes on two cores;
+# without the watch and serve features, which only `mdbook serve` needs). Exports MDBOOK_BIN.
+book_tool() {
+    local root=target/tools version=0.5.4
+    if ! "$root/bin/mdbook" --version 2>/dev/null | grep -q "v$version"; then
+        echo "installing mdbook $version into $root" >&2
+        cargo install --quiet --locked --root "$root" --no-default-features --features search \
+            mdbook --version "$version"
+    fi
+    export MDBOOK_BIN="$PWD/$root/bin/mdbook"
+}

@@ -12,7 +12,8 @@
 //! * the decision is made in [`limiter`], using [`matcher`] (descriptor → rule), [`quota`]
 //!   (tenant → bucket size), [`identity`] (rule and descriptor → bucket and storage key);
 //! * state lives behind [`store::Store`]: in Redis ([`store::RedisStore`], the algorithm in
-//!   `store/redis/token_bucket.lua`, concurrent calls per slot coalesced) or in process
+//!   `src/store/redis/bucket.lua` and `group.lua`, run by `token_bucket.lua`, concurrent calls
+//!   per slot coalesced) or in process
 //!   ([`store::MemoryStore`], the algorithm in [`bucket`]); [`store::Precheck`] in front of
 //!   Redis answers denials that are already certain without a round trip;
 //! * state lives in Redis standalone, Cluster ([`store`]'s `cluster.rs`) or behind Sentinel;

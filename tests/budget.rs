@@ -396,7 +396,7 @@ async fn standalone_redis() {
     let server = Tollgate::start(&path, &Backend::Redis(redis.url()), &[]);
     scenarios(&server.addr(), &mut Levels::Redis(redis.connection())).await;
     // What a request's record costs Redis (it lives hold_ttl + 1 h after its last op), open and
-    // settled: the sizing figure of the README.
+    // settled: the sizing figure of the book.
     let mut con = redis.connection();
     assert_eq!(
         ask(&server.addr(), hold("sz", "t", "k", "gpt-4o", "0123456789abcdef0123456789abcdef", 1_000))

@@ -1,5 +1,5 @@
-//! The two implementations of the bucket algorithm, `src/bucket.rs` (memory store) and
-//! `src/store/token_bucket.lua` (Redis), replay the same random operation sequences and must
+//! The two implementations of the bucket algorithm, `src/bucket/` (memory store) and
+//! `src/store/redis/bucket.lua` with `group.lua` (Redis), replay the same random operation sequences and must
 //! agree exactly: admissions, per-operation verdicts (forgiven debt included), and for every
 //! bucket a step wrote, every stored field to the last bit (balance, refill time, rate in force,
 //! pending rate and when it takes effect, largest capacity, slowest rate) and the expiry.

@@ -15,7 +15,7 @@
 //!   Cluster), every window of admitted requests stays within the larger spec's bound;
 //! * a capacity of 1e12 refilling 0.0001/s keeps its state in Redis.
 //!
-//! Every test prints what it measured; the README's "Failure behaviour" table quotes them.
+//! Every test prints what it measured; the book's "Failure behaviour" table quotes them.
 
 mod common;
 

@@ -1,6 +1,6 @@
 //! tollgate under faults, with load running: a Cluster primary dying, Redis paused, restarted
 //! and resharded, tollgate itself shutting down and overloaded. Every test prints what it
-//! measured; the README's "Failure behaviour" section quotes these figures.
+//! measured; the book's "Failure behaviour" page quotes these figures.
 
 mod common;
 

@@ -1,11 +1,14 @@
-//! The README's walkthrough, run as printed: every shell block tagged `<!-- readme-test: NAME -->`
-//! is executed, in order, against the servers the README says to start, and what the README
-//! says they print is checked. The only changes: the debug build stands in for
-//! `cargo run --release` (a release build takes minutes), and the service the README leaves
-//! running binds 127.0.0.1 (through its env variables, not its flags).
+//! The walkthrough, run as printed: every shell block tagged `<!-- readme-test: NAME -->` in the
+//! README and the book's pages (`docs/src`, in the order of its `SUMMARY.md`) is executed, in
+//! order, against the servers the pages say to start, and what they say the blocks print is
+//! checked. The only changes: the debug build stands in for `cargo run --release` (a release
+//! build takes minutes), and the service the README leaves running binds 127.0.0.1 (through its
+//! env variables, not its flags).
 //!
-//! The walkthrough uses fixed ports (8000-8091, 9901-9903, 10000-10002, 6390), below the
-//! harness's range (20000+), so one test runs it all, one part after another.
+//! The pages name fixed ports (8000-8091, 9901-9904, 10000-10003, 6390); the test moves each to
+//! a free one, in the blocks and in copies of the Envoy configs they use, so that the suite never
+//! clashes with a service the README told the reader to leave running. One test runs it all, one
+//! part after another.
 
 mod common;
 
@@ -15,12 +18,27 @@ use std::time::Duration;
 
 use common::*;
 
-const README: &str = include_str!("../README.md");
+/// The README and the book's pages, in reading order.
+fn pages() -> Vec<String> {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let read =
+        |path: &Path| std::fs::read_to_string(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    let summary = read(&root.join("docs/src/SUMMARY.md"));
+    let mut pages = vec![read(&root.join("README.md"))];
+    for line in summary.lines() {
+        if let Some((_, rest)) = line.split_once("](") {
+            let page = rest.split(')').next().unwrap();
+            pages.push(read(&root.join("docs/src").join(page)));
+        }
+    }
+    pages
+}
 
 /// The tagged blocks: (tag, the block's text).
 fn tagged_blocks() -> Vec<(String, String)> {
     let mut blocks = Vec::new();
-    let mut lines = README.lines();
+    let text = pages().join("\n");
+    let mut lines = text.lines();
     while let Some(line) = lines.next() {
         let Some(tag) = line.strip_prefix("<!-- readme-test: ").and_then(|t| t.strip_suffix(" -->")) else {
             continue;
@@ -35,8 +53,74 @@ fn tagged_blocks() -> Vec<(String, String)> {
 
 fn block(tag: &str) -> String {
     let found: Vec<String> = tagged_blocks().into_iter().filter(|(t, _)| t == tag).map(|(_, b)| b).collect();
-    assert_eq!(found.len(), 1, "one README block tagged {tag}");
+    assert_eq!(found.len(), 1, "one block tagged {tag} in the README and the book");
     found.into_iter().next().unwrap()
+}
+
+/// The fixed ports the pages name.
+const PORTS: &[u16] =
+    &[8000, 8001, 8080, 8081, 8090, 8091, 9901, 9902, 9903, 9904, 10000, 10001, 10002, 10003, 6390];
+
+/// Where the walkthrough runs: a directory with copies of `envoy/` whose fixed ports are moved to
+/// free ones, and links to `examples/` (no ports) and `target/` (Envoy's venv).
+struct Walk {
+    dir: tempfile::TempDir,
+    ports: Vec<(u16, u16)>,
+}
+
+impl Walk {
+    fn new() -> Walk {
+        let ports = PORTS.iter().map(|p| (*p, free_port())).collect();
+        let walk = Walk { dir: tempfile::tempdir().unwrap(), ports };
+        let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+        walk.copy(&root.join("envoy"), &walk.dir.path().join("envoy"));
+        for linked in ["examples", "target"] {
+            std::os::unix::fs::symlink(root.join(linked), walk.dir.path().join(linked)).unwrap();
+        }
+        walk
+    }
+
+    fn copy(&self, from: &Path, to: &Path) {
+        std::fs::create_dir_all(to).unwrap();
+        for entry in std::fs::read_dir(from).unwrap() {
+            let entry = entry.unwrap();
+            let target = to.join(entry.file_name());
+            if entry.file_type().unwrap().is_dir() {
+                self.copy(&entry.path(), &target);
+            } else {
+                let bytes = std::fs::read(entry.path()).unwrap();
+                match String::from_utf8(bytes) {
+                    Ok(text) => std::fs::write(&target, self.local(&text)).unwrap(),
+                    Err(e) => std::fs::write(&target, e.into_bytes()).unwrap(),
+                }
+                std::fs::set_permissions(&target, entry.metadata().unwrap().permissions()).unwrap();
+            }
+        }
+    }
+
+    /// `text` with each fixed port (a whole number, not part of a longer one) moved, and `/tmp/`
+    /// files in the walk's directory.
+    fn local(&self, text: &str) -> String {
+        let mut out = String::with_capacity(text.len());
+        let mut rest = text;
+        while let Some(start) = rest.find(|c: char| c.is_ascii_digit()) {
+            out.push_str(&rest[..start]);
+            let digits = rest[start..].find(|c: char| !c.is_ascii_digit()).map_or(rest.len() - start, |n| n);
+            let number = &rest[start..start + digits];
+            let after_dot = out.ends_with('.');
+            match self.ports.iter().find(|(fixed, _)| number == fixed.to_string() && !after_dot) {
+                Some((_, free)) => out.push_str(&free.to_string()),
+                None => out.push_str(number),
+            }
+            rest = &rest[start + digits..];
+        }
+        out.push_str(rest);
+        out.replace("/tmp/", &format!("{}/", self.dir.path().display()))
+    }
+
+    fn port(&self, fixed: u16) -> u16 {
+        self.ports.iter().find(|(f, _)| *f == fixed).unwrap().1
+    }
 }
 
 fn with_debug_build(text: &str) -> String {
@@ -53,19 +137,20 @@ fn path_with_tollgate() -> String {
 /// Runs a block with bash in the repository, as a reader would paste it, and returns what it
 /// printed. Whatever it starts in the background is stopped (by PID) when it ends; the whole
 /// block gets `limit`.
-fn run(tag: &str, limit: Duration) -> String {
-    run_text(tag, &block(tag), limit)
+fn run(walk: &Walk, tag: &str, limit: Duration) -> String {
+    run_text(walk, tag, &block(tag), limit)
 }
 
-fn run_text(tag: &str, text: &str, limit: Duration) -> String {
-    let script = format!("trap 'kill $(jobs -p) 2>/dev/null; wait' EXIT\n{}", with_debug_build(text));
+fn run_text(walk: &Walk, tag: &str, text: &str, limit: Duration) -> String {
+    let script =
+        format!("trap 'kill $(jobs -p) 2>/dev/null; wait' EXIT\n{}", walk.local(&with_debug_build(text)));
     let out = tempfile::NamedTempFile::new().unwrap();
     let mut bash = Proc::spawn(
         tag,
         Command::new("bash")
             .arg("-c")
             .arg(&script)
-            .current_dir(env!("CARGO_MANIFEST_DIR"))
+            .current_dir(walk.dir.path())
             .env("PATH", path_with_tollgate())
             .env("RUST_LOG", "warn")
             .stdout(Stdio::from(out.reopen().unwrap()))
@@ -73,10 +158,7 @@ fn run_text(tag: &str, text: &str, limit: Duration) -> String {
     );
     let status = bash.wait_exit(limit);
     let printed = std::fs::read_to_string(out.path()).unwrap();
-    assert!(
-        status.is_some(),
-        "the README block {tag} did not finish within {limit:?}; it printed:\n{printed}"
-    );
+    assert!(status.is_some(), "the block {tag} did not finish within {limit:?}; it printed:\n{printed}");
     println!("--- {tag}\n{printed}");
     printed
 }
@@ -92,6 +174,7 @@ fn leading(codes: &[u16], code: u16) -> usize {
 
 #[test]
 fn the_walkthrough_works_as_printed() {
+    let walk = Walk::new();
     // Start here: the first command serves (left running for the rest); the second is the test
     // suite itself, which CI runs.
     let start = block("start");
@@ -107,19 +190,19 @@ fn the_walkthrough_works_as_printed() {
         Command::new(words.next().unwrap())
             .args(words)
             .current_dir(env!("CARGO_MANIFEST_DIR"))
-            .env("TOLLGATE_GRPC_ADDR", "127.0.0.1:8081")
-            .env("TOLLGATE_HTTP_ADDR", "127.0.0.1:8080")
+            .env("TOLLGATE_GRPC_ADDR", format!("127.0.0.1:{}", walk.port(8081)))
+            .env("TOLLGATE_HTTP_ADDR", format!("127.0.0.1:{}", walk.port(8080)))
             .env("RUST_LOG", "warn"),
     );
-    let http = "127.0.0.1:8080".parse().unwrap();
+    let http = format!("127.0.0.1:{}", walk.port(8080)).parse().unwrap();
     wait_until("the README's service", 300, Duration::from_millis(100), || {
         http_get(http, "/readyz").is_some_and(|(status, _)| status == 200)
     });
 
     // The first answer is exactly the one printed.
-    assert_eq!(run("ask", Duration::from_secs(30)), block("ask output"));
+    assert_eq!(run(&walk, "ask", Duration::from_secs(30)), block("ask output"));
 
-    let over = run("over-limit", Duration::from_secs(30));
+    let over = run(&walk, "over-limit", Duration::from_secs(30));
     let exits: Vec<&str> = over.lines().filter(|l| l.starts_with("exit ")).collect();
     assert_eq!(exits, ["exit 0", "exit 1"], "{over}");
     // 51 s right after the first ask; less the longer the service took in between.
@@ -127,7 +210,7 @@ fn the_walkthrough_works_as_printed() {
         over.lines().find_map(|l| l.trim().strip_prefix("Retry-After: ")).unwrap().parse().unwrap();
     assert!((49..=51).contains(&retry), "{over}");
 
-    let rls = run("envoy-rls", Duration::from_secs(180));
+    let rls = run(&walk, "envoy-rls", Duration::from_secs(180));
     let lines: Vec<&str> = rls.lines().collect();
     let loop_codes = codes(lines[0]);
     assert_eq!(loop_codes.len(), 25);
@@ -139,7 +222,7 @@ fn the_walkthrough_works_as_printed() {
         assert!(headers.contains(expected), "{expected}: {rls}");
     }
 
-    let rlqs = run("envoy-rlqs", Duration::from_secs(60));
+    let rlqs = run(&walk, "envoy-rlqs", Duration::from_secs(60));
     let lines: Vec<&str> = rlqs.lines().collect();
     assert_eq!(lines[0], "429", "no assignment before the first report: {rlqs}");
     let loop_codes = codes(lines[1]);
@@ -159,7 +242,7 @@ fn the_walkthrough_works_as_printed() {
         .unwrap_or(0);
     assert!((3..=4).contains(&holds), "the floor, again to learn the others, all (and a resize?): {rlqs}");
 
-    let llm = run("envoy-llm", Duration::from_secs(60));
+    let llm = run(&walk, "envoy-llm", Duration::from_secs(60));
     let lines: Vec<&str> = llm.lines().collect();
     assert_eq!(codes(lines[0]), [200, 200, 429], "{llm}");
     let headers = lines[1..].join("\n").to_lowercase();
@@ -168,7 +251,7 @@ fn the_walkthrough_works_as_printed() {
         headers.lines().find_map(|l| l.strip_prefix("retry-after: ")).unwrap().trim().parse().unwrap();
     assert!((1..=2).contains(&retry), "{llm}");
 
-    let budgets = run("envoy-budgets", Duration::from_secs(60));
+    let budgets = run(&walk, "envoy-budgets", Duration::from_secs(60));
     let lines: Vec<&str> = budgets.lines().collect();
     assert_eq!(codes(lines[0]), [200, 200, 200, 429], "{budgets}");
     let headers = lines[1..].join("\n").to_lowercase();
@@ -189,11 +272,11 @@ fn the_walkthrough_works_as_printed() {
     assert!(reset <= 86_400 && retry == reset, "both at the key's midnight: {budgets}");
 
     // The render commands type as printed, and each prints a config.
-    let render = run("render", Duration::from_secs(30));
+    let render = run(&walk, "render", Duration::from_secs(30));
     assert_eq!(render.matches("# Generated by `tollgate render`").count(), 4, "{render}");
 
     // POST /json answers as printed (the headers are left out there).
-    let json = run("json", Duration::from_secs(30));
+    let json = run(&walk, "json", Duration::from_secs(30));
     let printed = block("json output");
     let (head, _) = printed.split_once("[...]").unwrap();
     assert!(json.starts_with(head), "{json}");
@@ -201,12 +284,12 @@ fn the_walkthrough_works_as_printed() {
     // The quota commands, on a PostgreSQL of their own in place of the example's host.
     let postgres = Postgres::start();
     let quota = block("quota").replace("postgres://tollgate:secret@db.internal:5432/app", &postgres.url());
-    let quota = run_text("quota", &format!("set -e\n{quota}echo done\n"), Duration::from_secs(60));
+    let quota = run_text(&walk, "quota", &format!("set -e\n{quota}echo done\n"), Duration::from_secs(60));
     assert!(quota.ends_with("done\n"), "every quota command succeeds: {quota}");
     assert!(quota.contains("tier pro") && quota.contains("export"), "{quota}");
     assert!(quota.contains("llm org=acme:team=search: 500.00 a month"), "{quota}");
 
-    let redis = run("redis", Duration::from_secs(60));
+    let redis = run(&walk, "redis", Duration::from_secs(60));
     assert!(redis.contains("overall: OK") && redis.contains("remaining=50"), "{redis}");
     let fields: Vec<&str> = redis.lines().rev().take(3).collect();
     assert_eq!(fields, ["50", "200", "50"], "t, c, s: {redis}");

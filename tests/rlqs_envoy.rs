@@ -2,7 +2,7 @@
 //! two tollgate replicas, one tenant with capacity 50 refilling 10/s:
 //!
 //! * three Envoys under load for 20 s admit within [0.9, 1.0] × (50 + 10 × 20) plus the slack of
-//!   one tick's refill (the README's formula), on a standalone Redis and on a Cluster;
+//!   one tick's refill (the book's formula), on a standalone Redis and on a Cluster;
 //! * with 90/5/5 % demand, the busy Envoy's share follows its demand within two reports (the
 //!   total within [0.85, 1.0] of the budget, as beside RLS);
 //! * one Envoy on the RLS filter and two on RLQS spend one budget together;
@@ -23,7 +23,7 @@ use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
 
 const CAPACITY: f64 = 50.0;
 const RATE: f64 = 10.0;
-/// The README's slack: one tick of refill (a grant taken before a window opens may be used in it).
+/// The book's slack: one tick of refill (a grant taken before a window opens may be used in it).
 const SLACK: f64 = RATE * tollgate::edge::rlqs::pool::TICK.as_secs_f64();
 
 const CONFIG: &str = r#"
@@ -434,7 +434,7 @@ async fn a_killed_replica_and_a_restarted_envoy() {
     // The killed replica's streams' holds stand until they expire (60 s, past this test), so the
     // Envoys share what is left: served together, though one whose new stream's first (small)
     // assignment replaced its cached one may get little; the restarted Envoy likewise. Printed,
-    // not asserted per Envoy (the README's Faults paragraph says so).
+    // not asserted per Envoy (the book's Faults paragraph says so).
     assert!(after_kill.iter().sum::<u64>() > 0, "the Envoys are served after the kill: {after_kill:?}");
 }
 

@@ -96,7 +96,7 @@ async fn decisions_follow_a_sentinel_failover_and_count_nothing_twice() {
     // Nothing counted twice: at most what was admitted (plus the 0.001/s refill's rounding),
     // and the requests in flight when the primary died. A script that ran and reached the
     // replica, but whose reply the kill lost (a killed server resets connections with unread
-    // requests), is answered with the failure mode and its tokens stay taken once (README,
+    // requests), is answered with the failure mode and its tokens stay taken once (the book,
     // "Exactly once": "the script ran, its reply is lost"). Four clients: at most four.
     let in_flight = CLIENTS as f64;
     assert!(

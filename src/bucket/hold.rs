@@ -22,7 +22,7 @@
 //! A hold op sets a replica's hold to an absolute size, so running it twice (a retry after a
 //! lost reply) takes nothing more: it is exactly-once by construction.
 //!
-//! This is the Rust twin of `hold` in `src/store/hold.lua`; `tests/equivalence.rs` replays both.
+//! This is the Rust twin of `hold` in `src/store/redis/hold.lua`; `tests/equivalence.rs` replays both.
 
 use super::{life_ms, note_spec, refill, BucketSpec, BucketState, Write, MAX_WAIT_MS};
 

@@ -1,6 +1,6 @@
 //! `tollgate serve`: the service. Flags (each with a `TOLLGATE_*` environment variable) become
-//! [`Settings`]; the listeners are bound before anything starts serving; SIGTERM drains after
-//! `--drain-delay`, Ctrl-C at once.
+//! [`Settings`]; the listeners are bound before anything starts serving; SIGTERM and Ctrl-C
+//! drain after `--drain-delay`, a second Ctrl-C exits at once.
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -109,7 +109,8 @@ pub(super) struct ServeArgs {
     /// `metadata:` of the rules that passed.
     #[arg(long, env = "TOLLGATE_RESPONSE_DYNAMIC_METADATA")]
     response_dynamic_metadata: bool,
-    /// On SIGTERM, how long to stay up unready before draining (lets load balancers notice).
+    /// On SIGTERM or Ctrl-C, how long to stay up unready before draining (lets load balancers
+    /// notice); a second Ctrl-C exits at once.
     #[arg(long, env = "TOLLGATE_DRAIN_DELAY", default_value = "5s", value_parser = humantime::parse_duration)]
     drain_delay: Duration,
     /// Drop a domain whose config file is gone on the reload that finds it gone. Without it the

@@ -4,7 +4,7 @@
 //! struct denies unknown fields, so a typo is an error and not a silently ignored rule. Meaning
 //! (units, exclusivity, references between tiers) is checked in [`super::compile`]; the values
 //! such a check can reject are `Spanned`, so that its error points at their line and column.
-#![allow(missing_docs)] // the fields are the YAML keys, documented in README.md
+#![allow(missing_docs)] // the fields are the YAML keys, documented in docs/src/configuration.md
 
 use indexmap::IndexMap;
 

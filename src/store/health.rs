@@ -99,7 +99,7 @@ impl Cause {
     pub fn describe(self) -> &'static str {
         match self {
             Cause::Authentication => "authentication refused (check the password or ACL user)",
-            Cause::Permission => "permission denied by the ACL (see README, Security)",
+            Cause::Permission => "permission denied by the ACL (see the book: Operations, Security)",
             Cause::Tls => "TLS failed (check the CA, the client certificate, and that the server speaks TLS)",
             Cause::ConnectionRefused => "connection refused (nothing listens at the address)",
             Cause::ConnectionLost => "the connection dropped (the server went away or closed it)",

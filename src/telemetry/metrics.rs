@@ -230,7 +230,7 @@ pub enum Kind {
     Histogram,
 }
 
-/// Every metric tollgate exports: name, kind, help. The README's metric table and the Grafana
+/// Every metric tollgate exports: name, kind, help. The book's metric table and the Grafana
 /// dashboard are checked against this list.
 pub const METRICS: &[(&str, Kind, &str)] = &[
     ("tollgate_decisions_total", Kind::Counter, "Decisions per domain, rule and outcome (ok, over_limit, shadow_over_limit, failed_open, failed_closed, error), counted in hits."),
