@@ -20,6 +20,7 @@
 
 mod budget;
 mod explain;
+mod labels;
 mod lease;
 
 pub use self::budget::{
@@ -253,7 +254,7 @@ impl Limiter {
         let rules = self.rules.load_full();
         let Some(domain) = rules.domain(query.domain) else {
             let decision = Decision::all_ok(query);
-            self.telemetry.record(query, &decision);
+            self.count_decision(query, &decision);
             trace_decision("(unknown)", &[], &decision);
             return Ok(decision);
         };
@@ -266,7 +267,7 @@ impl Limiter {
         let (group, op_of) = group(&plans);
         let outcome = self.evaluate(domain, group).await;
         let decision = self.verdicts(domain, query, &plans, &op_of, &outcome);
-        self.telemetry.record(query, &decision);
+        self.count_decision(query, &decision);
         trace_decision(&domain.name, &plans, &decision);
         match outcome {
             Err(source) if domain.failure_mode == FailureMode::Error => {

@@ -21,7 +21,6 @@ use tokio_util::task::AbortOnDropHandle;
 use super::records::RecordsKept;
 use super::top_denied::TopDenied;
 use crate::config::{FailureMode, RuleSet};
-use crate::limiter::{Code, Decision, Outcome, Query};
 
 /// Histogram buckets in seconds: fine enough for p50/p99 from 50 µs to 100 ms, then coarse.
 pub const LATENCY_BUCKETS: [f64; 24] = [
@@ -107,47 +106,23 @@ impl Telemetry {
         }
     }
 
-    /// Counts the decision on `query`, per descriptor and in hits.
-    pub fn record(&self, query: &Query<'_>, decision: &Decision) {
-        let domain = decision.domain.as_ref().map_or(UNKNOWN_DOMAIN, |d| d.name.as_str());
-        for (descriptor, verdict) in query.descriptors.iter().zip(&decision.descriptors) {
-            let (rule, outcome) = match &verdict.outcome {
-                Outcome::NoLimit => (None, "ok"),
-                Outcome::Unlimited => (None, "ok"),
-                Outcome::Bucket(b) => {
-                    let label = match (b.denied(), b.shadow) {
-                        (false, _) => "ok",
-                        (true, true) => "shadow_over_limit",
-                        (true, false) => "over_limit",
-                    };
-                    (b.limit.rule.as_ref(), label)
-                }
-                Outcome::StoreFailed { limit, mode } => (limit.rule.as_ref(), failed(*mode)),
-                Outcome::Budget(_) if verdict.code == Code::OverLimit => (None, "over_limit"),
-                Outcome::Budget(_) => (None, "ok"),
-                Outcome::BudgetFailed { mode } => (None, failed(*mode)),
-            };
-            let rule_path = rule.map_or("", |r| r.path.as_str());
-            counter!("tollgate_decisions_total", "domain" => domain.to_owned(), "rule" => rule_path.to_owned(), "decision" => outcome)
-                .increment(verdict.hits);
+    /// Counts `hits` of `domain`'s `rule` (its path, empty for none) decided as `decision`.
+    pub fn count_decision(&self, domain: &str, rule: &str, decision: &'static str, hits: u64) {
+        counter!("tollgate_decisions_total", "domain" => domain.to_owned(), "rule" => rule.to_owned(), "decision" => decision)
+            .increment(hits);
+    }
 
-            let Some(rule) = rule else { continue };
-            // The tenant, or for rules outside a tenant the value that selected the bucket.
-            let subject = match rule.tenant_depth {
-                Some(depth) => descriptor.entries.get(depth),
-                None => descriptor.entries.last(),
-            }
-            .map(|(_, value)| *value);
-            let Some(subject) = subject else { continue };
-            if rule.detailed_metric {
-                let tenant = self.detailed_label(domain, rule_path, subject);
-                counter!("tollgate_tenant_decisions_total", "domain" => domain.to_owned(), "rule" => rule_path.to_owned(), "tenant" => tenant, "decision" => outcome)
-                    .increment(verdict.hits);
-            }
-            if outcome == "over_limit" && rule.tenant_depth.is_some() {
-                self.top_denied.record(subject, verdict.hits.max(1));
-            }
-        }
+    /// Counts `hits` of `tenant` under a `detailed_metric` rule; tenants beyond the series
+    /// budget are counted as `(other)`.
+    pub fn count_tenant_decision(&self, domain: &str, rule: &str, tenant: &str, decision: &'static str, hits: u64) {
+        let tenant = self.detailed_label(domain, rule, tenant);
+        counter!("tollgate_tenant_decisions_total", "domain" => domain.to_owned(), "rule" => rule.to_owned(), "tenant" => tenant, "decision" => decision)
+            .increment(hits);
+    }
+
+    /// Counts `hits` denied to `tenant`, for the top denied tenants.
+    pub fn count_denied_tenant(&self, tenant: &str, hits: u64) {
+        self.top_denied.record(tenant, hits);
     }
 
     /// Counts `nanos` spent by `subject` (a level's value, or its hash) at budget `level` of
@@ -371,11 +346,7 @@ pub const LABELLED_BY_TRAFFIC: &[&str] = &[
 /// make, the store errors by the domain's failure mode, forgiven debt.
 pub fn register_domains(rules: &RuleSet) {
     for domain in rules.domains() {
-        let failed = match domain.failure_mode {
-            FailureMode::Allow => "failed_open",
-            FailureMode::Deny => "failed_closed",
-            FailureMode::Error => "error",
-        };
+        let failed = failure_label(domain.failure_mode);
         let paths =
             std::iter::once(("", false)).chain(domain.rules.iter().map(|r| (r.path.as_str(), r.shadow_mode)));
         for (rule, shadow) in paths {
@@ -460,8 +431,8 @@ fn describe() {
     }
 }
 
-// The decision label of an answer the failure mode gave.
-fn failed(mode: FailureMode) -> &'static str {
+/// The decision label of an answer the failure mode gave.
+pub fn failure_label(mode: FailureMode) -> &'static str {
     match mode {
         FailureMode::Allow => "failed_open",
         FailureMode::Deny => "failed_closed",

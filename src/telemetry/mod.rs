@@ -8,5 +8,6 @@ pub mod top_denied;
 pub mod traces;
 
 pub use self::metrics::{
-    register_domains, Kind, Telemetry, TelemetryConfig, LABELLED_BY_TRAFFIC, LATENCY_BUCKETS, METRICS,
+    failure_label, register_domains, Kind, Telemetry, TelemetryConfig, LABELLED_BY_TRAFFIC, LATENCY_BUCKETS,
+    METRICS, UNKNOWN_DOMAIN,
 };

@@ -232,7 +232,7 @@ impl Limiter {
         let overall =
             if descriptors.iter().any(|d| d.code == Code::OverLimit) { Code::OverLimit } else { Code::Ok };
         let decision = Decision { overall, descriptors, domain: Some(domain.clone()) };
-        self.telemetry.record(query, &decision);
+        self.count_decision(query, &decision);
         match failure {
             Some(source) if domain.failure_mode == FailureMode::Error => {
                 Err(DecideError::Unavailable { domain: domain.name.clone(), source })

@@ -1,0 +1,47 @@
+//! What a decision is counted as: each descriptor's verdict mapped to its metric labels (the
+//! rule's path and the outcome), the subject it counts against (the tenant, or for rules outside
+//! a tenant the value that chose the bucket), and whether it joins the top-denied ranking.
+//! Telemetry only counts what it is given; the mapping lives here, beside the types it reads.
+
+use super::{Code, Decision, Limiter, Outcome, Query};
+use crate::telemetry::failure_label;
+
+impl Limiter {
+    /// Counts `decision` on `query`, per descriptor and in hits.
+    pub(super) fn count_decision(&self, query: &Query<'_>, decision: &Decision) {
+        let domain = decision.domain.as_ref().map_or(crate::telemetry::UNKNOWN_DOMAIN, |d| d.name.as_str());
+        for (descriptor, verdict) in query.descriptors.iter().zip(&decision.descriptors) {
+            let (rule, outcome) = match &verdict.outcome {
+                Outcome::NoLimit | Outcome::Unlimited => (None, "ok"),
+                Outcome::Bucket(b) => {
+                    let label = match (b.denied(), b.shadow) {
+                        (false, _) => "ok",
+                        (true, true) => "shadow_over_limit",
+                        (true, false) => "over_limit",
+                    };
+                    (b.limit.rule.as_ref(), label)
+                }
+                Outcome::StoreFailed { limit, mode } => (limit.rule.as_ref(), failure_label(*mode)),
+                Outcome::Budget(_) if verdict.code == Code::OverLimit => (None, "over_limit"),
+                Outcome::Budget(_) => (None, "ok"),
+                Outcome::BudgetFailed { mode } => (None, failure_label(*mode)),
+            };
+            let rule_path = rule.map_or("", |r| r.path.as_str());
+            self.telemetry.count_decision(domain, rule_path, outcome, verdict.hits);
+
+            let Some(rule) = rule else { continue };
+            let subject = match rule.tenant_depth {
+                Some(depth) => descriptor.entries.get(depth),
+                None => descriptor.entries.last(),
+            }
+            .map(|(_, value)| *value);
+            let Some(subject) = subject else { continue };
+            if rule.detailed_metric {
+                self.telemetry.count_tenant_decision(domain, rule_path, subject, outcome, verdict.hits);
+            }
+            if outcome == "over_limit" && rule.tenant_depth.is_some() {
+                self.telemetry.count_denied_tenant(subject, verdict.hits.max(1));
+            }
+        }
+    }
+}
