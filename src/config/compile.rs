@@ -9,6 +9,7 @@ use std::sync::Arc;
 
 use serde_saphyr::Spanned;
 
+use super::problem::{position, text, Located, Problem};
 use super::{locate, priced, raw};
 use super::{
     Blanket, ChargeRule, ClassDef, ConfigError, Domain, FailureMode, HeaderSets, Limit, Rule, Source,
@@ -17,58 +18,6 @@ use crate::bucket::{BucketSpec, MAX_CAPACITY};
 use crate::matcher::{Level, Node, ValueMatch};
 use crate::quota::{Quotas, TenantRecord, DEFAULT_CLASS};
 use crate::units::{RatePerUnit, Unit};
-
-/// A problem and, when it is more precise than its node's, its line and column.
-struct Located {
-    message: String,
-    position: Option<(usize, usize)>,
-}
-
-impl From<String> for Located {
-    fn from(message: String) -> Self {
-        Located { message, position: None }
-    }
-}
-
-impl From<&str> for Located {
-    fn from(message: &str) -> Self {
-        message.to_owned().into()
-    }
-}
-
-/// A problem outside the descriptor tree: where in the file, and what.
-pub(super) struct Problem {
-    at: String,
-    position: Option<(usize, usize)>,
-    message: String,
-}
-
-impl Problem {
-    pub(super) fn new(
-        at: impl Into<String>,
-        position: Option<(usize, usize)>,
-        message: impl Into<String>,
-    ) -> Problem {
-        Problem { at: at.into(), position, message: message.into() }
-    }
-}
-
-/// The line and column of a value (`None` for the parser's unknown location).
-pub(super) fn position<T>(spanned: &Spanned<T>) -> Option<(usize, usize)> {
-    let at = spanned.referenced;
-    (at.line() > 0).then(|| (at.line() as usize, at.column() as usize))
-}
-
-/// A string value and its position.
-pub(super) fn text(value: Option<Spanned<String>>) -> (Option<String>, Option<(usize, usize)>) {
-    match value {
-        Some(v) => {
-            let at = position(&v);
-            (Some(v.value), at)
-        }
-        None => (None, None),
-    }
-}
 
 /// The most YAML nodes (mappings, sequences and scalars) one domain file may hold: the parser's
 /// budget (serde-saphyr's default, set here so that the error can name it), which keeps a
@@ -110,12 +59,7 @@ pub(super) fn domain(file: &Path, text_: &str) -> Result<Domain, ConfigError> {
     options.budget = Some(budget);
     let mut raw: raw::DomainFile =
         serde_saphyr::from_str_with_options(text_, options).map_err(|e| syntax(file, text_, &e))?;
-    let invalid = |p: Problem| ConfigError::Invalid {
-        file: file.to_owned(),
-        position: p.position,
-        at: p.at,
-        message: p.message,
-    };
+    let invalid = |p: Problem| p.in_file(file);
 
     let priced = priced::priced(&mut raw, file).map_err(invalid)?;
     let (name, at) = text(raw.domain);

@@ -9,6 +9,7 @@
 mod compile;
 mod locate;
 mod priced;
+mod problem;
 mod raw;
 
 pub use crate::rule::{ChargeRule, Limit, Rule, Source};

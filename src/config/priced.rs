@@ -8,7 +8,7 @@ use std::time::Duration;
 use indexmap::IndexMap;
 use serde_saphyr::Spanned;
 
-use super::compile::{position, text, Problem};
+use super::problem::{position, text, Problem};
 use super::{raw, Priced};
 use crate::budget::money::MAX_TOKENS;
 use crate::budget::{BudgetSpec, Calendar, LostSettle, ModelPrices, Money, Per, PriceRow, PriceTable};
