@@ -44,7 +44,12 @@ impl Problem {
 
     /// The problem as the error of `file`.
     pub(super) fn in_file(self, file: &Path) -> ConfigError {
-        ConfigError::Invalid { file: file.to_owned(), position: self.position, at: self.at, message: self.message }
+        ConfigError::Invalid {
+            file: file.to_owned(),
+            position: self.position,
+            at: self.at,
+            message: self.message,
+        }
     }
 }
 

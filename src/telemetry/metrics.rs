@@ -114,7 +114,14 @@ impl Telemetry {
 
     /// Counts `hits` of `tenant` under a `detailed_metric` rule; tenants beyond the series
     /// budget are counted as `(other)`.
-    pub fn count_tenant_decision(&self, domain: &str, rule: &str, tenant: &str, decision: &'static str, hits: u64) {
+    pub fn count_tenant_decision(
+        &self,
+        domain: &str,
+        rule: &str,
+        tenant: &str,
+        decision: &'static str,
+        hits: u64,
+    ) {
         let tenant = self.detailed_label(domain, rule, tenant);
         counter!("tollgate_tenant_decisions_total", "domain" => domain.to_owned(), "rule" => rule.to_owned(), "tenant" => tenant, "decision" => decision)
             .increment(hits);
