@@ -23,12 +23,13 @@ const FOLDERS: &[&str] = &[
     "dashboards/",
 ];
 
-fn markdown_files(dir: &Path, out: &mut Vec<PathBuf>) {
+// Every file under `dir` whose name ends in `.{extension}`.
+fn files(dir: &Path, extension: &str, out: &mut Vec<PathBuf>) {
     for entry in std::fs::read_dir(dir).unwrap() {
         let path = entry.unwrap().path();
         if path.is_dir() {
-            markdown_files(&path, out);
-        } else if path.extension().is_some_and(|e| e == "md") {
+            files(&path, extension, out);
+        } else if path.extension().is_some_and(|e| e == extension) {
             out.push(path);
         }
     }
@@ -36,7 +37,7 @@ fn markdown_files(dir: &Path, out: &mut Vec<PathBuf>) {
 
 fn pages() -> Vec<PathBuf> {
     let mut pages = vec![Path::new(ROOT).join("README.md")];
-    markdown_files(&Path::new(ROOT).join("docs/src"), &mut pages);
+    files(&Path::new(ROOT).join("docs/src"), "md", &mut pages);
     pages
 }
 
@@ -137,18 +138,8 @@ fn every_path_a_page_names_exists() {
 #[test]
 fn every_path_a_module_doc_names_exists() {
     let mut sources = Vec::new();
-    fn rust_files(dir: &Path, out: &mut Vec<PathBuf>) {
-        for entry in std::fs::read_dir(dir).unwrap() {
-            let path = entry.unwrap().path();
-            if path.is_dir() {
-                rust_files(&path, out);
-            } else if path.extension().is_some_and(|e| e == "rs") {
-                out.push(path);
-            }
-        }
-    }
-    rust_files(&Path::new(ROOT).join("src"), &mut sources);
-    rust_files(&Path::new(ROOT).join("tests"), &mut sources);
+    files(&Path::new(ROOT).join("src"), "rs", &mut sources);
+    files(&Path::new(ROOT).join("tests"), "rs", &mut sources);
     let mut missing = Vec::new();
     for source in sources {
         let text = std::fs::read_to_string(&source).unwrap();

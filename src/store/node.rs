@@ -6,8 +6,10 @@
 //! commands in the order they came, so on one connection a request's script queued behind every
 //! hold script in flight (measured: 5 RLQS streams of 20,000 buckets put RLS probes at a 51 ms
 //! median and answered 40% of them from the failure mode at a 50 ms deadline); across connections
-//! the server takes turns, and a request waits for at most the scripts it is read beside. On top of it this module sends the bucket script by its SHA (`EVALSHA`),
-//! loads it and sends again on `NOSCRIPT` (the server said it did not run it), and sends it after
+//! the server takes turns, and a request waits for at most the scripts it is read beside.
+//!
+//! On top of them this module sends the bucket script by its SHA (`EVALSHA`), loads it and sends
+//! again on `NOSCRIPT` (the server said it did not run it), and sends it after
 //! `ASKING` when a Cluster slot is being migrated. Nothing else is ever sent twice: a reply that
 //! is lost after the command went out may hide a script run, and running it again would take the
 //! tokens twice.
