@@ -275,3 +275,14 @@ async fn a_second_sigint_exits_at_once() {
     );
     assert_eq!(status.code(), Some(130));
 }
+
+/// The usage lines name what a newcomer needs: `explain`'s names `--hits`, `serve --help` says
+/// what Ctrl-C and a second Ctrl-C do.
+#[test]
+fn usage_names_hits_and_ctrl_c() {
+    let (_, explain, _) = tollgate(&["explain", "--help"]);
+    let usage = explain.lines().find(|l| l.starts_with("Usage:")).unwrap_or_default();
+    assert!(usage.contains("--hits"), "{usage}");
+    let (_, serve, _) = tollgate(&["serve", "--help"]);
+    assert!(serve.contains("Ctrl-C") && serve.contains("a second Ctrl-C exits at once"), "{serve}");
+}

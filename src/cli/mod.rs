@@ -40,6 +40,10 @@ enum Command {
     Ask(ask::AskArgs),
     /// Explain what a request would be held to: rule, bucket key and slot, limit and its origin,
     /// and (with Redis) the bucket's balance, read without debiting.
+    // The usage names --hits: what a request costs is half of what it is held to.
+    #[command(
+        override_usage = "tollgate explain --config <CONFIG> --domain <DOMAIN> --descriptor <KEY=VALUE,...>... [--hits <HITS>] [OPTIONS]"
+    )]
     Explain(Box<explain::ExplainArgs>),
     /// Manage tenant tiers and quota overrides in the quota database.
     Quota(quota::QuotaArgs),
