@@ -51,8 +51,9 @@ const HOLDS_PER_CALL: usize = 256;
 /// others in Redis would outlast the background deadline. Redis runs one script at a time, and
 /// every hold script queued there is one a request's script may wait behind: with 8 in flight,
 /// RLS requests beside 5 streams of 20,000 new buckets were answered at p99 49-53 ms and 4-40 of
-/// 600 from the failure mode at a 50 ms deadline; with 2, p99 13-21 ms and none, for first
-/// assignments at 10,000 x 3 about as fast (`ONLY=hostile` and `ONLY=rlqs bench/run`).
+/// 600 from the failure mode at a 50 ms deadline; with 2, p99 13-21 ms and none. First
+/// assignments at 10,000 x 3 moved within the noise of one hour's runs (median 0.72-0.85 s with
+/// 2, 0.65-0.72 s with 8; `ONLY=hostile` and `ONLY=rlqs bench/run`).
 const CALLS_IN_FLIGHT: usize = 2;
 /// How long a store call's events wait for room in a stream's queue: a stream resolving a chunk
 /// of a first report of thousands of new buckets reads no events meanwhile.
