@@ -49,28 +49,32 @@ pub fn matching(data: &[u8]) {
     assert_eq!(first, domain.lookup(&entries).map(|r| r.path.clone()));
 }
 
-// `*` matches any run of bytes; everything else is literal and anchored. Dynamic programming
-// over (pattern prefix, value prefix), so many stars stay polynomial.
+// `*` matches any run of bytes; everything else is literal and anchored. The classic two-pointer
+// walk that backs up to the last star (a different algorithm from the matcher's leftmost piece
+// search): usually linear, so the reference is not the cost of the target. A dynamic program over
+// (pattern, value) prefixes cost O(|pattern| x |value|) per input, instrumented compare by compare:
+// 1,500 executions a second.
 fn reference(pattern: &[u8], value: &[u8]) -> bool {
-    // matched[j]: the pattern prefix so far matches value[..j].
-    let mut matched = vec![false; value.len() + 1];
-    matched[0] = true;
-    for &p in pattern {
-        let mut next = vec![false; value.len() + 1];
-        if p == b'*' {
-            let mut any = false;
-            for j in 0..=value.len() {
-                any |= matched[j];
-                next[j] = any;
-            }
+    let (mut p, mut v) = (0, 0);
+    // The last star seen, and where in the value its run currently ends.
+    let mut star: Option<(usize, usize)> = None;
+    while v < value.len() {
+        if pattern.get(p) == Some(&b'*') {
+            star = Some((p, v));
+            p += 1;
+        } else if pattern.get(p) == Some(&value[v]) {
+            p += 1;
+            v += 1;
+        } else if let Some((at, end)) = star {
+            // Let the star take one more byte and retry what follows it.
+            star = Some((at, end + 1));
+            p = at + 1;
+            v = end + 1;
         } else {
-            for j in 1..=value.len() {
-                next[j] = matched[j - 1] && value[j - 1] == p;
-            }
+            return false;
         }
-        matched = next;
     }
-    matched[value.len()]
+    pattern[p..].iter().all(|&b| b == b'*')
 }
 
 /// Bucket keys decode back to what identifies them (so distinct descriptors never share a key),
