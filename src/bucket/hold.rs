@@ -4,7 +4,7 @@
 //! A hold is a capacity and a refill rate, recorded in the bucket's own state with an expiry.
 //! While it lives, the rest of the bucket (what RLS requests and the pre-check see) holds and
 //! refills only what is left: at most `capacity - Σ held capacity` tokens, refilling at
-//! `rate - Σ held rate` ([`super::refill`] walks the expiries between two evaluations, so a hold
+//! `rate - Σ held rate` ([`super::refill()`] walks the expiries between two evaluations, so a hold
 //! counts exactly until the millisecond it expires). An Envoy's new local bucket starts full, so
 //! taking or growing a hold's capacity needs the added tokens at once: they come from the hold's
 //! bank, else from the balance, and a hold grows no further than those cover (never into debt:
@@ -24,7 +24,8 @@
 //!
 //! This is the Rust twin of `hold` in `src/store/redis/hold.lua`; `tests/equivalence.rs` replays both.
 
-use super::{life_ms, note_spec, refill, BucketSpec, BucketState, Write, MAX_WAIT_MS};
+use super::refill::{life_ms, note_spec, refill};
+use super::{BucketSpec, BucketState, Write, MAX_WAIT_MS};
 
 /// One replica's hold on a bucket.
 #[derive(Debug, Clone, PartialEq)]

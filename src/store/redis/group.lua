@@ -1,5 +1,5 @@
 -- One request's group of bucket ops, all or nothing (follows bucket.lua; the twin of
--- `evaluate` in src/bucket/mod.rs). token_bucket.lua runs batches of groups with it, budget.lua
+-- `evaluate` in src/bucket/group.rs). token_bucket.lua runs batches of groups with it, budget.lua
 -- the token buckets on a budget's path.
 
 -- Keys a group charged, with the TTL they need at least; written once, after every group ran
