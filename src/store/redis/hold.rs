@@ -9,7 +9,8 @@ use std::collections::HashMap;
 use futures::future::join_all;
 use redis::Value;
 
-use super::{int, RedisStore};
+use super::wire::int;
+use super::RedisStore;
 use crate::bucket::{Hold, HoldOp, HoldOutcome, Others};
 use crate::store::StoreError;
 

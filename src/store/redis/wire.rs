@@ -1,0 +1,145 @@
+//! The bucket scripts' wire format, the one place that knows it on the Rust side: a batch of
+//! groups as KEYS and ARGV (described at the top of `src/store/redis/token_bucket.lua`), the flat
+//! reply read back, and the peek reply. Numbers travel as text that parses back to the same double.
+
+use std::collections::HashMap;
+
+use redis::Value;
+
+use super::{parse_holds, Peek};
+use crate::bucket::{BucketState, Charge, Group, GroupOutcome, Role, Verdict};
+use crate::store::StoreError;
+
+// The distinct keys of `batch` and the ARGV that names them by index.
+pub(super) fn encode<'a>(batch: &[&'a Group]) -> (Vec<&'a str>, Vec<String>) {
+    let mut keys: Vec<&str> = Vec::new();
+    let mut key_index: HashMap<&str, usize> = HashMap::new();
+    let mut args: Vec<String> = Vec::with_capacity(1 + batch.iter().map(|g| 1 + 6 * g.len()).sum::<usize>());
+    args.push(batch.len().to_string());
+    for group in batch {
+        args.push(group.len().to_string());
+        for op in group.iter() {
+            let index = *key_index.entry(op.key.as_str()).or_insert_with(|| {
+                keys.push(op.key.as_str());
+                keys.len()
+            });
+            args.push(index.to_string());
+            // Display of f64 is the shortest text that parses back to the same double.
+            args.push(op.spec.capacity().to_string());
+            args.push(op.spec.refill_per_second().to_string());
+            args.push(op.need.to_string());
+            args.push(
+                match op.role {
+                    Role::Enforced => "0",
+                    Role::Shadow => "1",
+                    Role::Quota => "2",
+                }
+                .to_owned(),
+            );
+            args.push(match op.charge {
+                Charge::Admitted => String::new(),
+                Charge::Always { max_debt } => max_debt.to_string(),
+            });
+            args.push(op.unseen.to_string());
+        }
+    }
+    (keys, args)
+}
+
+// Reads the reply of `peek.lua`.
+pub(super) fn peek(reply: Value) -> Result<Peek, StoreError> {
+    let Value::Array(items) = reply else {
+        return Err(StoreError::Protocol(format!("expected an array, got {reply:?}")));
+    };
+    let number = |i: usize| items.get(i).and_then(reply_number);
+    let (Some(seconds), Some(micros)) = (number(7), number(8)) else {
+        return Err(StoreError::Protocol(format!("expected TIME in the peek reply, got {items:?}")));
+    };
+    let state = match (number(0), number(1)) {
+        (Some(tokens), Some(last)) => Some(BucketState {
+            tokens,
+            last_refill_ms: last as u64,
+            fastest_refill: number(2).unwrap_or(0.0),
+            pending_refill: number(3).unwrap_or(0.0),
+            pending_from_ms: number(4).unwrap_or(0.0) as u64,
+            largest_capacity: number(5).unwrap_or(0.0),
+            slowest_refill: number(6).unwrap_or(0.0),
+            holds: match items.get(10) {
+                Some(Value::BulkString(h)) => parse_holds(&String::from_utf8_lossy(h))?,
+                _ => Vec::new(),
+            },
+            // What other requests asked lately is not shown by `explain`.
+            asked: Default::default(),
+        }),
+        _ => None,
+    };
+    let ttl_ms = number(9).filter(|t| *t >= 0.0).map(|t| t as u64);
+    Ok(Peek { state, now_ms: (seconds * 1000.0 + (micros / 1000.0).floor()) as u64, ttl_ms })
+}
+
+// Reads the flat reply described at the top of `token_bucket.lua`: one outcome per group.
+pub(super) fn groups(reply: Value, batch: &[&Group]) -> Result<Vec<GroupOutcome>, StoreError> {
+    let Value::Array(items) = reply else {
+        return Err(StoreError::Protocol(format!("expected an array, got {reply:?}")));
+    };
+    let expected = 1 + batch.iter().map(|g| 1 + 7 * g.len()).sum::<usize>();
+    if items.len() != expected {
+        return Err(StoreError::Protocol(format!("expected {expected} values, got {}", items.len())));
+    }
+    let mut items = items.into_iter();
+    let now_ms = u64::try_from(int(&mut items)?).unwrap_or(0);
+    let mut outcomes = Vec::with_capacity(batch.len());
+    for group in batch {
+        let admitted = int(&mut items)? == 1;
+        let mut verdicts = Vec::with_capacity(group.len());
+        for _ in 0..group.len() {
+            let allowed = int(&mut items)? == 1;
+            let tokens = float(&mut items)?;
+            let retry = int(&mut items)?;
+            let reset = int(&mut items)?;
+            let forgiven = float(&mut items)?;
+            let fastest_refill = float(&mut items)?;
+            let kept = int(&mut items)?;
+            verdicts.push(Verdict {
+                allowed,
+                tokens,
+                retry_after_ms: u64::try_from(retry).ok(),
+                reset_ms: u64::try_from(reset).unwrap_or(0),
+                forgiven,
+                fastest_refill,
+                kept_ms: u64::try_from(kept).unwrap_or(0),
+            });
+        }
+        outcomes.push(GroupOutcome { admitted, now_ms, verdicts, refunded: false, unanswered: Vec::new() });
+    }
+    Ok(outcomes)
+}
+
+pub(super) fn int(items: &mut impl Iterator<Item = Value>) -> Result<i64, StoreError> {
+    match items.next() {
+        Some(Value::Int(i)) => Ok(i),
+        other => Err(StoreError::Protocol(format!("expected an integer, got {other:?}"))),
+    }
+}
+
+fn float(items: &mut impl Iterator<Item = Value>) -> Result<f64, StoreError> {
+    match items.next() {
+        Some(Value::BulkString(b)) => bulk_number(&b)
+            .ok_or_else(|| StoreError::Protocol(format!("not a number: {:?}", String::from_utf8_lossy(&b)))),
+        other => Err(StoreError::Protocol(format!("expected a number, got {other:?}"))),
+    }
+}
+
+// A number the scripts return as a bulk string (Lua numbers are not exact as integer replies).
+fn bulk_number(bytes: &[u8]) -> Option<f64> {
+    std::str::from_utf8(bytes).ok()?.parse().ok()
+}
+
+// A number in a script's reply: a bulk string as above, or an integer.
+fn reply_number(value: &Value) -> Option<f64> {
+    match value {
+        Value::BulkString(b) => bulk_number(b),
+        Value::Int(n) => Some(*n as f64),
+        _ => None,
+    }
+}
