@@ -19,6 +19,7 @@
 //! themselves (Envoy's Rate Limit Quota Service) hold shares of the same buckets (`lease.rs`: [`Limiter::hold`], [`Holding`]).
 
 mod budget;
+mod decision;
 mod explain;
 mod labels;
 mod lease;
@@ -27,6 +28,9 @@ pub use self::budget::{
     BudgetExplained, BudgetReport, LevelStanding, Standing, StandingError, REFUSED_REQUEST,
     REFUSED_REQUEST_ID, SERVED_MODEL_KEY, USAGE_KEY,
 };
+pub use self::decision::{
+    BucketReport, Code, DecideError, Decision, DescriptorVerdict, LimitInfo, Outcome, Query, QueryDescriptor,
+};
 pub use self::explain::{Effect, Explained, Explanation, SpecOrigin};
 pub use self::lease::{HeldBucket, Holding, QuotaBucket, ASSIGNMENT_TTL, HOLD_TTL, RENEW_AFTER};
 
@@ -34,9 +38,8 @@ use std::sync::Arc;
 
 use arc_swap::ArcSwap;
 use futures::future::join_all;
-use serde::Serialize;
 
-use crate::bucket::{BucketOp, BucketSpec, Charge, Group, GroupOutcome, Role, Verdict};
+use crate::bucket::{BucketOp, BucketSpec, Charge, Group, GroupOutcome, Role};
 use crate::clock::{Clock, SystemClock};
 use crate::config::{Domain, FailureMode, Limit, Rule, RuleSet};
 use crate::identity::{self, BucketKey};
@@ -47,38 +50,6 @@ use crate::telemetry::{traces, Telemetry};
 use crate::units::RatePerUnit;
 use tracing::Instrument as _;
 
-/// A rate-limit question, in no protocol's terms.
-#[derive(Debug, Clone)]
-pub struct Query<'q> {
-    /// The domain whose rules apply.
-    pub domain: &'q str,
-    /// The descriptors, each decided and answered in order.
-    pub descriptors: Vec<QueryDescriptor<'q>>,
-}
-
-/// One descriptor of a [`Query`].
-#[derive(Debug, Clone)]
-pub struct QueryDescriptor<'q> {
-    /// `(key, value)` entries, matched level by level against the domain's tree.
-    pub entries: Vec<(&'q str, &'q str)>,
-    /// Hits to take (each costs the rule's `cost` in tokens); 0 only checks.
-    pub hits: u64,
-    /// Give the hits back instead of taking them.
-    pub credit: bool,
-    /// A request-level limit that replaces whatever rule matches.
-    pub limit: Option<RatePerUnit>,
-}
-
-/// The verdict on a whole request or one descriptor.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
-#[serde(rename_all = "SCREAMING_SNAKE_CASE")]
-pub enum Code {
-    /// Within the limit.
-    Ok,
-    /// Over the limit.
-    OverLimit,
-}
-
 /// Makes rate-limit decisions against the current rules and a store.
 pub struct Limiter {
     rules: Arc<ArcSwap<RuleSet>>,
@@ -88,120 +59,6 @@ pub struct Limiter {
     global_shadow: bool,
     // Where budgets' calendar periods are computed from (the store picks by its own clock).
     clock: Arc<dyn Clock>,
-}
-
-/// Why a query got no decision.
-#[derive(Debug, Clone, thiserror::Error)]
-pub enum DecideError {
-    /// The store failed in a domain whose failure mode is `error`: the caller answers that it
-    /// is unavailable and lets its client's own failure policy decide.
-    #[error("rate limit store unavailable for domain '{domain}': {source}")]
-    Unavailable {
-        /// The domain asked.
-        domain: String,
-        /// What failed.
-        #[source]
-        source: StoreError,
-    },
-}
-
-/// The answer to one query.
-#[derive(Debug, Clone)]
-pub struct Decision {
-    /// OVER_LIMIT if any enforced descriptor is, or every quota-mode descriptor is; else OK.
-    pub overall: Code,
-    /// One verdict per query descriptor, in query order.
-    pub descriptors: Vec<DescriptorVerdict>,
-    /// The domain that decided, if it is configured.
-    pub domain: Option<Arc<Domain>>,
-}
-
-/// The answer for one descriptor.
-#[derive(Debug, Clone)]
-pub struct DescriptorVerdict {
-    /// OK or OVER_LIMIT (shadow rules are always OK).
-    pub code: Code,
-    /// What decided it.
-    pub outcome: Outcome,
-    /// Hits the descriptor asked for (tokens = hits x the rule's cost).
-    pub hits: u64,
-}
-
-/// What decided a descriptor's code.
-#[derive(Debug, Clone)]
-pub enum Outcome {
-    /// No limit applies: unknown domain, no matching rule, a whitelisted node, or replaced.
-    NoLimit,
-    /// An `unlimited` rule.
-    Unlimited,
-    /// A bucket was evaluated.
-    Bucket(BucketReport),
-    /// A priced request's budgets decided ([`crate::budget`]).
-    Budget(BudgetReport),
-    /// The store failed on a priced request's budgets and the failure mode answered.
-    BudgetFailed {
-        /// The mode applied.
-        mode: FailureMode,
-    },
-    /// The store failed and the failure mode answered.
-    StoreFailed {
-        /// The limit that could not be checked.
-        limit: LimitInfo,
-        /// The mode applied.
-        mode: FailureMode,
-    },
-}
-
-/// The limit a descriptor was held to.
-#[derive(Debug, Clone)]
-pub struct LimitInfo {
-    /// The rule, or `None` for a request-level limit override (which ignores the rule).
-    pub rule: Option<Arc<Rule>>,
-    /// A name for the limit in responses: the rule's name, else its class, else empty.
-    pub name: String,
-    /// The bucket's capacity and rate.
-    pub spec: BucketSpec,
-    /// The limit as "N per unit": as configured for `rate_limit` rules and overrides, the
-    /// sustained rate otherwise (see [`RatePerUnit::of_rate`]).
-    pub current_limit: RatePerUnit,
-    /// The bucket's storage key.
-    pub key: String,
-}
-
-/// A bucket's state after a decision.
-#[derive(Debug, Clone)]
-pub struct BucketReport {
-    /// The limit applied.
-    pub limit: LimitInfo,
-    /// The store's verdict for this descriptor's operation.
-    pub verdict: Verdict,
-    /// The rule is in shadow mode (or the service is): a denial was not enforced.
-    pub shadow: bool,
-    /// The rule is in quota mode: a denial counts only if every quota-mode descriptor is denied.
-    pub quota_mode: bool,
-}
-
-impl BucketReport {
-    /// Whole tokens left, as reported to clients: never negative (0 while in debt).
-    pub fn remaining(&self) -> u32 {
-        self.verdict.tokens.max(0.0).floor().min(f64::from(u32::MAX)) as u32
-    }
-
-    /// Whether this bucket lacked the tokens (shadow denials included).
-    pub fn denied(&self) -> bool {
-        !self.verdict.allowed
-    }
-}
-
-impl DescriptorVerdict {
-    /// The limit this descriptor was held to, if any.
-    pub fn limit(&self) -> Option<&LimitInfo> {
-        match &self.outcome {
-            Outcome::Bucket(b) => Some(&b.limit),
-            Outcome::StoreFailed { limit, .. } => Some(limit),
-            Outcome::NoLimit | Outcome::Unlimited | Outcome::Budget(_) | Outcome::BudgetFailed { .. } => None,
-        }
-    }
 }
 
 // A descriptor's plan before the store is asked.
