@@ -11,6 +11,7 @@ mod locate;
 mod priced;
 mod problem;
 mod raw;
+mod tree;
 
 pub use crate::rule::{ChargeRule, Limit, Rule, Source};
 

@@ -1,0 +1,349 @@
+//! The descriptor tree of a domain file, node by node: each node's checks (its limit, charge,
+//! `replaces`, source), its place among its ancestors for error messages, and the matcher's
+//! [`Level`]s and the domain's rules and classes built from it.
+
+use std::path::Path;
+use std::sync::Arc;
+
+use indexmap::IndexMap;
+use serde_saphyr::Spanned;
+
+use super::compile::token_bucket;
+use super::problem::{position, Located};
+use super::{priced, raw};
+use super::{ChargeRule, ClassDef, ConfigError, Limit, Rule, Source};
+use crate::bucket::MAX_CAPACITY;
+use crate::matcher::{Level, Node, ValueMatch};
+use crate::quota::Quotas;
+use crate::units::{RatePerUnit, Unit};
+
+/// Where a node sits: what its rule and its errors need to know about its ancestors.
+#[derive(Clone)]
+pub(super) struct Place {
+    at: String,
+    path: String,
+    depth: usize,
+    position: (usize, usize),
+    tenant_depth: Option<usize>,
+    shared_values: Vec<Option<String>>,
+}
+
+impl Place {
+    pub(super) fn root() -> Place {
+        Place {
+            at: String::new(),
+            path: String::new(),
+            depth: 0,
+            position: (0, 0),
+            tenant_depth: None,
+            shared_values: vec![],
+        }
+    }
+
+    // The place of `d`, the `index`th node under `self`.
+    fn child(&self, d: &raw::Descriptor, index: usize, tenant_key: &str) -> Place {
+        let key = d.key.value.as_str();
+        let value = d.value.as_deref().filter(|v| !v.is_empty());
+        let label = match value {
+            Some(v) => format!("{key}={v}"),
+            None => key.to_owned(),
+        };
+        let sep = if self.at.is_empty() { "" } else { "." };
+        let mut shared_values = self.shared_values.clone();
+        shared_values.push(value.filter(|v| d.share_threshold && v.contains('*')).map(str::to_owned));
+        Place {
+            at: format!("{}{sep}descriptors[{index}]({label})", self.at),
+            path: match (self.path.is_empty(), value) {
+                (true, None) => key.to_owned(),
+                (true, Some(v)) => format!("{key}_{v}"),
+                (false, None) => format!("{}.{key}", self.path),
+                (false, Some(v)) => format!("{}.{key}_{v}", self.path),
+            },
+            depth: self.depth + 1,
+            position: (d.key.referenced.line() as usize, d.key.referenced.column() as usize),
+            tenant_depth: self.tenant_depth.or((key == tenant_key).then_some(self.depth)),
+            shared_values,
+        }
+    }
+}
+
+pub(super) struct Tree<'a> {
+    pub(super) file: &'a Path,
+    pub(super) tenant_key: &'a str,
+    pub(super) quotas: &'a Quotas,
+    // The domain has prices: nodes may have budgets, and every limit sits under the tenant (all
+    // of a request's levels in one Cluster slot, decided in one script).
+    pub(super) priced: bool,
+    pub(super) rules: Vec<Arc<Rule>>,
+    pub(super) classes: IndexMap<String, ClassDef>,
+}
+
+impl Tree<'_> {
+    pub(super) fn level(
+        &mut self,
+        descriptors: &[raw::Descriptor],
+        parent: &Place,
+    ) -> Result<Level, ConfigError> {
+        let mut level = Level::default();
+        for (i, d) in descriptors.iter().enumerate() {
+            let place = parent.child(d, i, self.tenant_key);
+            let invalid = |problem: Located| ConfigError::Invalid {
+                file: self.file.to_owned(),
+                position: Some(problem.position.unwrap_or(place.position)),
+                at: place.at.clone(),
+                message: problem.message,
+            };
+            let key = d.key.value.as_str();
+            let value = d.value.as_deref().filter(|v| !v.is_empty());
+            if key.is_empty() {
+                return Err(invalid("descriptor has empty key".into()));
+            }
+            if d.share_threshold && !value.is_some_and(|v| v.contains('*')) {
+                return Err(invalid(
+                    format!(
+                        "share_threshold can only be used with wildcard values (containing '*'), but found key '{}'",
+                        place.path
+                    )
+                    .into(),
+                ));
+            }
+            let rule = self.rule(d, &place).map_err(invalid)?.map(Arc::new);
+            if let Some(rule) = &rule {
+                self.share_class(rule).map_err(|m| invalid(m.into()))?;
+                self.rules.push(rule.clone());
+            }
+            let budget = match &d.budget {
+                None => None,
+                Some(_) if !self.priced => {
+                    return Err(invalid("a budget needs the domain's `prices:` (what tokens cost)".into()))
+                }
+                Some(b) => Some(
+                    priced::budget(b).map_err(|m| invalid(Located { message: m, position: position(b) }))?,
+                ),
+            };
+            if self.priced && (rule.is_some() || budget.is_some()) && place.tenant_depth.is_none() {
+                return Err(invalid(
+                    format!(
+                        "in a domain with prices, every limit sits under the '{}' entry (its hash tag keeps a request's levels together)",
+                        self.tenant_key
+                    )
+                    .into(),
+                ));
+            }
+            let children = self.level(d.descriptors.as_deref().unwrap_or_default(), &place)?;
+            let source = d.source.clone();
+            check_source(key, value, source.as_ref()).map_err(|m| invalid(m.into()))?;
+            let node =
+                Node { key: key.to_owned(), value: ValueMatch::parse(value), rule, budget, source, children };
+            level.insert(node).map_err(|_| {
+                invalid(format!("duplicate descriptor composite key '{}'", place.path).into())
+            })?;
+        }
+        Ok(level)
+    }
+
+    // Rules that share a class share its bucket: they must size it the same way.
+    fn share_class(&mut self, rule: &Rule) -> Result<(), String> {
+        let Some(class) = &rule.class else { return Ok(()) };
+        let def = ClassDef {
+            limit: rule.limit,
+            charge: rule.charge.clone(),
+            defined_at: (self.file.to_owned(), rule.position.0, rule.position.1),
+        };
+        match self.classes.get(class) {
+            None => {
+                self.classes.insert(class.clone(), def);
+                Ok(())
+            }
+            Some(first) if first.same_bucket(&def) => Ok(()),
+            Some(first) => Err(format!(
+                "class '{class}' is already sized differently at line {}:{}; rules sharing a class share one bucket and must agree on its limit",
+                first.defined_at.1, first.defined_at.2
+            )),
+        }
+    }
+
+    fn rule(&mut self, d: &raw::Descriptor, place: &Place) -> Result<Option<Rule>, Located> {
+        let exclusive = [d.rate_limit.is_some(), d.token_bucket.is_some(), d.quota.is_some()];
+        if exclusive.iter().filter(|x| **x).count() > 1 {
+            return Err("rate_limit, token_bucket and quota are mutually exclusive".into());
+        }
+        let mut name = None;
+        let mut replaces = Vec::new();
+        let mut rate = None;
+        let limit = if let Some(rl) = &d.rate_limit {
+            name = rl.value.name.clone().filter(|n| !n.is_empty());
+            replaces = replaces_of(&rl.value, name.as_deref())?;
+            let (limit, configured) = rate_limit(rl)?;
+            rate = configured;
+            Some(limit)
+        } else if let Some(tb) = &d.token_bucket {
+            Some(Limit::Bucket(token_bucket(tb).map_err(|m| format!("token_bucket: {m}"))?))
+        } else if let Some(source) = &d.quota {
+            self.tenant_quota(source, place)?;
+            Some(Limit::TenantQuota)
+        } else {
+            None
+        };
+
+        let limited = matches!(limit, Some(Limit::Bucket(_) | Limit::TenantQuota));
+        if let Some(cost) = d.cost {
+            if cost == 0 {
+                return Err("cost must be at least 1".into());
+            }
+            if !limited {
+                return Err("cost needs a limit on the same node".into());
+            }
+        }
+        if let Some(class) = &d.class {
+            if class.is_empty() {
+                return Err("class must not be empty".into());
+            }
+            if !limited {
+                return Err("class needs a limit on the same node".into());
+            }
+            if place.tenant_depth.is_none() {
+                return Err(format!(
+                    "class only names tenant buckets: it needs a '{}' descriptor at or above this node",
+                    self.tenant_key
+                )
+                .into());
+            }
+        }
+        let charge = charge(d, limited)?;
+        let Some(limit) = limit else { return Ok(None) };
+        Ok(Some(Rule {
+            path: place.path.clone(),
+            position: place.position,
+            name,
+            limit,
+            rate,
+            cost: d.cost.unwrap_or(1),
+            class: d.class.clone(),
+            shadow_mode: d.shadow_mode,
+            quota_mode: d.quota_mode,
+            charge,
+            detailed_metric: d.detailed_metric || d.value_to_metric,
+            replaces,
+            metadata: d.metadata.clone(),
+            tenant_depth: place.tenant_depth,
+            shared_values: place.shared_values.clone(),
+        }))
+    }
+
+    fn tenant_quota(&self, source: &str, place: &Place) -> Result<(), String> {
+        if source != "tenant" {
+            return Err(format!("unknown quota source '{source}' (expected 'tenant')"));
+        }
+        if place.tenant_depth.is_none() {
+            return Err(format!(
+                "quota: tenant needs a '{}' descriptor at or above this node",
+                self.tenant_key
+            ));
+        }
+        if self.quotas.default_tier.is_none() {
+            return Err("quota: tenant needs tiers and a default_tier in this file".into());
+        }
+        Ok(())
+    }
+}
+
+// `charge:`, `max_debt:` and `hits_from:` of a node.
+fn charge(d: &raw::Descriptor, limited: bool) -> Result<ChargeRule, String> {
+    match d.charge.as_deref() {
+        None | Some("admitted") => {
+            if d.max_debt.is_some() || d.hits_from.is_some() {
+                return Err("max_debt and hits_from need charge: always".into());
+            }
+            Ok(ChargeRule::Admitted)
+        }
+        Some("always") => {
+            if !limited {
+                return Err("charge needs a limit on the same node".into());
+            }
+            if let Some(debt) = d.max_debt {
+                if !debt.is_finite() || !(0.0..=MAX_CAPACITY).contains(&debt) {
+                    return Err(format!(
+                        "max_debt must be between 0 and {MAX_CAPACITY:e} tokens, got {debt}"
+                    ));
+                }
+            }
+            Ok(ChargeRule::Always { max_debt: d.max_debt, hits_from: d.hits_from.clone() })
+        }
+        Some(other) => Err(format!("unknown charge '{other}' (expected admitted or always)")),
+    }
+}
+
+// envoyproxy/ratelimit's `replaces` checks, with its messages.
+fn replaces_of(rl: &raw::RateLimit, name: Option<&str>) -> Result<Vec<String>, String> {
+    let mut replaces = Vec::new();
+    for r in &rl.replaces {
+        let replaced = r.name.as_deref().unwrap_or_default();
+        if replaced.is_empty() {
+            return Err("should not have an empty replaces entry".into());
+        }
+        if Some(replaced) == name {
+            return Err("replaces should not contain name of same descriptor".into());
+        }
+        replaces.push(replaced.to_owned());
+    }
+    Ok(replaces)
+}
+
+// A `rate_limit`: unlimited, or N per unit (a bucket, and the rate to echo in responses).
+fn rate_limit(spanned: &Spanned<raw::RateLimit>) -> Result<(Limit, Option<RatePerUnit>), Located> {
+    let rl = &spanned.value;
+    let located =
+        |message: String, at: Option<(usize, usize)>| Located { message, position: at.or(position(spanned)) };
+    let unit_at = rl.unit.as_ref().and_then(position);
+    let unit = match &rl.unit {
+        None => None,
+        Some(u) => Some(Unit::parse(&u.value).ok_or_else(|| {
+            located(
+                format!(
+                    "invalid rate limit unit '{}' (expected second, minute, hour, day, week, month or year)",
+                    u.value
+                ),
+                unit_at,
+            )
+        })?),
+    };
+    let count_at = rl.requests_per_unit.as_ref().and_then(position);
+    let count = rl.requests_per_unit.as_ref().map_or(0, |n| n.value);
+    let requests_per_unit = u32::try_from(count).map_err(|_| {
+        located(
+            format!("requests_per_unit must be a non-negative integer up to {}, got {count}", u32::MAX),
+            count_at,
+        )
+    })?;
+    match (rl.unlimited, unit) {
+        (true, Some(_)) => Err(located("should not specify rate limit unit when unlimited".into(), unit_at)),
+        (true, None) => Ok((Limit::Unlimited, None)),
+        (false, Some(unit)) => {
+            let rate = RatePerUnit { requests_per_unit, unit };
+            Ok((Limit::Bucket(rate.bucket()), Some(rate)))
+        }
+        (false, None) => Err(located(
+            "missing unit (second, minute, hour, day, week, month or year), or unlimited: true".into(),
+            None,
+        )),
+    }
+}
+
+// A source must be able to produce the node's key and value.
+fn check_source(key: &str, value: Option<&str>, source: Option<&Source>) -> Result<(), String> {
+    match source {
+        Some(Source::RemoteAddress) if key != "remote_address" => {
+            Err("source: remote_address needs key: remote_address (Envoy's action always uses that key)"
+                .into())
+        }
+        Some(Source::GenericKey(constant)) if value.is_some_and(|v| v != constant) => Err(format!(
+            "source: generic_key '{constant}' always sends that value, but the node matches '{}'",
+            value.unwrap_or_default()
+        )),
+        Some(Source::JwtClaim(s) | Source::RequestHeader(s) | Source::GenericKey(s)) if s.is_empty() => {
+            Err("source: the claim, header or value must not be empty".into())
+        }
+        _ => Ok(()),
+    }
+}
