@@ -7,8 +7,8 @@
 //! Where things are:
 //!
 //! * a request enters at [`edge::rls`] (Envoy's `RateLimitService`, and `POST /json` in
-//!   [`edge::rls::json`]) or at [`edge::rlqs`] (Envoy's Rate Limit Quota Service, which holds
-//!   shares of the same buckets); side endpoints at [`http`];
+//!   [`edge::rls::json`]) or at [`edge::rlqs`] (Envoy's Rate Limit Quota Service, which leases
+//!   parts of the same buckets); side endpoints at [`http`];
 //! * the decision is made in [`limiter`], using [`matcher`] (descriptor → rule), [`quota`]
 //!   (tenant → bucket size), [`identity`] (rule and descriptor → bucket and storage key);
 //! * state lives behind [`store::Store`]: in Redis ([`store::RedisStore`], the algorithm in

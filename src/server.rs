@@ -293,8 +293,8 @@ pub async fn run(
         result = &mut servers => result,
         () = &mut lifecycle => servers.await,
     };
-    // Every stream has ended with the servers; a tick or hold call still running is dropped (the
-    // holds expire by themselves). Blocking here, inside the decisions' runtime, is not allowed.
+    // Every stream has ended with the servers; a tick or lease call still running is dropped (the
+    // leases expire by themselves). Blocking here, inside the decisions' runtime, is not allowed.
     rlqs_runtime.shutdown_background();
     result?;
     tracing::info!("stopped");

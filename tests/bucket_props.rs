@@ -10,7 +10,7 @@
 
 use proptest::prelude::*;
 use tollgate::bucket::{
-    evaluate, hold, refill, BucketOp, BucketSpec, BucketState, Charge, HoldOp, Role, MAX_WAIT_MS,
+    evaluate, lease, refill, BucketOp, BucketSpec, BucketState, Charge, LeaseOp, Role, MAX_WAIT_MS,
 };
 
 fn spec() -> impl Strategy<Value = BucketSpec> {
@@ -216,7 +216,7 @@ proptest! {
     #![proptest_config(ProptestConfig::with_cases(1_000))]
 
     #[test]
-    fn held_shares_and_rls_together_keep_the_bound(
+    fn leases_and_rls_together_keep_the_bound(
         (capacity, rate) in (1u32..200, 1u32..200).prop_map(|(c, r)| (f64::from(c), f64::from(r) / 10.0)),
         steps in proptest::collection::vec(
             (0usize..6, 0.0..=1.0f64, 0.0..=1.0f64, 1u32..30, prop_oneof![0u64..500, 0u64..20_000]),
@@ -234,20 +234,20 @@ proptest! {
             match what {
                 // A replica sets its hold (ttl 5 s) and its Envoy gets the assignment.
                 0..=2 => {
-                    let op = HoldOp {
+                    let op = LeaseOp {
                         key: "k".into(),
                         spec,
                         replica: what.to_string(),
                         capacity: (c * capacity).floor(),
                         unit: 1.0,
                         refill_per_second: r * rate,
-                        of_unheld: if c < 0.5 { 0.5 } else { 1.0 },
+                        of_unleased: if c < 0.5 { 0.5 } else { 1.0 },
                         ttl_ms: 5_000,
                         demand: 0.0,
                         // An Envoy whose assignment expired starts a new one full.
                         fresh: locals[what].is_none_or(|l| l.until <= now),
                     };
-                    let (outcome, write) = hold(stored.as_ref().map(|(s, at)| (s, *at)), &op, now);
+                    let (outcome, write) = lease(stored.as_ref().map(|(s, at)| (s, *at)), &op, now);
                     prop_assert!(outcome.capacity <= op.capacity && outcome.refill_per_second <= op.refill_per_second);
                     if let Some(w) = write {
                         let at = now + w.ttl_ms;

@@ -374,7 +374,7 @@ fn dockerfile_copies_what_exists() {
     assert!(dockerfile.contains("USER nonroot") && dockerfile.contains("cargo build --release --locked"));
     // Everything the crate includes at compile time is inside what the Dockerfile copies.
     for included in
-        ["src/store/redis/bucket.lua", "src/store/redis/hold.lua", "migrations/0001_tollgate_quotas.sql"]
+        ["src/store/redis/bucket.lua", "src/store/redis/lease.lua", "migrations/0001_tollgate_quotas.sql"]
     {
         assert!(repo(included).exists());
     }

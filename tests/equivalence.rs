@@ -25,11 +25,11 @@ use std::time::Duration;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use tollgate::bucket::{
-    Asked, BucketOp, BucketSpec, BucketState, Charge, Group, Hold, HoldOp, Role, MAX_WAIT_MS,
+    Asked, BucketOp, BucketSpec, BucketState, Charge, Group, Lease, LeaseOp, Role, MAX_WAIT_MS,
     MIN_REFILL_PER_SECOND,
 };
 use tollgate::clock::ManualClock;
-use tollgate::store::{parse_holds, LateReply, MemoryStore, RedisStore, RedisTarget, RedisTls, Store};
+use tollgate::store::{parse_leases, LateReply, MemoryStore, RedisStore, RedisTarget, RedisTls, Store};
 
 struct Bucket {
     key: String,
@@ -85,7 +85,7 @@ fn buckets(rng: &mut StdRng) -> Vec<Bucket> {
 
 fn random_batch(rng: &mut StdRng, buckets: &[Bucket]) -> Vec<Group> {
     let needs = [0.0, 1.0, 1.0, 1.0, 2.0, 3.0, 7.0, 25.0, 600.0, -2.0, 1e6, 6e11];
-    let roles = [Role::Enforced, Role::Enforced, Role::Enforced, Role::Shadow, Role::Quota];
+    let roles = [Role::Enforced, Role::Enforced, Role::Enforced, Role::Shadow, Role::QuotaMode];
     (0..rng.random_range(1..=3))
         .map(|_| {
             (0..rng.random_range(1..=4))
@@ -111,21 +111,21 @@ fn random_batch(rng: &mut StdRng, buckets: &[Bucket]) -> Vec<Group> {
         .collect()
 }
 
-// Up to three replicas' random holds on random buckets: taken, grown, shrunk, renewed, released,
+// Up to three replicas' random leases on random buckets: taken, grown, shrunk, renewed, released,
 // some short enough to expire between steps.
-fn random_holds(rng: &mut StdRng, buckets: &[Bucket]) -> Vec<HoldOp> {
+fn random_leases(rng: &mut StdRng, buckets: &[Bucket]) -> Vec<LeaseOp> {
     let parts = [0.0, 0.1, 0.3, 0.5, 1.0, 2.0];
     (0..rng.random_range(1..=3))
         .map(|_| {
             let b = &buckets[rng.random_range(0..buckets.len())];
-            HoldOp {
+            LeaseOp {
                 key: b.key.clone(),
                 spec: b.spec,
                 replica: ["a", "b", "c"][rng.random_range(0..3)].into(),
                 capacity: b.spec.capacity() * parts[rng.random_range(0..parts.len())],
                 unit: [0.0, 1.0, 3.0][rng.random_range(0..3)],
                 refill_per_second: b.spec.refill_per_second() * parts[rng.random_range(0..parts.len())],
-                of_unheld: [1.0, 0.5, 1.0 / 3.0][rng.random_range(0..3)],
+                of_unleased: [1.0, 0.5, 1.0 / 3.0][rng.random_range(0..3)],
                 ttl_ms: [300, 5_000, 60_000, 900_000][rng.random_range(0..4)],
                 demand: [0.0, 0.5, 3.0][rng.random_range(0..3)],
                 fresh: rng.random_bool(0.2),
@@ -134,12 +134,12 @@ fn random_holds(rng: &mut StdRng, buckets: &[Bucket]) -> Vec<HoldOp> {
         .collect()
 }
 
-// The holds of a bucket's `h` field.
-fn holds_in(field: Option<&str>) -> Vec<Hold> {
-    parse_holds(field.unwrap_or("")).unwrap()
+// The leases of a bucket's `h` field.
+fn leases_in(field: Option<&str>) -> Vec<Lease> {
+    parse_leases(field.unwrap_or("")).unwrap()
 }
 
-// What the `u` field says was asked of a held bucket.
+// What the `u` field says was asked of a leased bucket.
 fn asked_in(field: Option<&str>) -> Asked {
     let Some(field) = field else { return Asked::default() };
     let words: Vec<&str> = field.split_whitespace().collect();
@@ -162,7 +162,7 @@ fn store_on(redis: &common::Redis) -> RedisStore {
 }
 
 /// Requires every bucket either store wrote at `redis_now` to be the same in both: every field,
-/// the holds and the expiry. Returns how many there were.
+/// the leases and the expiry. Returns how many there were.
 fn compare_stored(
     keys: &[&str],
     con: &mut redis::Connection,
@@ -190,7 +190,7 @@ fn compare_stored(
                 pending_from_ms: number(4) as u64,
                 largest_capacity: number(5),
                 slowest_refill: number(6),
-                holds: holds_in(fields[7].as_deref()),
+                leases: leases_in(fields[7].as_deref()),
                 asked: asked_in(fields[8].as_deref()),
             };
             (state, expires)
@@ -198,10 +198,10 @@ fn compare_stored(
         let in_memory = memory.stored(key).filter(|(s, _)| s.last_refill_ms == redis_now + shift).map(
             |(s, expires_at)| {
                 let pending_from_ms = if s.pending_from_ms > 0 { s.pending_from_ms - shift } else { 0 };
-                let holds = s
-                    .holds
+                let leases = s
+                    .leases
                     .iter()
-                    .map(|h| Hold {
+                    .map(|h| Lease {
                         expires_at_ms: h.expires_at_ms - shift,
                         since_ms: h.since_ms - shift,
                         ..h.clone()
@@ -209,7 +209,7 @@ fn compare_stored(
                     .collect();
                 let since_ms = if s.asked.since_ms > 0 { s.asked.since_ms - shift } else { 0 };
                 let asked = Asked { since_ms, ..s.asked };
-                let state = BucketState { last_refill_ms: redis_now, pending_from_ms, holds, asked, ..s };
+                let state = BucketState { last_refill_ms: redis_now, pending_from_ms, leases, asked, ..s };
                 (state, (expires_at - shift) as i64)
             },
         );
@@ -218,11 +218,11 @@ fn compare_stored(
             writes += 1;
             *seen.get_mut("pending").unwrap() += usize::from(state.pending_refill > 0.0);
             *seen.get_mut("mixed").unwrap() += usize::from(state.slowest_refill < state.fastest_refill);
-            *seen.get_mut("held verdict").unwrap() +=
-                usize::from(state.holds.iter().any(|h| h.expires_at_ms > redis_now));
-            *seen.get_mut("hold expired").unwrap() +=
-                usize::from(state.holds.iter().any(|h| h.expires_at_ms <= redis_now));
-            *seen.get_mut("banked").unwrap() += usize::from(state.holds.iter().any(|h| h.banked > 0.0));
+            *seen.get_mut("leased verdict").unwrap() +=
+                usize::from(state.leases.iter().any(|h| h.expires_at_ms > redis_now));
+            *seen.get_mut("lease expired").unwrap() +=
+                usize::from(state.leases.iter().any(|h| h.expires_at_ms <= redis_now));
+            *seen.get_mut("banked").unwrap() += usize::from(state.leases.iter().any(|h| h.banked > 0.0));
             *seen.get_mut("asked").unwrap() += usize::from(state.asked.current > 0.0);
         }
     }
@@ -248,7 +248,13 @@ async fn replay(seed: u64, redis: &common::Redis) -> HashMap<&'static str, usize
     let mut seen =
         HashMap::from([("admitted", 0usize), ("denied", 0), ("debt", 0), ("forgiven", 0), ("capped", 0)]);
     seen.extend([("pending", 0), ("mixed", 0), ("kept longer", 0)]);
-    seen.extend([("held", 0), ("hold cut", 0), ("held verdict", 0), ("hold expired", 0), ("banked", 0)]);
+    seen.extend([
+        ("leased", 0),
+        ("lease cut", 0),
+        ("leased verdict", 0),
+        ("lease expired", 0),
+        ("banked", 0),
+    ]);
     seen.insert("asked", 0);
 
     for step in 0..600 {
@@ -259,7 +265,7 @@ async fn replay(seed: u64, redis: &common::Redis) -> HashMap<&'static str, usize
             // (whose clock jumps) drops it.
             for key in &keys {
                 type Moved = (Option<u64>, Option<u64>, Option<String>, Option<String>);
-                let (last, pending_from, held, asked): Moved =
+                let (last, pending_from, leased, asked): Moved =
                     redis::cmd("HMGET").arg(key).arg("l").arg("q").arg("h").arg("u").query(&mut con).unwrap();
                 if let (Some(last), Some(pending_from)) = (last, pending_from) {
                     let pending_from = if pending_from > 0 { pending_from - delta } else { 0 };
@@ -271,8 +277,8 @@ async fn replay(seed: u64, redis: &common::Redis) -> HashMap<&'static str, usize
                         .arg(pending_from)
                         .query(&mut con)
                         .unwrap();
-                    if held.is_some() {
-                        let moved: Vec<String> = holds_in(held.as_deref())
+                    if leased.is_some() {
+                        let moved: Vec<String> = leases_in(leased.as_deref())
                             .into_iter()
                             .map(|h| {
                                 let (at, since) = (h.expires_at_ms - delta, h.since_ms - delta);
@@ -301,21 +307,21 @@ async fn replay(seed: u64, redis: &common::Redis) -> HashMap<&'static str, usize
             continue;
         }
         if rng.random_bool(0.15) {
-            let holds = random_holds(&mut rng, &buckets);
+            let leases = random_leases(&mut rng, &buckets);
             let from_redis: Vec<_> =
-                store.hold(&holds).await.into_iter().map(|r| r.expect("redis answers")).collect();
+                store.lease(&leases).await.into_iter().map(|r| r.expect("redis answers")).collect();
             let redis_now = from_redis[0].now_ms;
             clock.set(redis_now + shift);
-            let from_memory = memory.hold(&holds).await;
-            for ((op, r), m) in holds.iter().zip(&from_redis).zip(from_memory) {
+            let from_memory = memory.lease(&leases).await;
+            for ((op, r), m) in leases.iter().zip(&from_redis).zip(from_memory) {
                 let m = m.unwrap();
                 assert_eq!(
                     (r.capacity, r.refill_per_second, r.others),
                     (m.capacity, m.refill_per_second, m.others),
-                    "seed {seed} step {step}: {holds:?}"
+                    "seed {seed} step {step}: {leases:?}"
                 );
-                *seen.get_mut("held").unwrap() += usize::from(r.capacity > 0.0);
-                *seen.get_mut("hold cut").unwrap() += usize::from(r.capacity < op.capacity);
+                *seen.get_mut("leased").unwrap() += usize::from(r.capacity > 0.0);
+                *seen.get_mut("lease cut").unwrap() += usize::from(r.capacity < op.capacity);
             }
             compare_stored(
                 &keys,
@@ -323,7 +329,7 @@ async fn replay(seed: u64, redis: &common::Redis) -> HashMap<&'static str, usize
                 &memory,
                 redis_now,
                 shift,
-                &format!("seed {seed} step {step}: {holds:?}"),
+                &format!("seed {seed} step {step}: {leases:?}"),
                 &mut seen,
             );
             continue;

@@ -48,7 +48,7 @@ fn random_group(rng: &mut StdRng, debt: bool) -> Group {
                 op(&format!("rl:{{t}}:b{b}"), capacity, rate, needs[rng.random_range(0..needs.len())]);
             o.role = match rng.random_range(0..10) {
                 0 => Role::Shadow,
-                1 => Role::Quota,
+                1 => Role::QuotaMode,
                 _ => Role::Enforced,
             };
             o
@@ -339,12 +339,14 @@ impl Store for HeldStore {
         })
     }
 
-    fn hold<'a>(
+    fn lease<'a>(
         &'a self,
-        ops: &'a [tollgate::bucket::HoldOp],
-    ) -> futures::future::BoxFuture<'a, Vec<Result<tollgate::bucket::HoldOutcome, tollgate::store::StoreError>>>
-    {
-        self.inner.hold(ops)
+        ops: &'a [tollgate::bucket::LeaseOp],
+    ) -> futures::future::BoxFuture<
+        'a,
+        Vec<Result<tollgate::bucket::LeaseOutcome, tollgate::store::StoreError>>,
+    > {
+        self.inner.lease(ops)
     }
 
     fn budget<'a>(
@@ -405,25 +407,25 @@ async fn a_reply_from_before_a_credit_is_not_remembered() {
 /// by the next operation on the bucket that reaches it.
 #[tokio::test]
 async fn denials_answered_locally_count_as_demand_of_a_held_bucket() {
-    use tollgate::bucket::HoldOp;
+    use tollgate::bucket::LeaseOp;
     let clock = ManualClock::new(1_700_000_000_000);
     let inner: Arc<dyn Store> = Arc::new(MemoryStore::with_clock(Arc::new(clock.clone())));
     let checked = Precheck::new(inner, Arc::new(clock.clone()), 1000);
     let key = "rl:{t}:held";
-    let hold = |replica: &str, capacity: f64, rate: f64| HoldOp {
+    let lease_op = |replica: &str, capacity: f64, rate: f64| LeaseOp {
         key: key.into(),
         spec: BucketSpec::new(10.0, 1.0).unwrap(),
         replica: replica.into(),
         capacity,
         unit: 1.0,
         refill_per_second: rate,
-        of_unheld: 1.0,
+        of_unleased: 1.0,
         ttl_ms: 60_000,
         demand: 0.0,
         fresh: false,
     };
     // Replica a holds all of the bucket: RLS requests find it empty.
-    checked.hold(&[hold("a", 10.0, 1.0)]).await[0].as_ref().unwrap();
+    checked.lease(&[lease_op("a", 10.0, 1.0)]).await[0].as_ref().unwrap();
     for _ in 0..100 {
         let out = checked.evaluate(&[vec![op(key, 10.0, 1.0, 1.0)]], GIVE_BACK).await;
         assert!(!out[0].as_ref().unwrap().admitted);
@@ -435,11 +437,11 @@ async fn denials_answered_locally_count_as_demand_of_a_held_bucket() {
     checked.evaluate(&[vec![op(key, 10.0, 1.0, 1.0)]], GIVE_BACK).await[0].as_ref().unwrap();
     // Replica b learns what the others ask: 101 tokens over the 2 s since the first request,
     // counted in a window that spans 5 s before it.
-    let b = checked.hold(&[hold("b", 1.0, 0.1)]).await.pop().unwrap().unwrap();
+    let b = checked.lease(&[lease_op("b", 1.0, 0.1)]).await.pop().unwrap().unwrap();
     let expected = 101.0 * 1000.0 / (5_000.0 + 2_000.0);
     assert!(
         (b.others.demand - expected).abs() < 1e-6,
-        "RLS demand beside the holds: {} tokens/s, asked {expected}",
+        "RLS demand beside the leases: {} tokens/s, asked {expected}",
         b.others.demand
     );
 }

@@ -232,12 +232,12 @@ fn the_walkthrough_works_as_printed() {
     // loop; then 429s.
     assert!((9..=11).contains(&admitted), "{rlqs}");
     assert!(loop_codes[admitted..].iter().all(|c| *c == 429), "then 429s: {rlqs}");
-    for expected in ["tollgate_rlqs_streams 1", "tollgate_rlqs_buckets 1", "tollgate_rlqs_holders 1"] {
+    for expected in ["tollgate_rlqs_streams 1", "tollgate_rlqs_buckets 1", "tollgate_rlqs_leaseholders 1"] {
         assert!(lines.contains(&expected), "{expected}: {rlqs}");
     }
     let holds: u64 = lines
         .iter()
-        .find_map(|l| l.strip_prefix("tollgate_rlqs_holds_total{outcome=\"set\"} "))
+        .find_map(|l| l.strip_prefix("tollgate_rlqs_leases_total{outcome=\"set\"} "))
         .and_then(|n| n.parse().ok())
         .unwrap_or(0);
     assert!((3..=4).contains(&holds), "the floor, again to learn the others, all (and a resize?): {rlqs}");

@@ -1,7 +1,7 @@
 //! The Rate Limit Quota Service edge, spoken to by a gRPC client as Envoy would: bucket ids map
-//! to rules as descriptors do, assignments are parts of shares held in the same Redis buckets the
+//! to rules as descriptors do, assignments are parts of shares leased in the same Redis buckets the
 //! RLS path uses (one budget whatever the protocol), unknown buckets get the domain's
-//! `rlqs_unknown`, a draining server closes its streams, and a closed stream's share stays held
+//! `rlqs_unknown`, a draining server closes its streams, and a closed stream's share stays leased
 //! while its Envoy may use it. Through real Envoys in `tests/rlqs_envoy.rs`.
 
 mod common;
@@ -196,7 +196,7 @@ async fn bucket_ids_map_to_rules_and_spend_the_rls_budget() {
     let mut seen: HashMap<BTreeMap<String, String>, Said> = HashMap::new();
     let asked = [key(&search), key(&free), key(&nowhere), key(&extra)];
     while seen.len() < 4 {
-        // t1's hold is set again meanwhile: its assignments are not among these answers.
+        // t1's lease is set again meanwhile: its assignments are not among these answers.
         for (b, s) in stream.next().await.into_iter().filter(|(b, _)| asked.contains(b)) {
             seen.insert(b, s);
         }
@@ -234,23 +234,23 @@ async fn draining_closes_open_streams() {
     assert!(exited < Duration::from_secs(3), "the drain finished {exited:?} after the signal");
 }
 
-/// A closed stream's Envoy keeps its cached assignment until it expires, so the stream's hold
-/// stays in the bucket: the Envoy's next stream, on replica B, gets only what A's hold leaves
-/// (here nothing: A held the whole bucket, so B sends nothing), never a second copy of it.
+/// A closed stream's Envoy keeps its cached assignment until it expires, so the stream's lease
+/// stays in the bucket: the Envoy's next stream, on replica B, gets only what A's lease leaves
+/// (here nothing: A leased the whole bucket, so B sends nothing), never a second copy of it.
 #[tokio::test(flavor = "multi_thread")]
-async fn a_closed_streams_hold_outlives_its_assignment() {
+async fn a_closed_streams_lease_outlives_its_assignment() {
     let redis = Redis::start();
     let (_dir, config) = config_file(CONFIG);
     let a = Tollgate::start(&config, &Backend::Redis(redis.url()), &[]);
     let b = Tollgate::start(&config, &Backend::Redis(redis.url()), &[]);
-    let search = bucket(&[("tenant", "held"), ("route", "search")]);
+    let search = bucket(&[("tenant", "leased"), ("route", "search")]);
 
     let mut first = Stream::open(&a.addr()).await;
     first.send("quota", vec![report(&search, 0, 1, 0)]).await;
     // The floor's capacity (a request) and half the rate first, then, alone, all that is left of
     // the bucket (capacity 20).
     let first_grant = grant_for(&mut first, &search).await;
-    assert_eq!(first_grant, Said::Tokens(1), "a young hold: the floor's capacity");
+    assert_eq!(first_grant, Said::Tokens(1), "a young lease: the floor's capacity");
     let mut got = first_grant;
     for _ in 0..3 {
         if matches!(got, Said::Tokens(n) if n >= 18) {
@@ -265,25 +265,25 @@ async fn a_closed_streams_hold_outlives_its_assignment() {
     second.send("quota", vec![report(&search, 5, 0, 3_000)]).await;
     // Nothing to give: B sends nothing, and the Envoy goes on with its cached assignment.
     let from_b = tokio::time::timeout(Duration::from_secs(2), second.answers.message()).await;
-    println!("the Envoy's next stream, on B, while A's hold stands: {from_b:?}");
+    println!("the Envoy's next stream, on B, while A's lease stands: {from_b:?}");
     assert!(from_b.is_err(), "no assignment from B: {from_b:?}");
-    let key = "rl:{held}:quota:tenant=held:route=search";
+    let key = "rl:{leased}:quota:tenant=leased:route=search";
     let tokens = stored_tokens(&mut redis.connection(), key);
     let field: String = redis::cmd("HGET").arg(key).arg("h").query(&mut redis.connection()).unwrap();
-    let holds = tollgate::store::parse_holds(&field).unwrap();
-    println!("balance {tokens}, holds {holds:?}");
+    let leases = tollgate::store::parse_leases(&field).unwrap();
+    println!("balance {tokens}, leases {leases:?}");
     assert!(tokens < 0.05, "nothing left in the shared part: {tokens}");
-    assert_eq!(holds.len(), 2, "A's stream's hold and B's: {holds:?}");
-    assert_eq!(holds.iter().filter(|h| h.capacity > 0.0).count(), 1, "A's alone has capacity: {holds:?}");
-    assert!(holds.iter().all(|h| h.demand > 0.0), "B's records its demand: {holds:?}");
+    assert_eq!(leases.len(), 2, "A's stream's lease and B's: {leases:?}");
+    assert_eq!(leases.iter().filter(|h| h.capacity > 0.0).count(), 1, "A's alone has capacity: {leases:?}");
+    assert!(leases.iter().all(|h| h.demand > 0.0), "B's records its demand: {leases:?}");
 }
 
-/// Hold ops are exactly-once by construction in every store: an op sent again (a retry after a
-/// lost reply) sets the same hold and takes nothing more; a replica that asks more than the
+/// Lease ops are exactly-once by construction in every store: an op sent again (a retry after a
+/// lost reply) sets the same lease and takes nothing more; a replica that asks more than the
 /// others leave gets what is free; a release gives capacity and rate back, not tokens.
 #[tokio::test(flavor = "multi_thread")]
-async fn holds_are_idempotent_and_shared_in_every_store() {
-    use tollgate::bucket::{BucketSpec, HoldOp};
+async fn leases_are_idempotent_and_shared_in_every_store() {
+    use tollgate::bucket::{BucketSpec, LeaseOp};
     use tollgate::store::{RedisStore, RedisTarget, RedisTls};
     let redis = Redis::start();
     let cluster = RedisCluster::start();
@@ -294,23 +294,23 @@ async fn holds_are_idempotent_and_shared_in_every_store() {
     let seeds = cluster.seeds().split(',').map(String::from).collect();
     let clustered = connect(RedisTarget::Cluster(seeds)).unwrap();
     let stores: [&dyn tollgate::store::Store; 3] = [&memory, &standalone, &clustered];
-    let op = |key: &str, replica: &str, capacity: f64, rate: f64| HoldOp {
+    let op = |key: &str, replica: &str, capacity: f64, rate: f64| LeaseOp {
         key: key.into(),
         spec: BucketSpec::new(100.0, 10.0).unwrap(),
         replica: replica.into(),
         capacity,
         unit: 1.0,
         refill_per_second: rate,
-        of_unheld: 1.0,
+        of_unleased: 1.0,
         ttl_ms: 60_000,
         demand: rate,
         fresh: false,
     };
     for store in stores {
         let which = store.describe();
-        let held = |ops: Vec<HoldOp>| async move {
+        let leased = |ops: Vec<LeaseOp>| async move {
             store
-                .hold(&ops)
+                .lease(&ops)
                 .await
                 .into_iter()
                 .map(|r| r.unwrap())
@@ -320,13 +320,13 @@ async fn holds_are_idempotent_and_shared_in_every_store() {
         // Two tenants' buckets in one call (two slots on the Cluster), and the same op twice.
         let (x, y) = ("rl:{x}:d:k=v", "rl:{y}:d:k=v");
         assert_eq!(
-            held(vec![op(x, "a", 60.0, 6.0), op(y, "a", 10.0, 1.0)]).await,
+            leased(vec![op(x, "a", 60.0, 6.0), op(y, "a", 10.0, 1.0)]).await,
             [(60.0, 6.0), (10.0, 1.0)],
             "{which}"
         );
-        assert_eq!(held(vec![op(x, "a", 60.0, 6.0)]).await, [(60.0, 6.0)], "{which}: again, the same");
+        assert_eq!(leased(vec![op(x, "a", 60.0, 6.0)]).await, [(60.0, 6.0)], "{which}: again, the same");
         // Replica b asks for 60: 40 and 4/s are free.
-        assert_eq!(held(vec![op(x, "b", 60.0, 6.0)]).await, [(40.0, 4.0)], "{which}");
+        assert_eq!(leased(vec![op(x, "b", 60.0, 6.0)]).await, [(40.0, 4.0)], "{which}");
         let check = tollgate::bucket::BucketOp {
             key: x.into(),
             spec: BucketSpec::new(100.0, 10.0).unwrap(),
@@ -336,7 +336,7 @@ async fn holds_are_idempotent_and_shared_in_every_store() {
             charge: tollgate::bucket::Charge::Admitted,
         };
         // a releases: its capacity comes back to the shared part as room, not as tokens.
-        held(vec![op(x, "a", 0.0, 0.0)]).await;
+        leased(vec![op(x, "a", 0.0, 0.0)]).await;
         let outcome = store
             .evaluate(&[vec![check.clone()]], tollgate::store::LateReply::Keep)
             .await
@@ -344,7 +344,7 @@ async fn holds_are_idempotent_and_shared_in_every_store() {
             .unwrap()
             .unwrap();
         let v = outcome.verdicts[0];
-        println!("{which}: after a's release the shared part holds {} tokens", v.tokens);
+        println!("{which}: after a's release the shared part has {} tokens", v.tokens);
         assert!(
             v.tokens < 1.0,
             "{which}: 100 - 60 - 40 taken, a refill of under a token since: {}",
@@ -357,9 +357,9 @@ async fn holds_are_idempotent_and_shared_in_every_store() {
     }
 }
 
-/// An assignment is a refilling local bucket the size of the replica's hold: alone on a bucket
+/// An assignment is a refilling local bucket the size of the replica's lease: alone on a bucket
 /// of capacity 1 refilling 0.5 a second, all of it (1 request, 1,800 an hour), living well inside
-/// the hold; the shared part RLS requests see holds nothing then.
+/// the lease; the shared part RLS requests see has nothing then.
 #[tokio::test(flavor = "multi_thread")]
 async fn an_assignment_is_a_refilling_share_of_the_bucket() {
     let (_dir, config) = config_file(CONFIG);
@@ -392,7 +392,7 @@ async fn an_assignment_is_a_refilling_share_of_the_bucket() {
             break (*q, b);
         }
     };
-    assert_eq!(fills, [900, 1_800], "half the rate (a young hold, alone), then all of it");
+    assert_eq!(fills, [900, 1_800], "half the rate (a young lease, alone), then all of it");
     let lives = q.assignment_time_to_live.unwrap().seconds;
     println!(
         "assignment: {} requests, {} per {} s, for {lives} s",
@@ -404,15 +404,15 @@ async fn an_assignment_is_a_refilling_share_of_the_bucket() {
         (b.max_tokens, b.tokens_per_fill.unwrap().value, b.fill_interval.unwrap().seconds),
         (1, 1_800, 3_600)
     );
-    assert!(lives < tollgate::limiter::HOLD_TTL.as_secs() as i64, "inside the hold: {lives} s");
+    assert!(lives < tollgate::limiter::LEASE_TTL.as_secs() as i64, "inside the lease: {lives} s");
     let r = ask(&server.addr(), req("quota", &["slow=s"], 1)).await.unwrap();
-    assert_eq!(r.overall_code, OVER_LIMIT, "the Envoy holds the whole bucket: {r:?}");
+    assert_eq!(r.overall_code, OVER_LIMIT, "the Envoy's lease is the whole bucket: {r:?}");
 }
 
 #[tokio::test]
-async fn replicas_hold_shares_in_proportion_to_demand() {
+async fn replicas_lease_in_proportion_to_demand() {
     use std::sync::Arc;
-    use tollgate::limiter::{Holding, Limiter, QuotaBucket};
+    use tollgate::limiter::{Limiter, LocalLease, RlqsBucket};
     use tollgate::store::{MemoryStore, RedisStore, RedisTarget, RedisTls, Store};
     use tollgate::telemetry::{Telemetry, TelemetryConfig};
 
@@ -433,21 +433,21 @@ async fn replicas_hold_shares_in_proportion_to_demand() {
             false,
         );
         let id = HashMap::from([("round".to_string(), "r".to_string())]);
-        let QuotaBucket::Held(target) = limiter.quota_bucket("quota", &id).await else { panic!("held") };
+        let RlqsBucket::Leased(target) = limiter.rlqs_bucket("quota", &id).await else { panic!("leased") };
         // Capacity 100 refilling 100/s; replica a's Envoys ask 95 requests a second, b's 5.
-        // A holder learns the others' demand from its own ops' outcomes. Each starts young: the
+        // A leaseholder learns the others' demand from its own ops' outcomes. Each starts young: the
         // floor's capacity (a sixteenth), which leaves room for the others starting beside it, and
         // half the rate the others leave (a 50, then b 25), and its next op (its second look, 10 s
         // later here) is young again. After that, a knows b's demand and takes its part, 95 %,
         // of what is free; b's 5 % is under the floor, so b keeps the floor, and a has the rest.
-        let (mut a, mut b) = (Holding::default(), Holding::default());
-        let first_a = set_hold(&limiter, &target, &mut a, "a", 95.0, 0).await;
-        let first_b = set_hold(&limiter, &target, &mut b, "b", 5.0, 0).await;
-        set_hold(&limiter, &target, &mut a, "a", 95.0, 10_000).await;
-        set_hold(&limiter, &target, &mut b, "b", 5.0, 10_000).await;
-        set_hold(&limiter, &target, &mut a, "a", 95.0, 10_000).await;
-        let then_b = set_hold(&limiter, &target, &mut b, "b", 5.0, 10_000).await;
-        let then_a = set_hold(&limiter, &target, &mut a, "a", 95.0, 10_000).await;
+        let (mut a, mut b) = (LocalLease::default(), LocalLease::default());
+        let first_a = set_lease(&limiter, &target, &mut a, "a", 95.0, 0).await;
+        let first_b = set_lease(&limiter, &target, &mut b, "b", 5.0, 0).await;
+        set_lease(&limiter, &target, &mut a, "a", 95.0, 10_000).await;
+        set_lease(&limiter, &target, &mut b, "b", 5.0, 10_000).await;
+        set_lease(&limiter, &target, &mut a, "a", 95.0, 10_000).await;
+        let then_b = set_lease(&limiter, &target, &mut b, "b", 5.0, 10_000).await;
+        let then_a = set_lease(&limiter, &target, &mut a, "a", 95.0, 10_000).await;
         println!("{which}: first a {first_a:?} and b {first_b:?}; then b {then_b:?} and a {then_a:?}");
         assert_eq!(
             (first_a, first_b),
@@ -456,24 +456,24 @@ async fn replicas_hold_shares_in_proportion_to_demand() {
         );
         assert_eq!(then_b, (6.0, 6.0), "{which}: b keeps the floor");
         // a's growth from the floor was fresh (its Envoy's bucket restarts full): it took its whole
-        // capacity again, from what the balance held, 100 - 2 x 6.25.
+        // capacity again, from what the balance leased, 100 - 2 x 6.25.
         assert_eq!(then_a, (88.0, 94.0), "{which}: a has the rate b leaves, 93.75, and the balance");
     }
 }
 
-// Sets `replica`'s hold for `demand` requests a second at `now_ms` (the replica's clock); what
+// Sets `replica`'s lease for `demand` requests a second at `now_ms` (the replica's clock); what
 // it got, rounded.
-async fn set_hold(
+async fn set_lease(
     limiter: &tollgate::limiter::Limiter,
-    target: &tollgate::limiter::HeldBucket,
-    holding: &mut tollgate::limiter::Holding,
+    target: &tollgate::limiter::LeasedBucket,
+    leasing: &mut tollgate::limiter::LocalLease,
     replica: &str,
     demand: f64,
     now_ms: u64,
 ) -> (f64, f64) {
-    let op = holding.due(target, replica, demand, now_ms, true, false).expect("forced");
-    let outcome = limiter.hold(std::slice::from_ref(&op)).await.pop().unwrap().unwrap();
-    holding.set(&op, &outcome, now_ms);
+    let op = leasing.due(target, replica, demand, now_ms, true, false).expect("forced");
+    let outcome = limiter.lease(std::slice::from_ref(&op)).await.pop().unwrap().unwrap();
+    leasing.set(&op, &outcome, now_ms);
     (outcome.capacity.round(), outcome.refill_per_second.round())
 }
 
@@ -490,9 +490,9 @@ async fn next_or_status(stream: &mut Stream) -> Result<RateLimitQuotaResponse, t
 /// One report naming 10,000 buckets (one tenant each) from an Envoy on each of `replicas`
 /// replicas on `backend`: all resolved together, every bucket's first assignment on every stream
 /// a token bucket (no failure-mode answer), bundled (at most a message per store call of 256
-/// holds), and within a loose limit of the issue's 2 s (a debug build on a shared machine; the
-/// release figures are in bench/RESULTS.md). On Redis, every bucket then has one hold per stream
-/// and holds no more than its capacity and rate between them.
+/// leases), and within a loose limit of the issue's 2 s (a debug build on a shared machine; the
+/// release figures are in bench/RESULTS.md). On Redis, every bucket then has one lease per stream
+/// and the leases take no more than its capacity and rate between them.
 async fn ten_thousand_buckets(backend: Backend, replicas: usize) -> Vec<Tollgate> {
     let _alone = HEAVY.lock().await;
     const BUCKETS: usize = 10_000;
@@ -561,11 +561,11 @@ async fn ten_thousand_buckets_on_three_replicas_and_one_redis() {
     for i in (0..10_000).step_by(997) {
         let key = format!("rl:{{fleet-{i}}}:quota:tenant=fleet-{i}");
         let field: String = redis::cmd("HGET").arg(&key).arg("h").query(&mut conn).unwrap();
-        let holds = tollgate::store::parse_holds(&field).unwrap();
-        assert_eq!(holds.len(), 3, "{key}: one hold per stream: {holds:?}");
+        let leases = tollgate::store::parse_leases(&field).unwrap();
+        assert_eq!(leases.len(), 3, "{key}: one lease per stream: {leases:?}");
         let (capacity, rate) =
-            holds.iter().fold((0.0, 0.0), |(c, r), h| (c + h.capacity, r + h.refill_per_second));
-        assert!(capacity <= 50.0 + 1e-9 && rate <= 10.0 + 1e-9, "{key}: within the bucket: {holds:?}");
+            leases.iter().fold((0.0, 0.0), |(c, r), h| (c + h.capacity, r + h.refill_per_second));
+        assert!(capacity <= 50.0 + 1e-9 && rate <= 10.0 + 1e-9, "{key}: within the bucket: {leases:?}");
     }
 }
 
@@ -653,7 +653,7 @@ async fn idle_buckets_are_abandoned_and_come_back_fresh() {
     let abandoned = loop {
         assert!(start.elapsed() < Duration::from_secs(6), "never abandoned");
         stream.send("quota", vec![report(&idle, 0, 0, 500), report(&busy, 1, 0, 500)]).await;
-        // Held buckets get nothing new at a report: read what comes within half a second.
+        // Leased buckets get nothing new at a report: read what comes within half a second.
         let message = match tokio::time::timeout(Duration::from_millis(500), stream.answers.message()).await {
             Ok(message) => message.expect("the stream stands").expect("a message"),
             Err(_) => continue,
@@ -726,12 +726,12 @@ async fn leases_wait_longer_than_requests_for_a_slow_store() {
     assert!(tokens < 50.0, "the grant was taken from the bucket: {tokens}");
 }
 
-/// A hold op whose reply is lost (the script ran; the connection dropped before its reply came
-/// back, through the fault proxy) is resolved by sending it again: it sets the same hold and takes
+/// A lease op whose reply is lost (the script ran; the connection dropped before its reply came
+/// back, through the fault proxy) is resolved by sending it again: it sets the same lease and takes
 /// nothing more, so the bucket's balance is what one op took.
 #[tokio::test(flavor = "multi_thread")]
-async fn a_hold_whose_reply_is_lost_is_taken_once() {
-    use tollgate::bucket::{BucketSpec, HoldOp};
+async fn a_lease_whose_reply_is_lost_is_taken_once() {
+    use tollgate::bucket::{BucketSpec, LeaseOp};
     use tollgate::store::{RedisStore, RedisTarget, RedisTls, Store};
     let redis = Redis::start();
     let proxy = proxy::FaultProxy::start(redis.port);
@@ -739,30 +739,30 @@ async fn a_hold_whose_reply_is_lost_is_taken_once() {
     let store =
         RedisStore::connect(&target, Duration::from_secs(2), Duration::ZERO, &RedisTls::default()).unwrap();
     let key = "rl:{lost}:d:k=v";
-    let op = HoldOp {
+    let op = LeaseOp {
         key: key.into(),
         spec: BucketSpec::new(100.0, 10.0).unwrap(),
         replica: "a#1".into(),
         capacity: 60.0,
         unit: 1.0,
         refill_per_second: 6.0,
-        of_unheld: 1.0,
+        of_unleased: 1.0,
         ttl_ms: 60_000,
         demand: 6.0,
         fresh: true,
     };
     // Once through, so that the script is loaded (a NOSCRIPT would be a second round trip).
-    store.hold(&[HoldOp { key: "rl:{warm}:d:k=v".into(), ..op.clone() }]).await.pop().unwrap().unwrap();
+    store.lease(&[LeaseOp { key: "rl:{warm}:d:k=v".into(), ..op.clone() }]).await.pop().unwrap().unwrap();
     proxy.set(proxy::Fault::DropReplies);
-    let lost = store.hold(std::slice::from_ref(&op)).await.pop().unwrap();
+    let lost = store.lease(std::slice::from_ref(&op)).await.pop().unwrap();
     assert!(lost.is_err(), "the reply was lost: {lost:?}");
     proxy.set(proxy::Fault::Pass);
     // The retry is the same op, as the pool sends it at its next round (not fresh: its Envoy
     // got nothing from the lost one).
-    let again = HoldOp { fresh: false, ..op };
+    let again = LeaseOp { fresh: false, ..op };
     let mut outcome = None;
     for _ in 0..50 {
-        match store.hold(std::slice::from_ref(&again)).await.pop().unwrap() {
+        match store.lease(std::slice::from_ref(&again)).await.pop().unwrap() {
             Ok(o) => {
                 outcome = Some(o);
                 break;
@@ -773,14 +773,14 @@ async fn a_hold_whose_reply_is_lost_is_taken_once() {
     let outcome = outcome.expect("the store answers again within 5 s");
     let balance = stored_tokens(&mut redis.connection(), key);
     println!(
-        "a hold whose reply was lost, sent again: held {} / {}, balance {balance:.3}",
+        "a lease whose reply was lost, sent again: leased {} / {}, balance {balance:.3}",
         outcome.capacity, outcome.refill_per_second
     );
     assert_eq!((outcome.capacity, outcome.refill_per_second), (60.0, 6.0));
     assert!((39.9..45.0).contains(&balance), "100 - 60 taken once (and what 4/s refilled since): {balance}");
 }
 
-/// What one peer can make a replica hold is capped: a stream naming 120,000 bucket ids gets
+/// What one peer can make a replica lease is capped: a stream naming 120,000 bucket ids gets
 /// assignments for its 1,000 and the rest nothing (counted as `stream_limit`), the replica's
 /// 1,500 over every stream (`replica_limit`), and streams past `--rlqs-max-streams` are refused;
 /// RSS grows by a bounded amount, not with the ids sent.
@@ -869,7 +869,7 @@ async fn bucket_ids_and_streams_are_capped() {
 }
 
 /// A stream that never reads its answers: they are bounded in bytes, and after the deadline the
-/// stream is ended with RESOURCE_EXHAUSTED and its holds given back.
+/// stream is ended with RESOURCE_EXHAUSTED and its leases given back.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_stream_that_never_reads_is_ended() {
     let _alone = HEAVY.lock().await;
@@ -877,7 +877,7 @@ async fn a_stream_that_never_reads_is_ended() {
     let server = Tollgate::start(&config, &Backend::Memory, &[]);
     let before = server.proc.rss_kib() * 1024;
     let stream = Stream::open(&server.addr()).await;
-    // 20,000 buckets: their assignments, sent again with every hold, soon fill the queue.
+    // 20,000 buckets: their assignments, sent again with every lease, soon fill the queue.
     stream
         .send(
             "quota",
@@ -887,8 +887,8 @@ async fn a_stream_that_never_reads_is_ended() {
     wait_until("the stream ended for not reading", 300, Duration::from_millis(100), || {
         sample(&server.metrics(), "tollgate_rlqs_stream_errors_total", &[("reason", "unread")]) >= 1.0
     });
-    wait_until("its holds given back", 50, Duration::from_millis(100), || {
-        sample(&server.metrics(), "tollgate_rlqs_holders", &[]) == 0.0
+    wait_until("its leases given back", 50, Duration::from_millis(100), || {
+        sample(&server.metrics(), "tollgate_rlqs_leaseholders", &[]) == 0.0
     });
     let grown = (server.proc.rss_kib() * 1024).saturating_sub(before);
     println!("RLQS: a stream that never read 20,000 buckets' answers, ended; RSS grew {} MB", grown >> 20);
@@ -897,7 +897,7 @@ async fn a_stream_that_never_reads_is_ended() {
 }
 
 /// RLS keeps its deadline beside the heaviest RLQS work a replica takes: while three streams'
-/// first reports of 10,000 buckets each are held (30,000 hold ops, in scripts of 256) on the same
+/// first reports of 10,000 buckets each are leased (30,000 lease ops, in scripts of 256) on the same
 /// Redis, RLS requests with a 50 ms Redis deadline are all answered from their buckets, none from
 /// the failure mode. RLQS runs on a runtime of its own and its scripts go over connections of
 /// their own; sharing both, 40% of such probes missed the deadline (a release build; the full-size
@@ -944,8 +944,8 @@ async fn rls_keeps_its_deadline_beside_heavy_rlqs_work() {
     }
     latencies.sort();
     println!("RLS beside 3 x 10,000 new RLQS buckets: p50 {:?}, max {:?}", latencies[50], latencies[99]);
-    let held = sample(&server.metrics(), "tollgate_rlqs_holds_total", &[("outcome", "set")]);
-    assert!(held >= 10_000.0, "the RLQS work ran meanwhile: {held} holds set");
+    let leased = sample(&server.metrics(), "tollgate_rlqs_leases_total", &[("outcome", "set")]);
+    assert!(leased >= 10_000.0, "the RLQS work ran meanwhile: {leased} leases set");
     let timeouts = sample(&server.metrics(), "tollgate_store_errors_total", &[("kind", "timeout")]);
     assert_eq!(timeouts, 0.0, "store calls past the deadline\n{}", server.log());
 }

@@ -287,7 +287,7 @@ async fn run_counting(rig: &Rig, rates: &[u64], seconds: u64, tail: u64) -> (Vec
 }
 
 /// The admitted total, its floor and its bound. The bound is the global bound plus a second's
-/// refill of slack; the floor is `floor` of the budget: a new bucket's holds start young (the
+/// refill of slack; the floor is `floor` of the budget: a new bucket's leases start young (the
 /// floor's capacity and half the rate the others leave) for a second and then follow demand as
 /// reports measure it.
 fn within(admitted: u64, seconds: f64, floor: f64) -> (f64, f64, f64) {
@@ -296,7 +296,7 @@ fn within(admitted: u64, seconds: f64, floor: f64) -> (f64, f64, f64) {
 }
 
 /// Three Envoys that want all of it evenly: 0.9 (measured 227-236 of 250 over 20 s; 219-226
-/// when young holds took a sixteenth of the rate, and the full bucket lost the rest of its
+/// when young leases took a sixteenth of the rate, and the full bucket lost the rest of its
 /// refill).
 const EVEN_FLOOR: f64 = 0.9;
 /// The share tests (90/5/5 demand, RLS beside RLQS): shares moving between Envoys cost a few more
@@ -351,7 +351,7 @@ async fn shares_follow_demand() {
 
 /// One RLS Envoy (60 requests a second) and two RLQS Envoys (30 each) on one tenant, against a
 /// budget of 10 a second: one budget in total, and each side admitted in proportion to its demand
-/// (RLS half) within 15 points, once reports have measured it. The holds are sized beside what
+/// (RLS half) within 15 points, once reports have measured it. The leases are sized beside what
 /// RLS asks of the bucket, the pre-check's local denials included (without them: a third).
 #[tokio::test(flavor = "multi_thread")]
 async fn rls_and_rlqs_spend_one_budget() {
@@ -431,7 +431,7 @@ async fn a_killed_replica_and_a_restarted_envoy() {
         "replica killed at 6 s, Envoy restarted at 14 s: admitted {admitted:?} = {total} in {ran:.1} s (at most {high:.0}); after the kill {after_kill:?}; the restarted Envoy {after_restart}"
     );
     assert!(total <= high, "{total} above {high}");
-    // The killed replica's streams' holds stand until they expire (60 s, past this test), so the
+    // The killed replica's streams' leases stand until they expire (60 s, past this test), so the
     // Envoys share what is left: served together, though one whose new stream's first (small)
     // assignment replaced its cached one may get little; the restarted Envoy likewise. Printed,
     // not asserted per Envoy (the book's Faults paragraph says so).
@@ -439,8 +439,8 @@ async fn a_killed_replica_and_a_restarted_envoy() {
 }
 
 /// A replica that drains closes its streams; the Envoy keeps its cached assignment, reopens to
-/// the other replica, and goes on being served: the drained replica's hold stands while that
-/// assignment may be used, and the other's own hold comes out of what is left.
+/// the other replica, and goes on being served: the drained replica's lease stands while that
+/// assignment may be used, and the other's own lease comes out of what is left.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_drained_replicas_envoy_goes_on_at_the_next() {
     let _serial = SERIAL.lock().await;

@@ -170,9 +170,9 @@ fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 
-/// Each call setting RLQS holds is a trace of its own, with its store call as a child.
+/// Each call setting RLQS leases is a trace of its own, with its store call as a child.
 #[tokio::test(flavor = "multi_thread")]
-async fn rlqs_holds_are_traced() {
+async fn rlqs_leases_are_traced() {
     use envoy_types::pb::envoy::service::rate_limit_quota::v3::rate_limit_quota_service_client::RateLimitQuotaServiceClient;
     use envoy_types::pb::envoy::service::rate_limit_quota::v3::rate_limit_quota_usage_reports::BucketQuotaUsage;
     use envoy_types::pb::envoy::service::rate_limit_quota::v3::{BucketId, RateLimitQuotaUsageReports};
@@ -205,26 +205,26 @@ async fn rlqs_holds_are_traced() {
     assert!(first.is_some(), "an assignment");
 
     let deadline = Instant::now() + Duration::from_secs(30);
-    let (hold, calls) = loop {
+    let (lease, calls) = loop {
         let spans = receiver.spans();
-        let hold =
-            spans.iter().find(|s| s.span.name == "rlqs.hold" && s.attribute("failed").is_some()).cloned();
-        if let Some(hold) = hold {
+        let lease =
+            spans.iter().find(|s| s.span.name == "rlqs.lease" && s.attribute("failed").is_some()).cloned();
+        if let Some(lease) = lease {
             let calls: Vec<ReceivedSpan> = spans
                 .iter()
-                .filter(|s| s.span.name == "store.hold" && s.span.parent_span_id == hold.span.span_id)
+                .filter(|s| s.span.name == "store.lease" && s.span.parent_span_id == lease.span.span_id)
                 .cloned()
                 .collect();
             if !calls.is_empty() {
-                break (hold, calls);
+                break (lease, calls);
             }
         }
-        assert!(Instant::now() < deadline, "no traced hold within 30 s");
+        assert!(Instant::now() < deadline, "no traced lease within 30 s");
         tokio::time::sleep(Duration::from_millis(200)).await;
     };
-    assert!(hold.span.parent_span_id.is_empty(), "a hold call starts its own trace");
-    assert_eq!(hold.attribute("holds").as_deref(), Some("1"));
-    assert_eq!(hold.attribute("failed").as_deref(), Some("0"));
+    assert!(lease.span.parent_span_id.is_empty(), "a lease call starts its own trace");
+    assert_eq!(lease.attribute("leases").as_deref(), Some("1"));
+    assert_eq!(lease.attribute("failed").as_deref(), Some("0"));
     assert!(calls.iter().all(|c| c.attribute("outcome").as_deref() == Some("ok")), "{calls:?}");
     drop(tx);
 }

@@ -5,8 +5,8 @@
 
 use std::collections::HashMap;
 
-use super::hold::holds_live;
-use super::refill::{asked, covers, debit, life_ms, note_spec, raises_ceiling, refill, unheld};
+use super::lease::leases_live;
+use super::refill::{asked, covers, debit, life_ms, note_spec, raises_ceiling, refill, unleased};
 use super::spec::wait_between;
 use super::{
     Batch, BucketOp, BucketState, Charge, Evaluation, Group, GroupOutcome, Role, Verdict, Write, MAX_WAIT_MS,
@@ -71,9 +71,9 @@ pub fn evaluate(
         let mut verdicts = Vec::with_capacity(group.len());
         // Per operation: it found a stored bucket whose rate ceiling its spec raises.
         let mut raised = Vec::with_capacity(group.len());
-        // Per operation: it asked tokens of a bucket with live holds (its demand is recorded).
+        // Per operation: it asked tokens of a bucket with live leases (its demand is recorded).
         let mut asks = Vec::with_capacity(group.len());
-        // Per operation: the capacity and rate per ms the holds leave its spec.
+        // Per operation: the capacity and rate per ms the leases leave its spec.
         let mut rooms = Vec::with_capacity(group.len());
         let (mut enforced_short, mut quota_ops, mut quota_allowed) = (false, 0, 0);
 
@@ -85,7 +85,7 @@ pub fn evaluate(
             };
             let mut state = refill(before, &op.spec, now_ms);
             let raises = before.is_some() && raises_ceiling(&state, &op.spec);
-            let room = unheld(&state, &op.spec, now_ms);
+            let room = unleased(&state, &op.spec, now_ms);
             let allowed = covers(state.tokens, op.need);
             let retry_after_ms =
                 if allowed { Some(0) } else { wait_between(room.0, room.1, state.tokens, op.need.max(0.0)) };
@@ -95,7 +95,7 @@ pub fn evaluate(
             } else if raises {
                 note_spec(&mut state, &op.spec, now_ms);
             }
-            let asks_now = asked(op) > 0.0 && holds_live(&state.holds, now_ms);
+            let asks_now = asked(op) > 0.0 && leases_live(&state.leases, now_ms);
             if asks_now {
                 state.asked.record(now_ms, asked(op));
             }
@@ -107,7 +107,7 @@ pub fn evaluate(
             match op.role {
                 Role::Enforced => enforced_short |= !allowed,
                 Role::Shadow => {}
-                Role::Quota => {
+                Role::QuotaMode => {
                     quota_ops += 1;
                     quota_allowed += usize::from(allowed);
                 }
@@ -165,7 +165,7 @@ pub fn evaluate(
             };
             // Written when charged, when its spec raised the rate ceiling (a denied request under a
             // faster rate starts the raise's delay as a charge would), and when it asked of a
-            // held bucket.
+            // leased bucket.
             if ((charged && op.need != 0.0) || raises || asks) && op.spec.refill_per_second() > 0.0 {
                 let written = running[key].as_ref().expect("a written bucket has state");
                 let ttl = life_ms(written, op.charge.floor(), now_ms);

@@ -15,7 +15,7 @@
 //! same key, so one request that names the same bucket twice is charged twice.
 //!
 //! **One bucket, several specs.** Every operation carries its own [`BucketSpec`], and one bucket
-//! can be written under several: replicas in the middle of a quota change or a rolling config
+//! can be written under several: replicas in the middle of a tenant quota change or a rolling config
 //! change, a cache refresh on one replica. The stored state remembers what those specs need, so
 //! that none of them can make the bucket forget a debt, and the requests admitted in any window
 //! of T seconds stay within `max capacity + max refill × T` over the specs in force:
@@ -42,19 +42,19 @@
 //! Lua scripts, file for file, operation for operation and in the same floating point order:
 //! `src/bucket/refill.rs` (one bucket: refill, debit, life) is `src/store/redis/bucket.lua`,
 //! `src/bucket/group.rs` (groups and batches, all or nothing) is `src/store/redis/group.lua`,
-//! `src/bucket/hold.rs` is `src/store/redis/hold.lua`. `tests/equivalence.rs` replays random
+//! `src/bucket/lease.rs` is `src/store/redis/lease.lua`. `tests/equivalence.rs` replays random
 //! operation sequences against both and requires identical verdicts, balances, refill times and
 //! TTLs. Change one, change the other.
 
 mod group;
-mod hold;
+mod lease;
 mod refill;
 mod spec;
 #[cfg(test)]
 mod tests;
 
 pub use self::group::{evaluate, refund};
-pub use self::hold::{hold, Asked, Hold, HoldOp, HoldOutcome, Others};
+pub use self::lease::{lease, Asked, Lease, LeaseOp, LeaseOutcome, Others};
 pub use self::refill::{covers, refill};
 pub use self::spec::{BucketSpec, SpecError, MAX_CAPACITY, MAX_WAIT_MS, MIN_REFILL_PER_SECOND};
 
@@ -85,11 +85,11 @@ pub struct BucketState {
     pub largest_capacity: f64,
     /// The slowest refill rate (per second) any charge of the bucket used (0 if unknown).
     pub slowest_refill: f64,
-    /// Replicas' held shares ([`hold`]), in the order first taken; expired ones stay until the
-    /// next hold op drops them.
-    pub holds: Vec<Hold>,
-    /// What requests other than holds asked of the bucket lately, while it had holds: the demand
-    /// the holds are sized beside ([`Asked`]).
+    /// Replicas' leases ([`lease`]), in the order first taken; expired ones stay until the
+    /// next lease op drops them.
+    pub leases: Vec<Lease>,
+    /// What requests other than leases asked of the bucket lately, while it had leases: the demand
+    /// the leases are sized beside ([`Asked`]).
     pub asked: Asked,
 }
 
@@ -110,7 +110,7 @@ pub enum Role {
     /// Evaluated and debited when it has the tokens, but never denies.
     Shadow,
     /// Denies only if every quota-mode operation of the group is short.
-    Quota,
+    QuotaMode,
 }
 
 /// When an operation's tokens are taken.
@@ -146,8 +146,8 @@ pub struct BucketOp {
     /// Tokens to take. Zero checks without taking; negative gives tokens back (capped).
     pub need: f64,
     /// Tokens asked of the bucket since an op last reached it by requests answered without it
-    /// (the pre-check's certain denials): demand that a bucket with holds records beside `need`,
-    /// so that holds are sized against what RLS clients ask, not only what reaches the store.
+    /// (the pre-check's certain denials): demand that a bucket with leases records beside `need`,
+    /// so that leases are sized against what RLS clients ask, not only what reaches the store.
     pub unseen: f64,
     /// How a shortage counts.
     pub role: Role,

@@ -1,18 +1,18 @@
 //! One bucket's arithmetic, the twin of `src/store/redis/bucket.lua`: the refill walk between
-//! two evaluations (pending rate raises, holds expiring on the way), what the holds leave a spec,
+//! two evaluations (pending rate raises, leases expiring on the way), what the leases leave a spec,
 //! the debit with its debt floor, and how long a written bucket must live. [`super::group`]
 //! composes these into all-or-nothing groups.
 
-use super::hold::{banked_at, held_at, held_for_ms};
+use super::lease::{banked_at, leased_at, leased_for_ms};
 use super::spec::wait;
 use super::{BucketOp, BucketSpec, BucketState, MAX_WAIT_MS, RATE_RAISE_DELAY_MS};
 
 /// Brings a bucket's balance up to `now_ms` under `spec`.
 ///
 /// The refill runs at `spec`'s rate, never faster than the rate in force, which a pending raise
-/// replaces from the moment it takes effect, less what live holds take; the balance is capped at
-/// the capacity less what they hold. The interval is walked in pieces between the moments those
-/// change (the raise, each hold's expiry), so a hold counts until the millisecond it expires. A
+/// replaces from the moment it takes effect, less what live leases take; the balance is capped at
+/// the capacity less what they lease. The interval is walked in pieces between the moments those
+/// change (the raise, each lease's expiry), so a lease counts until the millisecond it expires. A
 /// clock step backwards refills nothing and does not move `last_refill_ms` back, so the same
 /// interval is never refilled twice.
 pub fn refill(state: Option<&BucketState>, spec: &BucketSpec, now_ms: u64) -> BucketState {
@@ -30,7 +30,7 @@ pub fn refill(state: Option<&BucketState>, spec: &BucketSpec, now_ms: u64) -> Bu
         if next.pending_refill > 0.0 && next.pending_from_ms > from && next.pending_from_ms < to {
             to = next.pending_from_ms;
         }
-        for h in &s.holds {
+        for h in &s.leases {
             if h.expires_at_ms > from && h.expires_at_ms < to {
                 to = h.expires_at_ms;
             }
@@ -38,11 +38,11 @@ pub fn refill(state: Option<&BucketState>, spec: &BucketSpec, now_ms: u64) -> Bu
         if next.pending_refill > 0.0 && next.pending_from_ms <= from && from < now_ms {
             take_effect(&mut next);
         }
-        let (held_capacity, held_rate) = held_at(&s.holds, from);
-        let grow = (capped(next.fastest_refill) - held_rate / 1000.0).max(0.0);
+        let (leased_capacity, leased_rate) = leased_at(&s.leases, from);
+        let grow = (capped(next.fastest_refill) - leased_rate / 1000.0).max(0.0);
         // The banks grow while the balance refills: the two together stay within the capacity.
         let room =
-            (spec.capacity() - held_capacity - banked_at(&s.holds, from, to, spec.capacity())).max(0.0);
+            (spec.capacity() - leased_capacity - banked_at(&s.leases, from, to, spec.capacity())).max(0.0);
         tokens = room.min(tokens + (to - from) as f64 * grow);
         from = to;
         if from >= now_ms {
@@ -64,11 +64,14 @@ pub(super) fn take_effect(state: &mut BucketState) {
     state.pending_from_ms = 0;
 }
 
-/// What is left of `spec` beside the holds alive at `now_ms`: capacity, and refill per ms.
-pub(super) fn unheld(state: &BucketState, spec: &BucketSpec, now_ms: u64) -> (f64, f64) {
-    let (held_capacity, held_rate) = held_at(&state.holds, now_ms);
-    let banked = banked_at(&state.holds, now_ms, now_ms, spec.capacity());
-    ((spec.capacity() - held_capacity - banked).max(0.0), (spec.rate_per_ms() - held_rate / 1000.0).max(0.0))
+/// What is left of `spec` beside the leases alive at `now_ms`: capacity, and refill per ms.
+pub(super) fn unleased(state: &BucketState, spec: &BucketSpec, now_ms: u64) -> (f64, f64) {
+    let (leased_capacity, leased_rate) = leased_at(&state.leases, now_ms);
+    let banked = banked_at(&state.leases, now_ms, now_ms, spec.capacity());
+    (
+        (spec.capacity() - leased_capacity - banked).max(0.0),
+        (spec.rate_per_ms() - leased_rate / 1000.0).max(0.0),
+    )
 }
 
 /// Whether a balance of `tokens` covers `need`: credits always do; a check (0) needs a
@@ -101,7 +104,7 @@ pub(super) fn raises_ceiling(state: &BucketState, spec: &BucketSpec) -> bool {
     state.fastest_refill > 0.0 && spec.refill_per_second() > state.rate_ceiling()
 }
 
-// Takes `op.need` from `state` as its charge mode says, capped at `capacity` (what the holds
+// Takes `op.need` from `state` as its charge mode says, capped at `capacity` (what the leases
 // leave), and records the op's spec; returns the tokens forgiven below the floor. A balance
 // already below this op's floor (left by a deeper one) is not raised to it.
 pub(super) fn debit(state: &mut BucketState, op: &BucketOp, capacity: f64, now_ms: u64) -> f64 {
@@ -112,7 +115,7 @@ pub(super) fn debit(state: &mut BucketState, op: &BucketOp, capacity: f64, now_m
     kept - after
 }
 
-// What a bucket with holds records as asked of it by `op`: its need and the denials it did not
+// What a bucket with leases records as asked of it by `op`: its need and the denials it did not
 // see.
 pub(super) fn asked(op: &BucketOp) -> f64 {
     op.need.max(0.0) + op.unseen
@@ -120,13 +123,13 @@ pub(super) fn asked(op: &BucketOp) -> f64 {
 
 // How long a bucket written as `state` at `now_ms` by an operation with debt floor `floor` must
 // live: until its balance (or the floor, if lower) has refilled to the largest capacity at the
-// slowest rate any charge used, plus a second, counted from when the last live hold expires
-// (until then the holds may take all of its refill). Past that it is full under every spec that
+// slowest rate any charge used, plus a second, counted from when the last live lease expires
+// (until then the leases may take all of its refill). Past that it is full under every spec that
 // wrote it.
 pub(super) fn life_ms(state: &BucketState, floor: f64, now_ms: u64) -> u64 {
     let lowest = state.tokens.min(floor);
     wait(state.largest_capacity - lowest, state.slowest_refill / 1000.0)
         .saturating_add(1000)
-        .saturating_add(held_for_ms(&state.holds, now_ms))
+        .saturating_add(leased_for_ms(&state.leases, now_ms))
         .min(MAX_WAIT_MS)
 }

@@ -42,7 +42,9 @@ pub enum SpecError {
     #[error("refill_per_second must be 0 or at least {MIN_REFILL_PER_SECOND:e} (one token in about 31.7 years), got {0:e}")]
     TooSlow(f64),
     /// A bucket with tokens that never refills.
-    #[error("refill_per_second must be above 0 (a bucket that never refills is a quota, not a rate limit)")]
+    #[error(
+        "refill_per_second must be above 0 (a bucket that never refills is an allowance, not a rate limit)"
+    )]
     NeverRefills,
 }
 

@@ -1,4 +1,4 @@
-//! The bucket arithmetic through [`evaluate`], case by case; `tests/equivalence.rs` holds it
+//! The bucket arithmetic through [`evaluate`], case by case; `tests/equivalence.rs` keeps it
 //! equal to the Lua twin.
 
 use super::*;
@@ -95,15 +95,15 @@ fn shadow_denial_does_not_deny_the_group() {
 #[test]
 fn quota_mode_denies_only_when_every_quota_bucket_is_short() {
     let empty = BucketState { tokens: 0.0, last_refill_ms: 0, ..Default::default() };
-    let quota = |key: &str| BucketOp { role: Role::Quota, ..op(key, spec(5.0, 1.0), 1.0) };
+    let quota_mode = |key: &str| BucketOp { role: Role::QuotaMode, ..op(key, spec(5.0, 1.0), 1.0) };
     let load = |k: &str| (k == "q1").then_some((empty.clone(), u64::MAX));
-    let e = evaluate(&[vec![quota("q1"), quota("q2")]], 0, load);
+    let e = evaluate(&[vec![quota_mode("q1"), quota_mode("q2")]], 0, load);
     assert!(e.groups[0].admitted, "q2 has tokens");
     assert_eq!((e.groups[0].verdicts[0].allowed, e.groups[0].verdicts[1].tokens), (false, 4.0));
-    let e = evaluate(&[vec![quota("q1")]], 0, load);
-    assert!(!e.groups[0].admitted, "the only quota bucket is short");
+    let e = evaluate(&[vec![quota_mode("q1")]], 0, load);
+    assert!(!e.groups[0].admitted, "the only quota-mode bucket is short");
     let short_enforced = op("q1", spec(5.0, 1.0), 1.0);
-    let e = evaluate(&[vec![quota("q2"), short_enforced]], 0, load);
+    let e = evaluate(&[vec![quota_mode("q2"), short_enforced]], 0, load);
     assert!(!e.groups[0].admitted, "an enforced bucket still denies");
     assert_eq!(e.groups[0].verdicts[0].tokens, 5.0);
 }

@@ -183,7 +183,7 @@ async fn print_descriptor(
     let mut effects = vec![match role {
         Role::Enforced => "enforced: a shortage denies the request".to_owned(),
         Role::Shadow => "shadow mode: counted, never denies".to_owned(),
-        Role::Quota => "quota mode: denies only if every quota-mode descriptor is short".to_owned(),
+        Role::QuotaMode => "quota mode: denies only if every quota-mode descriptor is short".to_owned(),
     }];
     if let Some(rule) = explained.rule.as_ref().filter(|r| matches!(r.charge, ChargeRule::Always { .. })) {
         let floor = rule.charge.for_bucket(&limit.spec).floor();

@@ -40,7 +40,7 @@ struct RenderCommon {
 enum ProtocolArg {
     /// envoy.filters.http.ratelimit: every request asks tollgate.
     Rls,
-    /// envoy.filters.http.rate_limit_quota: Envoy enforces the shares tollgate holds for it.
+    /// envoy.filters.http.rate_limit_quota: Envoy enforces the leases tollgate takes for it.
     Rlqs,
 }
 

@@ -8,7 +8,7 @@
 //! * [`rls`]: Envoy's `envoy.service.ratelimit.v3.RateLimitService` (gRPC), the API of the
 //!   `envoy.filters.http.ratelimit` filter.
 //! * [`rlqs`]: Envoy's `envoy.service.rate_limit_quota.v3.RateLimitQuotaService` (gRPC streams),
-//!   the API of the `envoy.filters.http.rate_limit_quota` filter: Envoy enforces, tollgate holds shares.
+//!   the API of the `envoy.filters.http.rate_limit_quota` filter: Envoy enforces, tollgate leases.
 
 pub mod rlqs;
 pub mod rls;

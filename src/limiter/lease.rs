@@ -1,43 +1,43 @@
-//! Held shares: what a protocol whose clients enforce limits themselves (Envoy's Rate Limit
+//! Leases: what a protocol whose clients enforce limits themselves (Envoy's Rate Limit
 //! Quota Service) asks of the decision core, and the policy that sizes them.
 //!
-//! Such a client names a bucket by an id, which [`Limiter::quota_bucket`] maps to a rule exactly
+//! Such a client names a bucket by an id, which [`Limiter::rlqs_bucket`] maps to a rule exactly
 //! as an RLS descriptor is (the tree walk is [`crate::config::Domain::bucket_entries`]), so both
 //! protocols reach the same bucket and spend one budget. Each tollgate replica serving such
-//! clients holds a share of the bucket, a capacity and a rate ([`crate::bucket::hold`]), which
+//! clients leases part of the bucket, a capacity and a rate ([`crate::bucket::lease`]), which
 //! its clients enforce between them as refilling local buckets; the rest of the bucket is what
-//! RLS requests see. [`Holding`] decides when a replica's hold is set again and to what size:
-//! in proportion to its clients' demand beside every other replica's (each hold records its
-//! demand), with a floor so that an idle client wakes up to a burst. A cold hold costs one
+//! RLS requests see. [`LocalLease`] decides when a replica's lease is set again and to what size:
+//! in proportion to its clients' demand beside every other replica's (each lease records its
+//! demand), with a floor so that an idle client wakes up to a burst. A cold lease costs one
 //! renewal a [`RENEW_AFTER`]; a hot one (its clients use much of it) is sized again every
 //! [`RESIZE_HOT_AFTER`], and one the store cut short every round, since those are the buckets
-//! whose shares move. [`Limiter::hold`] sets holds, many per store call.
+//! whose leases move. [`Limiter::lease`] sets leases, many per store call.
 
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
 use super::{Limiter, Plan, QueryDescriptor};
-use crate::bucket::{BucketSpec, HoldOp, HoldOutcome, Others, Role};
+use crate::bucket::{BucketSpec, LeaseOp, LeaseOutcome, Others, Role};
 use crate::config::Domain;
 use crate::store::{self, StoreError};
 use crate::telemetry::traces;
 use tracing::Instrument as _;
 
-/// What a quota bucket id gets.
+/// What an RLQS bucket id gets.
 #[derive(Debug, Clone)]
-pub enum QuotaBucket {
-    /// A bucket limits it: hold a share of it.
-    Held(HeldBucket),
+pub enum RlqsBucket {
+    /// A bucket limits it: lease part of it.
+    Leased(LeasedBucket),
     /// No limit applies: an `unlimited` rule, or a rule in shadow mode.
     Unlimited(Arc<Domain>),
     /// No rule matches (or entries are left over); `None` for an unknown domain.
     Unknown(Option<Arc<Domain>>),
 }
 
-/// A bucket a replica can hold a share of.
+/// A bucket a replica can lease part of.
 #[derive(Debug, Clone)]
-pub struct HeldBucket {
+pub struct LeasedBucket {
     /// Its storage key (the same as for RLS requests with the same entries).
     pub key: String,
     /// Its capacity and rate.
@@ -48,88 +48,88 @@ pub struct HeldBucket {
     pub domain: Arc<Domain>,
 }
 
-/// How long a hold lives unless set again.
-pub const HOLD_TTL: Duration = Duration::from_secs(60);
-/// How old a hold is renewed (set again unchanged) at: half its life, so that one lost renewal
+/// How long a lease lives unless set again.
+pub const LEASE_TTL: Duration = Duration::from_secs(60);
+/// How old a lease is renewed (set again unchanged) at: half its life, so that one lost renewal
 /// leaves the next to land before it expires.
 pub const RENEW_AFTER: Duration = Duration::from_secs(30);
-/// How long an assignment made from a hold stands at a client: ended well before the hold, so
-/// that what a client may still admit is always inside a live hold, however late the assignment
+/// How long an assignment made from a lease stands at a client: ended well before the lease, so
+/// that what a client may still admit is always inside a live lease, however late the assignment
 /// reached it.
 pub const ASSIGNMENT_TTL: Duration = Duration::from_secs(40);
-/// How often a hot hold is sized again: often enough that a holder which starts beside it (and
+/// How often a hot lease is sized again: often enough that a leaseholder which starts beside it (and
 /// records its demand) gets its share within a few seconds.
 pub const RESIZE_HOT_AFTER: Duration = Duration::from_secs(2);
-/// How long hold ops may take: no request waits on them (a late one delays an assignment), so
+/// How long lease ops may take: no request waits on them (a late one delays an assignment), so
 /// not the request deadline, under which a burst of them queued into failure answers. Seconds,
 /// not less: three replicas' first reports of 10,000 buckets each on a Cluster are tens of
 /// thousands of script calls at once, and at 500 ms some of them timed out into failure-mode
 /// answers on this 2-core machine, though Redis answered them all.
 pub const BACKGROUND_DEADLINE: Duration = Duration::from_secs(2);
-/// The smallest part of a bucket's rate and capacity a replica holds for clients that asked for
+/// The smallest part of a bucket's rate and capacity a replica leases for clients that asked for
 /// nothing lately: an idle client wakes up to a request or more at once, and its next report
-/// moves the share.
+/// moves the lease.
 const FLOOR: f64 = 1.0 / 16.0;
-/// The most of the rate the other holds leave that a young hold takes: half, so that replicas
+/// The most of the rate the other leases leave that a young lease takes: half, so that replicas
 /// starting on a bucket together each get some (halves, quarters, ...), and together leave
-/// little of its refill unheld.
-const YOUNG_OF_UNHELD: f64 = 0.5;
-/// How far a wanted share may move before it is set again: less is noise between reports.
+/// little of its refill unleased.
+const YOUNG_OF_UNLEASED: f64 = 0.5;
+/// How far a wanted size may move before it is set again: less is noise between reports.
 const SLACK: f64 = 0.2;
-/// A hold is hot when its clients ask for more than this part of its rate.
+/// A lease is hot when its clients ask for more than this part of its rate.
 const HOT: f64 = 0.5;
-/// How long a hold stays at the floor after its first op, and then until an op after that has
+/// How long a lease stays at the floor after its first op, and then until an op after that has
 /// told it the others: every replica's streams report a new bucket at about the same time, but
 /// not at once (a replica resolving a first report of thousands of buckets answers a few hundred
-/// milliseconds after another), and a hold that grew to its part among the holders it knew at
+/// milliseconds after another), and a lease that grew to its part among the leaseholders it knew at
 /// its next round would leave a late one nothing, so no first assignment, until it learns of it
 /// at its next op (measured: 3 % of the first assignments of 1,000 new buckets on 3 replicas came
-/// after 2-5 s when holds grew at the next round).
+/// after 2-5 s when leases grew at the next round).
 const GROW_AFTER_MS: u64 = 1_000;
 
-/// One replica's hold on one bucket, as this replica last set it.
+/// One replica's lease on one bucket, as this replica last set it.
 #[derive(Debug, Clone, Default)]
-pub struct Holding {
+pub struct LocalLease {
     // What the store gave (capacity, rate per second), and what was asked for.
-    held: Option<(f64, f64)>,
+    leased: Option<(f64, f64)>,
     wanted: (f64, f64),
     // When it was last set, and first set, on the replica's clock.
     at_ms: u64,
     first_ms: Option<u64>,
-    // The other holders' holds and demand, as of the last op.
+    // The other leaseholders' leases and demand, as of the last op.
     others: Others,
     // The last op failed: the next round tries again.
     failed: bool,
 }
 
-impl Holding {
-    /// The hold op for `target` due at `now_ms` given `demand` (this replica's clients'
-    /// requests per second), if one is (always, when `force`): the first, a share that moved, a
+impl LocalLease {
+    /// The lease op for `target` due at `now_ms` given `demand` (this replica's clients'
+    /// requests per second), if one is (always, when `force`): the first, a size that moved, a
     /// cut one, a hot one, one after a failure, a renewal. It is fresh (the client's local bucket
     /// starts afresh, full: the whole capacity is taken again) when `fresh` says the client's
     /// bucket starts afresh anyway, and when it more than doubles the capacity: Envoy rebuilds a
     /// grown bucket at its old fill ratio, so a busy client, whose bucket is near empty, would
-    /// get almost none of what the growth took (the floor a hold starts at, then its part, lost
+    /// get almost none of what the growth took (the floor a lease starts at, then its part, lost
     /// 40 of 250 requests over 20 s that way).
     pub fn due(
         &self,
-        target: &HeldBucket,
+        target: &LeasedBucket,
         replica: &str,
         demand: f64,
         now_ms: u64,
         force: bool,
         fresh: bool,
-    ) -> Option<HoldOp> {
+    ) -> Option<LeaseOp> {
         let tokens = demand * target.cost as f64;
-        // What the last op told of the others dates from the hold's first second, when they may
-        // not all have started: sized by it, the first holds to grow would leave a late one a
+        // What the last op told of the others dates from the lease's first second, when they may
+        // not all have started: sized by it, the first leases to grow would leave a late one a
         // cut, tiny capacity (one request beside a third of the rate, which a local bucket
         // cannot spend in full); so at the floor, and set once more, unchanged, to learn them.
         let young = self.young();
         let grown = self.first_ms.is_some_and(|first| now_ms.saturating_sub(first) >= GROW_AFTER_MS);
         let want = self.want(&target.spec, tokens, target.cost as f64, young);
         let age = now_ms.saturating_sub(self.at_ms);
-        let due = match self.held {
+        let due = match self.leased {
             _ if force || fresh || self.failed => true,
             None => true,
             Some((_, rate)) => {
@@ -143,40 +143,41 @@ impl Holding {
                     || age >= RENEW_AFTER.as_millis() as u64
             }
         };
-        due.then(|| HoldOp {
+        due.then(|| LeaseOp {
             key: target.key.clone(),
             spec: target.spec,
             replica: replica.to_owned(),
             capacity: want.0,
             unit: target.cost as f64,
             refill_per_second: want.1,
-            of_unheld: if young { YOUNG_OF_UNHELD } else { 1.0 },
-            ttl_ms: HOLD_TTL.as_millis() as u64,
+            of_unleased: if young { YOUNG_OF_UNLEASED } else { 1.0 },
+            ttl_ms: LEASE_TTL.as_millis() as u64,
             demand: tokens,
             fresh: fresh || self.restarts(want.0),
         })
     }
 
     // Whether growing to `capacity` should restart the client's bucket: when it more than
-    // doubles a hold the store gave in full. A hold the store cut short had no more to give: taken
+    // doubles a lease the store gave in full. A lease the store cut short had no more to give: taken
     // again whole, it would come back as little and destroy what the client had (a hot bucket
     // fell to 0.88 of its bound so).
     fn restarts(&self, capacity: f64) -> bool {
-        self.held.is_some_and(|(held, _)| held < capacity / 2.0 && !short(held, self.wanted.0))
+        self.leased.is_some_and(|(leased, _)| leased < capacity / 2.0 && !short(leased, self.wanted.0))
     }
 
     // Whether the store gave the last op less than it asked, by more than the slack.
     fn cut(&self) -> bool {
-        self.held.is_some_and(|(capacity, rate)| short(capacity, self.wanted.0) || short(rate, self.wanted.1))
+        self.leased
+            .is_some_and(|(capacity, rate)| short(capacity, self.wanted.0) || short(rate, self.wanted.1))
     }
 
     /// Records what `op` got at `now_ms` (this replica's clock).
-    /// True when it is the first op past the hold's first second: the next may size it by the
-    /// others it told, so set it again now rather than a round later (the bucket's unheld
+    /// True when it is the first op past the lease's first second: the next may size it by the
+    /// others it told, so set it again now rather than a round later (the bucket's unleased
     /// refill is lost meanwhile).
-    pub fn set(&mut self, op: &HoldOp, outcome: &HoldOutcome, now_ms: u64) -> bool {
+    pub fn set(&mut self, op: &LeaseOp, outcome: &LeaseOutcome, now_ms: u64) -> bool {
         let was_young = self.first_ms.is_some() && self.young();
-        self.held = Some((outcome.capacity, outcome.refill_per_second));
+        self.leased = Some((outcome.capacity, outcome.refill_per_second));
         self.wanted = (op.capacity, op.refill_per_second);
         self.at_ms = now_ms;
         self.first_ms.get_or_insert(now_ms);
@@ -185,7 +186,7 @@ impl Holding {
         was_young && !self.young()
     }
 
-    // Whether the last op dates from the hold's first second (or there was none).
+    // Whether the last op dates from the lease's first second (or there was none).
     fn young(&self) -> bool {
         self.first_ms.is_none_or(|first| self.at_ms.saturating_sub(first) < GROW_AFTER_MS)
     }
@@ -195,21 +196,21 @@ impl Holding {
         self.failed = true;
     }
 
-    // The share wanted for `tokens` per second of demand: its part of all the demand the other
-    // holds record, of the whole bucket (the store cuts it to what the others leave), at least
-    // the floor; alone, or all idle, the floor when idle and everything when not. A first hold
-    // knows no one else's demand yet: it starts at the floor, which leaves room for the holds
+    // The size wanted for `tokens` per second of demand: its part of all the demand the other
+    // leases record, of the whole bucket (the store cuts it to what the others leave), at least
+    // the floor; alone, or all idle, the floor when idle and everything when not. A first lease
+    // knows no one else's demand yet: it starts at the floor, which leaves room for the leases
     // starting beside it (every replica's stream reports a new bucket at once), and stays there
     // while `young` ([`GROW_AFTER_MS`]), until its ops have told it theirs; its rate meanwhile
-    // is half of what the others leave ([`YOUNG_OF_UNHELD`]). At least one
+    // is half of what the others leave ([`YOUNG_OF_UNLEASED`]). At least one
     // request's capacity (`unit`), which is what a local bucket needs.
     fn want(&self, spec: &BucketSpec, tokens: f64, unit: f64, young: bool) -> (f64, f64) {
         let total = tokens + self.others.demand;
         let part = if young || total <= 0.0 { FLOOR } else { (tokens / total).max(FLOOR) };
-        // A young hold's rate is half of what the others leave (the op's `of_unheld`): the
-        // bucket's refill beyond its capacity is lost while holds leave it unheld, and the floor
-        // left 15 of 16 parts of it unheld for the hold's first second.
-        let rate = if young { YOUNG_OF_UNHELD } else { part };
+        // A young lease's rate is half of what the others leave (the op's `of_unleased`): the
+        // bucket's refill beyond its capacity is lost while leases leave it unleased, and the floor
+        // left 15 of 16 parts of it unleased for the lease's first second.
+        let rate = if young { YOUNG_OF_UNLEASED } else { part };
         ((spec.capacity() * part).max(unit).min(spec.capacity()), spec.refill_per_second() * rate)
     }
 }
@@ -220,47 +221,47 @@ fn short(got: f64, wanted: f64) -> bool {
 }
 
 impl Limiter {
-    /// The bucket a quota bucket id of `domain` stands for.
-    pub async fn quota_bucket(&self, domain: &str, bucket: &HashMap<String, String>) -> QuotaBucket {
+    /// The bucket an RLQS bucket id of `domain` stands for.
+    pub async fn rlqs_bucket(&self, domain: &str, bucket: &HashMap<String, String>) -> RlqsBucket {
         let rules = self.rules.load_full();
-        let Some(domain) = rules.domain(domain) else { return QuotaBucket::Unknown(None) };
+        let Some(domain) = rules.domain(domain) else { return RlqsBucket::Unknown(None) };
         let Some(entries) = domain.bucket_entries(bucket) else {
-            return QuotaBucket::Unknown(Some(domain.clone()));
+            return RlqsBucket::Unknown(Some(domain.clone()));
         };
         let descriptor = QueryDescriptor { entries, hits: 1, credit: false, limit: None };
         let mut plans = vec![self.plan(domain, &descriptor)];
         self.resolve_quotas(domain, &mut plans).await;
         match plans.pop() {
-            Some(Plan::Bucket(p)) if p.role != Role::Shadow => QuotaBucket::Held(HeldBucket {
+            Some(Plan::Bucket(p)) if p.role != Role::Shadow => RlqsBucket::Leased(LeasedBucket {
                 key: p.bucket.key,
-                spec: p.spec.expect("quotas resolved"),
+                spec: p.spec.expect("tenant quotas resolved"),
                 cost: p.rule.map_or(1, |r| r.cost.max(1)),
                 domain: domain.clone(),
             }),
-            Some(Plan::Bucket(_) | Plan::Unlimited(_)) => QuotaBucket::Unlimited(domain.clone()),
-            Some(Plan::Free) | None => QuotaBucket::Unknown(Some(domain.clone())),
+            Some(Plan::Bucket(_) | Plan::Unlimited(_)) => RlqsBucket::Unlimited(domain.clone()),
+            Some(Plan::Free) | None => RlqsBucket::Unknown(Some(domain.clone())),
         }
     }
 
-    /// Sets the holds `ops`, all at once (one store call per slot), under the background
+    /// Sets the leases `ops`, all at once (one store call per slot), under the background
     /// deadline; one result per op.
-    pub async fn hold(&self, ops: &[HoldOp]) -> Vec<Result<HoldOutcome, StoreError>> {
+    pub async fn lease(&self, ops: &[LeaseOp]) -> Vec<Result<LeaseOutcome, StoreError>> {
         // A trace of its own (no request leads to it), the store call its child.
         let span = tracing::trace_span!(
             target: traces::TARGET,
-            "rlqs.hold",
-            holds = ops.len(),
+            "rlqs.lease",
+            leases = ops.len(),
             failed = tracing::field::Empty,
         );
         let call = tracing::trace_span!(
             target: traces::TARGET,
             parent: &span,
-            "store.hold",
+            "store.lease",
             buckets = ops.len(),
             outcome = tracing::field::Empty,
         );
         let results =
-            store::in_background(BACKGROUND_DEADLINE, self.store.hold(ops)).instrument(call.clone()).await;
+            store::in_background(BACKGROUND_DEADLINE, self.store.lease(ops)).instrument(call.clone()).await;
         let failed = results.iter().filter(|r| r.is_err()).count();
         span.record("failed", failed);
         call.record("outcome", if failed == 0 { "ok" } else { "error" });

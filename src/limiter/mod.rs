@@ -16,7 +16,8 @@
 //!
 //! Protocol edges (the RLS gRPC service, `POST /json`) translate their requests into a [`Query`]
 //! and the [`Decision`] back; nothing here knows a wire format. Clients that enforce limits
-//! themselves (Envoy's Rate Limit Quota Service) hold shares of the same buckets (`lease.rs`: [`Limiter::hold`], [`Holding`]).
+//! themselves (Envoy's Rate Limit Quota Service) lease parts of the same buckets
+//! (`src/limiter/lease.rs`: [`Limiter::lease`], [`LocalLease`]).
 
 mod budget;
 mod decision;
@@ -32,7 +33,7 @@ pub use self::decision::{
     BucketReport, Code, DecideError, Decision, DescriptorVerdict, LimitInfo, Outcome, Query, QueryDescriptor,
 };
 pub use self::explain::{Effect, Explained, Explanation, SpecOrigin};
-pub use self::lease::{HeldBucket, Holding, QuotaBucket, ASSIGNMENT_TTL, HOLD_TTL, RENEW_AFTER};
+pub use self::lease::{LeasedBucket, LocalLease, RlqsBucket, ASSIGNMENT_TTL, LEASE_TTL, RENEW_AFTER};
 
 use std::sync::Arc;
 
@@ -156,7 +157,7 @@ impl Limiter {
         let role = if self.global_shadow || rule.shadow_mode {
             Role::Shadow
         } else if rule.quota_mode {
-            Role::Quota
+            Role::QuotaMode
         } else {
             Role::Enforced
         };
@@ -273,7 +274,7 @@ impl Limiter {
                         limit: limit_info(p),
                         verdict: group.verdicts[*i],
                         shadow: p.role == Role::Shadow,
-                        quota_mode: p.role == Role::Quota,
+                        quota_mode: p.role == Role::QuotaMode,
                     };
                     let code = if report.denied() && !report.shadow { Code::OverLimit } else { Code::Ok };
                     (code, Outcome::Bucket(report))
@@ -331,11 +332,11 @@ fn trace_decision(domain: &str, plans: &[Plan<'_>], decision: &Decision) {
 // envoyproxy/ratelimit's rule: OVER_LIMIT iff a descriptor not in quota mode is over the limit,
 // or every quota-mode descriptor is.
 fn overall(descriptors: &[DescriptorVerdict]) -> Code {
-    let quota_mode = |d: &DescriptorVerdict| matches!(&d.outcome, Outcome::Bucket(b) if b.quota_mode);
+    let in_quota_mode = |d: &DescriptorVerdict| matches!(&d.outcome, Outcome::Bucket(b) if b.quota_mode);
     let over = |d: &DescriptorVerdict| d.code == Code::OverLimit;
-    let quota: Vec<&DescriptorVerdict> = descriptors.iter().filter(|d| quota_mode(d)).collect();
-    let enforced_over = descriptors.iter().any(|d| over(d) && !quota_mode(d));
-    if enforced_over || (!quota.is_empty() && quota.iter().all(|d| over(d))) {
+    let quota_mode: Vec<&DescriptorVerdict> = descriptors.iter().filter(|d| in_quota_mode(d)).collect();
+    let enforced_over = descriptors.iter().any(|d| over(d) && !in_quota_mode(d));
+    if enforced_over || (!quota_mode.is_empty() && quota_mode.iter().all(|d| over(d))) {
         Code::OverLimit
     } else {
         Code::Ok
@@ -349,7 +350,7 @@ fn group(plans: &[Plan<'_>]) -> (Group, Vec<Option<usize>>) {
         .iter()
         .map(|plan| {
             let Plan::Bucket(p) = plan else { return None };
-            let spec = p.spec.expect("quotas resolved");
+            let spec = p.spec.expect("tenant quotas resolved");
             // The debt floor of `charge: always` follows the bucket's (resolved) capacity.
             let charge = p.rule.map_or(Charge::Admitted, |r| r.charge.for_bucket(&spec));
             group.push(BucketOp {
@@ -367,7 +368,7 @@ fn group(plans: &[Plan<'_>]) -> (Group, Vec<Option<usize>>) {
 }
 
 fn limit_info(p: &BucketPlan<'_>) -> LimitInfo {
-    let spec = p.spec.expect("quotas resolved");
+    let spec = p.spec.expect("tenant quotas resolved");
     LimitInfo {
         rule: p.rule.cloned(),
         name: p

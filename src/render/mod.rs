@@ -58,7 +58,7 @@ impl JwtPayload {
 pub enum Protocol {
     /// `envoy.filters.http.ratelimit`: every request asks tollgate (RLS).
     Rls,
-    /// `envoy.filters.http.rate_limit_quota`: Envoy enforces shares tollgate holds for it (RLQS).
+    /// `envoy.filters.http.rate_limit_quota`: Envoy enforces leases tollgate takes for it (RLQS).
     Rlqs,
 }
 

@@ -15,7 +15,7 @@ use std::sync::{Arc, Mutex};
 use futures::future::BoxFuture;
 
 use super::{LateReply, Store, StoreError};
-use crate::bucket::{self, Batch, BucketState, GroupOutcome, HoldOp, HoldOutcome};
+use crate::bucket::{self, Batch, BucketState, GroupOutcome, LeaseOp, LeaseOutcome};
 use crate::budget::ledger::Ledger;
 use crate::budget::{BudgetOp, BudgetOutcome};
 use crate::clock::{Clock, SystemClock};
@@ -158,21 +158,21 @@ impl Store for MemoryStore {
         Box::pin(std::future::ready(outcomes))
     }
 
-    fn hold<'a>(&'a self, ops: &'a [HoldOp]) -> BoxFuture<'a, Vec<Result<HoldOutcome, StoreError>>> {
+    fn lease<'a>(&'a self, ops: &'a [LeaseOp]) -> BoxFuture<'a, Vec<Result<LeaseOutcome, StoreError>>> {
         let now = self.clock.now_ms();
         let mut buckets = self.buckets.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
         let outcomes = ops
             .iter()
             .map(|op| {
                 let stored = buckets.map.get(&op.key).filter(|e| e.expires_at_ms >= now);
-                let (outcome, write) = bucket::hold(stored.map(|e| (&e.state, e.expires_at_ms)), op, now);
+                let (outcome, write) = bucket::lease(stored.map(|e| (&e.state, e.expires_at_ms)), op, now);
                 if let Some(write) = write {
                     buckets.put(write, now);
                 }
                 Ok(outcome)
             })
             .collect();
-        // Holds write buckets too: an RLQS-only store must sweep as well.
+        // Leases write buckets too: an RLQS-only store must sweep as well.
         buckets.sweep(now, |e| e.expires_at_ms >= now);
         Box::pin(std::future::ready(outcomes))
     }

@@ -17,7 +17,7 @@
 //!
 //! A call waits for the store at most the deadline the store was built with (`--redis-timeout`),
 //! the one a request answered by the failure mode can afford. Work no request waits on (RLQS
-//! holds, budget recovery) runs [`in_background`]: under a longer deadline of its own, and on
+//! leases, budget recovery) runs [`in_background`]: under a longer deadline of its own, and on
 //! connections of its own, so that it never queues in front of a request.
 
 mod cluster;
@@ -35,9 +35,9 @@ use futures::future::BoxFuture;
 
 pub use self::memory::MemoryStore;
 pub use self::precheck::{Precheck, MAX_AGE_MS};
-pub use self::redis::{parse_holds, ConnectError, Peek, RedisStore, RedisTarget, RedisTls};
+pub use self::redis::{parse_leases, ConnectError, Peek, RedisStore, RedisTarget, RedisTls};
 pub use self::sentinel::SentinelTarget;
-use crate::bucket::{Batch, GroupOutcome, HoldOp, HoldOutcome};
+use crate::bucket::{Batch, GroupOutcome, LeaseOp, LeaseOutcome};
 use crate::budget::{BudgetOp, BudgetOutcome};
 
 tokio::task_local! {
@@ -74,10 +74,10 @@ pub trait Store: Send + Sync + 'static {
         late: LateReply,
     ) -> BoxFuture<'a, Vec<Result<GroupOutcome, StoreError>>>;
 
-    /// Sets replicas' holds on buckets ([`crate::bucket::hold`]), each op on its own, atomic
-    /// with every other call on its bucket; one result per op, in order. A hold op sets a hold to
+    /// Sets replicas' leases on buckets ([`crate::bucket::lease`]), each op on its own, atomic
+    /// with every other call on its bucket; one result per op, in order. A lease op sets a lease to
     /// an absolute size, so one whose reply was lost can simply be sent again.
-    fn hold<'a>(&'a self, ops: &'a [HoldOp]) -> BoxFuture<'a, Vec<Result<HoldOutcome, StoreError>>>;
+    fn lease<'a>(&'a self, ops: &'a [LeaseOp]) -> BoxFuture<'a, Vec<Result<LeaseOutcome, StoreError>>>;
 
     /// Applies a budget op ([`crate::budget`]): a request's hold or settlement at every level of
     /// its path and on its token buckets, atomically with every other call on them.

@@ -2,9 +2,9 @@
 //!
 //! A connection is the `redis` crate's `ConnectionManager`, which reconnects by itself and never
 //! resends a command. A node has two: one for the calls a request waits on and one for background
-//! work ([`crate::store::in_background`]: RLQS holds, budget recovery). Redis runs one connection's
+//! work ([`crate::store::in_background`]: RLQS leases, budget recovery). Redis runs one connection's
 //! commands in the order they came, so on one connection a request's script queued behind every
-//! hold script in flight (measured: 5 RLQS streams of 20,000 buckets put RLS probes at a 51 ms
+//! lease script in flight (measured: 5 RLQS streams of 20,000 buckets put RLS probes at a 51 ms
 //! median and answered 40% of them from the failure mode at a 50 ms deadline); across connections
 //! the server takes turns, and a request waits for at most the scripts it is read beside.
 //!

@@ -38,7 +38,7 @@
 //!   at the time), and none is used after [`MAX_AGE_MS`], which bounds how long a loss nobody
 //!   reported can mislead.
 //!
-//! A bucket whose holds (RLQS) are sized beside what RLS clients ask of it must learn what the
+//! A bucket whose leases (RLQS) are sized beside what RLS clients ask of it must learn what the
 //! pre-check denies too, or a starved RLS client would look as if it asked for one request per
 //! refilled token: each observation counts the tokens its denials asked for, and the next
 //! operation on the bucket that reaches the store carries them ([`BucketOp::unseen`]).
@@ -57,7 +57,7 @@ use futures::future::BoxFuture;
 
 use super::{LateReply, Store, StoreError};
 use crate::bucket::{
-    covers, Batch, BucketOp, BucketSpec, Charge, Group, GroupOutcome, HoldOp, HoldOutcome, Role, Verdict,
+    covers, Batch, BucketOp, BucketSpec, Charge, Group, GroupOutcome, LeaseOp, LeaseOutcome, Role, Verdict,
     RATE_RAISE_DELAY_MS,
 };
 use crate::budget::{BudgetOp, BudgetOutcome};
@@ -378,10 +378,10 @@ impl Store for Precheck {
         })
     }
 
-    // Holds only ever lower what the shared part of a bucket holds and refills (a shrink returns
+    // Leases only ever lower what the shared part of a bucket holds and refills (a shrink returns
     // capacity and rate, never tokens), so what the pre-check learnt stays a sound bound.
-    fn hold<'a>(&'a self, ops: &'a [HoldOp]) -> BoxFuture<'a, Vec<Result<HoldOutcome, StoreError>>> {
-        self.inner.hold(ops)
+    fn lease<'a>(&'a self, ops: &'a [LeaseOp]) -> BoxFuture<'a, Vec<Result<LeaseOutcome, StoreError>>> {
+        self.inner.lease(ops)
     }
 
     // Budget ops reach only a priced domain's buckets, which RLS requests (the only ones the

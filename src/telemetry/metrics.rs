@@ -236,9 +236,11 @@ pub const METRICS: &[(&str, Kind, &str)] = &[
     ("tollgate_store_errors_total", Kind::Counter, "Failed or timed-out store calls, by domain, kind (error, timeout) and the failure mode that answered."),
     ("tollgate_rlqs_streams", Kind::Gauge, "Open Rate Limit Quota streams (one per Envoy)."),
     ("tollgate_rlqs_buckets", Kind::Gauge, "Buckets this replica's Rate Limit Quota streams report."),
-    ("tollgate_rlqs_holders", Kind::Gauge, "(bucket, stream) pairs of this replica: each holds a share of its bucket for its Envoy."),
+    ("tollgate_rlqs_leaseholders", Kind::Gauge, "(bucket, stream) pairs of this replica: each leases part of its bucket for its Envoy."),
     ("tollgate_rlqs_reports_total", Kind::Counter, "Usage reports received on Rate Limit Quota streams."),
-    ("tollgate_rlqs_holds_total", Kind::Counter, "Hold ops on shared buckets, by outcome: set (taken, resized or renewed), failed (the stream gets the failure mode)."),
+    ("tollgate_rlqs_leases_total", Kind::Counter, "Lease ops on shared buckets, by outcome: set (taken, resized or renewed), failed (the stream gets the failure mode)."),
+    ("tollgate_rlqs_holds_total", Kind::Counter, "Deprecated: tollgate_rlqs_leases_total under its old name, exported until the next release."),
+    ("tollgate_rlqs_holders", Kind::Gauge, "Deprecated: tollgate_rlqs_leaseholders under its old name, exported until the next release."),
     ("tollgate_rlqs_allowed_requests_total", Kind::Counter, "Requests Envoys reported they allowed under their assignments."),
     ("tollgate_rlqs_assignments_total", Kind::Counter, "Assignments sent to Envoys, by kind (token_bucket, deny_all, allow_all)."),
     ("tollgate_rlqs_unknown_buckets_total", Kind::Counter, "Reports of bucket ids no rule limits (answered with the domain's rlqs_unknown)."),
@@ -301,6 +303,8 @@ const AT_ZERO: &[(&str, &[(&str, &str)])] = &[
     ("tollgate_store_late_replies_total", &[("action", "refunded")]),
     ("tollgate_store_late_replies_total", &[("action", "kept")]),
     ("tollgate_rlqs_reports_total", &[]),
+    ("tollgate_rlqs_leases_total", &[("outcome", "set")]),
+    ("tollgate_rlqs_leases_total", &[("outcome", "failed")]),
     ("tollgate_rlqs_holds_total", &[("outcome", "set")]),
     ("tollgate_rlqs_holds_total", &[("outcome", "failed")]),
     ("tollgate_rlqs_allowed_requests_total", &[]),
@@ -332,6 +336,7 @@ const AT_ZERO: &[(&str, &[(&str, &str)])] = &[
     ("tollgate_tls_handshake_failures_total", &[]),
     ("tollgate_rlqs_streams", &[]),
     ("tollgate_rlqs_buckets", &[]),
+    ("tollgate_rlqs_leaseholders", &[]),
     ("tollgate_rlqs_holders", &[]),
     ("tollgate_quota_cache_entries", &[]),
     ("tollgate_config_last_reload_successful", &[]),
@@ -414,6 +419,20 @@ fn register_budgets(domain: &crate::config::Domain, priced: &crate::config::Pric
                 .increment(0);
         }
     }
+}
+
+/// Counts a lease op on a shared bucket by `outcome` (set, failed).
+pub fn count_rlqs_lease(outcome: &'static str) {
+    counter!("tollgate_rlqs_leases_total", "outcome" => outcome).increment(1);
+    // The old name, so that dashboards keep working for a release (docs: Upgrading).
+    counter!("tollgate_rlqs_holds_total", "outcome" => outcome).increment(1);
+}
+
+/// Moves the count of this replica's (bucket, stream) leaseholders by `delta`.
+pub fn add_rlqs_leaseholders(delta: f64) {
+    gauge!("tollgate_rlqs_leaseholders").increment(delta);
+    // The old name, as above.
+    gauge!("tollgate_rlqs_holders").increment(delta);
 }
 
 fn register_at_zero() {

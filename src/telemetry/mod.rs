@@ -8,6 +8,6 @@ pub mod top_denied;
 pub mod traces;
 
 pub use self::metrics::{
-    failure_label, register_domains, Kind, Telemetry, TelemetryConfig, LABELLED_BY_TRAFFIC, LATENCY_BUCKETS,
-    METRICS, UNKNOWN_DOMAIN,
+    add_rlqs_leaseholders, count_rlqs_lease, failure_label, register_domains, Kind, Telemetry,
+    TelemetryConfig, LABELLED_BY_TRAFFIC, LATENCY_BUCKETS, METRICS, UNKNOWN_DOMAIN,
 };

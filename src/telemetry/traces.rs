@@ -9,8 +9,8 @@
 //!   Envoy's ratelimit span.
 //! * `store.evaluate`: each store call of a decision (`buckets`, `outcome`), a child of the
 //!   decision's span;
-//! * `rlqs.hold`: each call that sets RLQS streams' holds on buckets (`holds`, `failed`), a trace
-//!   of its own (no request leads to it), with its store call as the child `store.hold`
+//! * `rlqs.lease`: each call that sets RLQS streams' leases on buckets (`leases`, `failed`), a
+//!   trace of its own (no request leads to it), with its store call as the child `store.lease`
 //!   (`buckets`, `outcome`).
 //!
 //! The spans are declared at level TRACE under the target [`TARGET`], and only the OTLP layer

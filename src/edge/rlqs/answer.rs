@@ -14,7 +14,7 @@ use envoy_types::pb::envoy::service::rate_limit_quota::v3::{BucketId, RateLimitQ
 use envoy_types::pb::google::protobuf::{Duration as ProtoDuration, UInt32Value};
 use prost::Message as _;
 
-use super::assign::{Allotment, FILL_INTERVAL};
+use super::assign::{LocalBucket, FILL_INTERVAL};
 use crate::config::Blanket;
 use crate::limiter::ASSIGNMENT_TTL;
 
@@ -75,12 +75,12 @@ pub fn blanket(id: &BucketId, rule: Blanket, lives: Duration) -> BucketAction {
     assignment(id, Strategy::BlanketRule(rule as i32), lives)
 }
 
-/// A refilling local bucket of `allotment`, standing [`ASSIGNMENT_TTL`].
-pub fn local_bucket(id: &BucketId, allotment: Allotment) -> BucketAction {
+/// A refilling local bucket of `size`, standing [`ASSIGNMENT_TTL`].
+pub fn local_bucket(id: &BucketId, size: LocalBucket) -> BucketAction {
     metrics::counter!("tollgate_rlqs_assignments_total", "kind" => "token_bucket").increment(1);
     let bucket = TokenBucket {
-        max_tokens: allotment.requests,
-        tokens_per_fill: Some(UInt32Value { value: allotment.per_fill }),
+        max_tokens: size.requests,
+        tokens_per_fill: Some(UInt32Value { value: size.per_fill }),
         fill_interval: ttl(FILL_INTERVAL),
     };
     assignment(id, Strategy::TokenBucket(bucket), ASSIGNMENT_TTL)
@@ -92,9 +92,9 @@ mod tests {
     use std::collections::HashMap;
 
     #[test]
-    fn an_allotment_is_a_refilling_bucket() {
+    fn a_local_bucket_refills() {
         let id = BucketId { bucket: HashMap::from([("tenant".to_string(), "t".to_string())]) };
-        let action = local_bucket(&id, Allotment { requests: 7, per_fill: 3600 });
+        let action = local_bucket(&id, LocalBucket { requests: 7, per_fill: 3600 });
         let Some(Action::QuotaAssignmentAction(a)) = &action.bucket_action else { panic!() };
         assert_eq!(a.assignment_time_to_live.unwrap().seconds, ASSIGNMENT_TTL.as_secs() as i64);
         let Some(Strategy::TokenBucket(b)) = a.rate_limit_strategy.unwrap().strategy else { panic!() };

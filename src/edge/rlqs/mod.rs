@@ -4,9 +4,9 @@
 //! Envoy groups requests into buckets, enforces each bucket's assignment locally at full speed,
 //! and streams usage reports; tollgate answers with assignments. The buckets are the RLS path's
 //! own (a bucket id maps to a rule as a descriptor does), so a tenant reached through both
-//! protocols spends one budget. An assignment is a part of a held share: each replica holds a
-//! share of the bucket in the store, which the rest of the bucket no longer holds or refills
-//! ([`crate::bucket::hold`]), and splits it among its streams as refilling local buckets
+//! protocols spends one budget. An assignment is a part of a lease: each replica leases a
+//! part of the bucket in the store, which the rest of the bucket no longer keeps or refills
+//! ([`crate::bucket::lease`]), and splits it among its streams as refilling local buckets
 //! ([`pool`]), so across any number of Envoys and replicas the bucket's limit holds. Each stream
 //! runs in one task ([`session`]); the arithmetic is in [`assign`], the answers' encoding in
 //! [`answer`]. Sessions and the pool run on a runtime of their own, which the server hands in:
@@ -14,14 +14,14 @@
 //!
 //! Streams never end by themselves: when the server drains, every stream is closed (Envoy keeps
 //! its cached assignments and reconnects, to another replica if this one is gone). What a closed
-//! stream's Envoy may still admit is inside this replica's hold, which outlives its assignments,
+//! stream's Envoy may still admit is inside this replica's lease, which outlives its assignments,
 //! so nothing is settled.
 //!
-//! No peer can make a replica hold without bound ([`RlqsLimits`]): the bucket ids a stream, and
+//! No peer can make a replica keep state without bound ([`RlqsLimits`]): the bucket ids a stream, and
 //! all streams together, have tracked are capped (an id beyond a cap gets no assignment, so
 //! Envoy applies its `no_assignment_behavior`); the answers a stream has not read are bounded in
 //! bytes, and a stream that stays full past [`UNREAD_DEADLINE`] is ended with
-//! RESOURCE_EXHAUSTED and its holds given back; streams past `max_streams` are refused.
+//! RESOURCE_EXHAUSTED and its leases given back; streams past `max_streams` are refused.
 
 pub mod answer;
 pub mod assign;
@@ -90,9 +90,9 @@ pub struct RateLimitQuotaGrpc {
 }
 
 impl RateLimitQuotaGrpc {
-    /// A service holding shares through `limiter` as `replica` (its name in the buckets' holds,
+    /// A service leasing parts of buckets through `limiter` as `replica` (its name in the buckets' leases,
     /// unique among replicas, without whitespace), within `limits`; every stream ends when
-    /// `closing` turns true. Its streams and their holds are worked on `runtime`.
+    /// `closing` turns true. Its streams and their leases are worked on `runtime`.
     pub fn new(
         limiter: Arc<Limiter>,
         replica: String,

@@ -1,24 +1,24 @@
-//! This replica's held shares: every bucket some stream of this replica reports, and for each
-//! stream the hold it keeps on that bucket in the shared store ([`crate::bucket::hold`]), which
-//! its Envoy enforces as a refilling local bucket ([`Allotment`]).
+//! This replica's leases: every bucket some stream of this replica reports, and for each
+//! stream the lease it keeps on that bucket in the shared store ([`crate::bucket::lease`]), which
+//! its Envoy enforces as a refilling local bucket ([`LocalBucket`]).
 //!
-//! A hold belongs to one stream (its holder name is this replica's and a number of the stream's
+//! A lease belongs to one stream (its leaseholder name is this replica's and a number of the stream's
 //! membership), not to the replica: an Envoy spends a local bucket it was given whatever the
 //! others do, so each one's capacity must be backed on its own, and moving capacity from one
 //! Envoy to another is a shrink and a growth, each through the store.
 //!
-//! Once a [`TICK`], at its phase of the tick, each member's [`Holding`] says whether its hold is
+//! Once a [`TICK`], at its phase of the tick, each member's [`LocalLease`] says whether its lease is
 //! due to be set again (new, resized, cut short, hot, after a failure, or up for renewal); the due
 //! ones of a phase go to the store together, [`HOLDS_PER_CALL`] to a call, and each outcome goes to
-//! its stream as an assignment that lives [`ASSIGNMENT_TTL`], well inside the hold's life. So an
+//! its stream as an assignment that lives [`ASSIGNMENT_TTL`], well inside the lease's life. So an
 //! idle bucket costs one renewal a [`crate::limiter::RENEW_AFTER`] and nothing else. A bucket's
 //! phase is one of [`PHASES`] slices of the tick, from its key's Cluster slot, so that the calls
 //! spread over the tick.
 //!
 //! An Envoy starts a new local bucket full: its first one, and one after a blanket assignment or
-//! an expired one. The hold op before such an assignment is *fresh*: the store takes the whole
+//! an expired one. The lease op before such an assignment is *fresh*: the store takes the whole
 //! capacity again, not only what it grew by, since the Envoy may have spent what it had. A stream
-//! that leaves leaves its hold to expire: its Envoy may use its cached assignment until then.
+//! that leaves leaves its lease to expire: its Envoy may use its cached assignment until then.
 //! When the store fails, the stream is told so and answers with the domain's failure mode.
 //!
 //! A round's events reach each stream as one batch ([`Events`]), which the stream answers in as
@@ -32,24 +32,25 @@ use std::time::{Duration, Instant};
 use futures::StreamExt as _;
 use tokio::sync::mpsc;
 
-use super::assign::Allotment;
-use crate::bucket::{HoldOp, HoldOutcome};
+use super::assign::LocalBucket;
+use crate::bucket::{LeaseOp, LeaseOutcome};
 use crate::config::FailureMode;
-use crate::limiter::{HeldBucket, Holding, Limiter, ASSIGNMENT_TTL};
+use crate::limiter::{LeasedBucket, Limiter, LocalLease, ASSIGNMENT_TTL};
 use crate::store::StoreError;
+use crate::telemetry;
 use crate::telemetry::logs::{self, ErrorChain};
 
-/// How often buckets are looked at (and holds set when due).
+/// How often buckets are looked at (and leases set when due).
 pub const TICK: Duration = Duration::from_secs(1);
 /// Slices of a tick over which buckets are looked at, each at the slice its key falls in.
 pub const PHASES: u64 = 10;
-/// Most hold ops in one store call (one script run per slot in it): thousands of new buckets in
+/// Most lease ops in one store call (one script run per slot in it): thousands of new buckets in
 /// one script would hold Redis up for everyone else.
 const HOLDS_PER_CALL: usize = 256;
 /// Most store calls this replica's rounds have in flight together: a first report of thousands
 /// of buckets, booked in chunks, starts a round per chunk, and calls queued behind too many
 /// others in Redis would outlast the background deadline. Redis runs one script at a time, and
-/// every hold script queued there is one a request's script may wait behind: with 8 in flight,
+/// every lease script queued there is one a request's script may wait behind: with 8 in flight,
 /// RLS requests beside 5 streams of 20,000 new buckets were answered at p99 49-53 ms and 4-40 of
 /// 600 from the failure mode at a 50 ms deadline; with 2, p99 13-21 ms and none. First
 /// assignments at 10,000 x 3 moved within the noise of one hour's runs (median 0.72-0.85 s with
@@ -65,7 +66,7 @@ pub type MemberId = (u64, String);
 /// What the pool sends a stream: the events of one store call, for any number of its buckets,
 /// each with its number in the pool's order of outcomes. Batches are delivered by tasks of their
 /// own and may arrive out of order, so a stream keeps, per bucket, the latest by number (an older
-/// assignment applied after a newer one would shrink an Envoy's bucket to a size its hold no
+/// assignment applied after a newer one would shrink an Envoy's bucket to a size its lease no
 /// longer has: seen as a first second's floor arriving after the growth that replaced it).
 pub type Events = Vec<(u64, Event)>;
 
@@ -78,8 +79,8 @@ pub enum Event {
         /// The Envoy's bucket id, encoded.
         bucket: String,
         /// Its local bucket.
-        allotment: Option<Allotment>,
-        /// Start it afresh, full: its hold took the whole capacity again.
+        assignment: Option<LocalBucket>,
+        /// Start it afresh, full: its lease took the whole capacity again.
         fresh: bool,
     },
     /// The store failed; answer as this failure mode says.
@@ -94,17 +95,17 @@ pub enum Event {
 struct Member {
     demand: f64,
     events: mpsc::Sender<Events>,
-    // Its name among the bucket's holders: this replica's and a number unique in it.
-    holder: String,
-    holding: Holding,
+    // Its name among the bucket's leaseholders: this replica's and a number unique in it.
+    leaseholder: String,
+    leasing: LocalLease,
     // When a local bucket was last sent; none when the Envoy has none from us (then the next one
     // starts full).
     sent_at: Option<u64>,
-    // A local bucket was ever sent: until then the Envoy has spent nothing of the hold, so an op
-    // need not take its whole capacity again (a hold too small for an assignment, a rule
+    // A local bucket was ever sent: until then the Envoy has spent nothing of the lease, so an op
+    // need not take its whole capacity again (a lease too small for an assignment, a rule
     // refilling under a request an hour, was otherwise taken afresh every round).
     given: bool,
-    // A hold op for it is in flight.
+    // A lease op for it is in flight.
     busy: bool,
 }
 
@@ -117,13 +118,13 @@ impl Member {
 }
 
 struct Bucket {
-    target: HeldBucket,
+    target: LeasedBucket,
     // Its phase of the tick ([`phase_of`] its key).
     phase: u64,
     members: HashMap<MemberId, Member>,
 }
 
-/// The held shares of this replica.
+/// The leases of this replica.
 pub struct Pool {
     inner: Arc<Inner>,
     ticker: tokio::task::JoinHandle<()>,
@@ -131,19 +132,19 @@ pub struct Pool {
 
 struct Inner {
     limiter: Arc<Limiter>,
-    // This replica's name in the buckets' holds.
+    // This replica's name in the buckets' leases.
     replica: String,
     started: Instant,
-    // Memberships so far: numbers each member's holder name.
+    // Memberships so far: numbers each member's leaseholder name.
     joined: std::sync::atomic::AtomicU64,
     buckets: Mutex<HashMap<String, Bucket>>,
     // Permits for store calls in flight ([`CALLS_IN_FLIGHT`]).
     calls: tokio::sync::Semaphore,
     // Numbers outcomes from 1, under the buckets' lock (see [`Events`]).
     outcomes: std::sync::atomic::AtomicU64,
-    // Ops of `Round::Now` (first holds, and the growth right after a hold's second look) not
+    // Ops of `Round::Now` (first leases, and the growth right after a lease's second look) not
     // answered yet: while there are any, the ticks' rounds wait, so that Envoys waiting for a
-    // first assignment come first (renewals have half a hold's life to land).
+    // first assignment come first (renewals have half a lease's life to land).
     first_ops: std::sync::atomic::AtomicUsize,
 }
 
@@ -154,7 +155,7 @@ impl Drop for Pool {
 }
 
 impl Pool {
-    /// A pool holding through `limiter` as `replica`; starts its tick task on `runtime`, where
+    /// A pool leasing through `limiter` as `replica`; starts its tick task on `runtime`, where
     /// its rounds run too.
     pub fn new(limiter: Arc<Limiter>, replica: String, runtime: &tokio::runtime::Handle) -> Pool {
         let inner = Arc::new(Inner {
@@ -182,12 +183,12 @@ impl Pool {
         Pool { inner, ticker }
     }
 
-    /// Records that `member` wants `demand` requests per second of `target`, making it a holder
-    /// if it is not one yet; true if it is new (then set its hold with [`Pool::hold_now`]).
+    /// Records that `member` wants `demand` requests per second of `target`, making it a leaseholder
+    /// if it is not one yet; true if it is new (then set its lease with [`Pool::lease_now`]).
     pub fn report(
         &self,
         member: &MemberId,
-        target: &HeldBucket,
+        target: &LeasedBucket,
         demand: f64,
         events: &mpsc::Sender<Events>,
     ) -> bool {
@@ -204,30 +205,30 @@ impl Pool {
             members: HashMap::new(),
         });
         let n = self.inner.joined.fetch_add(1, Ordering::Relaxed);
-        let holder = format!("{}#{n}", self.inner.replica);
+        let leaseholder = format!("{}#{n}", self.inner.replica);
         let events = events.clone();
         bucket.members.insert(
             member.clone(),
             Member {
                 demand,
                 events,
-                holder,
-                holding: Holding::default(),
+                leaseholder,
+                leasing: LocalLease::default(),
                 sent_at: None,
                 given: false,
                 busy: false,
             },
         );
-        metrics::gauge!("tollgate_rlqs_holders").increment(1.0);
+        telemetry::add_rlqs_leaseholders(1.0);
         if buckets.len() != before {
             metrics::gauge!("tollgate_rlqs_buckets").set(buckets.len() as f64);
         }
         true
     }
 
-    /// Sets the holds of `members` of the buckets `keys` now, instead of at their next phase:
+    /// Sets the leases of `members` of the buckets `keys` now, instead of at their next phase:
     /// their Envoys refuse requests until they have an assignment.
-    pub fn hold_now(&self, members: Vec<(String, MemberId)>) {
+    pub fn lease_now(&self, members: Vec<(String, MemberId)>) {
         if members.is_empty() {
             return;
         }
@@ -235,13 +236,13 @@ impl Pool {
         tokio::spawn(async move { inner.round(Round::Now(members)).await });
     }
 
-    /// Removes `member` from the bucket `key`. Its hold stays until it expires: its Envoy may use
+    /// Removes `member` from the bucket `key`. Its lease stays until it expires: its Envoy may use
     /// its cached assignment until then.
     pub fn leave(&self, key: &str, member: &MemberId) {
         let mut buckets = self.inner.lock();
         if let Some(bucket) = buckets.get_mut(key) {
             if bucket.members.remove(member).is_some() {
-                metrics::gauge!("tollgate_rlqs_holders").decrement(1.0);
+                telemetry::add_rlqs_leaseholders(-1.0);
             }
             if bucket.members.is_empty() {
                 buckets.remove(key);
@@ -276,7 +277,7 @@ struct Batch {
 }
 
 // A store call's ops and their outcomes.
-type Answered = (Vec<Planned>, Vec<Result<HoldOutcome, StoreError>>);
+type Answered = (Vec<Planned>, Vec<Result<LeaseOutcome, StoreError>>);
 
 // Which members a round looks at.
 enum Round {
@@ -288,7 +289,7 @@ enum Round {
 
 // An op and whose it is.
 struct Planned {
-    op: HoldOp,
+    op: LeaseOp,
     member: MemberId,
 }
 
@@ -327,10 +328,10 @@ impl Inner {
         };
         let mut answered = futures::stream::iter(calls)
             .map(|call| async move {
-                let ops: Vec<HoldOp> = call.iter().map(|p| p.op.clone()).collect();
+                let ops: Vec<LeaseOp> = call.iter().map(|p| p.op.clone()).collect();
                 // The semaphore is never closed.
                 let _permit = self.calls.acquire().await;
-                let results = self.limiter.hold(&ops).await;
+                let results = self.limiter.lease(&ops).await;
                 (call, results)
             })
             .buffer_unordered(CALLS_IN_FLIGHT);
@@ -347,7 +348,7 @@ impl Inner {
     // events of them.
     fn deliver(self: &Arc<Self>, (call, results): Answered) {
         let mut batches: HashMap<u64, Batch> = HashMap::new();
-        // Members whose next op may size their hold by what this one told (see `Holding::set`).
+        // Members whose next op may size their lease by what this one told (see `LocalLease::set`).
         let mut grown: Vec<(String, MemberId)> = Vec::new();
         {
             let now_ms = self.now_ms();
@@ -396,7 +397,8 @@ impl Inner {
                 return;
             }
             let fresh = member.fresh(now_ms);
-            let due = member.holding.due(&bucket.target, &member.holder, member.demand, now_ms, force, fresh);
+            let due =
+                member.leasing.due(&bucket.target, &member.leaseholder, member.demand, now_ms, force, fresh);
             if let Some(op) = due {
                 member.busy = true;
                 planned.push(Planned { op, member: id.clone() });
@@ -425,11 +427,11 @@ impl Inner {
 }
 
 // Books what an op got at `now_ms` in `buckets`: the event for its member's stream. A member
-// whose hold may grow now goes on `grown`.
+// whose lease may grow now goes on `grown`.
 fn settle(
     buckets: &mut HashMap<String, Bucket>,
     planned: &Planned,
-    result: Result<HoldOutcome, StoreError>,
+    result: Result<LeaseOutcome, StoreError>,
     now_ms: u64,
     grown: &mut Vec<(String, MemberId)>,
 ) -> Option<(mpsc::Sender<Events>, Event)> {
@@ -441,29 +443,29 @@ fn settle(
     let name = planned.member.1.clone();
     match result {
         Ok(outcome) => {
-            metrics::counter!("tollgate_rlqs_holds_total", "outcome" => "set").increment(1);
-            if member.holding.set(&planned.op, &outcome, now_ms) {
+            telemetry::count_rlqs_lease("set");
+            if member.leasing.set(&planned.op, &outcome, now_ms) {
                 grown.push((planned.op.key.clone(), planned.member.clone()));
             }
-            let allotment = Allotment::of(outcome.capacity, outcome.refill_per_second, cost);
+            let assignment = LocalBucket::of(outcome.capacity, outcome.refill_per_second, cost);
             // An Envoy never given a bucket by this stream keeps what it has (its cached
-            // assignment, from another replica's stream, stands on that stream's hold).
-            if allotment.is_none() && member.sent_at.is_none() {
+            // assignment, from another replica's stream, stands on that stream's lease).
+            if assignment.is_none() && member.sent_at.is_none() {
                 return None;
             }
-            member.sent_at = allotment.map(|_| now_ms);
+            member.sent_at = assignment.map(|_| now_ms);
             // The first local bucket starts full, as a fresh one does.
             let fresh = planned.op.fresh || !member.given;
-            member.given |= allotment.is_some();
-            let event = Event::Assign { bucket: name, allotment, fresh };
+            member.given |= assignment.is_some();
+            let event = Event::Assign { bucket: name, assignment, fresh };
             Some((member.events.clone(), event))
         }
         Err(error) => {
-            metrics::counter!("tollgate_rlqs_holds_total", "outcome" => "failed").increment(1);
-            if let Some(held_back) = logs::throttled("rlqs_hold_failed") {
-                tracing::warn!(error = %ErrorChain(&error), held_back, "could not set a hold in the store; applying the failure mode");
+            telemetry::count_rlqs_lease("failed");
+            if let Some(held_back) = logs::throttled("rlqs_lease_failed") {
+                tracing::warn!(error = %ErrorChain(&error), held_back, "could not set a lease in the store; applying the failure mode");
             }
-            member.holding.failed();
+            member.leasing.failed();
             member.sent_at = None;
             Some((member.events.clone(), Event::StoreFailed { bucket: name, mode }))
         }

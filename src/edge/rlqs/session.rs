@@ -2,15 +2,15 @@
 //!
 //! The task owns the stream's state, reads the Envoy's usage reports, receives the pool's
 //! events, and writes every assignment, so nothing about a stream is shared. For each bucket id
-//! the Envoy reports, it keeps what the id stands for ([`QuotaBucket`]: a held bucket, a bucket no
+//! the Envoy reports, it keeps what the id stands for ([`RlqsBucket`]: a leased bucket, a bucket no
 //! limit applies to (ALLOW_ALL), or none (the domain's `rlqs_unknown`)) and the Envoy's demand,
-//! from the reports ([`Demand`]), which sizes its part of this replica's hold.
+//! from the reports ([`Demand`]), which sizes its part of this replica's lease.
 //!
-//! A held bucket's assignment is a refilling token bucket (the pool's
-//! [`Allotment`](super::assign::Allotment)), living
-//! [`ASSIGNMENT_TTL`] and sent again whenever the hold is set (renewed or resized): an identical
+//! A leased bucket's assignment is a refilling token bucket (the pool's
+//! [`LocalBucket`](super::assign::LocalBucket)), living
+//! [`ASSIGNMENT_TTL`] and sent again whenever the lease is set (renewed or resized): an identical
 //! one is carried over by Envoy, a changed one rebuilt at its fill ratio, so an assignment never
-//! hands the Envoy tokens the hold did not take. Static assignments (ALLOW_ALL, DENY_ALL) are
+//! hands the Envoy tokens the lease did not take. Static assignments (ALLOW_ALL, DENY_ALL) are
 //! renewed with every report, since Envoy falls back to its no-assignment behavior when an
 //! assignment expires.
 //!
@@ -28,7 +28,7 @@
 //!
 //! The stream ends when the Envoy closes it, its connection drops, it leaves its answers unread
 //! past the deadline ([`super::unread`]) or the server drains; then its buckets leave the pool. Nothing needs settling: what the Envoy may still admit under its
-//! cached assignments is inside this replica's hold, which outlives them.
+//! cached assignments is inside this replica's lease, which outlives them.
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -52,9 +52,9 @@ use super::unread::{Answers, NotSent};
 use super::RlqsLimits;
 use crate::clock::Clock;
 use crate::config::{Blanket, FailureMode};
-use crate::limiter::{HeldBucket, Limiter, QuotaBucket, ASSIGNMENT_TTL};
+use crate::limiter::{LeasedBucket, Limiter, RlqsBucket, ASSIGNMENT_TTL};
 
-/// How long a failure-mode assignment stands: a few ticks, so that the next hold replaces it.
+/// How long a failure-mode assignment stands: a few ticks, so that the next lease replaces it.
 pub const FAILURE_TTL: Duration = Duration::from_secs(3);
 /// How long a static assignment stands: renewed by every report (every 5 s from Envoy 1.40).
 pub const STATIC_TTL: Duration = Duration::from_secs(15);
@@ -63,7 +63,7 @@ pub const STATIC_TTL: Duration = Duration::from_secs(15);
 pub struct Context {
     /// The decision core.
     pub limiter: Arc<Limiter>,
-    /// This replica's held shares.
+    /// This replica's leases.
     pub pool: Arc<Pool>,
     /// Time for reports and abandonment.
     pub clock: Arc<dyn Clock>,
@@ -79,7 +79,7 @@ struct Bucket {
     id: BucketId,
     // The number of the last pool event applied (see `Events`).
     seq: u64,
-    kind: QuotaBucket,
+    kind: RlqsBucket,
     demand: Demand,
     last_report_ms: u64,
     // When a report last counted a request for it (or it was first reported).
@@ -93,10 +93,10 @@ pub struct Peer {
     pub name: String,
 }
 
-/// How many buckets a report names for the first time are resolved at once (rule, quota):
+/// How many buckets a report names for the first time are resolved at once (rule, tenant quota):
 /// together, not one after another, and without flooding the store.
 const FIRST_REPORT_CONCURRENCY: usize = 64;
-/// Most usages booked at once (see `run`): the first of 10,000 new buckets are held while the
+/// Most usages booked at once (see `run`): the first of 10,000 new buckets are leased while the
 /// rest are still being resolved.
 const BOOK_CHUNK: usize = 1024;
 
@@ -136,9 +136,9 @@ pub async fn run(
     };
     metrics::gauge!("tollgate_rlqs_streams").increment(1.0);
     // A message read while gathering reports that is not one (the end, an error): next.
-    let mut held: Option<Result<Option<RateLimitQuotaUsageReports>, Status>> = None;
+    let mut pending: Option<Result<Option<RateLimitQuotaUsageReports>, Status>> = None;
     // Usages accepted and not booked yet, in chunks of BOOK_CHUNK: a first report of thousands of
-    // new buckets is booked a chunk at a time, so that a chunk's holds are set while the next is
+    // new buckets is booked a chunk at a time, so that a chunk's leases are set while the next is
     // resolved, and the pool's events are answered between chunks. No report is read meanwhile.
     let mut backlog: VecDeque<Vec<Usage>> = VecDeque::new();
     loop {
@@ -153,7 +153,7 @@ pub async fn run(
             continue;
         }
         let next = async {
-            match held.take() {
+            match pending.take() {
                 Some(message) => message,
                 None => reports.message().await,
             }
@@ -161,7 +161,7 @@ pub async fn run(
         let responses = tokio::select! {
             report = next => match report {
                 Ok(Some(mut report)) => {
-                    held = gather(&mut reports, &mut report);
+                    pending = gather(&mut reports, &mut report);
                     match session.accept(report) {
                         Ok(usages) => {
                             let mut usages = usages.into_iter().peekable();
@@ -196,7 +196,7 @@ pub async fn run(
         }
     }
     for (name, bucket) in &session.buckets {
-        if let QuotaBucket::Held(HeldBucket { key, .. }) = &bucket.kind {
+        if let RlqsBucket::Leased(LeasedBucket { key, .. }) = &bucket.kind {
             pool.leave(key, &(id, name.clone()));
         }
     }
@@ -225,7 +225,7 @@ const STALE_REPORT_MS: u64 = 10_000;
 const MAX_GATHERED_USAGES: usize = 4096;
 
 // Appends to `report` the usages of every report already waiting on the stream, up to
-// [`MAX_GATHERED_USAGES`], so that they are resolved and held together: Envoy reports each new
+// [`MAX_GATHERED_USAGES`], so that they are resolved and leased together: Envoy reports each new
 // bucket's first request at once, in a message of its own, and thousands of them one at a time
 // would each wait for the ones before. Returns a message read that is not a report (the stream's
 // end, an error), to be handled next.
@@ -257,7 +257,7 @@ async fn send_all(answers: &Answers, responses: Vec<RateLimitQuotaResponse>) -> 
             Err(NotSent::Unread) => {
                 metrics::counter!("tollgate_rlqs_stream_errors_total", "reason" => "unread").increment(1);
                 if let Some(held_back) = crate::telemetry::logs::throttled("rlqs_unread") {
-                    tracing::warn!(held_back, "an RLQS stream left its answers unread past the deadline; ended with RESOURCE_EXHAUSTED, its holds given back");
+                    tracing::warn!(held_back, "an RLQS stream left its answers unread past the deadline; ended with RESOURCE_EXHAUSTED, its leases given back");
                 }
                 return false;
             }
@@ -267,7 +267,7 @@ async fn send_all(answers: &Answers, responses: Vec<RateLimitQuotaResponse>) -> 
 }
 
 /// Batches waiting for a stream, at most (each store call's events are one, and a round of
-/// 10,000 first holds is 40 calls); the pool waits a while for room, then drops the batch.
+/// 10,000 first leases is 40 calls); the pool waits a while for room, then drops the batch.
 const EVENTS_QUEUE: usize = 64;
 
 // One stream's state, owned by its task.
@@ -305,7 +305,7 @@ impl Session<'_> {
         }
         let now = self.clock.now_ms();
         self.recently_abandoned.retain(|_, at| now.saturating_sub(*at) < STALE_REPORT_MS);
-        // One lookup, not a walk over every bucket the stream holds.
+        // One lookup, not a walk over every bucket the stream leases.
         if self.limiter.rules().domain(&domain).is_none() {
             metrics::counter!("tollgate_rlqs_unknown_domain_reports_total").increment(1);
             if !self.unknown_domain_logged {
@@ -350,14 +350,14 @@ impl Session<'_> {
             bucket.demand.report(requests, elapsed);
             metrics::counter!("tollgate_rlqs_allowed_requests_total").increment(usage.num_requests_allowed);
             match &bucket.kind {
-                QuotaBucket::Held(target) => {
+                RlqsBucket::Leased(target) => {
                     let member: MemberId = (self.id, name.clone());
                     if self.pool.report(&member, target, bucket.demand.rate(), &self.events) {
                         fresh.push((target.key.clone(), member));
                     }
                 }
-                QuotaBucket::Unlimited(_) => actions.push(blanket(&bucket.id, Blanket::AllowAll, STATIC_TTL)),
-                QuotaBucket::Unknown(d) => {
+                RlqsBucket::Unlimited(_) => actions.push(blanket(&bucket.id, Blanket::AllowAll, STATIC_TTL)),
+                RlqsBucket::Unknown(d) => {
                     metrics::counter!("tollgate_rlqs_unknown_buckets_total").increment(1);
                     // As the RLS path answers a domain it does not serve: OK for everything.
                     let answer = d.as_ref().map_or(Blanket::AllowAll, |d| d.rlqs_unknown);
@@ -369,7 +369,7 @@ impl Session<'_> {
             self.abandon(&name);
         }
         // The Envoy refuses these buckets' requests until it has an assignment.
-        self.pool.hold_now(fresh);
+        self.pool.lease_now(fresh);
         actions
     }
 
@@ -399,10 +399,10 @@ impl Session<'_> {
         let limiter = self.limiter;
         let resolved: Vec<(String, Bucket)> = futures::stream::iter(fresh)
             .map(|(name, id)| async move {
-                let kind = limiter.quota_bucket(domain, &id.bucket).await;
+                let kind = limiter.rlqs_bucket(domain, &id.bucket).await;
                 // Until a report says otherwise, the Envoy may want all of it.
                 let guess = match &kind {
-                    QuotaBucket::Held(t) => t.spec.refill_per_second() / t.cost as f64,
+                    RlqsBucket::Leased(t) => t.spec.refill_per_second() / t.cost as f64,
                     _ => 0.0,
                 };
                 let bucket = Bucket {
@@ -423,7 +423,7 @@ impl Session<'_> {
 
     // Whether `usage` of the bucket `name` is a report the Envoy sent before it had this stream's
     // abandon_action: no request since (an Envoy that dropped the bucket reports it again only
-    // with the request that starts it afresh). Taken for a new bucket, it would be held for an
+    // with the request that starts it afresh). Taken for a new bucket, it would be leased for an
     // Envoy that drops every assignment for it.
     fn stale(&self, name: &str, usage: &BucketQuotaUsage) -> bool {
         !self.buckets.contains_key(name)
@@ -449,7 +449,7 @@ impl Session<'_> {
         self.tracked.fetch_sub(1, Ordering::SeqCst);
         self.recently_abandoned.insert(name.to_owned(), self.clock.now_ms());
         metrics::counter!("tollgate_rlqs_abandoned_buckets_total").increment(1);
-        if let QuotaBucket::Held(target) = &bucket.kind {
+        if let RlqsBucket::Leased(target) = &bucket.kind {
             self.pool.leave(&target.key, &(self.id, name.to_owned()));
         }
     }
@@ -480,13 +480,16 @@ impl Session<'_> {
     // the token bucket in one response, which Envoy starts full.
     fn event(&self, event: Event) -> Option<Vec<BucketAction>> {
         match event {
-            Event::Assign { bucket, allotment, fresh } => {
+            Event::Assign { bucket, assignment, fresh } => {
                 let b = self.buckets.get(&bucket)?;
-                Some(match allotment {
-                    Some(allotment) if fresh => {
-                        vec![blanket(&b.id, Blanket::DenyAll, ASSIGNMENT_TTL), local_bucket(&b.id, allotment)]
+                Some(match assignment {
+                    Some(assignment) if fresh => {
+                        vec![
+                            blanket(&b.id, Blanket::DenyAll, ASSIGNMENT_TTL),
+                            local_bucket(&b.id, assignment),
+                        ]
                     }
-                    Some(allotment) => vec![local_bucket(&b.id, allotment)],
+                    Some(assignment) => vec![local_bucket(&b.id, assignment)],
                     None => vec![blanket(&b.id, Blanket::DenyAll, ASSIGNMENT_TTL)],
                 })
             }

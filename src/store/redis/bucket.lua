@@ -1,17 +1,17 @@
 -- tollgate token buckets: the Redis twin of src/bucket/. Same algorithm, same floating point
 -- order of operations; tests/equivalence.rs requires both to give identical verdicts, balances,
--- holds, refill times and TTLs. Change one, change the other.
+-- leases, refill times and TTLs. Change one, change the other.
 --
 -- This is the part both bucket scripts share; token_bucket.lua (batches of requests) and
--- hold.lua (RLQS held shares) follow it in one script each.
+-- lease.lua (RLQS leases) follow it in one script each.
 --
 -- Bucket hash fields (numbers as %.17g, times as integers, ms since the epoch on the server's
 --        clock): t = tokens, l = last refill, r = refill per second in force (src/bucket
 --        BucketState::fastest_refill), p = a faster pending rate (0: none), q = when p takes
 --        effect, c = largest capacity of any charge, s = slowest refill per second of any charge,
---        h = the holds (src/bucket/hold.rs), seven words each: replica, capacity, refill per
+--        h = the leases (src/bucket/lease.rs), seven words each: replica, capacity, refill per
 --        second, expiry (ms), demand per second, banked tokens, when set (ms); absent when none;
---        u = tokens other requests asked while it had holds (src/bucket/hold.rs Asked): the
+--        u = tokens other requests asked while it had leases (src/bucket/lease.rs Asked): the
 --        previous window's, the current one's, and when the current one started (ms).
 
 -- TIME makes the script non-deterministic; Redis < 5 needs effects replication for that.
@@ -25,37 +25,37 @@ local MAX_WAIT = 4503599627370496
 -- (bucket RATE_RAISE_DELAY_MS).
 local RAISE_DELAY = 6000
 
--- Holds from the h field: a list of {replica, capacity, rate per second, expiry, demand,
--- banked, since, text}, text being the hold's seven words as stored, which format_holds writes
--- back unchanged (a hold op changes one replica's hold and keeps the others'; formatting numbers
--- is most of what a hold op costs Redis).
-local function parse_holds(h)
-  local holds = {}
-  if not h then return holds end
+-- Leases from the h field: a list of {replica, capacity, rate per second, expiry, demand,
+-- banked, since, text}, text being the lease's seven words as stored, which format_leases writes
+-- back unchanged (a lease op changes one replica's lease and keeps the others'; formatting numbers
+-- is most of what a lease op costs Redis).
+local function parse_leases(h)
+  local leases = {}
+  if not h then return leases end
   for text, replica, c, r, e, d, b, s in string.gmatch(h, '((%S+) (%S+) (%S+) (%S+) (%S+) (%S+) (%S+))') do
-    holds[#holds + 1] = {replica, tonumber(c), tonumber(r), tonumber(e), tonumber(d), tonumber(b), tonumber(s), text}
+    leases[#leases + 1] = {replica, tonumber(c), tonumber(r), tonumber(e), tonumber(d), tonumber(b), tonumber(s), text}
   end
-  return holds
+  return leases
 end
 
-local function format_holds(holds)
+local function format_leases(leases)
   local parts = {}
-  for _, h in ipairs(holds) do
+  for _, h in ipairs(leases) do
     parts[#parts + 1] = h[8] or string.format('%s %.17g %.17g %d %.17g %.17g %d', h[1], h[2], h[3], h[4], h[5], h[6], h[7])
   end
   return table.concat(parts, ' ')
 end
 
 -- Committed state per key index: {tokens, last, in force, pending, pending from, largest
--- capacity, slowest rate, holds, asked before, asked now, asked since} or false when no bucket is
+-- capacity, slowest rate, leases, asked before, asked now, asked since} or false when no bucket is
 -- stored.
 local running = {}
 -- Expiries the script knows without asking Redis (ms since the epoch; 0: no key): of a key it
--- found missing or has written. A first hold or charge of a key saves a command so, and thousands
+-- found missing or has written. A first lease or charge of a key saves a command so, and thousands
 -- of them arrive together when a fleet's first reports do.
 local expiries = {}
 -- The state as loaded, per key index (false: no bucket): a write leaves the fields it did not
--- change alone, which saves formatting them (a hold's renewal changes the balance and the holds).
+-- change alone, which saves formatting them (a lease's renewal changes the balance and the leases).
 local loaded = {}
 local function load(k)
   local s = running[k]
@@ -64,7 +64,7 @@ local function load(k)
     local tokens, last = tonumber(v[1]), tonumber(v[2])
     if tokens and last then
       s = {tokens, last, tonumber(v[3]) or 0, tonumber(v[4]) or 0, tonumber(v[5]) or 0,
-           tonumber(v[6]) or 0, tonumber(v[7]) or 0, parse_holds(v[8]), 0, 0, 0}
+           tonumber(v[6]) or 0, tonumber(v[7]) or 0, parse_leases(v[8]), 0, 0, 0}
       if v[9] then
         local p, c, since = string.match(v[9], '^(%S+) (%S+) (%S+)$')
         s[9], s[10], s[11] = tonumber(p), tonumber(c), tonumber(since)
@@ -82,10 +82,10 @@ local function load(k)
   return s
 end
 
--- The capacity and rate per second of the holds alive at `at`, summed in order.
-local function held_at(holds, at)
+-- The capacity and rate per second of the leases alive at `at`, summed in order.
+local function leased_at(leases, at)
   local c, r = 0, 0
-  for _, h in ipairs(holds) do
+  for _, h in ipairs(leases) do
     if h[4] > at then
       c = c + h[2]
       r = r + h[3]
@@ -94,31 +94,31 @@ local function held_at(holds, at)
   return c, r
 end
 
--- What hold h has banked for its holder as of `at` (src/bucket/hold.rs bank): a hold with no
+-- What lease h has banked for its leaseholder as of `at` (src/bucket/lease.rs bank): a lease with no
 -- capacity banks its rate, up to cap; one with capacity keeps what its growth left.
 local function bank(h, at, cap)
   if h[2] == 0 then return math.min(h[6] + h[3] * math.max(0, at - h[7]) / 1000, cap) end
   return h[6]
 end
 
--- What the holds alive at `alive` have banked as of `at`, summed in order.
-local function banked_at(holds, alive, at, cap)
+-- What the leases alive at `alive` have banked as of `at`, summed in order.
+local function banked_at(leases, alive, at, cap)
   local b = 0
-  for _, h in ipairs(holds) do
+  for _, h in ipairs(leases) do
     if h[4] > alive then b = b + bank(h, at, cap) end
   end
   return b
 end
 
--- Whether any hold is alive now.
-local function holds_live(holds)
-  for _, h in ipairs(holds) do
+-- Whether any lease is alive now.
+local function leases_live(leases)
+  for _, h in ipairs(leases) do
     if h[4] > now then return true end
   end
   return false
 end
 
--- Asked (src/bucket/hold.rs): windows of ASKED_WINDOW ms in st[9] (previous), st[10] (current),
+-- Asked (src/bucket/lease.rs): windows of ASKED_WINDOW ms in st[9] (previous), st[10] (current),
 -- st[11] (when the current one started).
 local ASKED_WINDOW = 5000
 local function asked_roll(st)
@@ -140,10 +140,10 @@ local function asked_per_second(st)
   return (st[9] + st[10]) * 1000 / span
 end
 
--- How long after now the last hold alive now expires (0 if none).
-local function held_for(holds)
+-- How long after now the last lease alive now expires (0 if none).
+local function leased_for(leases)
   local ms = 0
-  for _, h in ipairs(holds) do ms = math.max(ms, h[4] - now) end
+  for _, h in ipairs(leases) do ms = math.max(ms, h[4] - now) end
   return ms
 end
 
@@ -154,9 +154,9 @@ end
 
 -- A missing bucket is full; a clock step back refills nothing and keeps the later timestamp.
 -- The refill runs at the spec's rate, never faster than the rate in force (0: unknown, no cap),
--- which a pending rate replaces from the moment it takes effect, less what live holds take; the
--- balance is capped at the capacity less what they hold. The interval is walked in pieces
--- between the moments those change (the raise, each hold's expiry).
+-- which a pending rate replaces from the moment it takes effect, less what live leases take; the
+-- balance is capped at the capacity less what they lease. The interval is walked in pieces
+-- between the moments those change (the raise, each lease's expiry).
 local function refill(s, cap, rate)
   if not s then return {cap, now, 0, 0, 0, 0, 0, {}, 0, 0, 0} end
   local function capped(in_force)
@@ -172,7 +172,7 @@ local function refill(s, cap, rate)
       if h[4] > from and h[4] < to then to = h[4] end
     end
     if n[4] > 0 and n[5] <= from and from < now then take_effect(n) end
-    local hc, hr = held_at(s[8], from)
+    local hc, hr = leased_at(s[8], from)
     local grow = math.max(0, capped(n[3]) - hr / 1000)
     -- The banks grow while the balance refills: the two together stay within the capacity.
     local room = math.max(0, cap - hc - banked_at(s[8], from, to, cap))
@@ -186,9 +186,9 @@ local function refill(s, cap, rate)
   return n
 end
 
--- What is left of the spec (cap, rate per ms) beside the holds alive now.
-local function unheld(st, cap, rate)
-  local hc, hr = held_at(st[8], now)
+-- What is left of the spec (cap, rate per ms) beside the leases alive now.
+local function unleased(st, cap, rate)
+  local hc, hr = leased_at(st[8], now)
   return math.max(0, cap - hc - banked_at(st[8], now, now, cap)), math.max(0, rate - hr / 1000)
 end
 
@@ -233,7 +233,7 @@ local function note_spec(st, cap, rps)
   if st[7] == 0 then st[7] = rps else st[7] = math.min(st[7], rps) end
 end
 
--- Takes need from the state, capped at room (what the holds leave of cap), recording the spec;
+-- Takes need from the state, capped at room (what the leases leave of cap), recording the spec;
 -- below the floor the rest is forgiven (a balance already below it stays). Returns the tokens
 -- forgiven.
 local function debit(st, cap, rps, need, debt, room)
@@ -246,9 +246,9 @@ end
 
 -- How long a bucket written as st by a charge with floor fl must live: until it is full at its
 -- largest capacity at its slowest rate, from its balance or the floor if lower, plus a second,
--- counted from when the last live hold expires.
+-- counted from when the last live lease expires.
 local function life(st, fl)
-  local ttl = wait(st[6] - math.min(st[1], fl), st[7] / 1000) + 1000 + held_for(st[8])
+  local ttl = wait(st[6] - math.min(st[1], fl), st[7] / 1000) + 1000 + leased_for(st[8])
   if ttl > MAX_WAIT then return MAX_WAIT end
   return ttl
 end
@@ -280,12 +280,12 @@ end
 local SPEC_FIELDS = {{'r', 3, '%.17g'}, {'p', 4, '%.17g'}, {'q', 5, '%d'}, {'c', 6, '%.17g'}, {'s', 7, '%.17g'}}
 
 -- Writes key k's state s to live ttl ms from now, never moving its expiry earlier; returns the
--- TTL written. The holds are written only when `holds` is true (the hold script changes them).
-local function store(k, s, ttl, holds)
+-- TTL written. The leases are written only when `leases` is true (the lease script changes them).
+local function store(k, s, ttl, leases)
   local at = expiry(k, true)
   if at == false then at = now + MAX_WAIT end
   if at then ttl = math.max(ttl, math.min(math.max(0, at - now), MAX_WAIT)) end
-  -- One HSET for every field written: Redis counts each command, and an idle hold's renewal is
+  -- One HSET for every field written: Redis counts each command, and an idle lease's renewal is
   -- a handful of them.
   local fields = {'t', string.format('%.17g', s[1]), 'l', string.format('%d', s[2])}
   local was = loaded[k]
@@ -295,9 +295,9 @@ local function store(k, s, ttl, holds)
       fields[#fields + 1] = string.format(f[3], s[f[2]])
     end
   end
-  if holds and #s[8] > 0 then
+  if leases and #s[8] > 0 then
     fields[#fields + 1] = 'h'
-    fields[#fields + 1] = format_holds(s[8])
+    fields[#fields + 1] = format_leases(s[8])
   end
   if s[11] > 0 and not (was and was[9] == s[9] and was[10] == s[10] and was[11] == s[11]) then
     fields[#fields + 1] = 'u'
@@ -305,7 +305,7 @@ local function store(k, s, ttl, holds)
   end
   redis.call('HSET', KEYS[k], unpack(fields))
   loaded[k] = {unpack(s)}
-  if holds and #s[8] == 0 then redis.call('HDEL', KEYS[k], 'h') end
+  if leases and #s[8] == 0 then redis.call('HDEL', KEYS[k], 'h') end
   redis.call('PEXPIREAT', KEYS[k], string.format('%d', now + ttl))
   expiries[k] = now + ttl
   return ttl

@@ -3,7 +3,7 @@
 -- the token buckets on a budget's path.
 
 -- Keys a group charged, with the TTL they need at least; written once, after every group ran
--- (write_dirty), with what they then hold.
+-- (write_dirty), with what they then contain.
 local dirty = {}
 
 -- Evaluates `group`, a list of ops {k (key index), cap, rps, need, role ('0' enforced, '1'
@@ -18,12 +18,12 @@ local function evaluate_group(group)
   for i, op in ipairs(group) do
     local k, cap, rps, need, role, debt = op[1], op[2], op[3], op[4], op[5], op[6]
     local rate = rps / 1000
-    -- What a held bucket records as asked of it: this op's need and the denials it did not see.
+    -- What a leased bucket records as asked of it: this op's need and the denials it did not see.
     local ask = math.max(need, 0) + op[7]
     local s = tentative[k]
     if s == nil then s = load(k) end
     local st = refill(s, cap, rate)
-    local room, room_rate = unheld(st, cap, rate)
+    local room, room_rate = unleased(st, cap, rate)
     local raises = s and raises_ceiling(st, rps)
     local allowed = need < 0 or st[1] >= need
     local retry = 0
@@ -34,7 +34,7 @@ local function evaluate_group(group)
     elseif raises then
       note_spec(st, cap, rps)
     end
-    local asks = ask > 0 and holds_live(st[8])
+    local asks = ask > 0 and leases_live(st[8])
     if asks then asked_record(st, ask) end
     tentative[k] = st
     if role == '0' then
@@ -79,7 +79,7 @@ local function evaluate_group(group)
       tokens, fastest = st[1], ceiling(st)
       charged = debt ~= nil
     end
-    -- Written when charged, when its spec raised the rate ceiling, and when it asked of a held
+    -- Written when charged, when its spec raised the rate ceiling, and when it asked of a leased
     -- bucket.
     if ((charged and need ~= 0) or raises or asks) and rate > 0 then
       local ttl = life(running[k], floor_of(debt))

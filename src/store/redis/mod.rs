@@ -23,12 +23,12 @@
 
 mod budget;
 mod connection;
-mod hold;
+mod lease;
 mod split;
 mod wire;
 
 pub use self::connection::{ConnectError, RedisTarget, RedisTls};
-pub use self::hold::parse_holds;
+pub use self::lease::parse_leases;
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -39,14 +39,14 @@ use self::connection::Connection;
 use super::coalesce::{Call, Coalescer};
 use super::node::{self, Script};
 use super::{LateReply, Store, StoreError};
-use crate::bucket::{Batch, BucketState, Group, GroupOutcome, HoldOp, HoldOutcome};
+use crate::bucket::{Batch, BucketState, Group, GroupOutcome, LeaseOp, LeaseOutcome};
 use crate::budget::{BudgetOp, BudgetOutcome};
 
 /// The bucket script, loaded once per process.
 const SCRIPT: &str =
     concat!(include_str!("bucket.lua"), include_str!("group.lua"), include_str!("token_bucket.lua"));
-/// The RLQS held-shares script.
-const HOLD_SCRIPT: &str = concat!(include_str!("bucket.lua"), include_str!("hold.lua"));
+/// The RLQS leases script.
+const LEASE_SCRIPT: &str = concat!(include_str!("bucket.lua"), include_str!("lease.lua"));
 /// The money budgets script.
 const BUDGET_SCRIPT: &str =
     concat!(include_str!("bucket.lua"), include_str!("group.lua"), include_str!("budget.lua"));
@@ -81,7 +81,7 @@ struct Shared {
     connection: Connection,
     script: Script,
     peek_script: Script,
-    hold_script: Script,
+    lease_script: Script,
     budget_script: Script,
     deadline: Duration,
     description: String,
@@ -103,7 +103,7 @@ impl RedisStore {
             connection,
             script: Script::new(SCRIPT),
             peek_script: Script::new(PEEK_SCRIPT),
-            hold_script: Script::new(HOLD_SCRIPT),
+            lease_script: Script::new(LEASE_SCRIPT),
             budget_script: Script::new(BUDGET_SCRIPT),
             deadline,
             description,
@@ -174,8 +174,8 @@ impl Store for RedisStore {
         Box::pin(self.evaluate_slots(batch, late))
     }
 
-    fn hold<'a>(&'a self, ops: &'a [HoldOp]) -> BoxFuture<'a, Vec<Result<HoldOutcome, StoreError>>> {
-        Box::pin(self.hold_all(ops))
+    fn lease<'a>(&'a self, ops: &'a [LeaseOp]) -> BoxFuture<'a, Vec<Result<LeaseOutcome, StoreError>>> {
+        Box::pin(self.lease_all(ops))
     }
 
     fn budget<'a>(&'a self, op: &'a BudgetOp) -> BoxFuture<'a, Result<BudgetOutcome, StoreError>> {

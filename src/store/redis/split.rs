@@ -74,7 +74,7 @@ impl RedisStore {
                         .iter()
                         .map(|&i| {
                             let op = &batch[g][i];
-                            let role = if op.role == Role::Quota { Role::Shadow } else { op.role };
+                            let role = if op.role == Role::QuotaMode { Role::Shadow } else { op.role };
                             BucketOp { role, ..op.clone() }
                         })
                         .collect()
@@ -218,13 +218,14 @@ impl RedisStore {
                 Err(e) => failure = Some(e.clone()),
             }
         }
-        let quota: Vec<bool> = group
+        let quota_mode: Vec<bool> = group
             .iter()
             .zip(&verdicts)
-            .filter(|(op, _)| op.role == Role::Quota)
+            .filter(|(op, _)| op.role == Role::QuotaMode)
             .map(|(_, v)| v.is_some_and(|v| v.allowed))
             .collect();
-        let admitted = failure.is_none() && parts_admitted && (quota.is_empty() || quota.contains(&true));
+        let admitted =
+            failure.is_none() && parts_admitted && (quota_mode.is_empty() || quota_mode.contains(&true));
         // An enforced operation that answered short denies the group whatever the rest says.
         let known_denial = group
             .iter()

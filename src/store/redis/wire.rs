@@ -6,7 +6,7 @@ use std::collections::HashMap;
 
 use redis::Value;
 
-use super::{parse_holds, Peek};
+use super::{parse_leases, Peek};
 use crate::bucket::{BucketState, Charge, Group, GroupOutcome, Role, Verdict};
 use crate::store::StoreError;
 
@@ -32,7 +32,7 @@ pub(super) fn encode<'a>(batch: &[&'a Group]) -> (Vec<&'a str>, Vec<String>) {
                 match op.role {
                     Role::Enforced => "0",
                     Role::Shadow => "1",
-                    Role::Quota => "2",
+                    Role::QuotaMode => "2",
                 }
                 .to_owned(),
             );
@@ -64,8 +64,8 @@ pub(super) fn peek(reply: Value) -> Result<Peek, StoreError> {
             pending_from_ms: number(4).unwrap_or(0.0) as u64,
             largest_capacity: number(5).unwrap_or(0.0),
             slowest_refill: number(6).unwrap_or(0.0),
-            holds: match items.get(10) {
-                Some(Value::BulkString(h)) => parse_holds(&String::from_utf8_lossy(h))?,
+            leases: match items.get(10) {
+                Some(Value::BulkString(h)) => parse_leases(&String::from_utf8_lossy(h))?,
                 _ => Vec::new(),
             },
             // What other requests asked lately is not shown by `explain`.

@@ -1,8 +1,8 @@
-//! RLQS held shares in Redis: the hold script (`hold.lua` after `bucket.lua`), one call per slot
+//! RLQS leases in Redis: the lease script (`lease.lua` after `bucket.lua`), one call per slot
 //! for all of a batch's ops in it, the slots' calls concurrent, so a replica's renewals of
 //! thousands of buckets are a few script runs per node rather than one per bucket. The calls run
 //! under the caller's deadline ([`crate::store::in_background`]); a lost reply needs no repair,
-//! since the same op sent again sets the same hold.
+//! since the same op sent again sets the same lease.
 
 use std::collections::HashMap;
 
@@ -11,11 +11,11 @@ use redis::Value;
 
 use super::wire::int;
 use super::RedisStore;
-use crate::bucket::{Hold, HoldOp, HoldOutcome, Others};
+use crate::bucket::{Lease, LeaseOp, LeaseOutcome, Others};
 use crate::store::StoreError;
 
 impl RedisStore {
-    pub(super) async fn hold_all(&self, ops: &[HoldOp]) -> Vec<Result<HoldOutcome, StoreError>> {
+    pub(super) async fn lease_all(&self, ops: &[LeaseOp]) -> Vec<Result<LeaseOutcome, StoreError>> {
         let mut by_slot: HashMap<u16, Vec<usize>> = HashMap::new();
         for (i, op) in ops.iter().enumerate() {
             by_slot.entry(self.shared.connection.slot(&op.key)).or_default().push(i);
@@ -43,13 +43,13 @@ impl RedisStore {
                     op.demand.to_string(),
                     op.unit.to_string(),
                     if op.fresh { "1" } else { "0" }.to_owned(),
-                    op.of_unheld.to_string(),
+                    op.of_unleased.to_string(),
                 ]);
             }
-            let reply = self.shared.eval_in_slot(&self.shared.hold_script, slot, &keys, &args).await;
+            let reply = self.shared.eval_in_slot(&self.shared.lease_script, slot, &keys, &args).await;
             (members, reply.and_then(|r| parse_outcomes(r, ops.len())))
         });
-        let mut results: Vec<Option<Result<HoldOutcome, StoreError>>> = ops.iter().map(|_| None).collect();
+        let mut results: Vec<Option<Result<LeaseOutcome, StoreError>>> = ops.iter().map(|_| None).collect();
         for (members, reply) in join_all(calls).await {
             match reply {
                 Ok(outcomes) => {
@@ -66,29 +66,29 @@ impl RedisStore {
         }
         results
             .into_iter()
-            .map(|r| r.unwrap_or_else(|| Err(StoreError::Protocol("a hold without a reply".into()))))
+            .map(|r| r.unwrap_or_else(|| Err(StoreError::Protocol("a lease without a reply".into()))))
             .collect()
     }
 }
 
-fn parse_outcomes(reply: Value, most: usize) -> Result<Vec<HoldOutcome>, StoreError> {
+fn parse_outcomes(reply: Value, most: usize) -> Result<Vec<LeaseOutcome>, StoreError> {
     let Value::Array(items) = reply else {
-        return Err(StoreError::Protocol(format!("hold script: expected an array, got {reply:?}")));
+        return Err(StoreError::Protocol(format!("lease script: expected an array, got {reply:?}")));
     };
     let mut items = items.into_iter();
     let now_ms = u64::try_from(int(&mut items)?).map_err(|e| StoreError::Protocol(e.to_string()))?;
     let mut outcomes = Vec::new();
     for item in items.take(most) {
         let Value::BulkString(bytes) = item else {
-            return Err(StoreError::Protocol(format!("hold script: expected five numbers, got {item:?}")));
+            return Err(StoreError::Protocol(format!("lease script: expected five numbers, got {item:?}")));
         };
         let text = String::from_utf8_lossy(&bytes);
         let numbers: Option<Vec<f64>> = text.split(' ').map(|w| w.parse().ok()).collect();
         let Some(&[capacity, refill_per_second, others_capacity, others_rate, demand]) = numbers.as_deref()
         else {
-            return Err(StoreError::Protocol(format!("hold script: expected five numbers, got {text:?}")));
+            return Err(StoreError::Protocol(format!("lease script: expected five numbers, got {text:?}")));
         };
-        outcomes.push(HoldOutcome {
+        outcomes.push(LeaseOutcome {
             now_ms,
             capacity,
             refill_per_second,
@@ -98,17 +98,17 @@ fn parse_outcomes(reply: Value, most: usize) -> Result<Vec<HoldOutcome>, StoreEr
     Ok(outcomes)
 }
 
-/// The holds in a bucket's `h` field (seven words each, as `bucket.lua` writes them).
-pub fn parse_holds(field: &str) -> Result<Vec<Hold>, StoreError> {
+/// The leases in a bucket's `h` field (seven words each, as `bucket.lua` writes them).
+pub fn parse_leases(field: &str) -> Result<Vec<Lease>, StoreError> {
     let words: Vec<&str> = field.split_whitespace().collect();
-    let bad = || StoreError::Protocol(format!("a bucket's holds: {field:?}"));
+    let bad = || StoreError::Protocol(format!("a bucket's leases: {field:?}"));
     if words.len() % 7 != 0 {
         return Err(bad());
     }
     words
         .chunks(7)
         .map(|w| {
-            Ok(Hold {
+            Ok(Lease {
                 replica: w[0].to_owned(),
                 capacity: w[1].parse().map_err(|_| bad())?,
                 refill_per_second: w[2].parse().map_err(|_| bad())?,

@@ -1,14 +1,14 @@
--- RLQS held shares (follows bucket.lua in one script): sets replicas' holds on buckets, the twin
--- of `hold` in src/bucket/hold.rs.
+-- RLQS leases (follows bucket.lua in one script): sets replicas' leases on buckets, the twin
+-- of `lease` in src/bucket/lease.rs.
 --
 -- KEYS: the distinct bucket keys of the call (one Cluster slot).
 -- ARGV: op count, then per op eleven values: key index (into KEYS), capacity, refill per second,
 --       replica, capacity wanted, rate wanted, time to live (ms), demand per second, unit (the
---       smallest capacity worth holding), fresh (1: the whole capacity is taken again), the most
---       of the unheld rate to take (1: all).
--- Reply: now_ms, then per op one string of five numbers (%.17g): capacity held, rate held, and
---        the other replicas' live holds' capacity, rate and demand (one string, not five: a
---        first report's holds are thousands of ops, and each format and reply element costs).
+--       smallest capacity worth leasing), fresh (1: the whole capacity is taken again), the most
+--       of the unleased rate to take (1: all).
+-- Reply: now_ms, then per op one string of five numbers (%.17g): capacity leased, rate leased, and
+--        the other replicas' live leases' capacity, rate and demand (one string, not five: a
+--        first report's leases are thousands of ops, and each format and reply element costs).
 local out = {now}
 local a = 2
 for _ = 1, tonumber(ARGV[1]) do
@@ -18,9 +18,9 @@ for _ = 1, tonumber(ARGV[1]) do
   local want_c, want_r = tonumber(ARGV[a + 4]), tonumber(ARGV[a + 5])
   local ttl, demand, unit = tonumber(ARGV[a + 6]), tonumber(ARGV[a + 7]), tonumber(ARGV[a + 8])
   local fresh = ARGV[a + 9] == '1'
-  local of_unheld = tonumber(ARGV[a + 10])
+  local of_unleased = tonumber(ARGV[a + 10])
   a = a + 11
-  -- A bucket that never refills (capacity 0) has nothing to hold.
+  -- A bucket that never refills (capacity 0) has nothing to lease.
   if rps <= 0 then
     out[#out + 1] = '0 0 0 0 0'
   else
@@ -42,7 +42,7 @@ for _ = 1, tonumber(ARGV[1]) do
     end
     od = od + asked_per_second(st)
     local c = math.min(want_c, math.max(0, cap - oc))
-    local r = math.min(want_r, math.max(0, rps - orate) * of_unheld)
+    local r = math.min(want_r, math.max(0, rps - orate) * of_unleased)
     if c > before then c = math.min(c, before + banked + math.max(st[1], 0)) end
     if c < unit then c = 0 end
     if c > before then
@@ -53,17 +53,17 @@ for _ = 1, tonumber(ARGV[1]) do
     note_spec(st, cap, rps)
     local mine = {replica, c, r, now + ttl, demand, banked, now}
     local release = want_c <= 0 and want_r <= 0
-    local holds, placed = {}, false
+    local leases, placed = {}, false
     for _, h in ipairs(live) do
       if h[1] == replica then
         placed = true
-        if not release then holds[#holds + 1] = mine end
+        if not release then leases[#leases + 1] = mine end
       else
-        holds[#holds + 1] = h
+        leases[#leases + 1] = h
       end
     end
-    if not placed and not release then holds[#holds + 1] = mine end
-    st[8] = holds
+    if not placed and not release then leases[#leases + 1] = mine end
+    st[8] = leases
     running[k] = st
     store(k, st, life(st, st[1]), true)
     out[#out + 1] = string.format('%.17g %.17g %.17g %.17g %.17g', c, r, oc, orate, od)

@@ -1,38 +1,38 @@
-//! Held shares: parts of a bucket a tollgate replica hands to the Envoys it serves over Rate
+//! Leases: parts of a bucket a tollgate replica hands to the Envoys it serves over Rate
 //! Limit Quota streams, who enforce them on their own.
 //!
-//! A hold is a capacity and a refill rate, recorded in the bucket's own state with an expiry.
-//! While it lives, the rest of the bucket (what RLS requests and the pre-check see) holds and
-//! refills only what is left: at most `capacity - Σ held capacity` tokens, refilling at
-//! `rate - Σ held rate` ([`super::refill()`] walks the expiries between two evaluations, so a hold
+//! A lease is a capacity and a refill rate, recorded in the bucket's own state with an expiry.
+//! While it lives, the rest of the bucket (what RLS requests and the pre-check see) keeps and
+//! refills only what is left: at most `capacity - Σ leased capacity` tokens, refilling at
+//! `rate - Σ leased rate` ([`super::refill()`] walks the expiries between two evaluations, so a lease
 //! counts exactly until the millisecond it expires). An Envoy's new local bucket starts full, so
-//! taking or growing a hold's capacity needs the added tokens at once: they come from the hold's
-//! bank, else from the balance, and a hold grows no further than those cover (never into debt:
+//! taking or growing a lease's capacity needs the added tokens at once: they come from the lease's
+//! bank, else from the balance, and a lease grows no further than those cover (never into debt:
 //! an Envoy spends a full bucket whatever the balance). Shrinking one returns capacity and rate,
 //! not tokens. So the tokens every Envoy can spend plus the shared balance never exceed the
 //! capacity, and together they refill no faster than the rate: the bound of a bucket that no
-//! Envoy holds.
+//! replica leases.
 //!
-//! **The bank.** A hold smaller than one request (`unit`) is held at capacity 0: no Envoy can
-//! use it, but it keeps its rate, which no one else spends then, so that rate fills the hold's
-//! bank, from which the capacity grows later. This is what lets an Envoy's share start on a
-//! bucket whose balance RLS requests keep at zero: without it the hold could never get the first
+//! **The bank.** A lease smaller than one request (`unit`) is leased at capacity 0: no Envoy can
+//! use it, but it keeps its rate, which no one else spends then, so that rate fills the lease's
+//! bank, from which the capacity grows later. This is what lets an Envoy's lease start on a
+//! bucket whose balance RLS requests keep at zero: without it the lease could never get the first
 //! request's tokens.
 //!
-//! A hold op sets a replica's hold to an absolute size, so running it twice (a retry after a
+//! A lease op sets a replica's lease to an absolute size, so running it twice (a retry after a
 //! lost reply) takes nothing more: it is exactly-once by construction.
 //!
-//! This is the Rust twin of `hold` in `src/store/redis/hold.lua`; `tests/equivalence.rs` replays both.
+//! This is the Rust twin of `lease` in `src/store/redis/lease.lua`; `tests/equivalence.rs` replays both.
 
 use super::refill::{life_ms, note_spec, refill};
 use super::{BucketSpec, BucketState, Write, MAX_WAIT_MS};
 
-/// One replica's hold on a bucket.
+/// One replica's lease on a bucket.
 #[derive(Debug, Clone, PartialEq)]
-pub struct Hold {
+pub struct Lease {
     /// The replica that took it (no whitespace: the Redis field separates by it).
     pub replica: String,
-    /// Tokens its Envoys' local buckets may hold together.
+    /// Tokens its Envoys' local buckets may take together.
     pub capacity: f64,
     /// Tokens per second those local buckets refill together.
     pub refill_per_second: f64,
@@ -40,26 +40,26 @@ pub struct Hold {
     pub expires_at_ms: u64,
     /// What its Envoys asked for, in tokens per second: what other replicas size theirs by.
     pub demand: f64,
-    /// Tokens its rate filled while it held no capacity, toward its capacity.
+    /// Tokens its rate filled while it leased no capacity, toward its capacity.
     pub banked: f64,
-    /// When the hold was last set, in clock milliseconds (the bank fills from then).
+    /// When the lease was last set, in clock milliseconds (the bank fills from then).
     pub since_ms: u64,
 }
 
-/// The capacity and rate (per second) of the holds in `holds` alive at `at_ms`, summed in order.
-pub fn held_at(holds: &[Hold], at_ms: u64) -> (f64, f64) {
-    let mut held = (0.0, 0.0);
-    for h in holds.iter().filter(|h| h.expires_at_ms > at_ms) {
-        held.0 += h.capacity;
-        held.1 += h.refill_per_second;
+/// The capacity and rate (per second) of the leases in `leases` alive at `at_ms`, summed in order.
+pub fn leased_at(leases: &[Lease], at_ms: u64) -> (f64, f64) {
+    let mut leased = (0.0, 0.0);
+    for h in leases.iter().filter(|h| h.expires_at_ms > at_ms) {
+        leased.0 += h.capacity;
+        leased.1 += h.refill_per_second;
     }
-    held
+    leased
 }
 
-/// What hold `h` has banked for its holder as of `at_ms`: a hold with no capacity banks its
-/// rate (up to `capacity`), so that a holder cut below one request still gets its rate's worth
-/// when it next grows; a hold with capacity keeps what its growth left of the bank.
-pub fn bank(h: &Hold, at_ms: u64, capacity: f64) -> f64 {
+/// What lease `h` has banked for its leaseholder as of `at_ms`: a lease with no capacity banks its
+/// rate (up to `capacity`), so that a leaseholder cut below one request still gets its rate's worth
+/// when it next grows; a lease with capacity keeps what its growth left of the bank.
+pub fn bank(h: &Lease, at_ms: u64, capacity: f64) -> f64 {
     if h.capacity == 0.0 {
         (h.banked + h.refill_per_second * at_ms.saturating_sub(h.since_ms) as f64 / 1000.0).min(capacity)
     } else {
@@ -67,28 +67,28 @@ pub fn bank(h: &Hold, at_ms: u64, capacity: f64) -> f64 {
     }
 }
 
-/// What the holds alive at `alive_ms` have banked as of `at_ms`, summed in order: tokens the
-/// balance must leave room for, since their holders spend them on top of it.
-pub fn banked_at(holds: &[Hold], alive_ms: u64, at_ms: u64, capacity: f64) -> f64 {
+/// What the leases alive at `alive_ms` have banked as of `at_ms`, summed in order: tokens the
+/// balance must leave room for, since their leaseholders spend them on top of it.
+pub fn banked_at(leases: &[Lease], alive_ms: u64, at_ms: u64, capacity: f64) -> f64 {
     let mut banked = 0.0;
-    for h in holds.iter().filter(|h| h.expires_at_ms > alive_ms) {
+    for h in leases.iter().filter(|h| h.expires_at_ms > alive_ms) {
         banked += bank(h, at_ms, capacity);
     }
     banked
 }
 
-/// Whether any of `holds` is alive at `now_ms`.
-pub fn holds_live(holds: &[Hold], now_ms: u64) -> bool {
-    holds.iter().any(|h| h.expires_at_ms > now_ms)
+/// Whether any of `leases` is alive at `now_ms`.
+pub fn leases_live(leases: &[Lease], now_ms: u64) -> bool {
+    leases.iter().any(|h| h.expires_at_ms > now_ms)
 }
 
 /// The window over which [`Asked`] counts, in milliseconds.
 pub const ASKED_WINDOW_MS: u64 = 5_000;
 
-/// Tokens asked of a bucket by requests other than holds (RLS, `POST /json`), counted while it
-/// has holds, in two windows of [`ASKED_WINDOW_MS`]: the demand RLQS shares are sized beside, so
+/// Tokens asked of a bucket by requests other than leases (RLS, `POST /json`), counted while it
+/// has leases, in two windows of [`ASKED_WINDOW_MS`]: the demand RLQS leases are sized beside, so
 /// that when both sides ask more than the bucket gives, each gets its demand's part (an RLS
-/// request takes what refilled whenever it comes; a hold only what its share says).
+/// request takes what refilled whenever it comes; a lease only what its size says).
 #[derive(Debug, Clone, Copy, PartialEq, Default)]
 pub struct Asked {
     /// Tokens asked in the window before the current one.
@@ -123,32 +123,32 @@ impl Asked {
     }
 }
 
-/// How long after `now_ms` the last hold alive then expires (0 if none): a bucket written now
-/// must live that much longer, since the holds may take all of its refill until then.
-pub fn held_for_ms(holds: &[Hold], now_ms: u64) -> u64 {
-    holds.iter().map(|h| h.expires_at_ms.saturating_sub(now_ms)).max().unwrap_or(0)
+/// How long after `now_ms` the last lease alive then expires (0 if none): a bucket written now
+/// must live that much longer, since the leases may take all of its refill until then.
+pub fn leased_for_ms(leases: &[Lease], now_ms: u64) -> u64 {
+    leases.iter().map(|h| h.expires_at_ms.saturating_sub(now_ms)).max().unwrap_or(0)
 }
 
-/// Sets `replica`'s hold on a bucket.
+/// Sets `replica`'s lease on a bucket.
 #[derive(Debug, Clone, PartialEq)]
-pub struct HoldOp {
+pub struct LeaseOp {
     /// The bucket's key.
     pub key: String,
     /// The bucket's capacity and rate.
     pub spec: BucketSpec,
-    /// Who holds.
+    /// Who leases.
     pub replica: String,
-    /// The capacity wanted, in tokens (0 with a rate of 0 releases the hold).
+    /// The capacity wanted, in tokens (0 with a rate of 0 releases the lease).
     pub capacity: f64,
-    /// The smallest capacity worth holding (one request's tokens): less is held as 0.
+    /// The smallest capacity worth leasing (one request's tokens): less is leased as 0.
     pub unit: f64,
     /// The rate wanted, in tokens per second.
     pub refill_per_second: f64,
-    /// The most of the rate the other holds leave that this op takes (1: all of it). A first
-    /// hold, which cannot know how many replicas start beside it, takes half: any number of them
-    /// starting at once each get some, and together they leave little of the rate unheld.
-    pub of_unheld: f64,
-    /// How long the hold lives from now, in milliseconds.
+    /// The most of the rate the other leases leave that this op takes (1: all of it). A first
+    /// lease, which cannot know how many replicas start beside it, takes half: any number of them
+    /// starting at once each get some, and together they leave little of the rate unleased.
+    pub of_unleased: f64,
+    /// How long the lease lives from now, in milliseconds.
     pub ttl_ms: u64,
     /// The replica's demand, in tokens per second.
     pub demand: f64,
@@ -157,44 +157,48 @@ pub struct HoldOp {
     pub fresh: bool,
 }
 
-/// What a hold op got.
+/// What a lease op got.
 #[derive(Debug, Clone, Copy, PartialEq)]
-pub struct HoldOutcome {
+pub struct LeaseOutcome {
     /// The store's clock, in milliseconds since the epoch.
     pub now_ms: u64,
-    /// The capacity held now: what was wanted, or what the other holds left.
+    /// The capacity leased now: what was wanted, or what the other leases left.
     pub capacity: f64,
-    /// The rate held now.
+    /// The rate leased now.
     pub refill_per_second: f64,
-    /// The other holders' live holds: capacity, rate and demand (theirs, and what other
+    /// The other leaseholders' live leases: capacity, rate and demand (theirs, and what other
     /// requests asked lately).
     pub others: Others,
 }
 
-/// The other holders' live holds on a bucket, summed, and the demand beside them.
+/// The other leaseholders' live leases on a bucket, summed, and the demand beside them.
 #[derive(Debug, Clone, Copy, PartialEq, Default)]
 pub struct Others {
     /// Their capacity.
     pub capacity: f64,
     /// Their rate per second.
     pub refill_per_second: f64,
-    /// Their demand per second, and what requests other than holds asked per second lately
+    /// Their demand per second, and what requests other than leases asked per second lately
     /// ([`Asked`]).
     pub demand: f64,
 }
 
 /// Applies `op` at `now_ms` to the bucket `stored` (its state and expiry, `None` if missing):
 /// the outcome, and the write that records it. A bucket that never refills (capacity 0) has
-/// nothing to hold: the op holds nothing and writes nothing.
-pub fn hold(stored: Option<(&BucketState, u64)>, op: &HoldOp, now_ms: u64) -> (HoldOutcome, Option<Write>) {
+/// nothing to lease: the op leases nothing and writes nothing.
+pub fn lease(
+    stored: Option<(&BucketState, u64)>,
+    op: &LeaseOp,
+    now_ms: u64,
+) -> (LeaseOutcome, Option<Write>) {
     if op.spec.refill_per_second() <= 0.0 {
         let nothing =
-            HoldOutcome { now_ms, capacity: 0.0, refill_per_second: 0.0, others: Others::default() };
+            LeaseOutcome { now_ms, capacity: 0.0, refill_per_second: 0.0, others: Others::default() };
         return (nothing, None);
     }
     let mut state = refill(stored.map(|(s, _)| s), &op.spec, now_ms);
-    let live: Vec<Hold> =
-        std::mem::take(&mut state.holds).into_iter().filter(|h| h.expires_at_ms > now_ms).collect();
+    let live: Vec<Lease> =
+        std::mem::take(&mut state.leases).into_iter().filter(|h| h.expires_at_ms > now_ms).collect();
     let mut others = Others::default();
     let (mut before, mut banked) = (0.0, 0.0);
     for h in &live {
@@ -211,7 +215,7 @@ pub fn hold(stored: Option<(&BucketState, u64)>, op: &HoldOp, now_ms: u64) -> (H
     let mut capacity = op.capacity.min((op.spec.capacity() - others.capacity).max(0.0));
     let rate = op
         .refill_per_second
-        .min((op.spec.refill_per_second() - others.refill_per_second).max(0.0) * op.of_unheld);
+        .min((op.spec.refill_per_second() - others.refill_per_second).max(0.0) * op.of_unleased);
     if capacity > before {
         capacity = capacity.min(before + banked + state.tokens.max(0.0));
     }
@@ -224,7 +228,7 @@ pub fn hold(stored: Option<(&BucketState, u64)>, op: &HoldOp, now_ms: u64) -> (H
         state.tokens -= capacity - before - from_bank;
     }
     note_spec(&mut state, &op.spec, now_ms);
-    let mine = Hold {
+    let mine = Lease {
         replica: op.replica.clone(),
         capacity,
         refill_per_second: rate,
@@ -233,7 +237,7 @@ pub fn hold(stored: Option<(&BucketState, u64)>, op: &HoldOp, now_ms: u64) -> (H
         banked,
         since_ms: now_ms,
     };
-    // Only a hold asked to be nothing goes: one cut to nothing still records its demand, which the
+    // Only a lease asked to be nothing goes: one cut to nothing still records its demand, which the
     // other replicas size theirs by.
     let release = op.capacity <= 0.0 && op.refill_per_second <= 0.0;
     let mut placed = false;
@@ -241,14 +245,14 @@ pub fn hold(stored: Option<(&BucketState, u64)>, op: &HoldOp, now_ms: u64) -> (H
         if h.replica == op.replica {
             placed = true;
             if !release {
-                state.holds.push(mine.clone());
+                state.leases.push(mine.clone());
             }
         } else {
-            state.holds.push(h);
+            state.leases.push(h);
         }
     }
     if !placed && !release {
-        state.holds.push(mine);
+        state.leases.push(mine);
     }
     let tokens = state.tokens;
     let mut ttl_ms = life_ms(&state, tokens, now_ms);
@@ -256,7 +260,7 @@ pub fn hold(stored: Option<(&BucketState, u64)>, op: &HoldOp, now_ms: u64) -> (H
     if let Some((_, expires_at_ms)) = stored {
         ttl_ms = ttl_ms.max(expires_at_ms.saturating_sub(now_ms).min(MAX_WAIT_MS));
     }
-    let outcome = HoldOutcome { now_ms, capacity, refill_per_second: rate, others };
+    let outcome = LeaseOutcome { now_ms, capacity, refill_per_second: rate, others };
     (outcome, Some(Write { key: op.key.clone(), state, ttl_ms }))
 }
 
@@ -265,15 +269,15 @@ mod tests {
     use super::*;
     use crate::bucket::{evaluate, BucketOp, Charge, Role};
 
-    fn op(capacity: f64, rate: f64) -> HoldOp {
-        HoldOp {
+    fn op(capacity: f64, rate: f64) -> LeaseOp {
+        LeaseOp {
             key: "k".into(),
             spec: BucketSpec::new(10.0, 1.0).unwrap(),
             replica: "a".into(),
             capacity,
             unit: 1.0,
             refill_per_second: rate,
-            of_unheld: 1.0,
+            of_unleased: 1.0,
             ttl_ms: 60_000,
             demand: 0.5,
             fresh: false,
@@ -285,15 +289,15 @@ mod tests {
     }
 
     #[test]
-    fn a_hold_takes_its_capacity_once_and_leaves_the_rest_to_rls() {
-        let (first, w1) = hold(None, &op(4.0, 0.5), 0);
+    fn a_lease_takes_its_capacity_once_and_leaves_the_rest_to_rls() {
+        let (first, w1) = lease(None, &op(4.0, 0.5), 0);
         assert_eq!((first.capacity, first.refill_per_second), (4.0, 0.5));
         assert_eq!(w1.as_ref().unwrap().state.tokens, 6.0);
         // The same op again (a retry after a lost reply) takes nothing more.
-        let (again, w2) = hold(stored(&w1, 0), &op(4.0, 0.5), 1_000);
+        let (again, w2) = lease(stored(&w1, 0), &op(4.0, 0.5), 1_000);
         assert_eq!(again.capacity, 4.0);
         let state = &w2.as_ref().unwrap().state;
-        assert_eq!(state.tokens, 6.0, "full at what the hold leaves: 10 - 4");
+        assert_eq!(state.tokens, 6.0, "full at what the lease leaves: 10 - 4");
         // RLS sees 6 tokens refilling at 0.5 a second.
         let rls = BucketOp {
             key: "k".into(),
@@ -312,15 +316,15 @@ mod tests {
     }
 
     #[test]
-    fn a_hold_short_of_tokens_banks_its_rate_until_it_covers_a_request() {
+    fn a_lease_short_of_tokens_banks_its_rate_until_it_covers_a_request() {
         let drained =
             BucketState { tokens: 0.0, last_refill_ms: 0, fastest_refill: 1.0, ..Default::default() };
-        let (first, w1) = hold(Some((&drained, u64::MAX)), &op(3.0, 0.5), 0);
+        let (first, w1) = lease(Some((&drained, u64::MAX)), &op(3.0, 0.5), 0);
         assert_eq!((first.capacity, first.refill_per_second), (0.0, 0.5), "no tokens: the rate alone");
-        // Two seconds later the bank holds one token, enough for a request.
-        let (second, w2) = hold(stored(&w1, 0), &op(3.0, 0.5), 2_000);
+        // Two seconds later the bank has one token, enough for a request.
+        let (second, w2) = lease(stored(&w1, 0), &op(3.0, 0.5), 2_000);
         assert_eq!(second.capacity, 1.0 + 1.0, "the bank's token and the balance's 0.5 x 2 s");
         let state = &w2.unwrap().state;
-        assert_eq!((state.holds[0].banked, state.tokens), (0.0, 0.0));
+        assert_eq!((state.leases[0].banked, state.tokens), (0.0, 0.0));
     }
 }
