@@ -25,6 +25,19 @@ pub enum AskError {
         #[source]
         source: tonic::transport::Error,
     },
+    /// The connection closed before any answer: a TLS port spoken to in plaintext, or a TLS
+    /// handshake the server refused (it found no client certificate it trusts).
+    #[error("{addr} closed the connection without answering: {}", if *tls {
+        "the TLS handshake failed (a server that requires mutual TLS needs --tls-cert and --tls-key)"
+    } else {
+        "the port may serve TLS (give --tls-ca, and --tls-cert/--tls-key for mutual TLS) or not be a gRPC port"
+    })]
+    Closed {
+        /// The address dialled.
+        addr: String,
+        /// Whether the client spoke TLS.
+        tls: bool,
+    },
     /// The server answered with a gRPC error.
     #[error("the server answered {}: {}", .0.code(), .0.message())]
     Status(#[from] tonic::Status),
@@ -95,7 +108,15 @@ pub async fn ask_with(
         endpoint = endpoint.tls_config(config).map_err(connect)?;
     }
     let channel = endpoint.connect().await.map_err(connect)?;
-    Ok(RateLimitServiceClient::new(channel).should_rate_limit(request).await?.into_inner())
+    match RateLimitServiceClient::new(channel).should_rate_limit(request).await {
+        Ok(response) => Ok(response.into_inner()),
+        // A status the server sent has no source; one with a source is the client's own account
+        // of a connection that ended under it.
+        Err(status) if std::error::Error::source(&status).is_some() => {
+            Err(AskError::Closed { addr: addr.to_owned(), tls: tls.is_some() })
+        }
+        Err(status) => Err(AskError::Status(status)),
+    }
 }
 
 /// Whether `response` denies the request.

@@ -86,6 +86,22 @@ fn validate_reports_every_bad_file_in_one_form() {
             "domain: e\ndescriptors:\n  - key: a\n    rate_limit:\n      unit: second\n      requests_per_unit: -1\n",
             "e.yaml:6:26: descriptors[0](a): requests_per_unit must be a non-negative integer",
         ),
+        // At the offending field, not at the node's `key:` (issue 33).
+        (
+            "g.yaml",
+            "domain: g\ndescriptors:\n  - key: a\n    rate_limit: {unit: second, requests_per_unit: 1}\n    charge: sometimes\n",
+            "g.yaml:5:13: descriptors[0](a): unknown charge 'sometimes'",
+        ),
+        (
+            "h.yaml",
+            "domain: h\ndescriptors:\n  - key: a\n    shadow_mode: maybe\n",
+            "h.yaml:4:18: descriptors[0](a): shadow_mode: invalid boolean",
+        ),
+        (
+            "i.yaml",
+            "domain: i\ndescriptors:\n  - key: a\n    rate_limit: {unit: second, requests_per_unit: 1}\n    token_bucket: {capacity: 1, refill_per_second: 1}\n",
+            "i.yaml:5:19: descriptors[0](a): rate_limit, token_bucket and quota are mutually exclusive",
+        ),
         ("f.yaml", "domain: f\ndescriptors:\n  - key: a\n    rate_limit: {unit: second, requests_per_unit: 1}\n", ""),
     ];
     for (name, text, _) in files {
@@ -94,7 +110,8 @@ fn validate_reports_every_bad_file_in_one_form() {
     let (code, stdout, stderr) = tollgate_code(&["validate", dir.path().to_str().unwrap()]);
     assert_eq!(code, 1, "{stdout}{stderr}");
     let lines: Vec<&str> = stderr.lines().collect();
-    assert_eq!(lines.len(), 5, "one line per bad file: {stderr}");
+    assert_eq!(lines.len(), 8, "one line per bad file: {stderr}");
+    assert!(lines.iter().all(|l| l.starts_with("tollgate: ")), "every line in one form: {stderr}");
     for (name, _, expected) in files.iter().filter(|f| !f.2.is_empty()) {
         let expected = format!("{}{expected}", dir.path().join("").display());
         assert!(lines.iter().any(|l| l.contains(&expected)), "{name}: {expected}\n{stderr}");

@@ -371,7 +371,7 @@ fn node_errors_carry_line_column_and_tree_path() {
     );
     assert_eq!(
         message,
-        "test.yaml:5:14: descriptors[0](tenant).descriptors[0](class=export): cost must be at least 1"
+        "test.yaml:7:15: descriptors[0](tenant).descriptors[0](class=export): cost must be at least 1"
     );
 }
 

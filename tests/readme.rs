@@ -2,10 +2,9 @@
 //! README and the book's pages (`docs/src`, in the order of its `SUMMARY.md`) is executed, in
 //! order, against the servers the pages say to start, and what they say the blocks print is
 //! checked. The only changes: the debug build stands in for `cargo run --release` (a release
-//! build takes minutes), and the service the README leaves running binds 127.0.0.1 (through its
-//! env variables, not its flags).
+//! build takes minutes).
 //!
-//! The pages name fixed ports (8000-8091, 9901-9904, 10000-10003, 6390); the test moves each to
+//! The pages name fixed ports (8000-8091, 9901-9904, 10000-10003, 6390, 5433); the test moves each to
 //! a free one, in the blocks and in copies of the Envoy configs they use, so that the suite never
 //! clashes with a service the README told the reader to leave running. One test runs it all, one
 //! part after another.
@@ -59,10 +58,10 @@ fn block(tag: &str) -> String {
 
 /// The fixed ports the pages name.
 const PORTS: &[u16] =
-    &[8000, 8001, 8080, 8081, 8090, 8091, 9901, 9902, 9903, 9904, 10000, 10001, 10002, 10003, 6390];
+    &[8000, 8001, 8080, 8081, 8090, 8091, 9901, 9902, 9903, 9904, 10000, 10001, 10002, 10003, 6390, 5433];
 
 /// Where the walkthrough runs: a directory with copies of `envoy/` whose fixed ports are moved to
-/// free ones, and links to `examples/` (no ports) and `target/` (Envoy's venv).
+/// free ones, and links to `examples/` (no ports), `scripts/` and `target/` (Envoy's venv).
 struct Walk {
     dir: tempfile::TempDir,
     ports: Vec<(u16, u16)>,
@@ -74,7 +73,7 @@ impl Walk {
         let walk = Walk { dir: tempfile::tempdir().unwrap(), ports };
         let root = Path::new(env!("CARGO_MANIFEST_DIR"));
         walk.copy(&root.join("envoy"), &walk.dir.path().join("envoy"));
-        for linked in ["examples", "target"] {
+        for linked in ["examples", "scripts", "target"] {
             std::os::unix::fs::symlink(root.join(linked), walk.dir.path().join(linked)).unwrap();
         }
         walk
@@ -178,20 +177,22 @@ fn the_walkthrough_works_as_printed() {
     // Start here: the first command serves (left running for the rest); the second is the test
     // suite itself, which CI runs.
     let start = block("start");
-    let mut commands = start.lines().map(|l| l.split('#').next().unwrap().trim());
+    let mut commands = start.lines().map(str::trim);
     let serve = commands.next().unwrap();
     assert_eq!(commands.next(), Some("scripts/test"));
+    assert!(
+        serve.contains("--grpc-addr 127.0.0.1:") && serve.contains("--http-addr 127.0.0.1:"),
+        "loopback: {serve}"
+    );
     let ci = std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join(".ci/run")).unwrap();
     assert!(ci.contains("exec scripts/test"), "CI runs the README's test command");
-    let serve = with_debug_build(serve);
+    let serve = walk.local(&with_debug_build(serve));
     let mut words = serve.split_whitespace();
     let _service = Proc::spawn(
         "tollgate",
         Command::new(words.next().unwrap())
             .args(words)
             .current_dir(env!("CARGO_MANIFEST_DIR"))
-            .env("TOLLGATE_GRPC_ADDR", format!("127.0.0.1:{}", walk.port(8081)))
-            .env("TOLLGATE_HTTP_ADDR", format!("127.0.0.1:{}", walk.port(8080)))
             .env("RUST_LOG", "warn"),
     );
     let http = format!("127.0.0.1:{}", walk.port(8080)).parse().unwrap();
@@ -281,11 +282,13 @@ fn the_walkthrough_works_as_printed() {
     let (head, _) = printed.split_once("[...]").unwrap();
     assert!(json.starts_with(head), "{json}");
 
-    // The quota commands, on a PostgreSQL of their own in place of the example's host.
-    let postgres = Postgres::start();
-    let quota = block("quota").replace("postgres://tollgate:secret@db.internal:5432/app", &postgres.url());
-    let quota = run_text(&walk, "quota", &format!("set -e\n{quota}echo done\n"), Duration::from_secs(60));
-    assert!(quota.ends_with("done\n"), "every quota command succeeds: {quota}");
+    // The quota commands as printed, with the throwaway PostgreSQL they start (stopped again
+    // whatever happens: `pg_ctl` leaves it running past the block).
+    let quota =
+        run_text(&walk, "quota", &format!("set -e\n{}echo done\n", block("quota")), Duration::from_secs(120));
+    let stop = run_text(&walk, "quota stop", "scripts/postgres stop 5433\n", Duration::from_secs(60));
+    assert!(quota.ends_with("done\n"), "every quota command succeeds: {quota}{stop}");
+    assert!(quota.contains("created 3 tollgate table(s)"), "{quota}");
     assert!(quota.contains("tier pro") && quota.contains("export"), "{quota}");
     assert!(quota.contains("llm org=acme:team=search: 500.00 a month"), "{quota}");
 

@@ -73,7 +73,10 @@ pub fn main() -> ExitCode {
         Command::Render(args) => (render::run(args), ExitCode::FAILURE),
     };
     result.unwrap_or_else(|error| {
-        eprintln!("tollgate: {}", ErrorChain(error.as_ref()));
+        // One format for every line: several files' problems come one per line.
+        for line in ErrorChain(error.as_ref()).to_string().lines() {
+            eprintln!("tollgate: {line}");
+        }
         failure
     })
 }

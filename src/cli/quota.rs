@@ -80,8 +80,11 @@ pub(super) fn run(args: QuotaArgs) -> Outcome {
     runtime()?.block_on(async move {
         match args.action {
             QuotaAction::Migrate => {
-                db.migrate().await?;
-                println!("quota tables ready in {}", db.describe());
+                // Silent when there was nothing to do, so that it can run on every deploy.
+                let created = db.migrate().await?;
+                if created > 0 {
+                    println!("created {created} tollgate table(s) in {}", db.describe());
+                }
             }
             QuotaAction::Set { tenant, tier, class, capacity, refill_per_second, expires_in } => {
                 if tier.is_none() && class.is_none() {

@@ -37,6 +37,12 @@ pub(super) fn tree_path(text: &str, line: usize) -> String {
     segments.join(".")
 }
 
+/// The key of the `key: value` entry on line `line` (1-based) of `text`, if the line holds one:
+/// the field a parser error on that line is about.
+pub(super) fn field(text: &str, line: usize) -> Option<&str> {
+    key_of(text.lines().nth(line.checked_sub(1)?)?).filter(|k| !k.is_empty())
+}
+
 // The column of a line's first character, `None` for blank lines and comments.
 fn column(line: &str) -> Option<usize> {
     let trimmed = line.trim_start();

@@ -97,5 +97,10 @@ pub(super) fn syntax(file: &Path, text: &str, error: &serde_saphyr::Error) -> Co
     let position =
         error.location().filter(|at| at.line() > 0).map(|at| (at.line() as usize, at.column() as usize));
     let at = position.map(|(line, _)| locate::tree_path(text, line)).unwrap_or_default();
+    // The field the line holds, as semantic errors name theirs, unless the message does already.
+    let message = match position.and_then(|(line, _)| locate::field(text, line)) {
+        Some(field) if !message.contains(field) => format!("{field}: {message}"),
+        _ => message,
+    };
     ConfigError::Invalid { file: file.to_owned(), position, at, message }
 }

@@ -100,15 +100,16 @@ pub struct Descriptor {
     pub quota_mode: bool,
     pub metadata: Option<serde_json::Map<String, serde_json::Value>>,
 
-    pub token_bucket: Option<TokenBucket>,
-    pub cost: Option<u64>,
-    pub class: Option<String>,
-    pub quota: Option<String>,
-    pub charge: Option<String>,
-    pub max_debt: Option<f64>,
+    // Spanned, so that a problem with one of them points at it rather than at the node's key.
+    pub token_bucket: Option<Spanned<TokenBucket>>,
+    pub cost: Option<Spanned<u64>>,
+    pub class: Option<Spanned<String>>,
+    pub quota: Option<Spanned<String>>,
+    pub charge: Option<Spanned<String>>,
+    pub max_debt: Option<Spanned<f64>>,
     /// The response header or trailer with a charge's hits, for `tollgate render`.
-    pub hits_from: Option<String>,
-    pub source: Option<Source>,
+    pub hits_from: Option<Spanned<String>>,
+    pub source: Option<Spanned<Source>>,
     pub budget: Option<Spanned<Budget>>,
 }
 

@@ -131,8 +131,10 @@ impl Tree<'_> {
                 ));
             }
             let children = self.level(d.descriptors.as_deref().unwrap_or_default(), &place)?;
-            let source = d.source.clone();
-            check_source(key, value, source.as_ref()).map_err(|m| invalid(m.into()))?;
+            let source = d.source.as_ref().map(|s| s.value.clone());
+            check_source(key, value, source.as_ref()).map_err(|m| {
+                invalid(Located { message: m, position: d.source.as_ref().and_then(position) })
+            })?;
             let node =
                 Node { key: key.to_owned(), value: ValueMatch::parse(value), rule, budget, source, children };
             level.insert(node).map_err(|_| {
@@ -164,9 +166,21 @@ impl Tree<'_> {
     }
 
     fn rule(&mut self, d: &raw::Descriptor, place: &Place) -> Result<Option<Rule>, Located> {
-        let exclusive = [d.rate_limit.is_some(), d.token_bucket.is_some(), d.quota.is_some()];
-        if exclusive.iter().filter(|x| **x).count() > 1 {
-            return Err("rate_limit, token_bucket and quota are mutually exclusive".into());
+        // At the second of them, in the file's order.
+        let mut limits: Vec<(usize, usize)> = [
+            d.rate_limit.as_ref().and_then(position),
+            d.token_bucket.as_ref().and_then(position),
+            d.quota.as_ref().and_then(position),
+        ]
+        .into_iter()
+        .flatten()
+        .collect();
+        limits.sort_unstable();
+        if limits.len() > 1 {
+            return Err(Located {
+                message: "rate_limit, token_bucket and quota are mutually exclusive".into(),
+                position: Some(limits[1]),
+            });
         }
         let mut name = None;
         let mut replaces = Vec::new();
@@ -178,36 +192,38 @@ impl Tree<'_> {
             rate = configured;
             Some(limit)
         } else if let Some(tb) = &d.token_bucket {
-            Some(Limit::Bucket(token_bucket(tb).map_err(|m| format!("token_bucket: {m}"))?))
+            Some(Limit::Bucket(token_bucket(&tb.value).map_err(|m| at(tb, format!("token_bucket: {m}")))?))
         } else if let Some(source) = &d.quota {
-            self.tenant_quota(source, place)?;
+            self.tenant_quota(&source.value, place).map_err(|m| at(source, m))?;
             Some(Limit::TenantQuota)
         } else {
             None
         };
 
         let limited = matches!(limit, Some(Limit::Bucket(_) | Limit::TenantQuota));
-        if let Some(cost) = d.cost {
-            if cost == 0 {
-                return Err("cost must be at least 1".into());
+        if let Some(cost) = &d.cost {
+            if cost.value == 0 {
+                return Err(at(cost, "cost must be at least 1".into()));
             }
             if !limited {
-                return Err("cost needs a limit on the same node".into());
+                return Err(at(cost, "cost needs a limit on the same node".into()));
             }
         }
         if let Some(class) = &d.class {
-            if class.is_empty() {
-                return Err("class must not be empty".into());
+            if class.value.is_empty() {
+                return Err(at(class, "class must not be empty".into()));
             }
             if !limited {
-                return Err("class needs a limit on the same node".into());
+                return Err(at(class, "class needs a limit on the same node".into()));
             }
             if place.tenant_depth.is_none() {
-                return Err(format!(
-                    "class only names tenant buckets: it needs a '{}' descriptor at or above this node",
-                    self.tenant_key
-                )
-                .into());
+                return Err(at(
+                    class,
+                    format!(
+                        "class only names tenant buckets: it needs a '{}' descriptor at or above this node",
+                        self.tenant_key
+                    ),
+                ));
             }
         }
         let charge = charge(d, limited)?;
@@ -218,8 +234,8 @@ impl Tree<'_> {
             name,
             limit,
             rate,
-            cost: d.cost.unwrap_or(1),
-            class: d.class.clone(),
+            cost: d.cost.as_ref().map_or(1, |c| c.value),
+            class: d.class.as_ref().map(|c| c.value.clone()),
             shadow_mode: d.shadow_mode,
             quota_mode: d.quota_mode,
             charge,
@@ -248,29 +264,42 @@ impl Tree<'_> {
     }
 }
 
+// A problem with the field `value`, at its position.
+fn at<T>(value: &Spanned<T>, message: String) -> Located {
+    Located { message, position: position(value) }
+}
+
 // `charge:`, `max_debt:` and `hits_from:` of a node.
-fn charge(d: &raw::Descriptor, limited: bool) -> Result<ChargeRule, String> {
-    match d.charge.as_deref() {
-        None | Some("admitted") => {
-            if d.max_debt.is_some() || d.hits_from.is_some() {
-                return Err("max_debt and hits_from need charge: always".into());
-            }
-            Ok(ChargeRule::Admitted)
-        }
-        Some("always") => {
+fn charge(d: &raw::Descriptor, limited: bool) -> Result<ChargeRule, Located> {
+    let max_debt = d.max_debt.as_ref().map(|m| m.value);
+    let hits_from = d.hits_from.as_ref().map(|h| h.value.clone());
+    let Some(charge) = &d.charge else {
+        return match (&d.max_debt, &d.hits_from) {
+            (Some(m), _) => Err(at(m, "max_debt and hits_from need charge: always".into())),
+            (None, Some(h)) => Err(at(h, "max_debt and hits_from need charge: always".into())),
+            (None, None) => Ok(ChargeRule::Admitted),
+        };
+    };
+    match charge.value.as_str() {
+        "admitted" => match (&d.max_debt, &d.hits_from) {
+            (None, None) => Ok(ChargeRule::Admitted),
+            _ => Err(at(charge, "max_debt and hits_from need charge: always".into())),
+        },
+        "always" => {
             if !limited {
-                return Err("charge needs a limit on the same node".into());
+                return Err(at(charge, "charge needs a limit on the same node".into()));
             }
-            if let Some(debt) = d.max_debt {
-                if !debt.is_finite() || !(0.0..=MAX_CAPACITY).contains(&debt) {
-                    return Err(format!(
-                        "max_debt must be between 0 and {MAX_CAPACITY:e} tokens, got {debt}"
+            if let Some(debt) = &d.max_debt {
+                if !debt.value.is_finite() || !(0.0..=MAX_CAPACITY).contains(&debt.value) {
+                    return Err(at(
+                        debt,
+                        format!("max_debt must be between 0 and {MAX_CAPACITY:e} tokens, got {}", debt.value),
                     ));
                 }
             }
-            Ok(ChargeRule::Always { max_debt: d.max_debt, hits_from: d.hits_from.clone() })
+            Ok(ChargeRule::Always { max_debt, hits_from })
         }
-        Some(other) => Err(format!("unknown charge '{other}' (expected admitted or always)")),
+        other => Err(at(charge, format!("unknown charge '{other}' (expected admitted or always)"))),
     }
 }
 

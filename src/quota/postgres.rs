@@ -136,13 +136,19 @@ impl PostgresQuotas {
         })
     }
 
-    /// Creates the tables if they do not exist.
-    pub async fn migrate(&self) -> Result<(), QuotaError> {
+    /// Creates the tables that do not exist, in one transaction, and returns how many it
+    /// created. Tables that exist are skipped silently: PostgreSQL's NOTICE for each would reach
+    /// the log of every repeat.
+    pub async fn migrate(&self) -> Result<u64, QuotaError> {
         let client = self.client().await?;
-        for migration in MIGRATIONS {
-            client.batch_execute(migration).await.map_err(db)?;
-        }
-        Ok(())
+        let count = "SELECT count(*) FROM pg_tables WHERE schemaname = current_schema() \
+                     AND tablename IN ('tollgate_tenants', 'tollgate_overrides', 'tollgate_budget_overrides')";
+        let before: i64 = client.query_one(count, &[]).await.map_err(db)?.get(0);
+        let batch =
+            format!("BEGIN;\nSET LOCAL client_min_messages = warning;\n{}\nCOMMIT;", MIGRATIONS.join("\n"));
+        client.batch_execute(&batch).await.map_err(db)?;
+        let after: i64 = client.query_one(count, &[]).await.map_err(db)?.get(0);
+        Ok(u64::try_from(after - before).unwrap_or(0))
     }
 
     /// Everything the database says about `tenant`, with invalid override rows skipped.
