@@ -25,6 +25,7 @@
 
 pub mod answer;
 pub mod assign;
+pub mod gather;
 pub mod pool;
 pub mod session;
 pub mod unread;

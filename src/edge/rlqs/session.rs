@@ -40,15 +40,16 @@ use envoy_types::pb::envoy::service::rate_limit_quota::v3::rate_limit_quota_usag
 use envoy_types::pb::envoy::service::rate_limit_quota::v3::{
     BucketId, RateLimitQuotaResponse, RateLimitQuotaUsageReports,
 };
-use futures::{FutureExt as _, StreamExt as _};
+use futures::StreamExt as _;
 use indexmap::IndexMap;
 use tokio::sync::{mpsc, watch};
 use tonic::{Status, Streaming};
 
 use super::answer::{abandon, blanket, bundle, local_bucket};
 use super::assign::Demand;
+use super::gather::gather;
 use super::pool::{Event, Events, MemberId, Pool};
-use super::unread::{Answers, NotSent};
+use super::unread::{send_all, Answers};
 use super::RlqsLimits;
 use crate::clock::Clock;
 use crate::config::{Blanket, FailureMode};
@@ -221,51 +222,6 @@ fn answer(
 /// How long after an abandon_action a report of the bucket without requests is taken as sent
 /// before the Envoy had it: two reporting intervals.
 const STALE_REPORT_MS: u64 = 10_000;
-/// Most usages gathered into one report (see [`gather`]).
-const MAX_GATHERED_USAGES: usize = 4096;
-
-// Appends to `report` the usages of every report already waiting on the stream, up to
-// [`MAX_GATHERED_USAGES`], so that they are resolved and leased together: Envoy reports each new
-// bucket's first request at once, in a message of its own, and thousands of them one at a time
-// would each wait for the ones before. Returns a message read that is not a report (the stream's
-// end, an error), to be handled next.
-fn gather(
-    reports: &mut Streaming<RateLimitQuotaUsageReports>,
-    report: &mut RateLimitQuotaUsageReports,
-) -> Option<Result<Option<RateLimitQuotaUsageReports>, Status>> {
-    while report.bucket_quota_usages.len() < MAX_GATHERED_USAGES {
-        match reports.message().now_or_never()? {
-            Ok(Some(more)) => {
-                if report.domain.is_empty() {
-                    report.domain = more.domain;
-                }
-                report.bucket_quota_usages.extend(more.bucket_quota_usages);
-            }
-            other => return Some(other),
-        }
-    }
-    None
-}
-
-// Sends `responses` in order; false once the Envoy is gone, or has left its answers unread past
-// the deadline (the stream is then ended with RESOURCE_EXHAUSTED).
-async fn send_all(answers: &Answers, responses: Vec<RateLimitQuotaResponse>) -> bool {
-    for response in responses {
-        match answers.send(Ok(response)).await {
-            Ok(()) => {}
-            Err(NotSent::Gone) => return false,
-            Err(NotSent::Unread) => {
-                metrics::counter!("tollgate_rlqs_stream_errors_total", "reason" => "unread").increment(1);
-                if let Some(held_back) = crate::telemetry::logs::throttled("rlqs_unread") {
-                    tracing::warn!(held_back, "an RLQS stream left its answers unread past the deadline; ended with RESOURCE_EXHAUSTED, its leases given back");
-                }
-                return false;
-            }
-        }
-    }
-    true
-}
-
 /// Batches waiting for a stream, at most (each store call's events are one, and a round of
 /// 10,000 first leases is 40 calls); the pool waits a while for room, then drops the batch.
 const EVENTS_QUEUE: usize = 64;

@@ -1,6 +1,7 @@
 //! A stream's answers on their way to its Envoy, bounded in bytes.
 //!
-//! The session writes answers ([`Answers::send`]); tonic reads them ([`Unread`]) as fast as the
+//! The session writes answers ([`Answers::send`], [`send_all`], which also counts a stream ended
+//! for answers left unread); tonic reads them ([`Unread`]) as fast as the
 //! Envoy takes them off the connection. An Envoy that stops reading leaves them queued here, so
 //! the queue holds at most `max_bytes` of them and at most [`MAX_UNREAD_MESSAGES`] (one answer of
 //! any size always fits an empty queue); a writer that finds no room waits, and past `deadline`
@@ -158,6 +159,25 @@ impl Drop for Unread {
         self.0.lock().reader_gone = true;
         self.0.room.notify_one();
     }
+}
+
+/// Sends `responses` in order; false once the Envoy is gone, or has left its answers unread past
+/// the deadline (the stream is then ended with RESOURCE_EXHAUSTED).
+pub async fn send_all(answers: &Answers, responses: Vec<RateLimitQuotaResponse>) -> bool {
+    for response in responses {
+        match answers.send(Ok(response)).await {
+            Ok(()) => {}
+            Err(NotSent::Gone) => return false,
+            Err(NotSent::Unread) => {
+                metrics::counter!("tollgate_rlqs_stream_errors_total", "reason" => "unread").increment(1);
+                if let Some(held_back) = crate::telemetry::logs::throttled("rlqs_unread") {
+                    tracing::warn!(held_back, "an RLQS stream left its answers unread past the deadline; ended with RESOURCE_EXHAUSTED, its leases given back");
+                }
+                return false;
+            }
+        }
+    }
+    true
 }
 
 #[cfg(test)]
