@@ -141,13 +141,19 @@ impl PostgresQuotas {
     /// the log of every repeat.
     pub async fn migrate(&self) -> Result<u64, QuotaError> {
         let client = self.client().await?;
-        let count = "SELECT count(*) FROM pg_tables WHERE schemaname = current_schema() \
-                     AND tablename IN ('tollgate_tenants', 'tollgate_overrides', 'tollgate_budget_overrides')";
-        let before: i64 = client.query_one(count, &[]).await.map_err(db)?.get(0);
+        // The tables the migrations create, read from them, so that a new migration is counted.
+        let tables: Vec<&str> = MIGRATIONS
+            .iter()
+            .flat_map(|m| m.split("CREATE TABLE IF NOT EXISTS ").skip(1))
+            .filter_map(|rest| rest.split_whitespace().next())
+            .collect();
+        let count =
+            "SELECT count(*) FROM pg_tables WHERE schemaname = current_schema() AND tablename = ANY($1)";
+        let before: i64 = client.query_one(count, &[&tables]).await.map_err(db)?.get(0);
         let batch =
             format!("BEGIN;\nSET LOCAL client_min_messages = warning;\n{}\nCOMMIT;", MIGRATIONS.join("\n"));
         client.batch_execute(&batch).await.map_err(db)?;
-        let after: i64 = client.query_one(count, &[]).await.map_err(db)?.get(0);
+        let after: i64 = client.query_one(count, &[&tables]).await.map_err(db)?.get(0);
         Ok(u64::try_from(after - before).unwrap_or(0))
     }
 
