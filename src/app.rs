@@ -10,6 +10,7 @@
 //! quota cache's and the metrics exporter's go with their owners inside).
 
 use std::future::Future;
+use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
@@ -20,6 +21,7 @@ use crate::clock::MonotonicClock;
 use crate::config::{ConfigError, RuleSet};
 use crate::connections::ConnLimits;
 use crate::edge::rlqs::RlqsLimits;
+use crate::edge::xds::{XdsError, XdsSettings};
 use crate::limiter::Limiter;
 use crate::quota::cache::CachedQuotas;
 use crate::quota::postgres::{PostgresQuotas, QuotaError};
@@ -27,8 +29,10 @@ use crate::quota::{EmbeddedQuotas, QuotaSource};
 use crate::reload::{Reloader, Watch};
 use crate::server::{self, Listeners, ServeError, Service, Shutdown};
 use crate::store::{health, ConnectError, MemoryStore, Precheck, RedisStore, RedisTarget, RedisTls, Store};
+use crate::telemetry::ratelimit_stats::{self, StatsSettings};
 use crate::telemetry::{Telemetry, TelemetryConfig};
 use crate::tls::{ReloadingTls, TlsError, TlsFiles};
+use tokio::sync::watch;
 use tokio_util::task::AbortOnDropHandle;
 
 /// Connections to the quota database per process; lookups are rare (one per tenant per TTL).
@@ -37,8 +41,16 @@ const QUOTA_DB_CONNECTIONS: usize = 8;
 /// Everything `tollgate serve` can be told.
 #[derive(Debug, Clone)]
 pub struct Settings {
-    /// A YAML file, or a directory of them.
-    pub config: PathBuf,
+    /// A YAML file, or a directory of them; with `xds` too, their domains are served beside the
+    /// pushed ones.
+    pub config: Option<PathBuf>,
+    /// Rules pushed by an xDS server.
+    pub xds: Option<XdsSettings>,
+    /// Ready before the first push is accepted, with no rules meanwhile (envoyproxy/ratelimit's
+    /// `FORCE_START_WITHOUT_INITIAL_CONFIG`).
+    pub ready_without_config: bool,
+    /// envoyproxy/ratelimit's metrics under its names.
+    pub ratelimit_stats: Option<RatelimitStatsSettings>,
     /// The shared store; `None` for the embedded one (limits per process).
     pub redis: Option<RedisSettings>,
     /// Tenant quotas from PostgreSQL; `None` for the config's inline tenants only.
@@ -75,7 +87,10 @@ impl Settings {
     /// TLS, no exporter, no watchers.
     pub fn new(config: impl Into<PathBuf>) -> Settings {
         Settings {
-            config: config.into(),
+            config: Some(config.into()),
+            xds: None,
+            ready_without_config: false,
+            ratelimit_stats: None,
             redis: None,
             quotas: None,
             tls: None,
@@ -91,6 +106,17 @@ impl Settings {
             allow_domain_removal: false,
         }
     }
+}
+
+/// envoyproxy/ratelimit's metrics: where they go and how often.
+#[derive(Debug, Clone)]
+pub struct RatelimitStatsSettings {
+    /// Sinks and counting.
+    pub stats: StatsSettings,
+    /// How often counts leave for statsd.
+    pub flush_interval: Duration,
+    /// Serve the mapped series (and tollgate's own) here, at this path.
+    pub prometheus: Option<(SocketAddr, String)>,
 }
 
 /// How to reach Redis.
@@ -139,6 +165,12 @@ pub enum StartError {
     /// The gRPC TLS files do not make a configuration.
     #[error("gRPC TLS: {0}")]
     Tls(#[source] TlsError),
+    /// The xDS client's settings are unusable.
+    #[error("{0}")]
+    Xds(#[source] XdsError),
+    /// envoyproxy/ratelimit's metrics could not be set up.
+    #[error("{0}")]
+    RatelimitStats(String),
     /// Files could not be watched.
     #[error("watching {what}: {source}")]
     Watch {
@@ -165,8 +197,9 @@ pub struct App {
     rlqs: RlqsLimits,
     connections: ConnLimits,
     http_unauthenticated: bool,
+    config_loaded: watch::Receiver<bool>,
     _watches: Vec<Watch>,
-    _store_health: AbortOnDropHandle<()>,
+    _tasks: Vec<AbortOnDropHandle<()>>,
 }
 
 /// The store `redis` describes (the embedded one for `None`), with the pre-check in front of
@@ -190,7 +223,10 @@ pub fn store(redis: Option<&RedisSettings>) -> Result<Arc<dyn Store>, ConnectErr
 impl App {
     /// Builds and starts everything `settings` asks for. Needs a Tokio runtime.
     pub fn start(settings: &Settings) -> Result<App, StartError> {
-        let rules = RuleSet::load(&settings.config).map_err(StartError::Config)?;
+        let rules = match &settings.config {
+            Some(path) => RuleSet::load(path).map_err(StartError::Config)?,
+            None => RuleSet::default(),
+        };
         for domain in rules.domains() {
             tracing::info!(domain = %domain.name, file = %domain.file.display(), rules = domain.rules.len(), "loaded domain");
         }
@@ -199,11 +235,15 @@ impl App {
         } else {
             Telemetry::without_exporter(settings.telemetry)
         });
+        let mut tasks = Vec::new();
+        if let Some(stats) = &settings.ratelimit_stats {
+            tasks.extend(start_ratelimit_stats(stats, telemetry.clone())?);
+        }
         crate::telemetry::register_domains(&rules);
         let store = store(settings.redis.as_ref()).map_err(StartError::Redis)?;
         tracing::info!(store = %store.describe(), shadow_mode = settings.shadow_mode, "store configured");
         // Says at once, and on every change, whether the store answers and why not.
-        let store_health = health::watch(store.clone());
+        tasks.push(health::watch(store.clone()));
         let quotas: Arc<dyn QuotaSource> = match &settings.quotas {
             Some(q) => {
                 let db = PostgresQuotas::connect(&q.url, QUOTA_DB_CONNECTIONS, q.ca.as_deref())
@@ -226,11 +266,22 @@ impl App {
             }
             None => None,
         };
+        let awaits_push = settings.xds.is_some() && !settings.ready_without_config;
+        let reloader = Arc::new(Reloader::new(
+            settings.config.as_deref(),
+            rules.clone(),
+            settings.allow_domain_removal,
+            awaits_push,
+        ));
+        let config_loaded = reloader.loaded();
+        if let Some(xds) = &settings.xds {
+            tracing::info!(server = %xds.server, node = %xds.node_id, ready_without_config = settings.ready_without_config, "rate-limit configs from xDS");
+            tasks.push(crate::edge::xds::start(xds.clone(), reloader.clone()).map_err(StartError::Xds)?);
+        }
         let mut watches = Vec::new();
         if settings.watch {
-            let config =
-                Reloader::new(&settings.config, rules.clone(), settings.allow_domain_removal).watch();
-            watches.push(config.map_err(|source| StartError::Watch { what: "the config", source })?);
+            let config = reloader.watch();
+            watches.extend(config.map_err(|source| StartError::Watch { what: "the config", source })?);
             if let Some(tls) = &tls {
                 watches
                     .push(tls.watch().map_err(|source| StartError::Watch { what: "the TLS files", source })?);
@@ -246,8 +297,9 @@ impl App {
             rlqs: settings.rlqs,
             connections: settings.connections,
             http_unauthenticated: settings.http_unauthenticated,
+            config_loaded,
             _watches: watches,
-            _store_health: store_health,
+            _tasks: tasks,
         })
     }
 
@@ -262,6 +314,7 @@ impl App {
             rlqs: self.rlqs,
             connections: self.connections,
             http_unauthenticated: self.http_unauthenticated,
+            config_loaded: self.config_loaded.clone(),
         }
     }
 
@@ -276,4 +329,42 @@ impl App {
         let listeners = Listeners { grpc, tls: self.tls.clone(), http };
         server::run(listeners, self.service(), shutdown).await
     }
+}
+
+// Installs envoyproxy/ratelimit's metrics, and starts their flushing and, when asked, the port
+// that serves them mapped for Prometheus (with tollgate's own series after them).
+fn start_ratelimit_stats(
+    settings: &RatelimitStatsSettings,
+    telemetry: Arc<Telemetry>,
+) -> Result<Vec<AbortOnDropHandle<()>>, StartError> {
+    let stats = ratelimit_stats::install(settings.stats.clone()).map_err(StartError::RatelimitStats)?;
+    let mut tasks = Vec::new();
+    let every = settings.flush_interval.max(Duration::from_millis(10));
+    tasks.push(AbortOnDropHandle::new(tokio::spawn(async move {
+        let mut ticks = tokio::time::interval(every);
+        loop {
+            ticks.tick().await;
+            stats.flush();
+        }
+    })));
+    if let Some((addr, path)) = &settings.prometheus {
+        let listener = std::net::TcpListener::bind(addr)
+            .and_then(|l| l.set_nonblocking(true).map(|()| l))
+            .and_then(tokio::net::TcpListener::from_std)
+            .map_err(|e| StartError::RatelimitStats(format!("PROMETHEUS_ADDR {addr}: {e}")))?;
+        tracing::info!(%addr, %path, "envoyproxy/ratelimit's metrics for Prometheus");
+        let router = axum::Router::new().route(
+            path,
+            axum::routing::get(move || {
+                let telemetry = telemetry.clone();
+                async move { format!("{}{}", stats.render(), telemetry.render()) }
+            }),
+        );
+        tasks.push(AbortOnDropHandle::new(tokio::spawn(async move {
+            if let Err(e) = axum::serve(listener, router).await {
+                tracing::error!(error = %e, "the Prometheus port stopped");
+            }
+        })));
+    }
+    Ok(tasks)
 }

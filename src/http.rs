@@ -2,7 +2,8 @@
 //!
 //! * `GET /healthz`: the process is alive (liveness).
 //! * `GET /readyz`: config loaded, store answering, not draining (readiness); 503 otherwise,
-//!   with the reason in the body.
+//!   with the reason in the body. `GET /healthcheck` is the same, under envoyproxy/ratelimit's
+//!   name, which Envoy Gateway's probes use.
 //! * `GET /config`: the loaded rules as JSON, like envoyproxy/ratelimit's `/rlconfig`. It holds
 //!   rule trees, tiers and inline tenant quotas, never connection strings or credentials.
 //! * `GET /metrics`: Prometheus text exposition.
@@ -54,6 +55,8 @@ pub struct HttpState {
     pub rls: Arc<RateLimitGrpc>,
     /// Who may use `POST /json` and `GET /config` on this port.
     pub access: Access,
+    /// Whether a config is in force yet (pushed configs only wait for one).
+    pub config_loaded: tokio::sync::watch::Receiver<bool>,
 }
 
 /// Who may use the endpoints that spend or reveal tenants' budgets on the plaintext HTTP port.
@@ -71,6 +74,7 @@ pub fn router(state: HttpState) -> Router {
     Router::new()
         .route("/healthz", get(|| async { "ok\n" }))
         .route("/readyz", get(readyz))
+        .route("/healthcheck", get(readyz))
         .route("/metrics", get(metrics))
         .merge(budget_router(state.clone()).route_layer(middleware::from_fn_with_state(access, guard)))
         .with_state(state)
@@ -109,6 +113,10 @@ async fn guard(State(access): State<Access>, request: Request, next: Next) -> Re
 async fn readyz(State(state): State<HttpState>) -> Response {
     if state.draining.load(Ordering::SeqCst) {
         return (StatusCode::SERVICE_UNAVAILABLE, "draining\n").into_response();
+    }
+    if !*state.config_loaded.borrow() {
+        return (StatusCode::SERVICE_UNAVAILABLE, "no config yet: waiting for the first from the xDS server\n")
+            .into_response();
     }
     match state.store.ping().await {
         Ok(()) => "ready\n".into_response(),

@@ -17,12 +17,13 @@
 
 use std::path::{Path, PathBuf};
 use std::sync::mpsc as std_mpsc;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use arc_swap::ArcSwap;
 use notify::event::{AccessKind, AccessMode, ModifyKind};
 use notify::{EventKind, RecursiveMode, Watcher};
+use tokio::sync::watch;
 use tokio_util::task::AbortOnDropHandle;
 
 use crate::config::{ConfigError, RuleSet, Sources};
@@ -119,17 +120,25 @@ pub fn parent(path: &Path) -> PathBuf {
     }
 }
 
-/// Reloads the rules at `path` into `rules`.
+/// Compiles the rules in force from their inputs, the config files and the resources an xDS
+/// server pushed, whichever of the two the service has, and swaps them in.
 ///
 /// A file that vanishes never means no limit. A config file that cannot be read (a dangling
 /// symlink, no permission) fails the reload, and the rules in force stay. A domain whose file is
 /// gone while the rest of the config loads stays served from the rules in force, and each reload
 /// that keeps it names it in a warning, until the operator confirms the removal: `SIGHUP`
-/// ([`Trigger::Signal`]) or `--allow-domain-removal`.
+/// ([`Trigger::Signal`]) or `--allow-domain-removal`. A domain an xDS update leaves out is
+/// dropped: a state-of-the-world response is the control plane's whole intent.
+///
+/// Files and pushes are compiled one at a time (a lock around compile and swap), so that a file
+/// reload never swaps in rules built from a push older than the one in force.
 pub struct Reloader {
-    path: PathBuf,
+    path: Option<PathBuf>,
     rules: Arc<ArcSwap<RuleSet>>,
     allow_domain_removal: bool,
+    // The last accepted push, if the service takes pushes; `None` inside until the first.
+    pushed: Mutex<Option<Sources>>,
+    loaded: watch::Sender<bool>,
 }
 
 /// What a reload did.
@@ -144,16 +153,40 @@ pub enum Reloaded {
 }
 
 impl Reloader {
-    /// A reloader for the config at `path`, serving into `rules`; with `allow_domain_removal`, a
-    /// domain whose file is gone is dropped on the reload that finds it gone.
-    pub fn new(path: &Path, rules: Arc<ArcSwap<RuleSet>>, allow_domain_removal: bool) -> Self {
-        Reloader { path: path.to_owned(), rules, allow_domain_removal }
+    /// A reloader for the config at `path` (none: pushed resources only), serving into `rules`;
+    /// with `allow_domain_removal`, a domain whose file is gone is dropped on the reload that
+    /// finds it gone. `loaded` says whether the rules in force are a config yet: true from the
+    /// start for files, from the first accepted push with `awaits_push`.
+    pub fn new(
+        path: Option<&Path>,
+        rules: Arc<ArcSwap<RuleSet>>,
+        allow_domain_removal: bool,
+        awaits_push: bool,
+    ) -> Self {
+        Reloader {
+            path: path.map(Path::to_owned),
+            rules,
+            allow_domain_removal,
+            pushed: Mutex::new(None),
+            loaded: watch::Sender::new(!awaits_push),
+        }
+    }
+
+    /// Whether a config is in force (files loaded, or a first push accepted), and changes to it.
+    pub fn loaded(&self) -> watch::Receiver<bool> {
+        self.loaded.subscribe()
     }
 
     /// Loads the config now and swaps it in if its files changed (or for a [`Trigger::Signal`]).
     /// On error the rules in force stay.
     pub fn reload(&self, trigger: Trigger) -> Result<Reloaded, ConfigError> {
-        let sources = Sources::read(&self.path)?;
+        let pushed = self.pushed.lock().unwrap_or_else(|p| p.into_inner());
+        let Some(path) = &self.path else { return Ok(Reloaded::Unchanged) };
+        let files = Sources::read(path)?;
+        let sources = match &*pushed {
+            Some(pushed) => files.and(pushed),
+            None => files,
+        };
         let current = self.rules.load();
         if trigger == Trigger::Files
             && sources.fingerprint() == current.fingerprint()
@@ -171,25 +204,50 @@ impl Reloader {
                 rules.keep(domain.clone());
             }
         }
+        self.swap(rules);
+        Ok(if kept.is_empty() { Reloaded::Swapped } else { Reloaded::Kept(kept) })
+    }
+
+    /// Compiles `pushed` (with the files, if the service has any) and swaps it in; on error the
+    /// rules in force, and the last accepted push, stay.
+    pub fn push(&self, pushed: Sources) -> Result<(), ConfigError> {
+        let mut last = self.pushed.lock().unwrap_or_else(|p| p.into_inner());
+        let sources = match &self.path {
+            Some(path) => Sources::read(path)?.and(&pushed),
+            None => pushed.clone(),
+        };
+        let result = RuleSet::compile(sources);
+        crate::telemetry::count_config_load(result.is_ok());
+        self.swap(result?);
+        *last = Some(pushed);
+        Ok(())
+    }
+
+    fn swap(&self, rules: RuleSet) {
         crate::telemetry::register_domains(&rules);
         self.rules.store(Arc::new(rules));
-        Ok(if kept.is_empty() { Reloaded::Swapped } else { Reloaded::Kept(kept) })
+        self.loaded.send_replace(true);
     }
 
     // Reloads, then logs and counts the result.
     fn reload_and_report(&self, trigger: Trigger) {
-        match self.reload(trigger) {
+        let Some(path) = &self.path else { return };
+        let result = self.reload(trigger);
+        if !matches!(result, Ok(Reloaded::Unchanged)) {
+            crate::telemetry::count_config_load(result.is_ok());
+        }
+        match result {
             Ok(reloaded) => {
                 metrics::gauge!("tollgate_config_last_reload_successful").set(1.0);
                 if let Reloaded::Kept(domains) = &reloaded {
                     metrics::counter!("tollgate_config_reloads_total", "result" => "warning").increment(1);
-                    tracing::warn!(path = %self.path.display(), ?domains, "config reloaded, but these domains' files are gone: they stay served from the last good config until the removal is confirmed (SIGHUP, or --allow-domain-removal)");
+                    tracing::warn!(path = %path.display(), ?domains, "config reloaded, but these domains' files are gone: they stay served from the last good config until the removal is confirmed (SIGHUP, or --allow-domain-removal)");
                 }
                 if reloaded == Reloaded::Swapped {
                     metrics::counter!("tollgate_config_reloads_total", "result" => "success").increment(1);
                     let rules = self.rules.load();
                     let domains: Vec<&str> = rules.domains().map(|d| d.name.as_str()).collect();
-                    tracing::info!(path = %self.path.display(), ?domains, ?trigger, "config reloaded");
+                    tracing::info!(path = %path.display(), ?domains, ?trigger, "config reloaded");
                 }
             }
             Err(error) => {
@@ -202,8 +260,10 @@ impl Reloader {
 
     /// Watches the path, the directories of the price files the config names now, and
     /// `SIGHUP`, for as long as the returned [`Watch`] lives.
-    pub fn watch(self) -> Result<Watch, notify::Error> {
-        let mut dirs = vec![if self.path.is_dir() { self.path.clone() } else { parent(&self.path) }];
+    /// Without config files there is nothing to watch: `None`.
+    pub fn watch(self: &Arc<Self>) -> Result<Option<Watch>, notify::Error> {
+        let Some(path) = &self.path else { return Ok(None) };
+        let mut dirs = vec![if path.is_dir() { path.clone() } else { parent(path) }];
         for file in self.rules.load().price_files() {
             let dir = parent(file);
             if !dirs.contains(&dir) {
@@ -211,6 +271,7 @@ impl Reloader {
             }
         }
         metrics::gauge!("tollgate_config_last_reload_successful").set(1.0);
-        Watch::start("config", &dirs, true, move |trigger| self.reload_and_report(trigger))
+        let this = self.clone();
+        Watch::start("config", &dirs, true, move |trigger| this.reload_and_report(trigger)).map(Some)
     }
 }

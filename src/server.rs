@@ -122,6 +122,8 @@ pub struct Service {
     /// Serve `POST /json` and `GET /config` on the plaintext HTTP port even when gRPC requires
     /// client certificates.
     pub http_unauthenticated: bool,
+    /// Whether a config is in force yet: until then, unready (pushed configs only).
+    pub config_loaded: watch::Receiver<bool>,
 }
 
 // A request that does not decode (a string field that is not UTF-8, bytes that are not the
@@ -179,10 +181,6 @@ pub async fn run(
     let Listeners { grpc: grpc_listener, tls, http: http_listener } = listeners;
 
     let (health, health_service) = tonic_health::server::health_reporter();
-    health.set_service_status("", tonic_health::ServingStatus::Serving).await;
-    health.set_serving::<RateLimitServiceServer<RateLimitGrpc>>().await;
-    health.set_serving::<RateLimitQuotaServiceServer<RateLimitQuotaGrpc>>().await;
-
     let draining = Arc::new(AtomicBool::new(false));
     let (stop_tx, stop_rx) = watch::channel(false);
     let stopped = |mut rx: watch::Receiver<bool>| async move {
@@ -198,7 +196,23 @@ pub async fn run(
         rlqs: rlqs_limits,
         connections,
         http_unauthenticated,
+        config_loaded,
     } = service;
+    // gRPC health says SERVING once a config is in force (at once for files), and not after
+    // draining has begun.
+    let serving = {
+        let (health, draining, mut loaded) = (health.clone(), draining.clone(), config_loaded.clone());
+        tokio::spawn(async move {
+            health.set_service_status("", tonic_health::ServingStatus::NotServing).await;
+            health.set_not_serving::<RateLimitServiceServer<RateLimitGrpc>>().await;
+            health.set_not_serving::<RateLimitQuotaServiceServer<RateLimitQuotaGrpc>>().await;
+            if loaded.wait_for(|loaded| *loaded).await.is_ok() && !draining.load(Ordering::SeqCst) {
+                health.set_service_status("", tonic_health::ServingStatus::Serving).await;
+                health.set_serving::<RateLimitServiceServer<RateLimitGrpc>>().await;
+                health.set_serving::<RateLimitQuotaServiceServer<RateLimitQuotaGrpc>>().await;
+            }
+        })
+    };
     let max_connections = crate::connections::max_connections(&connections);
     let grpc_gate = Gate::new("grpc", max_connections);
     let rls = Arc::new(RateLimitGrpc::new(limiter.clone(), max_inflight, dynamic_metadata));
@@ -212,6 +226,7 @@ pub async fn run(
         telemetry: telemetry.clone(),
         rls: rls.clone(),
         access: if mutual && !http_unauthenticated { Access::MutualTlsOnly } else { Access::Open },
+        config_loaded,
     };
     let budget = mutual.then(|| http::budget_router(HttpState { access: Access::Open, ..state.clone() }));
     let http_server = crate::connections::serve_http(
@@ -269,6 +284,7 @@ pub async fn run(
     let lifecycle = async move {
         let how = shutdown.await;
         draining.store(true, Ordering::SeqCst);
+        serving.abort();
         health.set_service_status("", tonic_health::ServingStatus::NotServing).await;
         health.set_not_serving::<RateLimitServiceServer<RateLimitGrpc>>().await;
         health.set_not_serving::<RateLimitQuotaServiceServer<RateLimitQuotaGrpc>>().await;

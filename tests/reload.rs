@@ -17,47 +17,6 @@ fn rules(capacity: u32) -> String {
     format!("domain: r\ndescriptors:\n  - key: k\n    rate_limit: {{unit: hour, requests_per_unit: {capacity}}}\n")
 }
 
-/// A directory laid out the way the kubelet mounts a ConfigMap.
-struct ConfigMap {
-    dir: tempfile::TempDir,
-    generation: usize,
-}
-
-impl ConfigMap {
-    fn new(yaml: &str) -> ConfigMap {
-        let mut cm = ConfigMap { dir: tempfile::tempdir().unwrap(), generation: 0 };
-        cm.publish(yaml);
-        std::os::unix::fs::symlink("..data/rules.yaml", cm.dir.path().join("rules.yaml")).unwrap();
-        cm
-    }
-
-    // What the kubelet does: write a new timestamped directory, point `..data_tmp` at it, rename
-    // it over `..data` (atomic), remove the old directory.
-    fn publish(&mut self, yaml: &str) {
-        self.publish_files(&[("rules.yaml", yaml)]);
-    }
-
-    // The same, with these files in the new directory (none: a target that lacks the file).
-    fn publish_files(&mut self, files: &[(&str, &str)]) {
-        let root = self.dir.path();
-        self.generation += 1;
-        let fresh = format!("..2026_12_02_{:02}", self.generation);
-        std::fs::create_dir(root.join(&fresh)).unwrap();
-        for (name, yaml) in files {
-            std::fs::write(root.join(&fresh).join(name), yaml).unwrap();
-        }
-        std::os::unix::fs::symlink(&fresh, root.join("..data_tmp")).unwrap();
-        std::fs::rename(root.join("..data_tmp"), root.join("..data")).unwrap();
-        if self.generation > 1 {
-            std::fs::remove_dir_all(root.join(format!("..2026_12_02_{:02}", self.generation - 1))).unwrap();
-        }
-    }
-
-    fn path(&self) -> &Path {
-        self.dir.path()
-    }
-}
-
 async fn limit(server: &Tollgate) -> String {
     let r = ask(&server.addr(), req("r", &["k=v"], 0)).await.unwrap();
     header(&r, "X-RateLimit-Limit").unwrap_or("-").to_owned()

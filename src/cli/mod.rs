@@ -6,10 +6,12 @@ mod ask;
 mod budget;
 mod explain;
 mod quota;
+mod ratelimit_env;
 mod redis_args;
 mod render;
 mod serve;
 mod validate;
+mod xds_args;
 
 use std::process::ExitCode;
 
@@ -56,15 +58,33 @@ enum Command {
 /// What a subcommand's handler returns: its exit code, or an error (exit code 1; `ask` uses 2).
 type Outcome = anyhow::Result<ExitCode>;
 
-/// Runs the command line of this process.
+/// Runs the command line of this process. Run as `ratelimit` (the image's `/bin/ratelimit`),
+/// it is `tollgate serve` with envoyproxy/ratelimit's defaults.
 pub fn main() -> ExitCode {
-    let cli = Cli::parse();
+    let mut args: Vec<std::ffi::OsString> = std::env::args_os().collect();
+    let as_ratelimit = args
+        .first()
+        .and_then(|a| std::path::Path::new(a).file_name())
+        .is_some_and(|name| name == "ratelimit");
+    if as_ratelimit {
+        args.insert(1, "serve".into());
+    }
+    // Only the service reads envoyproxy/ratelimit's settings (a global flag may come first).
+    let serves = as_ratelimit || args.iter().skip(1).any(|a| a == "serve");
+    let ignored = match serves.then(|| from_ratelimit_env(as_ratelimit)).unwrap_or(Ok(Vec::new())) {
+        Ok(ignored) => ignored,
+        Err(error) => {
+            eprintln!("tollgate: {error}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let cli = Cli::parse_from(args);
     let json = cli.log_format == "json";
     if !matches!(cli.command, Command::Serve(_)) {
         tollgate::telemetry::logs::init(json, None);
     }
     let (result, failure) = match cli.command {
-        Command::Serve(args) => (serve::run(*args, json), ExitCode::FAILURE),
+        Command::Serve(args) => (serve::run(*args, json, &ignored), ExitCode::FAILURE),
         Command::Validate(args) => (validate::run(args), ExitCode::FAILURE),
         Command::Ask(args) => (ask::run(args), ExitCode::from(ask::EXIT_ERROR)),
         Command::Explain(args) => (explain::run(*args), ExitCode::FAILURE),
@@ -79,6 +99,18 @@ pub fn main() -> ExitCode {
         }
         failure
     })
+}
+
+// Sets the variables envoyproxy/ratelimit's settings stand for, where unset, and says which it
+// ignores. Runs first, while this process has one thread.
+fn from_ratelimit_env(as_ratelimit: bool) -> Result<Vec<String>, String> {
+    let translation = ratelimit_env::translate(&|name| std::env::var(name).ok(), as_ratelimit)?;
+    for (name, value) in translation.set {
+        if std::env::var_os(name).is_none() {
+            std::env::set_var(name, value);
+        }
+    }
+    Ok(translation.ignored)
 }
 
 /// A multi-threaded Tokio runtime for a handler.

@@ -17,13 +17,19 @@ use tollgate::telemetry::TelemetryConfig;
 use tollgate::tls::TlsFiles;
 
 use super::redis_args::RedisArgs;
+use super::xds_args::{StatsArgs, XdsArgs};
 use super::{runtime, Outcome};
 
 #[derive(Args)]
 pub(super) struct ServeArgs {
-    /// A YAML file, or a directory of *.yaml / *.yml files (one domain per file).
-    #[arg(long, env = "TOLLGATE_CONFIG")]
-    config: PathBuf,
+    /// A YAML file, or a directory of *.yaml / *.yml files (one domain per file). Not needed with
+    /// --xds-server.
+    #[arg(long, env = "TOLLGATE_CONFIG", required_unless_present = "xds_server")]
+    config: Option<PathBuf>,
+    #[command(flatten)]
+    xds: XdsArgs,
+    #[command(flatten)]
+    stats: StatsArgs,
     /// Address for gRPC (RateLimitService, RateLimitQuotaService and grpc.health.v1).
     #[arg(long, env = "TOLLGATE_GRPC_ADDR", default_value = "0.0.0.0:8081")]
     grpc_addr: SocketAddr,
@@ -150,8 +156,15 @@ impl ServeArgs {
             coalesce_delay: self.coalesce_delay,
             precheck_buckets: (!self.no_precheck).then_some(self.precheck_buckets),
         });
+        let xds = self.xds.settings();
+        if xds.is_some() && self.config.is_some() && !self.xds.xds_with_files {
+            anyhow::bail!("--config and --xds-server: the pushed config is the whole config; add --xds-with-files to serve the files' domains beside it");
+        }
         Ok(Settings {
             config: self.config.clone(),
+            xds,
+            ready_without_config: self.xds.start_without_config,
+            ratelimit_stats: self.stats.settings(self.detailed_metric_series)?,
             redis,
             quotas: self.quota_store.as_ref().map(|url| QuotaSettings {
                 url: url.clone(),
@@ -197,9 +210,10 @@ impl ServeArgs {
     }
 }
 
-/// Serves until a signal; `json` selects JSON log lines. Logging starts here rather than in
+/// Serves until a signal; `json` selects JSON log lines; `ignored` names the envoyproxy/ratelimit
+/// settings accepted and ignored. Logging starts here rather than in
 /// `main` because the trace exporter, when configured, runs on this command's runtime.
-pub(super) fn run(args: ServeArgs, json: bool) -> Outcome {
+pub(super) fn run(args: ServeArgs, json: bool, ignored: &[String]) -> Outcome {
     let settings = args.settings()?;
     let runtime = runtime()?;
     let traces = {
@@ -207,6 +221,9 @@ pub(super) fn run(args: ServeArgs, json: bool) -> Outcome {
         args.otlp_endpoint.as_deref().map(Traces::start).transpose()?
     };
     tollgate::telemetry::logs::init(json, traces.as_ref());
+    for setting in ignored {
+        tracing::warn!("envoyproxy/ratelimit setting accepted and ignored: {setting}");
+    }
     if let Some(endpoint) = &args.otlp_endpoint {
         tracing::info!(%endpoint, "exporting traces over OTLP/gRPC");
     }

@@ -68,6 +68,18 @@ impl Sources {
         Ok(Sources { files })
     }
 
+    /// Documents that did not come from files (resources pushed over xDS), each under the name
+    /// its errors are reported with.
+    pub fn pushed(documents: Vec<(PathBuf, String)>) -> Sources {
+        Sources { files: documents }
+    }
+
+    /// These sources followed by `other`'s: one config of both.
+    pub fn and(mut self, other: &Sources) -> Sources {
+        self.files.extend(other.files.iter().cloned());
+        self
+    }
+
     /// A hash of the file names and contents: equal fingerprints, equal configs.
     pub fn fingerprint(&self) -> u64 {
         let mut hasher = DefaultHasher::new();

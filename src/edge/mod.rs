@@ -9,6 +9,9 @@
 //!   `envoy.filters.http.ratelimit` filter.
 //! * [`rlqs`]: Envoy's `envoy.service.rate_limit_quota.v3.RateLimitQuotaService` (gRPC streams),
 //!   the API of the `envoy.filters.http.rate_limit_quota` filter: Envoy enforces, tollgate leases.
+//! * [`xds`]: the other way round, tollgate as a client: rate-limit configs pushed by a control
+//!   plane over xDS (envoyproxy/ratelimit's `RateLimitConfig`), compiled as files are.
 
 pub mod rlqs;
 pub mod rls;
+pub mod xds;

@@ -3,8 +3,9 @@
 //! a tenant the value that chose the bucket), and whether it joins the top-denied ranking.
 //! Telemetry only counts what it is given; the mapping lives here, beside the types it reads.
 
-use super::{Code, Decision, Limiter, Outcome, Query};
+use super::{Code, Decision, DescriptorVerdict, Limiter, Outcome, Query, QueryDescriptor};
 use crate::telemetry::failure_label;
+use crate::telemetry::ratelimit_stats::{self, tally, RatelimitStats};
 
 impl Limiter {
     /// Counts `decision` on `query`, per descriptor and in hits.
@@ -28,6 +29,9 @@ impl Limiter {
             };
             let rule_path = rule.map_or("", |r| r.path.as_str());
             self.telemetry.count_decision(domain, rule_path, outcome, verdict.hits);
+            if let Some(stats) = ratelimit_stats::stats() {
+                count_ratelimit_stats(stats, domain, descriptor, verdict, decision.overall);
+            }
 
             let Some(rule) = rule else { continue };
             let subject = match rule.tenant_depth {
@@ -43,5 +47,37 @@ impl Limiter {
                 self.telemetry.count_denied_tenant(subject, verdict.hits.max(1));
             }
         }
+    }
+}
+
+// envoyproxy/ratelimit's per-rule counters for one descriptor, in its terms: the limit is the
+// bucket's capacity in hits, the count is what the bucket lacked of full before this request
+// (after it, for the hits it took).
+fn count_ratelimit_stats(
+    stats: &RatelimitStats,
+    domain: &str,
+    descriptor: &QueryDescriptor<'_>,
+    verdict: &DescriptorVerdict,
+    overall: Code,
+) {
+    match &verdict.outcome {
+        Outcome::StoreFailed { .. } | Outcome::BudgetFailed { .. } => {
+            stats.count("ratelimit.service.call.should_rate_limit.redis_error");
+        }
+        Outcome::Bucket(b) => {
+            let Some(rule) = &b.limit.rule else { return };
+            let cost = rule.cost.max(1) as f64;
+            let capacity = b.limit.spec.capacity();
+            let taken = if b.verdict.allowed && overall == Code::Ok { verdict.hits as f64 * cost } else { 0.0 };
+            let lacked = (capacity - b.verdict.tokens - taken).max(0.0);
+            let limit = (capacity / cost).floor() as u64;
+            let used = (lacked / cost).round() as u64;
+            let counts = tally(limit, used, verdict.hits, stats.near_limit_ratio(), b.shadow);
+            let detailed = rule.detailed_metric.then(|| {
+                descriptor.entries.iter().map(|(k, v)| format!("{k}_{v}")).collect::<Vec<_>>().join(".")
+            });
+            stats.count_rule(domain, &rule.path, detailed.as_deref(), counts);
+        }
+        _ => {}
     }
 }

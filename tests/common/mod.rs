@@ -12,6 +12,7 @@
 pub mod load;
 pub mod proxy;
 
+mod configmap;
 mod envoy;
 mod http;
 mod otlp;
@@ -20,7 +21,9 @@ mod postgres;
 mod redis_servers;
 mod sentinel;
 mod service;
+mod xds;
 
+pub use self::configmap::*;
 pub use self::envoy::*;
 pub use self::http::*;
 pub use self::otlp::*;
@@ -29,6 +32,7 @@ pub use self::postgres::*;
 pub use self::redis_servers::*;
 pub use self::sentinel::*;
 pub use self::service::*;
+pub use self::xds::*;
 
 use std::net::TcpListener;
 use std::process::{Child, Command, Stdio};

@@ -147,6 +147,37 @@ impl Tollgate {
         Tollgate { grpc, http, proc, log_dir }
     }
 
+    /// Starts tollgate as envoyproxy/ratelimit's image runs it: the binary under the name
+    /// `ratelimit`, no arguments, configured only by `env` (envoyproxy/ratelimit's variables; the
+    /// listeners are put on free loopback ports here). Waits for `/healthz` only.
+    pub fn start_as_ratelimit(env: &[(&str, &str)]) -> Tollgate {
+        let grpc: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
+        let http: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
+        let log_dir = scratch_dir("tollgate-log");
+        let bin = log_dir.path().join("ratelimit");
+        std::os::unix::fs::symlink(tollgate_bin(), &bin).unwrap();
+        let mut cmd = Command::new(&bin);
+        cmd.env_clear()
+            .env("PATH", std::env::var_os("PATH").unwrap_or_default())
+            .envs([
+                ("HOST", "127.0.0.1".to_owned()),
+                ("PORT", http.port().to_string()),
+                ("GRPC_HOST", "127.0.0.1".to_owned()),
+                ("GRPC_PORT", grpc.port().to_string()),
+                ("USE_STATSD", "false".to_owned()),
+                ("TOLLGATE_DRAIN_DELAY", "0s".to_owned()),
+            ])
+            .envs(env.iter().map(|(k, v)| (*k, v.to_string())));
+        cmd.stderr(std::fs::File::create(log_dir.path().join("stderr.log")).unwrap());
+        let proc = Proc::spawn("tollgate", &mut cmd);
+        Tollgate { grpc, http, proc, log_dir }.wait_for("/healthz")
+    }
+
+    /// Waits until `/readyz` answers 200.
+    pub fn wait_ready(self) -> Tollgate {
+        self.wait_for("/readyz")
+    }
+
     pub fn addr(&self) -> String {
         self.grpc.to_string()
     }

@@ -90,6 +90,13 @@ impl RateLimitGrpc {
             response
         });
         metrics::histogram!("tollgate_request_duration_seconds").record(start.elapsed());
+        if let Some(stats) = crate::telemetry::ratelimit_stats::stats() {
+            stats.count("ratelimit_server.ShouldRateLimit.total_requests");
+            stats.time("ratelimit_server.ShouldRateLimit.response_time", start.elapsed());
+            if answer.is_err() {
+                stats.count("ratelimit.service.call.should_rate_limit.service_error");
+            }
+        }
         answer
     }
 }
