@@ -42,10 +42,6 @@ fn env<'a>(xds: &'a str, redis: &'a str, extra: &[(&'a str, &'a str)]) -> Vec<(&
     env
 }
 
-fn redis_addr(redis: &Redis) -> String {
-    redis.url().trim_start_matches("redis://").trim_end_matches('/').to_owned()
-}
-
 // Hits of `k=v` on `domain` admitted out of `tries`, one at a time.
 async fn admitted(server: &Tollgate, domain: &str, descriptor: &str, tries: u32) -> u32 {
     let mut ok = 0;
@@ -68,7 +64,7 @@ async fn pushed_limits_apply_and_an_update_keeps_the_balance() {
     let xds = XdsServer::start(None);
     xds.push("v1", &[api(5)]);
     let addr = xds.addr.to_string();
-    let redis_at = redis_addr(&redis);
+    let redis_at = redis.addr();
     let server = Tollgate::start_as_ratelimit(&env(&addr, &redis_at, &[])).wait_ready();
     xds.wait_for_ack("v1");
     let first = &xds.requests()[0];
@@ -102,7 +98,7 @@ async fn an_invalid_push_is_nacked_and_the_last_good_config_serves() {
     let redis = Redis::start();
     let xds = XdsServer::start(None);
     xds.push("v1", &[api(2)]);
-    let (addr, redis_at) = (xds.addr.to_string(), redis_addr(&redis));
+    let (addr, redis_at) = (xds.addr.to_string(), redis.addr());
     let server = Tollgate::start_as_ratelimit(&env(&addr, &redis_at, &[])).wait_ready();
     xds.wait_for_ack("v1");
 
@@ -137,7 +133,7 @@ async fn a_restarted_server_is_found_again_and_the_config_serves_meanwhile() {
     let redis = Redis::start();
     let mut xds = XdsServer::start(None);
     xds.push("v1", &[api(3)]);
-    let (addr, redis_at) = (xds.addr.to_string(), redis_addr(&redis));
+    let (addr, redis_at) = (xds.addr.to_string(), redis.addr());
     let server = Tollgate::start_as_ratelimit(&env(&addr, &redis_at, &[])).wait_ready();
     xds.wait_for_ack("v1");
 
@@ -162,7 +158,7 @@ async fn a_restarted_server_is_found_again_and_the_config_serves_meanwhile() {
 async fn tls_and_mutual_tls_reach_the_server() {
     let pki = TestPki::new();
     let redis = Redis::start();
-    let redis_at = redis_addr(&redis);
+    let redis_at = redis.addr();
     let (ca, cert, key) = (pki.path_str("ca.pem"), pki.path_str("client.pem"), pki.path_str("client.key"));
 
     let xds = XdsServer::start(Some(XdsTls { pki: &pki, mutual: true }));
@@ -192,7 +188,7 @@ async fn tls_and_mutual_tls_reach_the_server() {
 #[tokio::test(flavor = "multi_thread")]
 async fn readiness_waits_for_a_first_config_unless_forced() {
     let redis = Redis::start();
-    let redis_at = redis_addr(&redis);
+    let redis_at = redis.addr();
     let xds = XdsServer::start(None);
     let addr = xds.addr.to_string();
 

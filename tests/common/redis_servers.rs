@@ -44,6 +44,11 @@ impl Redis {
         format!("redis://127.0.0.1:{}", self.port)
     }
 
+    /// `host:port`, as envoyproxy/ratelimit's `REDIS_URL` takes it.
+    pub fn addr(&self) -> String {
+        format!("127.0.0.1:{}", self.port)
+    }
+
     /// A server that only speaks TLS (with `pki`'s server certificate), users from `acl`.
     pub fn start_tls(pki: &TestPki, acl: &str) -> Redis {
         let dir = scratch_dir("tollgate-redis-tls");
