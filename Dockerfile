@@ -6,10 +6,17 @@ WORKDIR /src
 COPY Cargo.toml Cargo.lock ./
 COPY src src
 COPY migrations migrations
-RUN cargo build --release --locked && strip target/release/tollgate
+RUN cargo build --release --locked && strip target/release/tollgate \
+ && mkdir -p /out/usr/local/bin /out/bin \
+ && cp target/release/tollgate /out/usr/local/bin/tollgate \
+ && ln -s tollgate /out/usr/local/bin/ratelimit \
+ && ln -s /usr/local/bin/tollgate /out/bin/ratelimit
 
 FROM gcr.io/distroless/cc-debian12:nonroot
-COPY --from=build /src/target/release/tollgate /usr/local/bin/tollgate
+# Also as /bin/ratelimit (and `ratelimit` on PATH): run under that name it is envoyproxy/ratelimit's
+# drop-in, configured by its environment, so Envoy Gateway's ratelimit Deployment runs it as is.
+# A directory copy keeps the links links.
+COPY --from=build /out/ /
 USER nonroot
 EXPOSE 8081 8080
 ENTRYPOINT ["/usr/local/bin/tollgate"]

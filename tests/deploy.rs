@@ -45,7 +45,7 @@ fn kubernetes_validate() -> PathBuf {
 #[test]
 fn kubernetes_manifests_pass_the_schema_validator() {
     let mut files: Vec<PathBuf> = Vec::new();
-    for dir in ["k8s/tollgate", "k8s/redis"] {
+    for dir in ["k8s/tollgate", "k8s/redis", "k8s/envoy-gateway"] {
         for entry in std::fs::read_dir(repo(dir)).unwrap() {
             let path = entry.unwrap().path();
             if path.extension().is_some_and(|e| e == "yaml") {
@@ -69,6 +69,8 @@ fn kubernetes_manifests_pass_the_schema_validator() {
         "networkpolicy/tollgate",
         "networkpolicy/redis-only-from-tollgate",
         "statefulset/redis-cluster",
+        "deployment/envoy-ratelimit",
+        "configmap/envoy-gateway-config",
     ] {
         assert!(report.contains(&format!("passed for resource {kind}")), "{kind} not validated:\n{report}");
     }
@@ -378,4 +380,25 @@ fn dockerfile_copies_what_exists() {
     {
         assert!(repo(included).exists());
     }
+}
+
+#[test]
+fn envoy_gateways_ratelimit_deployment_changes_only_its_image() {
+    let theirs = &yaml_docs("tests/data/envoy-gateway/deployment-default.yaml")[0];
+    let ours = &yaml_docs("k8s/envoy-gateway/ratelimit-deployment.yaml")[0];
+    let (a, b) = (&theirs["spec"]["template"]["spec"], &ours["spec"]["template"]["spec"]);
+    let mut theirs_container = a["containers"][0].clone();
+    theirs_container["image"] = b["containers"][0]["image"].clone();
+    assert_eq!(b["containers"][0], theirs_container, "only the image differs");
+    assert_eq!(a["volumes"], b["volumes"]);
+    assert_eq!(theirs["spec"]["selector"], ours["spec"]["selector"]);
+    let config = &yaml_docs("k8s/envoy-gateway/envoy-gateway-config.yaml")[0];
+    let eg: Value = serde_saphyr::from_str(config["data"]["envoy-gateway.yaml"].as_str().unwrap()).unwrap();
+    assert_eq!(
+        eg["provider"]["kubernetes"]["rateLimitDeployment"]["container"]["image"],
+        b["containers"][0]["image"]
+    );
+    let dockerfile = std::fs::read_to_string(repo("Dockerfile")).unwrap();
+    assert_eq!(b["containers"][0]["command"], json!(["/bin/ratelimit"]));
+    assert!(dockerfile.contains("ln -s /usr/local/bin/tollgate /out/bin/ratelimit"), "the image answers to /bin/ratelimit");
 }

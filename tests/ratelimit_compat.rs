@@ -168,4 +168,7 @@ async fn prometheus_serves_the_mapped_names_on_its_own_port() {
     assert_eq!(sample(&scrape, "ratelimit_service_total_requests", &[("grpc_method", "ShouldRateLimit")]), 7.0);
     assert_eq!(sample(&scrape, "ratelimit_service_response_time_seconds_count", &[("grpc_method", "ShouldRateLimit")]), 7.0);
     assert!(body.contains("tollgate_decisions_total"), "tollgate's own series follow");
+    let limit = [("domain", "api"), ("rule", "path"), ("kind", "requests_per_unit"), ("unit", "hour")];
+    assert_eq!(sample(&scrape, "tollgate_rule_limit", &limit), 5.0, "the configured limit, for utilisation alerts");
+    assert_eq!(sample(&scrape, "tollgate_rule_limit", &[("domain", "api"), ("rule", "path"), ("kind", "capacity")]), 5.0);
 }

@@ -256,6 +256,9 @@ pub const METRICS: &[(&str, Kind, &str)] = &[
     ("tollgate_quota_bad_rows_total", Kind::Counter, "Invalid rows in tollgate_overrides that were skipped."),
     ("tollgate_quota_cache_entries", Kind::Gauge, "Tenants held in the quota cache."),
     ("tollgate_config_reloads_total", Kind::Counter, "Config reloads by result: success, failure (the last good config keeps serving), warning (loaded, but domains whose files are gone are kept until SIGHUP confirms)."),
+    ("tollgate_rule_limit", Kind::Gauge, "Each rule's configured limit, for utilisation alerts: kind=capacity and kind=refill_per_second (tokens), and for rate_limit rules kind=requests_per_unit with its unit."),
+    ("tollgate_xds_updates_total", Kind::Counter, "Configs pushed over xDS, by result: accepted (ACKed) or rejected (NACKed; the config in force stays)."),
+    ("tollgate_xds_stream_failures_total", Kind::Counter, "xDS streams that broke or could not open; each is opened again after the backoff."),
     ("tollgate_config_last_reload_successful", Kind::Gauge, "1 if the last config reload succeeded (or none was needed), 0 if it was rejected."),
     ("tollgate_tls_reloads_total", Kind::Counter, "Reloads of the gRPC TLS certificates by result (success, failure)."),
     ("tollgate_tls_handshake_failures_total", Kind::Counter, "gRPC TLS handshakes that failed or timed out (e.g. a client without an accepted certificate)."),
@@ -340,6 +343,9 @@ const AT_ZERO: &[(&str, &[(&str, &str)])] = &[
     ("tollgate_rlqs_holders", &[]),
     ("tollgate_quota_cache_entries", &[]),
     ("tollgate_config_last_reload_successful", &[]),
+    ("tollgate_xds_updates_total", &[("result", "accepted")]),
+    ("tollgate_xds_updates_total", &[("result", "rejected")]),
+    ("tollgate_xds_stream_failures_total", &[]),
     ("tollgate_request_duration_seconds", &[]),
     ("tollgate_store_duration_seconds", &[]),
 ];
@@ -373,8 +379,27 @@ pub fn register_domains(rules: &RuleSet) {
                 .increment(0);
         }
         counter!("tollgate_debt_forgiven_tokens_total", "domain" => domain.name.clone()).increment(0);
+        register_limits(domain);
         if let Some(priced) = &domain.priced {
             register_budgets(domain, priced);
+        }
+    }
+}
+
+// Each bucket rule's limit as gauges. A rule a reload removes keeps its last value until the
+// exporter forgets idle series; a changed limit is set anew.
+fn register_limits(domain: &crate::config::Domain) {
+    for rule in &domain.rules {
+        let crate::config::Limit::Bucket(spec) = rule.limit else { continue };
+        let labels = |kind: &'static str| {
+            [("domain", domain.name.clone()), ("rule", rule.path.clone()), ("kind", kind.to_owned())]
+        };
+        gauge!("tollgate_rule_limit", &labels("capacity")).set(spec.capacity());
+        gauge!("tollgate_rule_limit", &labels("refill_per_second")).set(spec.refill_per_second());
+        if let Some(rate) = &rule.rate {
+            let mut labels = labels("requests_per_unit").to_vec();
+            labels.push(("unit", rate.unit.name().to_owned()));
+            gauge!("tollgate_rule_limit", &labels).set(f64::from(rate.requests_per_unit));
         }
     }
 }
