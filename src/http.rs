@@ -115,7 +115,10 @@ async fn readyz(State(state): State<HttpState>) -> Response {
         return (StatusCode::SERVICE_UNAVAILABLE, "draining\n").into_response();
     }
     if !*state.config_loaded.borrow() {
-        return (StatusCode::SERVICE_UNAVAILABLE, "no config yet: waiting for the first from the xDS server\n")
+        return (
+            StatusCode::SERVICE_UNAVAILABLE,
+            "no config yet: waiting for the first from the xDS server\n",
+        )
             .into_response();
     }
     match state.store.ping().await {

@@ -400,5 +400,8 @@ fn envoy_gateways_ratelimit_deployment_changes_only_its_image() {
     );
     let dockerfile = std::fs::read_to_string(repo("Dockerfile")).unwrap();
     assert_eq!(b["containers"][0]["command"], json!(["/bin/ratelimit"]));
-    assert!(dockerfile.contains("ln -s /usr/local/bin/tollgate /out/bin/ratelimit"), "the image answers to /bin/ratelimit");
+    assert!(
+        dockerfile.contains("ln -s /usr/local/bin/tollgate /out/bin/ratelimit"),
+        "the image answers to /bin/ratelimit"
+    );
 }

@@ -13,7 +13,8 @@ use common::*;
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::Code;
 use tollgate::telemetry::mapper::{Mapper, StatKind};
 
-const ENVOY_GATEWAY_MAPPING: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/data/envoy-gateway/statsd_conf.yaml");
+const ENVOY_GATEWAY_MAPPING: &str =
+    concat!(env!("CARGO_MANIFEST_DIR"), "/tests/data/envoy-gateway/statsd_conf.yaml");
 
 fn rules(per_hour: u32) -> String {
     format!(
@@ -59,7 +60,9 @@ async fn runtime_settings_and_configmap_swaps_reload() {
         assert!(Instant::now() < deadline, "the swapped-in limit never served");
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    cm.publish("domain: api\ndescriptors:\n  - key: path\n    rate_limit: {unit: fortnight, requests_per_unit: 1}\n");
+    cm.publish(
+        "domain: api\ndescriptors:\n  - key: path\n    rate_limit: {unit: fortnight, requests_per_unit: 1}\n",
+    );
     wait_until("the bad file rejected", 500, Duration::from_millis(20), || {
         server.log().contains("config rejected; the previous config keeps serving")
     });
@@ -165,10 +168,27 @@ async fn prometheus_serves_the_mapped_names_on_its_own_port() {
     assert_eq!(sample(&scrape, "ratelimit_service_rate_limit_total_hits", &labels), 7.0);
     assert_eq!(sample(&scrape, "ratelimit_service_rate_limit_over_limit", &labels), 2.0);
     assert_eq!(sample(&scrape, "ratelimit_service_rate_limit_within_limit", &labels), 5.0);
-    assert_eq!(sample(&scrape, "ratelimit_service_total_requests", &[("grpc_method", "ShouldRateLimit")]), 7.0);
-    assert_eq!(sample(&scrape, "ratelimit_service_response_time_seconds_count", &[("grpc_method", "ShouldRateLimit")]), 7.0);
+    assert_eq!(
+        sample(&scrape, "ratelimit_service_total_requests", &[("grpc_method", "ShouldRateLimit")]),
+        7.0
+    );
+    assert_eq!(
+        sample(
+            &scrape,
+            "ratelimit_service_response_time_seconds_count",
+            &[("grpc_method", "ShouldRateLimit")]
+        ),
+        7.0
+    );
     assert!(body.contains("tollgate_decisions_total"), "tollgate's own series follow");
     let limit = [("domain", "api"), ("rule", "path"), ("kind", "requests_per_unit"), ("unit", "hour")];
-    assert_eq!(sample(&scrape, "tollgate_rule_limit", &limit), 5.0, "the configured limit, for utilisation alerts");
-    assert_eq!(sample(&scrape, "tollgate_rule_limit", &[("domain", "api"), ("rule", "path"), ("kind", "capacity")]), 5.0);
+    assert_eq!(
+        sample(&scrape, "tollgate_rule_limit", &limit),
+        5.0,
+        "the configured limit, for utilisation alerts"
+    );
+    assert_eq!(
+        sample(&scrape, "tollgate_rule_limit", &[("domain", "api"), ("rule", "path"), ("kind", "capacity")]),
+        5.0
+    );
 }

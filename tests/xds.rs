@@ -9,8 +9,8 @@ mod common;
 use std::time::{Duration, Instant};
 
 use common::*;
-use envoy_types::pb::google::protobuf::Any;
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::Code;
+use envoy_types::pb::google::protobuf::Any;
 
 const NODE: &str = "envoy-ratelimit";
 
@@ -22,7 +22,10 @@ fn api(per_minute: u32) -> envoy_types::pb::ratelimit::config::ratelimit::v3::Ra
 }
 
 fn other() -> envoy_types::pb::ratelimit::config::ratelimit::v3::RateLimitConfig {
-    rate_limit_config("other", "domain: other\ndescriptors:\n  - key: k\n    rate_limit: {unit: HOUR, requests_per_unit: 1}\n")
+    rate_limit_config(
+        "other",
+        "domain: other\ndescriptors:\n  - key: k\n    rate_limit: {unit: HOUR, requests_per_unit: 1}\n",
+    )
 }
 
 // envoyproxy/ratelimit's environment for an xDS config from `xds`, on standalone Redis at
@@ -112,7 +115,13 @@ async fn an_invalid_push_is_nacked_and_the_last_good_config_serves() {
     assert_eq!(admitted(&server, "api", "path=/a", 4).await, 2, "the last good limit (2) serves");
 
     // Bytes that are not a RateLimitConfig: NACKed too.
-    xds.push_any("v3", vec![Any { type_url: "type.googleapis.com/ratelimit.config.ratelimit.v3.RateLimitConfig".into(), value: vec![0xff, 0xff, 0xff] }]);
+    xds.push_any(
+        "v3",
+        vec![Any {
+            type_url: "type.googleapis.com/ratelimit.config.ratelimit.v3.RateLimitConfig".into(),
+            value: vec![0xff, 0xff, 0xff],
+        }],
+    );
     wait_until("a second NACK", 500, Duration::from_millis(20), || {
         xds.requests().iter().filter(|r| r.error_detail.is_some()).count() == 2
     });
@@ -138,7 +147,9 @@ async fn a_restarted_server_is_found_again_and_the_config_serves_meanwhile() {
     xds.wait_for_ack("v1");
 
     xds.stop();
-    wait_until("the stream loss logged", 500, Duration::from_millis(20), || server.log().contains("xDS stream down"));
+    wait_until("the stream loss logged", 500, Duration::from_millis(20), || {
+        server.log().contains("xDS stream down")
+    });
     assert_eq!(admitted(&server, "api", "path=/a", 5).await, 3, "the config in force keeps serving");
     assert_eq!(health(&server), 200, "still ready: it has a config");
 
@@ -178,9 +189,12 @@ async fn tls_and_mutual_tls_reach_the_server() {
     let xds_mutual = XdsServer::start(Some(XdsTls { pki: &pki, mutual: true }));
     xds_mutual.push("v1", &[api(3)]);
     let addr = format!("localhost:{}", xds_mutual.addr.port());
-    let half = [("CONFIG_GRPC_XDS_SERVER_USE_TLS", "true"), ("CONFIG_GRPC_XDS_SERVER_TLS_CACERT", ca.as_str())];
+    let half =
+        [("CONFIG_GRPC_XDS_SERVER_USE_TLS", "true"), ("CONFIG_GRPC_XDS_SERVER_TLS_CACERT", ca.as_str())];
     let refused = Tollgate::start_as_ratelimit(&env(&addr, &redis_at, &half));
-    wait_until("the refusal logged", 500, Duration::from_millis(20), || refused.log().contains("xDS stream down"));
+    wait_until("the refusal logged", 500, Duration::from_millis(20), || {
+        refused.log().contains("xDS stream down")
+    });
     assert_eq!(health(&refused), 503);
     assert!(xds_mutual.requests().is_empty());
 }
@@ -198,14 +212,21 @@ async fn readiness_waits_for_a_first_config_unless_forced() {
     assert_eq!((status, body.as_str()), (503, "no config yet: waiting for the first from the xDS server\n"));
     assert_eq!(http_get(waiting.http, "/readyz").unwrap().0, 503);
 
-    let forced = Tollgate::start_as_ratelimit(&env(&addr, &redis_at, &[("FORCE_START_WITHOUT_INITIAL_CONFIG", "true")]));
+    let forced = Tollgate::start_as_ratelimit(&env(
+        &addr,
+        &redis_at,
+        &[("FORCE_START_WITHOUT_INITIAL_CONFIG", "true")],
+    ));
     let forced = forced.wait_ready();
     assert_eq!(health(&forced), 200);
     // Forced, but healthy only with a config: waits, as envoyproxy/ratelimit does.
     let strict = Tollgate::start_as_ratelimit(&env(
         &addr,
         &redis_at,
-        &[("FORCE_START_WITHOUT_INITIAL_CONFIG", "true"), ("HEALTHY_WITH_AT_LEAST_ONE_CONFIG_LOADED", "true")],
+        &[
+            ("FORCE_START_WITHOUT_INITIAL_CONFIG", "true"),
+            ("HEALTHY_WITH_AT_LEAST_ONE_CONFIG_LOADED", "true"),
+        ],
     ));
     wait_until("the strict stream opened", 500, Duration::from_millis(20), || xds.streams() >= 3);
     assert_eq!(health(&strict), 503);

@@ -71,7 +71,7 @@ pub fn main() -> ExitCode {
     }
     // Only the service reads envoyproxy/ratelimit's settings (a global flag may come first).
     let serves = as_ratelimit || args.iter().skip(1).any(|a| a == "serve");
-    let ignored = match serves.then(|| from_ratelimit_env(as_ratelimit)).unwrap_or(Ok(Vec::new())) {
+    let ignored = match if serves { from_ratelimit_env(as_ratelimit) } else { Ok(Vec::new()) } {
         Ok(ignored) => ignored,
         Err(error) => {
             eprintln!("tollgate: {error}");

@@ -23,11 +23,16 @@ pub(super) struct Translation {
 
 /// Translates envoyproxy/ratelimit's settings as `get` reads them; `as_ratelimit` applies its
 /// defaults too. An error names the setting and why tollgate cannot run with it.
-pub(super) fn translate(get: &dyn Fn(&str) -> Option<String>, as_ratelimit: bool) -> Result<Translation, String> {
+pub(super) fn translate(
+    get: &dyn Fn(&str) -> Option<String>,
+    as_ratelimit: bool,
+) -> Result<Translation, String> {
     let mut t = Translation::default();
     // envoyproxy/ratelimit's value of a setting: the variable, else (as `ratelimit`) its default.
     let var = |name: &str, default: &str| -> Option<String> {
-        get(name).filter(|v| !v.is_empty()).or_else(|| as_ratelimit.then(|| default.to_owned()).filter(|d| !d.is_empty()))
+        get(name)
+            .filter(|v| !v.is_empty())
+            .or_else(|| as_ratelimit.then(|| default.to_owned()).filter(|d| !d.is_empty()))
     };
     let flag = |name: &str, default: bool| -> Result<Option<bool>, String> {
         match get(name).filter(|v| !v.is_empty()) {
@@ -43,10 +48,22 @@ pub(super) fn translate(get: &dyn Fn(&str) -> Option<String>, as_ratelimit: bool
 
     // Listeners.
     if get("HOST").is_some() || get("PORT").is_some() {
-        t.set.insert("TOLLGATE_HTTP_ADDR", address(&var("HOST", "0.0.0.0").unwrap_or("0.0.0.0".into()), &var("PORT", "8080").unwrap_or("8080".into())));
+        t.set.insert(
+            "TOLLGATE_HTTP_ADDR",
+            address(
+                &var("HOST", "0.0.0.0").unwrap_or("0.0.0.0".into()),
+                &var("PORT", "8080").unwrap_or("8080".into()),
+            ),
+        );
     }
     if get("GRPC_HOST").is_some() || get("GRPC_PORT").is_some() {
-        t.set.insert("TOLLGATE_GRPC_ADDR", address(&var("GRPC_HOST", "0.0.0.0").unwrap_or("0.0.0.0".into()), &var("GRPC_PORT", "8081").unwrap_or("8081".into())));
+        t.set.insert(
+            "TOLLGATE_GRPC_ADDR",
+            address(
+                &var("GRPC_HOST", "0.0.0.0").unwrap_or("0.0.0.0".into()),
+                &var("GRPC_PORT", "8081").unwrap_or("8081".into()),
+            ),
+        );
     }
     if let Some(uds) = get("GRPC_UDS").filter(|v| !v.is_empty()) {
         return Err(format!("GRPC_UDS={uds}: tollgate serves gRPC on TCP only (GRPC_HOST, GRPC_PORT)"));
@@ -63,12 +80,18 @@ pub(super) fn translate(get: &dyn Fn(&str) -> Option<String>, as_ratelimit: bool
         }
     }
     if flag("GRPC_SERVER_USE_TLS", false)? == Some(true) {
-        for (from, to) in [("GRPC_SERVER_TLS_CERT", "TOLLGATE_TLS_CERT"), ("GRPC_SERVER_TLS_KEY", "TOLLGATE_TLS_KEY")] {
-            let v = get(from).filter(|v| !v.is_empty()).ok_or_else(|| format!("GRPC_SERVER_USE_TLS=true needs {from}"))?;
+        for (from, to) in
+            [("GRPC_SERVER_TLS_CERT", "TOLLGATE_TLS_CERT"), ("GRPC_SERVER_TLS_KEY", "TOLLGATE_TLS_KEY")]
+        {
+            let v = get(from)
+                .filter(|v| !v.is_empty())
+                .ok_or_else(|| format!("GRPC_SERVER_USE_TLS=true needs {from}"))?;
             t.set.insert(to, v);
         }
         // settings.go reads GRPC_CLIENT_TLS_CACERT; Envoy Gateway sets GRPC_SERVER_TLS_CA_CERT.
-        if let Some(ca) = get("GRPC_CLIENT_TLS_CACERT").or_else(|| get("GRPC_SERVER_TLS_CA_CERT")).filter(|v| !v.is_empty()) {
+        if let Some(ca) =
+            get("GRPC_CLIENT_TLS_CACERT").or_else(|| get("GRPC_SERVER_TLS_CA_CERT")).filter(|v| !v.is_empty())
+        {
             t.set.insert("TOLLGATE_TLS_CLIENT_CA", ca);
         }
     }
@@ -102,13 +125,23 @@ pub(super) fn translate(get: &dyn Fn(&str) -> Option<String>, as_ratelimit: bool
         Some("FILE") | None => {
             let runtime = ["RUNTIME_ROOT", "RUNTIME_SUBDIRECTORY", "RUNTIME_APPDIRECTORY"];
             if as_ratelimit || runtime.iter().any(|n| get(n).is_some()) {
-                let mut path = std::path::PathBuf::from(var("RUNTIME_ROOT", "/srv/runtime_data/current").unwrap_or_default());
-                for part in [var("RUNTIME_SUBDIRECTORY", ""), var("RUNTIME_APPDIRECTORY", "config").or_else(|| Some("config".into()))].into_iter().flatten() {
+                let mut path = std::path::PathBuf::from(
+                    var("RUNTIME_ROOT", "/srv/runtime_data/current").unwrap_or_default(),
+                );
+                for part in [
+                    var("RUNTIME_SUBDIRECTORY", ""),
+                    var("RUNTIME_APPDIRECTORY", "config").or_else(|| Some("config".into())),
+                ]
+                .into_iter()
+                .flatten()
+                {
                     path.push(part);
                 }
                 t.set.insert("TOLLGATE_CONFIG", path.display().to_string());
             }
-            if flag("RUNTIME_IGNOREDOTFILES", false)? == Some(false) && get("RUNTIME_IGNOREDOTFILES").is_some() {
+            if flag("RUNTIME_IGNOREDOTFILES", false)? == Some(false)
+                && get("RUNTIME_IGNOREDOTFILES").is_some()
+            {
                 t.ignored.push("RUNTIME_IGNOREDOTFILES=false: tollgate always skips hidden files (a ConfigMap's ..data is one)".into());
             }
         }
@@ -123,14 +156,20 @@ pub(super) fn translate(get: &dyn Fn(&str) -> Option<String>, as_ratelimit: bool
     redis(get, &var, &flag, &mut t)?;
 
     // What is enforced and answered.
-    for (from, to) in [("SHADOW_MODE", "TOLLGATE_SHADOW_MODE"), ("RESPONSE_DYNAMIC_METADATA", "TOLLGATE_RESPONSE_DYNAMIC_METADATA")] {
+    for (from, to) in [
+        ("SHADOW_MODE", "TOLLGATE_SHADOW_MODE"),
+        ("RESPONSE_DYNAMIC_METADATA", "TOLLGATE_RESPONSE_DYNAMIC_METADATA"),
+    ] {
         if let Some(on) = flag(from, false)?.filter(|_| get(from).is_some()) {
             t.set.insert(to, on.to_string());
         }
     }
     for (name, why) in [
         ("QUOTA_MODE", "a service-wide quota mode is not supported: mark the rules with quota_mode: true"),
-        ("MERGE_DOMAIN_CONFIG", "merging files of one domain is not supported: put each domain in one file or resource"),
+        (
+            "MERGE_DOMAIN_CONFIG",
+            "merging files of one domain is not supported: put each domain in one file or resource",
+        ),
     ] {
         if flag(name, false)? == Some(true) && get(name).is_some() {
             return Err(format!("{name}=true: {why}"));
@@ -139,7 +178,9 @@ pub(super) fn translate(get: &dyn Fn(&str) -> Option<String>, as_ratelimit: bool
     if let Some(prefix) = get("CACHE_KEY_PREFIX").filter(|v| !v.is_empty()) {
         return Err(format!("CACHE_KEY_PREFIX={prefix}: tollgate's keys have no prefix setting; give each deployment its own Redis database (REDIS_URL=redis://host:port/N)"));
     }
-    if flag("LIMIT_RESPONSE_HEADERS_ENABLED", false)? == Some(true) && get("LIMIT_RESPONSE_HEADERS_ENABLED").is_some() {
+    if flag("LIMIT_RESPONSE_HEADERS_ENABLED", false)? == Some(true)
+        && get("LIMIT_RESPONSE_HEADERS_ENABLED").is_some()
+    {
         t.ignored.push("LIMIT_RESPONSE_HEADERS_ENABLED: headers are chosen per domain in tollgate (response_headers: [x-ratelimit, retry-after, ietf])".into());
     }
     if let Some(ratio) = get("NEAR_LIMIT_RATIO").filter(|v| !v.is_empty()) {
@@ -150,8 +191,14 @@ pub(super) fn translate(get: &dyn Fn(&str) -> Option<String>, as_ratelimit: bool
     tracing(get, &flag, &mut t)?;
 
     for (name, why) in [
-        ("EXPIRATION_JITTER_MAX_SECONDS", "token buckets expire when full, not at window ends, so there is no stampede to spread"),
-        ("LOCAL_CACHE_SIZE_IN_BYTES", "tollgate's exact pre-check answers certain denials locally (--precheck-buckets)"),
+        (
+            "EXPIRATION_JITTER_MAX_SECONDS",
+            "token buckets expire when full, not at window ends, so there is no stampede to spread",
+        ),
+        (
+            "LOCAL_CACHE_SIZE_IN_BYTES",
+            "tollgate's exact pre-check answers certain denials locally (--precheck-buckets)",
+        ),
         ("STOP_CACHE_KEY_INCREMENT_WHEN_OVERLIMIT", "tollgate never takes tokens for a denied request"),
         ("USE_DOG_STATSD", "DogStatsD tags are not sent; statsd names are"),
         ("USE_DOG_STATSD_MOGRIFIERS", "DogStatsD tags are not sent; statsd names are"),
@@ -169,9 +216,20 @@ pub(super) fn translate(get: &dyn Fn(&str) -> Option<String>, as_ratelimit: bool
 type Var<'a> = dyn Fn(&str, &str) -> Option<String> + 'a;
 type Flag<'a> = dyn Fn(&str, bool) -> Result<Option<bool>, String> + 'a;
 
-fn xds(get: &dyn Fn(&str) -> Option<String>, var: &Var<'_>, flag: &Flag<'_>, t: &mut Translation) -> Result<(), String> {
-    t.set.insert("TOLLGATE_XDS_SERVER", var("CONFIG_GRPC_XDS_SERVER_URL", "localhost:18000").unwrap_or_else(|| "localhost:18000".into()));
-    t.set.insert("TOLLGATE_XDS_NODE_ID", var("CONFIG_GRPC_XDS_NODE_ID", "default").unwrap_or_else(|| "default".into()));
+fn xds(
+    get: &dyn Fn(&str) -> Option<String>,
+    var: &Var<'_>,
+    flag: &Flag<'_>,
+    t: &mut Translation,
+) -> Result<(), String> {
+    t.set.insert(
+        "TOLLGATE_XDS_SERVER",
+        var("CONFIG_GRPC_XDS_SERVER_URL", "localhost:18000").unwrap_or_else(|| "localhost:18000".into()),
+    );
+    t.set.insert(
+        "TOLLGATE_XDS_NODE_ID",
+        var("CONFIG_GRPC_XDS_NODE_ID", "default").unwrap_or_else(|| "default".into()),
+    );
     if let Some(metadata) = get("CONFIG_GRPC_XDS_NODE_METADATA").filter(|v| !v.is_empty()) {
         t.set.insert("TOLLGATE_XDS_NODE_METADATA", metadata);
     }
@@ -180,9 +238,9 @@ fn xds(get: &dyn Fn(&str) -> Option<String>, var: &Var<'_>, flag: &Flag<'_>, t: 
         let pairs: Result<Vec<String>, String> = headers
             .split(',')
             .map(|pair| {
-                pair.split_once(':')
-                    .map(|(k, v)| format!("{}={}", k.trim(), v.trim()))
-                    .ok_or_else(|| format!("CONFIG_GRPC_XDS_CLIENT_ADDITIONAL_HEADERS: {pair:?} is not key:value"))
+                pair.split_once(':').map(|(k, v)| format!("{}={}", k.trim(), v.trim())).ok_or_else(|| {
+                    format!("CONFIG_GRPC_XDS_CLIENT_ADDITIONAL_HEADERS: {pair:?} is not key:value")
+                })
             })
             .collect();
         t.set.insert("TOLLGATE_XDS_HEADERS", pairs?.join(","));
@@ -219,10 +277,19 @@ fn xds(get: &dyn Fn(&str) -> Option<String>, var: &Var<'_>, flag: &Flag<'_>, t: 
     Ok(())
 }
 
-fn redis(get: &dyn Fn(&str) -> Option<String>, var: &Var<'_>, flag: &Flag<'_>, t: &mut Translation) -> Result<(), String> {
+fn redis(
+    get: &dyn Fn(&str) -> Option<String>,
+    var: &Var<'_>,
+    flag: &Flag<'_>,
+    t: &mut Translation,
+) -> Result<(), String> {
     match var("BACKEND_TYPE", "redis").map(|b| b.to_ascii_lowercase()).as_deref() {
         None | Some("redis") => {}
-        Some(other) => return Err(format!("BACKEND_TYPE={other}: tollgate keeps its buckets in Redis (BACKEND_TYPE=redis)")),
+        Some(other) => {
+            return Err(format!(
+                "BACKEND_TYPE={other}: tollgate keeps its buckets in Redis (BACKEND_TYPE=redis)"
+            ))
+        }
     }
     let Some(url) = var("REDIS_URL", "/var/run/nutcracker/ratelimit.sock") else { return Ok(()) };
     let tls = flag("REDIS_TLS", false)?.unwrap_or(false);
@@ -235,11 +302,18 @@ fn redis(get: &dyn Fn(&str) -> Option<String>, var: &Var<'_>, flag: &Flag<'_>, t
     });
     let scheme = if tls { "rediss" } else { "redis" };
     let with_scheme = |node: &str| {
-        if node.contains("://") { node.to_owned() } else { format!("{scheme}://{}{node}", userinfo.as_deref().unwrap_or("")) }
+        if node.contains("://") {
+            node.to_owned()
+        } else {
+            format!("{scheme}://{}{node}", userinfo.as_deref().unwrap_or(""))
+        }
     };
     match var("REDIS_TYPE", "SINGLE").unwrap_or_default().to_ascii_uppercase().as_str() {
         "SINGLE" | "" if unix => {
-            let password = auth.as_deref().map(|a| format!("?pass={}", a.rsplit(':').next().unwrap_or(a))).unwrap_or_default();
+            let password = auth
+                .as_deref()
+                .map(|a| format!("?pass={}", a.rsplit(':').next().unwrap_or(a)))
+                .unwrap_or_default();
             t.set.insert("TOLLGATE_REDIS_URL", format!("redis+unix://{url}{password}"));
         }
         "SINGLE" | "" => {
@@ -251,10 +325,16 @@ fn redis(get: &dyn Fn(&str) -> Option<String>, var: &Var<'_>, flag: &Flag<'_>, t
         }
         "SENTINEL" => {
             let mut parts = url.split(',').map(str::trim);
-            let master = parts.next().filter(|m| !m.is_empty()).ok_or("REDIS_URL: with REDIS_TYPE=SENTINEL, master-name,host:port,...")?;
+            let master = parts
+                .next()
+                .filter(|m| !m.is_empty())
+                .ok_or("REDIS_URL: with REDIS_TYPE=SENTINEL, master-name,host:port,...")?;
             let sentinels: Vec<&str> = parts.collect();
             if sentinels.is_empty() {
-                return Err("REDIS_URL: with REDIS_TYPE=SENTINEL, master-name,host:port,... (no sentinel given)".into());
+                return Err(
+                    "REDIS_URL: with REDIS_TYPE=SENTINEL, master-name,host:port,... (no sentinel given)"
+                        .into(),
+                );
             }
             t.set.insert("TOLLGATE_REDIS_SENTINEL_MASTER", master.to_owned());
             t.set.insert("TOLLGATE_REDIS_SENTINEL", sentinels.join(","));
@@ -277,10 +357,13 @@ fn redis(get: &dyn Fn(&str) -> Option<String>, var: &Var<'_>, flag: &Flag<'_>, t
             t.set.insert(to, v);
         }
     }
-    if flag("REDIS_TLS_SKIP_HOSTNAME_VERIFICATION", false)? == Some(true) && get("REDIS_TLS_SKIP_HOSTNAME_VERIFICATION").is_some() {
+    if flag("REDIS_TLS_SKIP_HOSTNAME_VERIFICATION", false)? == Some(true)
+        && get("REDIS_TLS_SKIP_HOSTNAME_VERIFICATION").is_some()
+    {
         return Err("REDIS_TLS_SKIP_HOSTNAME_VERIFICATION=true: tollgate always verifies the Redis server's name; give its CA (REDIS_TLS_CACERT) instead".into());
     }
-    let pooled = "tollgate multiplexes each node's connection and coalesces calls per slot (--coalesce-delay)";
+    let pooled =
+        "tollgate multiplexes each node's connection and coalesces calls per slot (--coalesce-delay)";
     for name in [
         "REDIS_POOL_SIZE",
         "REDIS_PIPELINE_WINDOW",
@@ -297,15 +380,27 @@ fn redis(get: &dyn Fn(&str) -> Option<String>, var: &Var<'_>, flag: &Flag<'_>, t
             t.ignored.push(format!("{name}: one Redis holds every bucket, per-second ones too"));
         }
     }
-    for name in ["REDIS_HEALTH_CHECK_ACTIVE_CONNECTION", "REDIS_STARTUP_INITIAL_INTERVAL", "REDIS_STARTUP_MAX_INTERVAL", "REDIS_STARTUP_MAX_ELAPSED_TIME"] {
+    for name in [
+        "REDIS_HEALTH_CHECK_ACTIVE_CONNECTION",
+        "REDIS_STARTUP_INITIAL_INTERVAL",
+        "REDIS_STARTUP_MAX_INTERVAL",
+        "REDIS_STARTUP_MAX_ELAPSED_TIME",
+    ] {
         if get(name).is_some_and(|v| !v.is_empty()) {
-            t.ignored.push(format!("{name}: readiness follows Redis at every probe, and connections are retried without end"));
+            t.ignored.push(format!(
+                "{name}: readiness follows Redis at every probe, and connections are retried without end"
+            ));
         }
     }
     Ok(())
 }
 
-fn stats(get: &dyn Fn(&str) -> Option<String>, var: &Var<'_>, flag: &Flag<'_>, t: &mut Translation) -> Result<(), String> {
+fn stats(
+    get: &dyn Fn(&str) -> Option<String>,
+    var: &Var<'_>,
+    flag: &Flag<'_>,
+    t: &mut Translation,
+) -> Result<(), String> {
     if flag("DISABLE_STATS", false)? == Some(true) && get("DISABLE_STATS").is_some() {
         return Ok(());
     }
@@ -316,9 +411,13 @@ fn stats(get: &dyn Fn(&str) -> Option<String>, var: &Var<'_>, flag: &Flag<'_>, t
     }
     if flag("USE_PROMETHEUS", false)? == Some(true) {
         let addr = var("PROMETHEUS_ADDR", ":9090").unwrap_or_else(|| ":9090".into());
-        let (host, port) = addr.rsplit_once(':').ok_or_else(|| format!("PROMETHEUS_ADDR={addr}: host:port"))?;
+        let (host, port) =
+            addr.rsplit_once(':').ok_or_else(|| format!("PROMETHEUS_ADDR={addr}: host:port"))?;
         t.set.insert("TOLLGATE_PROMETHEUS_ADDR", address(host, port));
-        for (from, to) in [("PROMETHEUS_PATH", "TOLLGATE_PROMETHEUS_PATH"), ("PROMETHEUS_MAPPER_YAML", "TOLLGATE_PROMETHEUS_MAPPER")] {
+        for (from, to) in [
+            ("PROMETHEUS_PATH", "TOLLGATE_PROMETHEUS_PATH"),
+            ("PROMETHEUS_MAPPER_YAML", "TOLLGATE_PROMETHEUS_MAPPER"),
+        ] {
             if let Some(v) = get(from).filter(|v| !v.is_empty()) {
                 t.set.insert(to, v);
             }
@@ -343,10 +442,13 @@ fn tracing(get: &dyn Fn(&str) -> Option<String>, flag: &Flag<'_>, t: &mut Transl
     if let Some(name) = get("TRACING_SERVICE_NAME").filter(|v| !v.is_empty()) {
         t.set.insert("OTEL_SERVICE_NAME", name);
     }
-    let attributes: Vec<String> = [("TRACING_SERVICE_NAMESPACE", "service.namespace"), ("TRACING_SERVICE_INSTANCE_ID", "service.instance.id")]
-        .iter()
-        .filter_map(|(from, key)| get(from).filter(|v| !v.is_empty()).map(|v| format!("{key}={v}")))
-        .collect();
+    let attributes: Vec<String> = [
+        ("TRACING_SERVICE_NAMESPACE", "service.namespace"),
+        ("TRACING_SERVICE_INSTANCE_ID", "service.instance.id"),
+    ]
+    .iter()
+    .filter_map(|(from, key)| get(from).filter(|v| !v.is_empty()).map(|v| format!("{key}={v}")))
+    .collect();
     if !attributes.is_empty() {
         t.set.insert("OTEL_RESOURCE_ATTRIBUTES", attributes.join(","));
     }
@@ -369,7 +471,11 @@ fn go_bool(v: &str) -> Option<bool> {
 // `host:port` for a listener: Go's empty host (`:19001`) is every address.
 fn address(host: &str, port: &str) -> String {
     let host = if host.is_empty() { "0.0.0.0" } else { host };
-    if host.contains(':') { format!("[{host}]:{port}") } else { format!("{host}:{port}") }
+    if host.contains(':') {
+        format!("[{host}]:{port}")
+    } else {
+        format!("{host}:{port}")
+    }
 }
 
 #[cfg(test)]
@@ -446,13 +552,41 @@ mod tests {
         assert_eq!(t.set["TOLLGATE_REDIS_URL"], "redis+unix:///var/run/nutcracker/ratelimit.sock");
         assert_eq!(t.set["RUST_LOG"], "warn");
 
-        let t = run(&[("REDIS_SOCKET_TYPE", "tcp"), ("REDIS_TYPE", "cluster"), ("REDIS_URL", "a:1, b:2"), ("REDIS_AUTH", "u:p"), ("REDIS_TLS", "true")], false).unwrap();
+        let t = run(
+            &[
+                ("REDIS_SOCKET_TYPE", "tcp"),
+                ("REDIS_TYPE", "cluster"),
+                ("REDIS_URL", "a:1, b:2"),
+                ("REDIS_AUTH", "u:p"),
+                ("REDIS_TLS", "true"),
+            ],
+            false,
+        )
+        .unwrap();
         assert_eq!(t.set["TOLLGATE_REDIS_CLUSTER"], "rediss://u:p@a:1,rediss://u:p@b:2");
-        let t = run(&[("REDIS_SOCKET_TYPE", "tcp"), ("REDIS_TYPE", "SENTINEL"), ("REDIS_URL", "mymaster,s1:26379,s2:26379"), ("REDIS_AUTH", "pw")], false).unwrap();
+        let t = run(
+            &[
+                ("REDIS_SOCKET_TYPE", "tcp"),
+                ("REDIS_TYPE", "SENTINEL"),
+                ("REDIS_URL", "mymaster,s1:26379,s2:26379"),
+                ("REDIS_AUTH", "pw"),
+            ],
+            false,
+        )
+        .unwrap();
         assert_eq!(t.set["TOLLGATE_REDIS_SENTINEL_MASTER"], "mymaster");
         assert_eq!(t.set["TOLLGATE_REDIS_SENTINEL"], "s1:26379,s2:26379");
         assert_eq!(t.set["TOLLGATE_REDIS_SENTINEL_AUTH"], "pw");
-        let t = run(&[("REDIS_SOCKET_TYPE", "tcp"), ("REDIS_URL", "h:6379"), ("REDIS_AUTH", "pw"), ("REDIS_POOL_SIZE", "20")], false).unwrap();
+        let t = run(
+            &[
+                ("REDIS_SOCKET_TYPE", "tcp"),
+                ("REDIS_URL", "h:6379"),
+                ("REDIS_AUTH", "pw"),
+                ("REDIS_POOL_SIZE", "20"),
+            ],
+            false,
+        )
+        .unwrap();
         assert_eq!(t.set["TOLLGATE_REDIS_URL"], "redis://:pw@h:6379");
         assert_eq!(t.ignored.len(), 1, "{:?}", t.ignored);
     }

@@ -68,7 +68,8 @@ fn count_ratelimit_stats(
             let Some(rule) = &b.limit.rule else { return };
             let cost = rule.cost.max(1) as f64;
             let capacity = b.limit.spec.capacity();
-            let taken = if b.verdict.allowed && overall == Code::Ok { verdict.hits as f64 * cost } else { 0.0 };
+            let taken =
+                if b.verdict.allowed && overall == Code::Ok { verdict.hits as f64 * cost } else { 0.0 };
             let lacked = (capacity - b.verdict.tokens - taken).max(0.0);
             let limit = (capacity / cost).floor() as u64;
             let used = (lacked / cost).round() as u64;

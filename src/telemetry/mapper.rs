@@ -188,7 +188,8 @@ mod tests {
     #[test]
     fn envoy_gateways_file_maps_every_name_ratelimit_sends() {
         let mapper = Mapper::parse(ENVOY_GATEWAY).unwrap();
-        let one = mapper.map("ratelimit.service.rate_limit.api.path_/a.total_hits", StatKind::Counter).unwrap();
+        let one =
+            mapper.map("ratelimit.service.rate_limit.api.path_/a.total_hits", StatKind::Counter).unwrap();
         assert_eq!(one.name, "ratelimit_service_rate_limit_total_hits");
         assert_eq!(labels(&one), [("domain", "api"), ("key1", "path_/a")]);
         assert!(one.histogram, "timer_type histogram is kept, whatever the kind");
@@ -198,15 +199,22 @@ mod tests {
         assert_eq!(deep.name, "ratelimit_service_rate_limit_over_limit");
         assert_eq!(labels(&deep), [("domain", "api"), ("key1", "route_r"), ("key2", "rule-0-match-0_x")]);
 
-        let err = mapper.map("ratelimit.service.call.should_rate_limit.redis_error", StatKind::Counter).unwrap();
-        assert_eq!((err.name.as_str(), labels(&err)), ("ratelimit_service_should_rate_limit_error", vec![("err_type", "redis_error")]));
+        let err =
+            mapper.map("ratelimit.service.call.should_rate_limit.redis_error", StatKind::Counter).unwrap();
+        assert_eq!(
+            (err.name.as_str(), labels(&err)),
+            ("ratelimit_service_should_rate_limit_error", vec![("err_type", "redis_error")])
+        );
         assert_eq!(
             mapper.map("ratelimit.service.call.should_rate_limit.redis_error", StatKind::Timer).unwrap().name,
             "ratelimit_service_call_should_rate_limit_redis_error",
             "match_metric_type: counter does not match a timer"
         );
         let time = mapper.map("ratelimit_server.ShouldRateLimit.response_time", StatKind::Timer).unwrap();
-        assert_eq!((time.name.as_str(), labels(&time)), ("ratelimit_service_response_time_seconds", vec![("grpc_method", "ShouldRateLimit")]));
+        assert_eq!(
+            (time.name.as_str(), labels(&time)),
+            ("ratelimit_service_response_time_seconds", vec![("grpc_method", "ShouldRateLimit")])
+        );
         assert!(time.histogram);
         let loaded = mapper.map("ratelimit.service.config_load_success", StatKind::Counter).unwrap();
         assert_eq!(loaded.name, "ratelimit_service_config_load_success");
@@ -220,7 +228,11 @@ mod tests {
         .unwrap();
         assert_eq!(mapper.map("a.b", StatKind::Counter).unwrap().name, "glob_b");
         assert_eq!(mapper.map("zz.b.xx.y", StatKind::Counter).unwrap().name, "re_xx");
-        assert_eq!(mapper.map("a.b.c", StatKind::Counter), None, "the glob's * stops at a dot; the drop catches it");
+        assert_eq!(
+            mapper.map("a.b.c", StatKind::Counter),
+            None,
+            "the glob's * stops at a dot; the drop catches it"
+        );
         assert!(Mapper::parse("mappings:\n- match: x\n  match_type: fuzzy\n  name: y\n").is_err());
     }
 }

@@ -348,7 +348,8 @@ mod tests {
 
         stats.count_rule("d", "k", Some("k_a"), tally(10, 0, 1, 0.8, false));
         stats.count_rule("d", "k", Some("k_b"), tally(10, 0, 1, 0.8, false));
-        let names: Vec<String> = stats.take().into_iter().filter(|s| s.0.ends_with("total_hits")).map(|s| s.0).collect();
+        let names: Vec<String> =
+            stats.take().into_iter().filter(|s| s.0.ends_with("total_hits")).map(|s| s.0).collect();
         assert_eq!(names.len(), 2, "one detailed key, then the rule's own: {names:?}");
     }
 }

@@ -55,7 +55,12 @@ impl XdsServer {
         Self::start_at(addr, tls, watch::Sender::new(None), Arc::default())
     }
 
-    fn start_at(addr: SocketAddr, tls: Option<XdsTls<'_>>, snapshot: watch::Sender<Snapshot>, shared: Arc<Shared>) -> XdsServer {
+    fn start_at(
+        addr: SocketAddr,
+        tls: Option<XdsTls<'_>>,
+        snapshot: watch::Sender<Snapshot>,
+        shared: Arc<Shared>,
+    ) -> XdsServer {
         let tls = tls.map(|t| {
             let identity = tonic::transport::Identity::from_pem(
                 std::fs::read(t.pki.path("server.pem")).unwrap(),
@@ -73,7 +78,8 @@ impl XdsServer {
         let (bound_tx, bound_rx) = std::sync::mpsc::channel();
         let service = Ads { snapshot: snapshot.subscribe(), shared: shared.clone() };
         let thread = std::thread::spawn(move || {
-            let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build().unwrap();
+            let runtime =
+                tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build().unwrap();
             runtime.block_on(async move {
                 let listener = tokio::net::TcpListener::bind(addr).await.expect("xDS port free");
                 bound_tx.send(()).unwrap();
@@ -142,7 +148,9 @@ impl XdsServer {
     /// Waits until a client has ACKed `version` (a request with it and a nonce, no error).
     pub fn wait_for_ack(&self, version: &str) {
         wait_until(&format!("an ACK of xDS version {version}"), 500, Duration::from_millis(20), || {
-            self.requests().iter().any(|r| r.version_info == version && !r.response_nonce.is_empty() && r.error_detail.is_none())
+            self.requests().iter().any(|r| {
+                r.version_info == version && !r.response_nonce.is_empty() && r.error_detail.is_none()
+            })
         });
     }
 
@@ -246,7 +254,13 @@ fn descriptors(list: &serde_json::Value) -> Vec<RateLimitDescriptor> {
                 name: r["name"].as_str().unwrap_or_default().to_owned(),
                 replaces: r["replaces"]
                     .as_array()
-                    .map(|l| l.iter().map(|x| RateLimitReplace { name: x["name"].as_str().unwrap_or_default().to_owned() }).collect())
+                    .map(|l| {
+                        l.iter()
+                            .map(|x| RateLimitReplace {
+                                name: x["name"].as_str().unwrap_or_default().to_owned(),
+                            })
+                            .collect()
+                    })
                     .unwrap_or_default(),
             }),
             descriptors: descriptors(&d["descriptors"]),

@@ -181,7 +181,9 @@ async fn stream(
     let mut request = tonic::Request::new(ReceiverStream::new(outgoing));
     for (name, value) in &settings.headers {
         // Checked when the settings were made.
-        if let (Ok(name), Ok(value)) = (MetadataKey::from_bytes(name.as_bytes()), MetadataValue::try_from(value)) {
+        if let (Ok(name), Ok(value)) =
+            (MetadataKey::from_bytes(name.as_bytes()), MetadataValue::try_from(value))
+        {
             request.metadata_mut().insert(name, value);
         }
     }
@@ -205,7 +207,11 @@ async fn stream(
 
 // Applies one response and says what to answer: an ACK of its version, or a NACK of it that
 // keeps the version in force.
-async fn answer(reloader: &Arc<Reloader>, response: &DiscoveryResponse, accepted: &mut String) -> DiscoveryRequest {
+async fn answer(
+    reloader: &Arc<Reloader>,
+    response: &DiscoveryResponse,
+    accepted: &mut String,
+) -> DiscoveryRequest {
     let ack = |version: &str, error_detail| DiscoveryRequest {
         version_info: version.to_owned(),
         type_url: type_url(),
@@ -299,9 +305,8 @@ fn endpoint(settings: &XdsSettings) -> Result<Endpoint, XdsError> {
         .keep_alive_timeout(Duration::from_secs(10))
         .keep_alive_while_idle(true);
     if let Some(tls) = tls {
-        let read = |path: &PathBuf| {
-            std::fs::read(path).map_err(|e| bad(format!("reading {}: {e}", path.display())))
-        };
+        let read =
+            |path: &PathBuf| std::fs::read(path).map_err(|e| bad(format!("reading {}: {e}", path.display())));
         let mut config = ClientTlsConfig::new();
         config = match &tls.ca {
             Some(ca) => config.ca_certificate(Certificate::from_pem(read(ca)?)),

@@ -44,11 +44,9 @@ fn descriptor(d: &RateLimitDescriptor) -> serde_json::Value {
     if !d.descriptors.is_empty() {
         node.insert("descriptors".into(), d.descriptors.iter().map(descriptor).collect());
     }
-    for (key, set) in [
-        ("shadow_mode", d.shadow_mode),
-        ("detailed_metric", d.detailed_metric),
-        ("quota_mode", d.quota_mode),
-    ] {
+    for (key, set) in
+        [("shadow_mode", d.shadow_mode), ("detailed_metric", d.detailed_metric), ("quota_mode", d.quota_mode)]
+    {
         if set {
             node.insert(key.into(), true.into());
         }
@@ -101,7 +99,12 @@ mod tests {
     use crate::config::{RuleSet, Sources};
     use envoy_types::pb::ratelimit::config::ratelimit::v3::RateLimitReplace;
 
-    fn node(key: &str, value: &str, limit: Option<RateLimitPolicy>, children: Vec<RateLimitDescriptor>) -> RateLimitDescriptor {
+    fn node(
+        key: &str,
+        value: &str,
+        limit: Option<RateLimitPolicy>,
+        children: Vec<RateLimitDescriptor>,
+    ) -> RateLimitDescriptor {
         RateLimitDescriptor {
             key: key.into(),
             value: value.into(),
@@ -140,7 +143,8 @@ mod tests {
             "domain: first-listener\ndescriptors:\n  - key: first-route\n    value: first-route\n    descriptors:\n      - key: rule-0-match-0\n        value: rule-0-match-0\n        rate_limit: {unit: month, requests_per_unit: 5}\n      - key: remote_address\n        rate_limit: {unit: second, requests_per_unit: 3}\n",
         )
         .expect("compiles");
-        let (pushed, file) = (pushed.domain("first-listener").unwrap(), file.domain("first-listener").unwrap());
+        let (pushed, file) =
+            (pushed.domain("first-listener").unwrap(), file.domain("first-listener").unwrap());
         assert_eq!(pushed.rules.len(), 2);
         for (a, b) in pushed.rules.iter().zip(&file.rules) {
             assert_eq!(a.path, b.path);
