@@ -89,7 +89,7 @@ struct Entry {
     help: Option<String>,
 }
 
-/// envoyproxy/ratelimit's own mapping (`src/stats/prom/default_mapper.yaml` there), used when no
+/// envoyproxy/ratelimit's own mapping (`envoyproxy/ratelimit/src/stats/prom/default_mapper.yaml`), used when no
 /// file is given.
 pub const DEFAULT_MAPPING: &str = include_str!("default_mapper.yaml");
 

@@ -2,7 +2,7 @@
 //! Gateway's among them): sent as statsd over UDP (`USE_STATSD`), or mapped in process through a
 //! statsd_exporter mapping file and served for Prometheus (`USE_PROMETHEUS`), or both.
 //!
-//! The names and types are envoyproxy/ratelimit's (`src/stats/manager_impl.go` there):
+//! The names and types are envoyproxy/ratelimit's (`envoyproxy/ratelimit/src/stats/manager_impl.go`):
 //! `ratelimit.service.rate_limit.<domain>.<key>.{total_hits,over_limit,near_limit,within_limit,
 //! shadow_mode}` counters per rule (`<key>` is the rule's path, `key_value.key`; with
 //! `detailed_metric` the request's own `key_value` entries), `ratelimit.service.call.

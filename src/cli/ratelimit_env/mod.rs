@@ -1,5 +1,6 @@
-//! envoyproxy/ratelimit's settings, read under their names (its `src/settings/settings.go`), so
-//! that a Deployment written for it, Envoy Gateway's among them, runs tollgate unchanged.
+//! envoyproxy/ratelimit's settings, read under their names
+//! (`envoyproxy/ratelimit/src/settings/settings.go`), so that a Deployment written for it, Envoy
+//! Gateway's among them, runs tollgate unchanged.
 //!
 //! They are translated, before the command line is parsed, into the `TOLLGATE_*` (and `RUST_LOG`,
 //! `OTEL_*`) variables of the same meaning, each only where that variable is not set itself: so
