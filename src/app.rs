@@ -237,7 +237,7 @@ impl App {
         });
         let mut tasks = Vec::new();
         if let Some(stats) = &settings.ratelimit_stats {
-            tasks.extend(start_ratelimit_stats(stats, telemetry.clone())?);
+            tasks.extend(start_ratelimit_stats(stats, telemetry.clone(), settings.connections)?);
         }
         crate::telemetry::register_domains(&rules);
         let store = store(settings.redis.as_ref()).map_err(StartError::Redis)?;
@@ -333,9 +333,11 @@ impl App {
 
 // Installs envoyproxy/ratelimit's metrics, and starts their flushing and, when asked, the port
 // that serves them mapped for Prometheus (with tollgate's own series after them).
+// The port has the HTTP port's connection cap and timeouts.
 fn start_ratelimit_stats(
     settings: &RatelimitStatsSettings,
     telemetry: Arc<Telemetry>,
+    connections: ConnLimits,
 ) -> Result<Vec<AbortOnDropHandle<()>>, StartError> {
     let stats = ratelimit_stats::install(settings.stats.clone()).map_err(StartError::RatelimitStats)?;
     let mut tasks = Vec::new();
@@ -360,11 +362,12 @@ fn start_ratelimit_stats(
                 async move { format!("{}{}", stats.render(), telemetry.render()) }
             }),
         );
-        tasks.push(AbortOnDropHandle::new(tokio::spawn(async move {
-            if let Err(e) = axum::serve(listener, router).await {
-                tracing::error!(error = %e, "the Prometheus port stopped");
-            }
-        })));
+        let gate =
+            crate::connections::Gate::new("prometheus", crate::connections::max_connections(&connections));
+        // Stops when the app drops the task.
+        let serving =
+            crate::connections::serve_http(listener, router, gate, connections, std::future::pending());
+        tasks.push(AbortOnDropHandle::new(tokio::spawn(serving)));
     }
     Ok(tasks)
 }
