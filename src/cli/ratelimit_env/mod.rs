@@ -28,6 +28,26 @@ pub(super) struct Translation {
     pub ignored: Vec<String>,
 }
 
+impl Translation {
+    /// Each `(from, to)`: `to` takes `from`'s value where `from` is set and not empty.
+    fn copy(&mut self, get: &dyn Fn(&str) -> Option<String>, pairs: &[(&str, &'static str)]) {
+        for (from, to) in pairs {
+            if let Some(v) = get(from).filter(|v| !v.is_empty()) {
+                self.set.insert(to, v);
+            }
+        }
+    }
+
+    /// Each of `names` that is set and not empty is ignored, for `why`.
+    fn ignore(&mut self, get: &dyn Fn(&str) -> Option<String>, names: &[&str], why: &str) {
+        for name in names {
+            if get(name).is_some_and(|v| !v.is_empty()) {
+                self.ignored.push(format!("{name}: {why}"));
+            }
+        }
+    }
+}
+
 /// Translates envoyproxy/ratelimit's settings as `get` reads them; `as_ratelimit` applies its
 /// defaults too. An error names the setting and why tollgate cannot run with it.
 pub(super) fn translate(
@@ -45,11 +65,6 @@ pub(super) fn translate(
         match get(name).filter(|v| !v.is_empty()) {
             Some(v) => go_bool(&v).map(Some).ok_or_else(|| format!("{name}={v}: not a boolean")),
             None => Ok(as_ratelimit.then_some(default)),
-        }
-    };
-    let ignore = |t: &mut Translation, name: &str, why: &str| {
-        if get(name).is_some_and(|v| !v.is_empty()) {
-            t.ignored.push(format!("{name}: {why}"));
         }
     };
 
@@ -75,17 +90,18 @@ pub(super) fn translate(
     if let Some(uds) = get("GRPC_UDS").filter(|v| !v.is_empty()) {
         return Err(format!("GRPC_UDS={uds}: tollgate serves gRPC on TCP only (GRPC_HOST, GRPC_PORT)"));
     }
-    for name in ["DEBUG_HOST", "DEBUG_PORT"] {
-        ignore(&mut t, name, "no debug port: /config, /metrics and the probes are on PORT");
-    }
-    for (from, to) in [
-        ("GRPC_MAX_CONNECTION_AGE", "TOLLGATE_GRPC_MAX_CONNECTION_AGE"),
-        ("GRPC_MAX_CONNECTION_AGE_GRACE", "TOLLGATE_GRPC_MAX_CONNECTION_AGE_GRACE"),
-    ] {
-        if let Some(v) = get(from).filter(|v| !v.is_empty()) {
-            t.set.insert(to, v);
-        }
-    }
+    t.ignore(
+        get,
+        &["DEBUG_HOST", "DEBUG_PORT"],
+        "no debug port: /config, /metrics and the probes are on PORT",
+    );
+    t.copy(
+        get,
+        &[
+            ("GRPC_MAX_CONNECTION_AGE", "TOLLGATE_GRPC_MAX_CONNECTION_AGE"),
+            ("GRPC_MAX_CONNECTION_AGE_GRACE", "TOLLGATE_GRPC_MAX_CONNECTION_AGE_GRACE"),
+        ],
+    );
     if flag("GRPC_SERVER_USE_TLS", false)? == Some(true) {
         for (from, to) in
             [("GRPC_SERVER_TLS_CERT", "TOLLGATE_TLS_CERT"), ("GRPC_SERVER_TLS_KEY", "TOLLGATE_TLS_KEY")]
@@ -190,9 +206,7 @@ pub(super) fn translate(
     {
         t.ignored.push("LIMIT_RESPONSE_HEADERS_ENABLED: headers are chosen per domain in tollgate (response_headers: [x-ratelimit, retry-after, ietf])".into());
     }
-    if let Some(ratio) = get("NEAR_LIMIT_RATIO").filter(|v| !v.is_empty()) {
-        t.set.insert("TOLLGATE_NEAR_LIMIT_RATIO", ratio);
-    }
+    t.copy(get, &[("NEAR_LIMIT_RATIO", "TOLLGATE_NEAR_LIMIT_RATIO")]);
 
     telemetry::stats(get, &var, &flag, &mut t)?;
     telemetry::tracing(get, &flag, &mut t)?;
@@ -212,11 +226,13 @@ pub(super) fn translate(
         ("EXTRA_TAGS", "statsd tags are not sent"),
         ("PROMETHEUS_RESPONSE_TIME_AS_MILLISECONDS", "the mapping file's scale decides the unit"),
     ] {
-        ignore(&mut t, name, why);
+        t.ignore(get, &[name], why);
     }
-    for name in ["MEMCACHE_HOST_PORT", "MEMCACHE_SRV"] {
-        ignore(&mut t, name, "memcache is not a tollgate store; Redis holds the buckets");
-    }
+    t.ignore(
+        get,
+        &["MEMCACHE_HOST_PORT", "MEMCACHE_SRV"],
+        "memcache is not a tollgate store; Redis holds the buckets",
+    );
     Ok(t)
 }
 

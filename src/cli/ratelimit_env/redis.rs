@@ -67,22 +67,19 @@ pub(super) fn translate(
             if let Some(auth) = auth {
                 t.set.insert("TOLLGATE_REDIS_SENTINEL_AUTH", auth);
             }
-            if let Some(auth) = get("REDIS_SENTINEL_AUTH").filter(|v| !v.is_empty()) {
-                t.set.insert("TOLLGATE_REDIS_SENTINEL_PASSWORD", auth);
-            }
+            t.copy(get, &[("REDIS_SENTINEL_AUTH", "TOLLGATE_REDIS_SENTINEL_PASSWORD")]);
         }
         other => return Err(format!("REDIS_TYPE={other}: SINGLE, CLUSTER or SENTINEL")),
     }
-    for (from, to) in [
-        ("REDIS_TLS_CACERT", "TOLLGATE_REDIS_CA"),
-        ("REDIS_TLS_CLIENT_CERT", "TOLLGATE_REDIS_CLIENT_CERT"),
-        ("REDIS_TLS_CLIENT_KEY", "TOLLGATE_REDIS_CLIENT_KEY"),
-        ("REDIS_TIMEOUT", "TOLLGATE_REDIS_TIMEOUT"),
-    ] {
-        if let Some(v) = get(from).filter(|v| !v.is_empty()) {
-            t.set.insert(to, v);
-        }
-    }
+    t.copy(
+        get,
+        &[
+            ("REDIS_TLS_CACERT", "TOLLGATE_REDIS_CA"),
+            ("REDIS_TLS_CLIENT_CERT", "TOLLGATE_REDIS_CLIENT_CERT"),
+            ("REDIS_TLS_CLIENT_KEY", "TOLLGATE_REDIS_CLIENT_KEY"),
+            ("REDIS_TIMEOUT", "TOLLGATE_REDIS_TIMEOUT"),
+        ],
+    );
     if flag("REDIS_TLS_SKIP_HOSTNAME_VERIFICATION", false)? == Some(true)
         && get("REDIS_TLS_SKIP_HOSTNAME_VERIFICATION").is_some()
     {
@@ -90,33 +87,29 @@ pub(super) fn translate(
     }
     let pooled =
         "tollgate multiplexes each node's connection and coalesces calls per slot (--coalesce-delay)";
-    for name in [
+    let pool = [
         "REDIS_POOL_SIZE",
         "REDIS_PIPELINE_WINDOW",
         "REDIS_PIPELINE_LIMIT",
         "REDIS_CLUSTER_PIPELINE_PARALLELISM",
         "REDIS_POOL_ON_EMPTY_BEHAVIOR",
-    ] {
-        if get(name).is_some_and(|v| !v.is_empty()) {
-            t.ignored.push(format!("{name}: {pooled}"));
-        }
-    }
+    ];
+    t.ignore(get, &pool, pooled);
     for name in ["REDIS_PERSECOND", "REDIS_PERSECOND_URL", "REDIS_PERSECOND_TYPE"] {
         if get(name).is_some_and(|v| !v.is_empty() && v != "false") {
             t.ignored.push(format!("{name}: one Redis holds every bucket, per-second ones too"));
         }
     }
-    for name in [
+    let startup = [
         "REDIS_HEALTH_CHECK_ACTIVE_CONNECTION",
         "REDIS_STARTUP_INITIAL_INTERVAL",
         "REDIS_STARTUP_MAX_INTERVAL",
         "REDIS_STARTUP_MAX_ELAPSED_TIME",
-    ] {
-        if get(name).is_some_and(|v| !v.is_empty()) {
-            t.ignored.push(format!(
-                "{name}: readiness follows Redis at every probe, and connections are retried without end"
-            ));
-        }
-    }
+    ];
+    t.ignore(
+        get,
+        &startup,
+        "readiness follows Redis at every probe, and connections are retried without end",
+    );
     Ok(())
 }

@@ -21,18 +21,15 @@ pub(super) fn stats(
         let (host, port) =
             addr.rsplit_once(':').ok_or_else(|| format!("PROMETHEUS_ADDR={addr}: host:port"))?;
         t.set.insert("TOLLGATE_PROMETHEUS_ADDR", address(host, port));
-        for (from, to) in [
-            ("PROMETHEUS_PATH", "TOLLGATE_PROMETHEUS_PATH"),
-            ("PROMETHEUS_MAPPER_YAML", "TOLLGATE_PROMETHEUS_MAPPER"),
-        ] {
-            if let Some(v) = get(from).filter(|v| !v.is_empty()) {
-                t.set.insert(to, v);
-            }
-        }
+        t.copy(
+            get,
+            &[
+                ("PROMETHEUS_PATH", "TOLLGATE_PROMETHEUS_PATH"),
+                ("PROMETHEUS_MAPPER_YAML", "TOLLGATE_PROMETHEUS_MAPPER"),
+            ],
+        );
     }
-    if let Some(every) = get("STATS_FLUSH_INTERVAL").filter(|v| !v.is_empty()) {
-        t.set.insert("TOLLGATE_STATS_FLUSH_INTERVAL", every);
-    }
+    t.copy(get, &[("STATS_FLUSH_INTERVAL", "TOLLGATE_STATS_FLUSH_INTERVAL")]);
     Ok(())
 }
 
@@ -50,9 +47,7 @@ pub(super) fn tracing(
     if get("OTEL_EXPORTER_OTLP_ENDPOINT").is_none() {
         t.set.insert("OTEL_EXPORTER_OTLP_ENDPOINT", "http://localhost:4317".into());
     }
-    if let Some(name) = get("TRACING_SERVICE_NAME").filter(|v| !v.is_empty()) {
-        t.set.insert("OTEL_SERVICE_NAME", name);
-    }
+    t.copy(get, &[("TRACING_SERVICE_NAME", "OTEL_SERVICE_NAME")]);
     let attributes: Vec<String> = [
         ("TRACING_SERVICE_NAMESPACE", "service.namespace"),
         ("TRACING_SERVICE_INSTANCE_ID", "service.instance.id"),

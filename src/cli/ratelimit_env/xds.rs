@@ -16,9 +16,7 @@ pub(super) fn translate(
         "TOLLGATE_XDS_NODE_ID",
         var("CONFIG_GRPC_XDS_NODE_ID", "default").unwrap_or_else(|| "default".into()),
     );
-    if let Some(metadata) = get("CONFIG_GRPC_XDS_NODE_METADATA").filter(|v| !v.is_empty()) {
-        t.set.insert("TOLLGATE_XDS_NODE_METADATA", metadata);
-    }
+    t.copy(get, &[("CONFIG_GRPC_XDS_NODE_METADATA", "TOLLGATE_XDS_NODE_METADATA")]);
     if let Some(headers) = get("CONFIG_GRPC_XDS_CLIENT_ADDITIONAL_HEADERS").filter(|v| !v.is_empty()) {
         // envconfig's map form, `key:value,key:value`.
         let pairs: Result<Vec<String>, String> = headers
@@ -33,27 +31,25 @@ pub(super) fn translate(
     }
     if flag("CONFIG_GRPC_XDS_SERVER_USE_TLS", false)? == Some(true) {
         t.set.insert("TOLLGATE_XDS_TLS", "true".into());
-        for (from, to) in [
-            ("CONFIG_GRPC_XDS_CLIENT_TLS_CERT", "TOLLGATE_XDS_TLS_CERT"),
-            ("CONFIG_GRPC_XDS_CLIENT_TLS_KEY", "TOLLGATE_XDS_TLS_KEY"),
-            ("CONFIG_GRPC_XDS_SERVER_TLS_CACERT", "TOLLGATE_XDS_TLS_CA"),
-            ("CONFIG_GRPC_XDS_SERVER_TLS_SAN", "TOLLGATE_XDS_TLS_SERVER_NAME"),
-        ] {
-            if let Some(v) = get(from).filter(|v| !v.is_empty()) {
-                t.set.insert(to, v);
-            }
-        }
+        t.copy(
+            get,
+            &[
+                ("CONFIG_GRPC_XDS_CLIENT_TLS_CERT", "TOLLGATE_XDS_TLS_CERT"),
+                ("CONFIG_GRPC_XDS_CLIENT_TLS_KEY", "TOLLGATE_XDS_TLS_KEY"),
+                ("CONFIG_GRPC_XDS_SERVER_TLS_CACERT", "TOLLGATE_XDS_TLS_CA"),
+                ("CONFIG_GRPC_XDS_SERVER_TLS_SAN", "TOLLGATE_XDS_TLS_SERVER_NAME"),
+            ],
+        );
     }
-    for (from, to) in [
-        ("XDS_CLIENT_BACKOFF_INITIAL_INTERVAL", "TOLLGATE_XDS_BACKOFF_INITIAL"),
-        ("XDS_CLIENT_BACKOFF_MAX_INTERVAL", "TOLLGATE_XDS_BACKOFF_MAX"),
-        ("XDS_CLIENT_BACKOFF_RANDOM_FACTOR", "TOLLGATE_XDS_BACKOFF_RANDOM_FACTOR"),
-        ("XDS_CLIENT_MAX_MSG_SIZE_IN_BYTES", "TOLLGATE_XDS_MAX_MESSAGE_BYTES"),
-    ] {
-        if let Some(v) = get(from).filter(|v| !v.is_empty()) {
-            t.set.insert(to, v);
-        }
-    }
+    t.copy(
+        get,
+        &[
+            ("XDS_CLIENT_BACKOFF_INITIAL_INTERVAL", "TOLLGATE_XDS_BACKOFF_INITIAL"),
+            ("XDS_CLIENT_BACKOFF_MAX_INTERVAL", "TOLLGATE_XDS_BACKOFF_MAX"),
+            ("XDS_CLIENT_BACKOFF_RANDOM_FACTOR", "TOLLGATE_XDS_BACKOFF_RANDOM_FACTOR"),
+            ("XDS_CLIENT_MAX_MSG_SIZE_IN_BYTES", "TOLLGATE_XDS_MAX_MESSAGE_BYTES"),
+        ],
+    );
     if flag("XDS_CLIENT_BACKOFF_JITTER", true)? == Some(false) {
         t.set.insert("TOLLGATE_XDS_BACKOFF_NO_JITTER", "true".into());
     }
