@@ -18,11 +18,12 @@ use std::time::Duration;
 use arc_swap::ArcSwap;
 
 use crate::clock::MonotonicClock;
-use crate::config::{ConfigError, RuleSet};
+use crate::config::{ConfigError, RuleSet, Sources};
 use crate::connections::ConnLimits;
 use crate::edge::rlqs::RlqsLimits;
+use crate::edge::rls::AnswerExtras;
 use crate::edge::xds::{XdsError, XdsSettings};
-use crate::limiter::Limiter;
+use crate::limiter::{Limiter, ServiceModes};
 use crate::quota::cache::CachedQuotas;
 use crate::quota::postgres::{PostgresQuotas, QuotaError};
 use crate::quota::{EmbeddedQuotas, QuotaSource};
@@ -57,10 +58,10 @@ pub struct Settings {
     pub quotas: Option<QuotaSettings>,
     /// gRPC over TLS.
     pub tls: Option<TlsFiles>,
-    /// Evaluate and count, never deny.
-    pub shadow_mode: bool,
-    /// Send envoyproxy/ratelimit's response dynamic metadata.
-    pub dynamic_metadata: bool,
+    /// Service-wide shadow and quota modes.
+    pub modes: ServiceModes,
+    /// What every RLS answer carries beyond the decision.
+    pub answer_extras: AnswerExtras,
     /// Most decisions in flight.
     pub max_inflight: usize,
     /// The RLQS edge's bounds: abandonment, bucket and stream caps.
@@ -80,6 +81,9 @@ pub struct Settings {
     /// Drop a domain whose file is gone on the reload that finds it gone, rather than keep it
     /// until `SIGHUP` confirms the removal.
     pub allow_domain_removal: bool,
+    /// Read files and resources naming one domain as one domain (envoyproxy/ratelimit's
+    /// `MERGE_DOMAIN_CONFIG`) instead of refusing the second.
+    pub merge_domains: bool,
 }
 
 impl Settings {
@@ -94,8 +98,8 @@ impl Settings {
             redis: None,
             quotas: None,
             tls: None,
-            shadow_mode: false,
-            dynamic_metadata: false,
+            modes: ServiceModes::default(),
+            answer_extras: AnswerExtras::default(),
             max_inflight: 10_000,
             rlqs: RlqsLimits::default(),
             connections: ConnLimits::default(),
@@ -104,6 +108,7 @@ impl Settings {
             exporter: false,
             watch: false,
             allow_domain_removal: false,
+            merge_domains: false,
         }
     }
 }
@@ -193,7 +198,7 @@ pub struct App {
     /// The gRPC TLS configuration, reloaded when its files change.
     pub tls: Option<Arc<ReloadingTls>>,
     max_inflight: usize,
-    dynamic_metadata: bool,
+    answer_extras: AnswerExtras,
     rlqs: RlqsLimits,
     connections: ConnLimits,
     http_unauthenticated: bool,
@@ -224,7 +229,9 @@ impl App {
     /// Builds and starts everything `settings` asks for. Needs a Tokio runtime.
     pub fn start(settings: &Settings) -> Result<App, StartError> {
         let rules = match &settings.config {
-            Some(path) => RuleSet::load(path).map_err(StartError::Config)?,
+            Some(path) => Sources::read(path)
+                .and_then(|files| RuleSet::compile(files.merging_domains(settings.merge_domains)))
+                .map_err(StartError::Config)?,
             None => RuleSet::default(),
         };
         for domain in rules.domains() {
@@ -241,7 +248,7 @@ impl App {
         }
         crate::telemetry::register_domains(&rules);
         let store = store(settings.redis.as_ref()).map_err(StartError::Redis)?;
-        tracing::info!(store = %store.describe(), shadow_mode = settings.shadow_mode, "store configured");
+        tracing::info!(store = %store.describe(), shadow_mode = settings.modes.shadow, quota_mode = settings.modes.quota, "store configured");
         // Says at once, and on every change, whether the store answers and why not.
         tasks.push(health::watch(store.clone()));
         let quotas: Arc<dyn QuotaSource> = match &settings.quotas {
@@ -256,8 +263,7 @@ impl App {
             None => Arc::new(EmbeddedQuotas),
         };
         let rules = Arc::new(ArcSwap::from_pointee(rules));
-        let limiter =
-            Arc::new(Limiter::new(rules.clone(), store, quotas, telemetry.clone(), settings.shadow_mode));
+        let limiter = Arc::new(Limiter::new(rules.clone(), store, quotas, telemetry.clone(), settings.modes));
         let tls = match &settings.tls {
             Some(files) => {
                 let tls = ReloadingTls::load(files.clone()).map_err(StartError::Tls)?;
@@ -267,12 +273,15 @@ impl App {
             None => None,
         };
         let awaits_push = settings.xds.is_some() && !settings.ready_without_config;
-        let reloader = Arc::new(Reloader::new(
-            settings.config.as_deref(),
-            rules.clone(),
-            settings.allow_domain_removal,
-            awaits_push,
-        ));
+        let reloader = Arc::new(
+            Reloader::new(
+                settings.config.as_deref(),
+                rules.clone(),
+                settings.allow_domain_removal,
+                awaits_push,
+            )
+            .merging_domains(settings.merge_domains),
+        );
         let config_loaded = reloader.loaded();
         if let Some(xds) = &settings.xds {
             tracing::info!(server = %xds.server, node = %xds.node_id, ready_without_config = settings.ready_without_config, "rate-limit configs from xDS");
@@ -293,7 +302,7 @@ impl App {
             telemetry,
             tls,
             max_inflight: settings.max_inflight,
-            dynamic_metadata: settings.dynamic_metadata,
+            answer_extras: settings.answer_extras.clone(),
             rlqs: settings.rlqs,
             connections: settings.connections,
             http_unauthenticated: settings.http_unauthenticated,
@@ -310,7 +319,7 @@ impl App {
             limiter: self.limiter.clone(),
             telemetry: self.telemetry.clone(),
             max_inflight: self.max_inflight,
-            dynamic_metadata: self.dynamic_metadata,
+            answer_extras: self.answer_extras.clone(),
             rlqs: self.rlqs,
             connections: self.connections,
             http_unauthenticated: self.http_unauthenticated,

@@ -37,8 +37,15 @@
 //! those shapes have entry segments or end. An empty tenant
 //! id, which Redis would not treat as a hash tag, is written as a lone `%` (never the output of
 //! escaping anything).
+//!
+//! Every key may start with a deployment's key prefix ([`set_key_prefix`], envoyproxy/ratelimit's
+//! `CACHE_KEY_PREFIX`), so that deployments sharing one Redis keep apart. It is one value per
+//! process, set before the first key is made and never changed: a key made without it, or with
+//! another, would address another deployment's buckets. A prefix holds no brace, which would
+//! move the hash tag and split a tenant's buckets over slots.
 
 use std::fmt::Write as _;
+use std::sync::OnceLock;
 
 use crate::config::{Domain, Rule};
 use crate::quota::DEFAULT_CLASS;
@@ -119,9 +126,35 @@ pub fn override_bucket<'a>(
     BucketKey { key, tenant }
 }
 
-// `rl:` and, for a tenant's bucket, its hash tag.
+static KEY_PREFIX: OnceLock<String> = OnceLock::new();
+
+/// Why a key prefix was refused.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum KeyPrefixError {
+    /// A brace would be taken for a Redis Cluster hash tag.
+    #[error("key prefix '{0}' holds a brace, which Redis Cluster would take for a hash tag")]
+    Brace(String),
+    /// The process already makes keys with another prefix.
+    #[error("key prefix already set to '{0}'")]
+    AlreadySet(String),
+}
+
+/// Makes every key of this process start with `prefix`. Call once, before the first key is made;
+/// setting the same prefix again is harmless.
+pub fn set_key_prefix(prefix: &str) -> Result<(), KeyPrefixError> {
+    if prefix.contains(['{', '}']) {
+        return Err(KeyPrefixError::Brace(prefix.to_owned()));
+    }
+    match KEY_PREFIX.get_or_init(|| prefix.to_owned()) {
+        set if set == prefix => Ok(()),
+        set => Err(KeyPrefixError::AlreadySet(set.clone())),
+    }
+}
+
+// The deployment's prefix, `rl:` and, for a tenant's bucket, its hash tag.
 fn prefix(tenant: Option<&str>) -> String {
     let mut key = String::with_capacity(64);
+    key.push_str(KEY_PREFIX.get().map_or("", String::as_str));
     key.push_str("rl:");
     if let Some(tenant) = tenant {
         key.push('{');
@@ -238,6 +271,7 @@ mod tests {
         assert_eq!(escape("a\nb%"), "a%0Ab%25");
         assert_eq!(escape("a}b{:="), "a%7Db%7B%3A%3D");
         assert_eq!(prefix(Some("")), "rl:{%}:");
+        assert!(matches!(set_key_prefix("a{b"), Err(KeyPrefixError::Brace(_))));
     }
 
     #[test]

@@ -203,6 +203,11 @@ impl Level {
         &self.nodes
     }
 
+    /// The nodes in config order, taken out of the level.
+    pub(crate) fn into_nodes(self) -> Vec<Node> {
+        self.nodes
+    }
+
     /// Adds `node`, refusing a second node with the same key and value.
     pub(crate) fn insert(&mut self, node: Node) -> Result<(), DuplicateNode> {
         let index = self.by_key.entry(node.key.clone()).or_default();

@@ -139,6 +139,7 @@ pub struct Reloader {
     // The last accepted push, if the service takes pushes; `None` inside until the first.
     pushed: Mutex<Option<Sources>>,
     loaded: watch::Sender<bool>,
+    merge_domains: bool,
 }
 
 /// What a reload did.
@@ -169,7 +170,13 @@ impl Reloader {
             allow_domain_removal,
             pushed: Mutex::new(None),
             loaded: watch::Sender::new(!awaits_push),
+            merge_domains: false,
         }
+    }
+
+    /// The same reloader reading documents of one domain as one ([`Sources::merging_domains`]).
+    pub fn merging_domains(self, merge: bool) -> Self {
+        Reloader { merge_domains: merge, ..self }
     }
 
     /// Whether a config is in force (files loaded, or a first push accepted), and changes to it.
@@ -194,7 +201,7 @@ impl Reloader {
         {
             return Ok(Reloaded::Unchanged);
         }
-        let mut rules = RuleSet::compile(sources)?;
+        let mut rules = RuleSet::compile(sources.merging_domains(self.merge_domains))?;
         let mut kept = Vec::new();
         if trigger == Trigger::Files && !self.allow_domain_removal {
             let gone: Vec<&Arc<crate::config::Domain>> =
@@ -216,7 +223,7 @@ impl Reloader {
             Some(path) => Sources::read(path)?.and(&pushed),
             None => pushed.clone(),
         };
-        let result = RuleSet::compile(sources);
+        let result = RuleSet::compile(sources.merging_domains(self.merge_domains));
         crate::telemetry::count_config_load(result.is_ok());
         self.swap(result?);
         *last = Some(pushed);

@@ -2,6 +2,8 @@
 //! the decision core applies. Beneath both the matcher and the config that builds it, so that
 //! neither needs the other's module to name it.
 
+use std::path::PathBuf;
+
 use serde::{Deserialize, Serialize};
 
 use crate::bucket::{BucketSpec, Charge};
@@ -48,6 +50,9 @@ impl ChargeRule {
 pub struct Rule {
     /// The node's place in the tree, `key_value.key` as envoyproxy/ratelimit prints it.
     pub path: String,
+    /// The file it is written in (a domain merged from several files has rules in each).
+    #[serde(skip)]
+    pub file: PathBuf,
     /// Line and column of the node's `key:` in its file.
     pub position: (usize, usize),
     /// `rate_limit.name`, which `replaces` refers to and responses show; never part of a

@@ -28,7 +28,7 @@ use crate::clock::MonotonicClock;
 use crate::config::RuleSet;
 use crate::connections::{Admitted, ConnLimits, Gate};
 use crate::edge::rlqs::{RateLimitQuotaGrpc, RlqsLimits};
-use crate::edge::rls::RateLimitGrpc;
+use crate::edge::rls::{AnswerExtras, RateLimitGrpc};
 use crate::http::{self, Access, HttpState};
 use crate::limiter::Limiter;
 use crate::telemetry::Telemetry;
@@ -113,8 +113,8 @@ pub struct Service {
     pub limiter: Arc<Limiter>,
     /// Metrics.
     pub telemetry: Arc<Telemetry>,
-    /// Send envoyproxy/ratelimit's response dynamic metadata.
-    pub dynamic_metadata: bool,
+    /// What every RLS answer carries beyond the decision.
+    pub answer_extras: AnswerExtras,
     /// The RLQS edge's bounds.
     pub rlqs: RlqsLimits,
     /// Connection caps and timeouts on both ports.
@@ -192,7 +192,7 @@ pub async fn run(
         limiter,
         telemetry,
         max_inflight,
-        dynamic_metadata,
+        answer_extras,
         rlqs: rlqs_limits,
         connections,
         http_unauthenticated,
@@ -215,7 +215,7 @@ pub async fn run(
     };
     let max_connections = crate::connections::max_connections(&connections);
     let grpc_gate = Gate::new("grpc", max_connections);
-    let rls = Arc::new(RateLimitGrpc::new(limiter.clone(), max_inflight, dynamic_metadata));
+    let rls = Arc::new(RateLimitGrpc::new(limiter.clone(), max_inflight, answer_extras));
     // With mutual TLS on gRPC, what spends or reveals tenants' budgets is served there, and the
     // plaintext HTTP port refuses it unless the operator opted in.
     let mutual = tls.as_ref().is_some_and(|t| t.mutual());

@@ -6,7 +6,9 @@
 //! whose bytes changed is loaded and checked, and only a complete, valid configuration replaces
 //! the old one. Each new connection
 //! handshakes with the configuration current at its accept; established connections keep theirs.
-//! With a client CA, every client must present a certificate it signed (mTLS).
+//! With a client CA, every client must present a certificate it signed (mTLS), and with a client
+//! name too, a certificate valid for that name (a DNS or IP subject alternative name), as
+//! envoyproxy/ratelimit's `GRPC_CLIENT_TLS_SAN` pins it.
 //!
 //! Handshakes run on their own tasks with a deadline, so a slow or silent client cannot stall
 //! the accept loop.
@@ -18,10 +20,12 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use arc_swap::ArcSwap;
+use rustls::client::danger::HandshakeSignatureValid;
 use rustls::pki_types::pem::PemObject;
-use rustls::pki_types::{CertificateDer, PrivateKeyDer};
+use rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName, UnixTime};
+use rustls::server::danger::{ClientCertVerified, ClientCertVerifier};
 use rustls::server::WebPkiClientVerifier;
-use rustls::{RootCertStore, ServerConfig};
+use rustls::{DigitallySignedStruct, DistinguishedName, RootCertStore, ServerConfig, SignatureScheme};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::mpsc;
 use tokio_rustls::server::TlsStream;
@@ -44,6 +48,8 @@ pub struct TlsFiles {
     pub key: PathBuf,
     /// Client CA bundle; when set, clients must present a certificate it signed.
     pub client_ca: Option<PathBuf>,
+    /// With a client CA: the name (DNS or IP) the client's certificate must be valid for.
+    pub client_san: Option<String>,
 }
 
 /// Why the TLS configuration could not be built.
@@ -266,6 +272,75 @@ async fn opens_with(tcp: &TcpStream) -> Opening {
     }
 }
 
+// The CA's verdict, then the name: webpki's own check of a certificate against a subject name,
+// as Go's `x509.VerifyOptions{DNSName}` does for envoyproxy/ratelimit.
+#[derive(Debug)]
+struct NamedClient {
+    inner: Arc<dyn ClientCertVerifier>,
+    name: ServerName<'static>,
+}
+
+impl NamedClient {
+    fn new(inner: Arc<dyn ClientCertVerifier>, name: &str) -> Result<Self, TlsError> {
+        let name = ServerName::try_from(name.to_owned())
+            .map_err(|e| TlsError::Config(format!("client name '{name}': {e}")))?;
+        Ok(NamedClient { inner, name })
+    }
+}
+
+impl ClientCertVerifier for NamedClient {
+    fn offer_client_auth(&self) -> bool {
+        self.inner.offer_client_auth()
+    }
+
+    fn client_auth_mandatory(&self) -> bool {
+        self.inner.client_auth_mandatory()
+    }
+
+    fn root_hint_subjects(&self) -> &[DistinguishedName] {
+        self.inner.root_hint_subjects()
+    }
+
+    fn verify_client_cert(
+        &self,
+        end_entity: &CertificateDer<'_>,
+        intermediates: &[CertificateDer<'_>],
+        now: UnixTime,
+    ) -> Result<ClientCertVerified, rustls::Error> {
+        let verified = self.inner.verify_client_cert(end_entity, intermediates, now)?;
+        let cert = webpki::EndEntityCert::try_from(end_entity).map_err(|e| {
+            rustls::Error::InvalidCertificate(rustls::CertificateError::Other(rustls::OtherError(Arc::new(
+                e,
+            ))))
+        })?;
+        cert.verify_is_valid_for_subject_name(&self.name)
+            .map_err(|_| rustls::Error::InvalidCertificate(rustls::CertificateError::NotValidForName))?;
+        Ok(verified)
+    }
+
+    fn verify_tls12_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &DigitallySignedStruct,
+    ) -> Result<HandshakeSignatureValid, rustls::Error> {
+        self.inner.verify_tls12_signature(message, cert, dss)
+    }
+
+    fn verify_tls13_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &DigitallySignedStruct,
+    ) -> Result<HandshakeSignatureValid, rustls::Error> {
+        self.inner.verify_tls13_signature(message, cert, dss)
+    }
+
+    fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
+        self.inner.supported_verify_schemes()
+    }
+}
+
 fn build(files: &TlsFiles, contents: &Contents) -> Result<ServerConfig, TlsError> {
     let file_error = |path: &PathBuf, message: String| TlsError::File { path: path.clone(), message };
     let certs: Vec<CertificateDer<'static>> = CertificateDer::pem_slice_iter(&contents.cert)
@@ -291,7 +366,10 @@ fn build(files: &TlsFiles, contents: &Contents) -> Result<ServerConfig, TlsError
             let verifier = WebPkiClientVerifier::builder_with_provider(Arc::new(roots), provider)
                 .build()
                 .map_err(|e| file_error(ca, e.to_string()))?;
-            builder.with_client_cert_verifier(verifier)
+            match &files.client_san {
+                Some(name) => builder.with_client_cert_verifier(Arc::new(NamedClient::new(verifier, name)?)),
+                None => builder.with_client_cert_verifier(verifier),
+            }
         }
         _ => builder.with_no_client_auth(),
     };

@@ -192,3 +192,54 @@ async fn prometheus_serves_the_mapped_names_on_its_own_port() {
         5.0
     );
 }
+
+// envoyproxy/ratelimit's service-wide settings, as it reads them: two files of one domain merged
+// (MERGE_DOMAIN_CONFIG), every limit in quota mode (QUOTA_MODE: denied only when all are short),
+// the limit headers under the names given (LIMIT_RESPONSE_HEADERS_ENABLED, LIMIT_*_HEADER), and
+// every key under the deployment's prefix (CACHE_KEY_PREFIX), read back from Redis.
+#[tokio::test(flavor = "multi_thread")]
+async fn service_wide_settings_as_envoyproxy_ratelimit_reads_them() {
+    let (dir, _) = config_file(
+        "domain: api\ndescriptors:\n  - key: path\n    rate_limit: {unit: HOUR, requests_per_unit: 2}\n",
+    );
+    std::fs::write(
+        dir.path().join("b.yaml"),
+        "domain: api\ndescriptors:\n  - key: user\n    rate_limit: {unit: HOUR, requests_per_unit: 3}\n",
+    )
+    .unwrap();
+    let root = dir.path().to_str().unwrap().to_owned();
+    let redis = Redis::start();
+    let redis_at = redis.addr();
+    let server = Tollgate::start_as_ratelimit(&[
+        ("RUNTIME_ROOT", root.as_str()),
+        ("RUNTIME_APPDIRECTORY", "."),
+        ("REDIS_SOCKET_TYPE", "tcp"),
+        ("REDIS_URL", redis_at.as_str()),
+        ("MERGE_DOMAIN_CONFIG", "true"),
+        ("QUOTA_MODE", "true"),
+        ("CACHE_KEY_PREFIX", "eg_"),
+        ("LIMIT_RESPONSE_HEADERS_ENABLED", "true"),
+        ("LIMIT_REMAINING_HEADER", "X-Left"),
+    ])
+    .wait_ready();
+    let mut codes = Vec::new();
+    let mut answers = Vec::new();
+    for _ in 0..4 {
+        let r = ask(&server.addr(), req("api", &["path=/x", "user=u"], 1)).await.unwrap();
+        codes.push(r.overall_code == Code::Ok as i32);
+        answers.push(r);
+    }
+    assert_eq!(codes, [true, true, true, false], "the third is short on `path` only: quota mode admits it");
+    assert!(answers[0].statuses.iter().all(|s| s.current_limit.is_some()), "both files' limits serve");
+    // The most constrained limit: `path` (2 per hour) with 1 left after the first request.
+    assert_eq!(header(&answers[0], "RateLimit-Limit"), Some("2"));
+    assert_eq!(header(&answers[0], "X-Left"), Some("1"));
+    let reset: u64 = header(&answers[0], "RateLimit-Reset").unwrap().parse().unwrap();
+    assert!((1..=3600).contains(&reset), "seconds until the bucket is full: {reset}");
+    assert_eq!(header(&answers[3], "X-Left"), Some("0"));
+
+    let mut redis_conn = redis.connection();
+    let keys: Vec<String> = redis::cmd("KEYS").arg("*").query(&mut redis_conn).unwrap();
+    assert!(!keys.is_empty());
+    assert!(keys.iter().all(|k| k.starts_with("eg_rl:")), "every key under the prefix: {keys:?}");
+}

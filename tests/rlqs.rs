@@ -412,7 +412,7 @@ async fn an_assignment_is_a_refilling_share_of_the_bucket() {
 #[tokio::test]
 async fn replicas_lease_in_proportion_to_demand() {
     use std::sync::Arc;
-    use tollgate::limiter::{Limiter, LocalLease, RlqsBucket};
+    use tollgate::limiter::{Limiter, LocalLease, RlqsBucket, ServiceModes};
     use tollgate::store::{MemoryStore, RedisStore, RedisTarget, RedisTls, Store};
     use tollgate::telemetry::{Telemetry, TelemetryConfig};
 
@@ -430,7 +430,7 @@ async fn replicas_lease_in_proportion_to_demand() {
             store,
             Arc::new(tollgate::quota::EmbeddedQuotas),
             Arc::new(Telemetry::without_exporter(TelemetryConfig::default())),
-            false,
+            ServiceModes::default(),
         );
         let id = HashMap::from([("round".to_string(), "r".to_string())]);
         let RlqsBucket::Leased(target) = limiter.rlqs_bucket("quota", &id).await else { panic!("leased") };

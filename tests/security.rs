@@ -71,6 +71,26 @@ async fn grpc_over_tls_and_mutual_tls() {
     assert!(sample(&mtls.metrics(), "tollgate_tls_handshake_failures_total", &[]) >= 2.0);
 }
 
+// envoyproxy/ratelimit's GRPC_CLIENT_TLS_SAN: a certificate the CA signed, for another name, is
+// refused; one for the pinned name is served.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_client_certificate_pinned_to_a_name() {
+    let pki = TestPki::new();
+    let (_dir, config) = config_file(CONFIG);
+    let pinned = |name: &str| {
+        let mut args = pki.mtls_args();
+        args.extend(["--tls-client-san".to_owned(), name.to_owned()]);
+        Tollgate::start(&config, &Backend::Memory, &args.iter().map(String::as_str).collect::<Vec<_>>())
+    };
+    let right = pinned("client");
+    let r = ask_with(&right.addr(), req("s", &["k=1"], 1), Some(&tls_client(&pki, true))).await.unwrap();
+    assert_eq!(r.overall_code, OK);
+    let wrong = pinned("billing.internal");
+    let refused = ask_with(&wrong.addr(), req("s", &["k=1"], 1), Some(&tls_client(&pki, true))).await;
+    assert!(refused.is_err(), "a certificate the CA signed for another name");
+    assert!(sample(&wrong.metrics(), "tollgate_tls_handshake_failures_total", &[]) >= 1.0);
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn certificates_are_reloaded_without_a_restart() {
     let old = TestPki::new();

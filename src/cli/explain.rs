@@ -19,7 +19,9 @@ use tollgate::budget::{BudgetAction, BudgetOp, BudgetOutcome, Kind};
 use tollgate::client;
 use tollgate::config::{ChargeRule, RuleSet};
 use tollgate::identity::cluster_slot;
-use tollgate::limiter::{BudgetExplained, Effect, Explained, Limiter, Query, QueryDescriptor, SpecOrigin};
+use tollgate::limiter::{
+    BudgetExplained, Effect, Explained, Limiter, Query, QueryDescriptor, ServiceModes, SpecOrigin,
+};
 use tollgate::quota::cache::CachedQuotas;
 use tollgate::quota::postgres::PostgresQuotas;
 use tollgate::quota::{EmbeddedQuotas, QuotaSource};
@@ -76,7 +78,7 @@ pub(super) fn run(args: ExplainArgs) -> Outcome {
             Arc::new(MemoryStore::new()),
             quotas,
             Arc::new(Telemetry::without_exporter(TelemetryConfig::default())),
-            false,
+            ServiceModes::default(),
         );
         let query = Query {
             domain: &args.domain,
@@ -104,11 +106,10 @@ pub(super) fn run(args: ExplainArgs) -> Outcome {
                 args.domain
             ),
         }
-        let file = explanation.domain.as_ref().map(|d| d.file.display().to_string()).unwrap_or_default();
         for ((i, explained), entries) in explanation.descriptors.iter().enumerate().zip(&args.descriptors) {
             let entries: Vec<String> = entries.iter().map(|(k, v)| format!("{k}={v}")).collect();
             println!("\ndescriptor {i} [{}]", entries.join(","));
-            print_descriptor(explained, &file, args.hits, store.as_ref()).await?;
+            print_descriptor(explained, args.hits, store.as_ref()).await?;
         }
         if explanation.domain.is_none() {
             // Most likely a typo: say so in the exit code too, for scripts.
@@ -121,7 +122,6 @@ pub(super) fn run(args: ExplainArgs) -> Outcome {
 
 async fn print_descriptor(
     explained: &Explained,
-    file: &str,
     hits: u64,
     store: Option<&RedisStore>,
 ) -> anyhow::Result<()> {
@@ -134,7 +134,8 @@ async fn print_descriptor(
             also.push(format!("class {class}"));
         }
         let also = if also.is_empty() { String::new() } else { format!(" ({})", also.join(", ")) };
-        println!("  rule:     {} at {file}:{}:{}{also}", rule.path, rule.position.0, rule.position.1);
+        let (line, column) = rule.position;
+        println!("  rule:     {} at {}:{line}:{column}{also}", rule.path, rule.file.display());
     }
     let (limit, origin, role, need, tenant, slot) = match &explained.effect {
         Effect::UnknownDomain => return Ok(()),

@@ -4,6 +4,7 @@ use std::path::PathBuf;
 
 use anyhow::Context as _;
 use clap::Args;
+use tollgate::identity;
 use tollgate::store::{RedisTarget, RedisTls, SentinelTarget};
 
 /// Where Redis is: one of --redis-url, --redis-cluster or --redis-sentinel (none: no Redis).
@@ -42,11 +43,16 @@ pub(super) struct RedisArgs {
     /// Its private key (PEM).
     #[arg(long, env = "TOLLGATE_REDIS_CLIENT_KEY", requires = "redis_client_cert")]
     redis_client_key: Option<PathBuf>,
+    /// Text every key starts with, so that deployments sharing one Redis keep apart (no braces).
+    #[arg(long, env = "TOLLGATE_REDIS_KEY_PREFIX", default_value = "")]
+    redis_key_prefix: String,
 }
 
 impl RedisArgs {
-    /// The Redis the flags name, if any.
+    /// The Redis the flags name, if any. Every command that reaches Redis comes through here, so
+    /// this is also where the process's key prefix is set, before any key is made.
     pub(super) fn target(&self) -> anyhow::Result<Option<RedisTarget>> {
+        identity::set_key_prefix(&self.redis_key_prefix)?;
         Ok(match (&self.redis_url, self.redis_cluster.is_empty(), self.redis_sentinel.is_empty()) {
             (Some(url), _, _) => Some(RedisTarget::Standalone(url.clone())),
             (None, false, _) => Some(RedisTarget::Cluster(self.redis_cluster.clone())),

@@ -11,6 +11,9 @@ use clap::Args;
 use tollgate::app::{App, QuotaSettings, RedisSettings, Settings};
 use tollgate::connections::ConnLimits;
 use tollgate::edge::rlqs::RlqsLimits;
+use tollgate::edge::rls::headers::LimitHeaderNames;
+use tollgate::edge::rls::AnswerExtras;
+use tollgate::limiter::ServiceModes;
 use tollgate::server::{self, Shutdown};
 use tollgate::telemetry::traces::Traces;
 use tollgate::telemetry::TelemetryConfig;
@@ -104,6 +107,9 @@ pub(super) struct ServeArgs {
     /// the plaintext HTTP port.
     #[arg(long, env = "TOLLGATE_TLS_CLIENT_CA", requires = "tls_cert")]
     tls_client_ca: Option<PathBuf>,
+    /// With --tls-client-ca: the name (DNS or IP) every client certificate must be valid for.
+    #[arg(long, env = "TOLLGATE_TLS_CLIENT_SAN", requires = "tls_client_ca")]
+    tls_client_san: Option<String>,
     /// With --tls-client-ca, still serve `POST /json` and `GET /config` on the plaintext HTTP
     /// port, to anyone who reaches it.
     #[arg(long, env = "TOLLGATE_HTTP_UNAUTHENTICATED")]
@@ -111,10 +117,19 @@ pub(super) struct ServeArgs {
     /// Evaluate and count every limit, but never answer OVER_LIMIT.
     #[arg(long, env = "TOLLGATE_SHADOW_MODE")]
     shadow_mode: bool,
+    /// Treat every limit as `quota_mode: true`: a request is denied only when all its limits
+    /// are short (envoyproxy/ratelimit's `QUOTA_MODE`).
+    #[arg(long, env = "TOLLGATE_QUOTA_MODE")]
+    quota_mode: bool,
     /// Add envoyproxy/ratelimit's dynamic metadata to every answer: domain, descriptors and the
     /// `metadata:` of the rules that passed.
     #[arg(long, env = "TOLLGATE_RESPONSE_DYNAMIC_METADATA")]
     response_dynamic_metadata: bool,
+    /// Add the limit, remaining and reset of the most constrained limit to every answer under
+    /// these three header names, as envoyproxy/ratelimit's `LIMIT_RESPONSE_HEADERS_ENABLED` does
+    /// (e.g. RateLimit-Limit,RateLimit-Remaining,RateLimit-Reset).
+    #[arg(long, env = "TOLLGATE_LIMIT_HEADERS", value_delimiter = ',', num_args = 3)]
+    limit_headers: Vec<String>,
     /// On SIGTERM or Ctrl-C, how long to stay up unready before draining (lets load balancers
     /// notice); a second Ctrl-C exits at once.
     #[arg(long, env = "TOLLGATE_DRAIN_DELAY", default_value = "5s", value_parser = humantime::parse_duration)]
@@ -124,6 +139,11 @@ pub(super) struct ServeArgs {
     /// SIGHUP confirms the removal: a ConfigMap target briefly missing never means no limit.
     #[arg(long, env = "TOLLGATE_ALLOW_DOMAIN_REMOVAL")]
     allow_domain_removal: bool,
+    /// Read config files (and pushed resources) naming one domain as one domain, their
+    /// descriptors together, instead of refusing the second (envoyproxy/ratelimit's
+    /// MERGE_DOMAIN_CONFIG). The domain's other settings are said in its first file only.
+    #[arg(long, env = "TOLLGATE_MERGE_DOMAIN_CONFIG")]
+    merge_domain_config: bool,
     /// Tenant quotas from PostgreSQL: postgres://user:password@host:port/db (see `tollgate quota`).
     #[arg(long, env = "TOLLGATE_QUOTA_STORE", hide_env_values = true)]
     quota_store: Option<String>,
@@ -177,11 +197,23 @@ impl ServeArgs {
                     cert: cert.clone(),
                     key: key.clone(),
                     client_ca: self.tls_client_ca.clone(),
+                    client_san: self.tls_client_san.clone(),
                 }),
                 _ => None,
             },
-            shadow_mode: self.shadow_mode,
-            dynamic_metadata: self.response_dynamic_metadata,
+            modes: ServiceModes { shadow: self.shadow_mode, quota: self.quota_mode },
+            answer_extras: AnswerExtras {
+                dynamic_metadata: self.response_dynamic_metadata,
+                limit_headers: match self.limit_headers.as_slice() {
+                    [] => None,
+                    [limit, remaining, reset] => Some(LimitHeaderNames {
+                        limit: limit.clone(),
+                        remaining: remaining.clone(),
+                        reset: reset.clone(),
+                    }),
+                    _ => anyhow::bail!("--limit-headers: three names, for the limit, remaining and reset"),
+                },
+            },
             max_inflight: self.max_inflight,
             connections: ConnLimits {
                 max_connections: self.max_connections,
@@ -206,6 +238,7 @@ impl ServeArgs {
             exporter: true,
             watch: true,
             allow_domain_removal: self.allow_domain_removal,
+            merge_domains: self.merge_domain_config,
         })
     }
 }

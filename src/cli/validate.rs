@@ -6,7 +6,7 @@ use std::process::ExitCode;
 
 use anyhow::bail;
 use clap::Args;
-use tollgate::config::RuleSet;
+use tollgate::config::{RuleSet, Sources};
 
 use super::Outcome;
 
@@ -18,11 +18,14 @@ pub(super) struct ValidateArgs {
     /// The same, as `serve` and `render` take it.
     #[arg(long, value_name = "PATH")]
     config: Option<PathBuf>,
+    /// Files naming one domain are one domain, as `serve --merge-domain-config` reads them.
+    #[arg(long, env = "TOLLGATE_MERGE_DOMAIN_CONFIG")]
+    merge_domain_config: bool,
 }
 
 pub(super) fn run(args: ValidateArgs) -> Outcome {
     let path = args.path.or(args.config).expect("clap requires one");
-    let rules = RuleSet::load(&path)?;
+    let rules = RuleSet::compile(Sources::read(&path)?.merging_domains(args.merge_domain_config))?;
     let mut any = false;
     for domain in rules.domains() {
         any = true;

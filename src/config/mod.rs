@@ -8,6 +8,7 @@
 
 mod compile;
 mod locate;
+mod merge;
 mod priced;
 mod problem;
 mod raw;
@@ -54,6 +55,7 @@ pub struct RuleSet {
 #[derive(Debug, Clone)]
 pub struct Sources {
     files: Vec<(PathBuf, String)>,
+    merge_domains: bool,
 }
 
 impl Sources {
@@ -65,13 +67,19 @@ impl Sources {
                 .map_err(|source| ConfigError::Io { path: file.clone(), source })?;
             files.push((file, text));
         }
-        Ok(Sources { files })
+        Ok(Sources { files, merge_domains: false })
     }
 
     /// Documents that did not come from files (resources pushed over xDS), each under the name
     /// its errors are reported with.
     pub fn pushed(documents: Vec<(PathBuf, String)>) -> Sources {
-        Sources { files: documents }
+        Sources { files: documents, merge_domains: false }
+    }
+
+    /// The same sources, read with envoyproxy/ratelimit's `MERGE_DOMAIN_CONFIG` when `merge`:
+    /// documents naming one domain are one domain ([`merge`]), instead of an error.
+    pub fn merging_domains(self, merge: bool) -> Sources {
+        Sources { merge_domains: merge, ..self }
     }
 
     /// These sources followed by `other`'s: one config of both.
@@ -96,13 +104,13 @@ impl RuleSet {
 
     /// Compiles one domain from YAML text; `file` is only used in error messages.
     pub fn from_yaml(file: &Path, text: &str) -> Result<RuleSet, ConfigError> {
-        Self::compile(Sources { files: vec![(file.to_owned(), text.to_owned())] })
+        Self::compile(Sources::pushed(vec![(file.to_owned(), text.to_owned())]))
     }
 
     /// Compiles every file, then checks what spans files: domain names and shared class
     /// scopes. Every bad file is reported, not only the first.
     pub fn compile(sources: Sources) -> Result<RuleSet, ConfigError> {
-        let mut domains: IndexMap<String, Arc<Domain>> = IndexMap::new();
+        let mut domains: IndexMap<String, Domain> = IndexMap::new();
         let mut errors = Vec::new();
         let fingerprint = sources.fingerprint();
         for (file, text) in &sources.files {
@@ -113,17 +121,24 @@ impl RuleSet {
                     continue;
                 }
             };
-            match domains.get(&domain.name) {
+            match domains.get_mut(&domain.name) {
+                Some(first) if sources.merge_domains => {
+                    if let Err(error) = merge::merge(first, domain, file) {
+                        errors.push(error);
+                    }
+                }
                 Some(first) => errors.push(ConfigError::DuplicateDomain {
                     file: file.clone(),
                     domain: domain.name,
                     first: first.file.clone(),
                 }),
                 None => {
-                    domains.insert(domain.name.clone(), Arc::new(domain));
+                    domains.insert(domain.name.clone(), domain);
                 }
             }
         }
+        let domains: IndexMap<String, Arc<Domain>> =
+            domains.into_iter().map(|(name, domain)| (name, Arc::new(domain))).collect();
         if let Err(error) = check_shared_classes(domains.values()) {
             errors.push(error);
         }

@@ -230,6 +230,7 @@ impl Tree<'_> {
         let Some(limit) = limit else { return Ok(None) };
         Ok(Some(Rule {
             path: place.path.clone(),
+            file: self.file.to_owned(),
             position: place.position,
             name,
             limit,

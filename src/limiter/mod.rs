@@ -51,13 +51,36 @@ use crate::telemetry::{traces, Telemetry};
 use crate::units::RatePerUnit;
 use tracing::Instrument as _;
 
+/// Modes that apply to every rule of every domain, as envoyproxy/ratelimit's `SHADOW_MODE` and
+/// `QUOTA_MODE` do (overrides included); a rule's own `shadow_mode`/`quota_mode` adds to them.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct ServiceModes {
+    /// Every limit is evaluated and counted but never denies.
+    pub shadow: bool,
+    /// Every limit is a quota-mode limit: the request is denied only when all of them are short.
+    pub quota: bool,
+}
+
+impl ServiceModes {
+    // Shadow wins over quota mode: a shadow limit never denies, whatever else it is.
+    fn role(&self, rule_shadow: bool, rule_quota: bool) -> Role {
+        if self.shadow || rule_shadow {
+            Role::Shadow
+        } else if self.quota || rule_quota {
+            Role::QuotaMode
+        } else {
+            Role::Enforced
+        }
+    }
+}
+
 /// Makes rate-limit decisions against the current rules and a store.
 pub struct Limiter {
     rules: Arc<ArcSwap<RuleSet>>,
     store: Arc<dyn Store>,
     quotas: Arc<dyn QuotaSource>,
     telemetry: Arc<Telemetry>,
-    global_shadow: bool,
+    modes: ServiceModes,
     // Where budgets' calendar periods are computed from (the store picks by its own clock).
     clock: Arc<dyn Clock>,
 }
@@ -87,9 +110,9 @@ impl Limiter {
         store: Arc<dyn Store>,
         quotas: Arc<dyn QuotaSource>,
         telemetry: Arc<Telemetry>,
-        global_shadow: bool,
+        modes: ServiceModes,
     ) -> Self {
-        Limiter { rules, store, quotas, telemetry, global_shadow, clock: Arc::new(SystemClock) }
+        Limiter { rules, store, quotas, telemetry, modes, clock: Arc::new(SystemClock) }
     }
 
     /// The same limiter on `clock` (the system's by default), for deterministic tests.
@@ -145,7 +168,7 @@ impl Limiter {
                 spec: Some(limit.bucket()),
                 current_limit: Some(limit),
                 need: signed(d, d.hits),
-                role: if self.global_shadow { Role::Shadow } else { Role::Enforced },
+                role: self.modes.role(false, false),
             });
         }
         let Some(rule) = domain.lookup(&d.entries) else { return Plan::Free };
@@ -154,13 +177,7 @@ impl Limiter {
             Limit::TenantQuota => None,
             Limit::Unlimited => return Plan::Unlimited(rule),
         };
-        let role = if self.global_shadow || rule.shadow_mode {
-            Role::Shadow
-        } else if rule.quota_mode {
-            Role::QuotaMode
-        } else {
-            Role::Enforced
-        };
+        let role = self.modes.role(rule.shadow_mode, rule.quota_mode);
         Plan::Bucket(BucketPlan {
             rule: Some(rule),
             bucket: identity::rule_bucket(domain, rule, &d.entries),

@@ -10,7 +10,7 @@ use criterion::{criterion_group, criterion_main, Criterion};
 use std::hint::black_box;
 use tollgate::config::RuleSet;
 use tollgate::identity::{cluster_slot, rule_bucket};
-use tollgate::limiter::{Limiter, Query, QueryDescriptor};
+use tollgate::limiter::{Limiter, Query, QueryDescriptor, ServiceModes};
 use tollgate::quota::EmbeddedQuotas;
 use tollgate::store::MemoryStore;
 use tollgate::telemetry::{Telemetry, TelemetryConfig};
@@ -79,7 +79,7 @@ fn decide(c: &mut Criterion) {
         Arc::new(MemoryStore::new()),
         Arc::new(EmbeddedQuotas),
         Arc::new(Telemetry::without_exporter(TelemetryConfig::default())),
-        false,
+        ServiceModes::default(),
     );
     let descriptor = |entries: Vec<(&'static str, &'static str)>| QueryDescriptor {
         entries,

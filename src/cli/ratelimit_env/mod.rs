@@ -117,9 +117,7 @@ pub(super) fn translate(
         {
             t.set.insert("TOLLGATE_TLS_CLIENT_CA", ca);
         }
-    }
-    if let Some(san) = get("GRPC_CLIENT_TLS_SAN").filter(|v| !v.is_empty()) {
-        return Err(format!("GRPC_CLIENT_TLS_SAN={san}: tollgate does not pin client certificates to a name; any certificate the CA signed is accepted, so it will not start with a pin it would not check"));
+        t.copy(get, &[("GRPC_CLIENT_TLS_SAN", "TOLLGATE_TLS_CLIENT_SAN")]);
     }
 
     // Logs.
@@ -182,31 +180,29 @@ pub(super) fn translate(
     for (from, to) in [
         ("SHADOW_MODE", "TOLLGATE_SHADOW_MODE"),
         ("RESPONSE_DYNAMIC_METADATA", "TOLLGATE_RESPONSE_DYNAMIC_METADATA"),
+        ("QUOTA_MODE", "TOLLGATE_QUOTA_MODE"),
+        ("MERGE_DOMAIN_CONFIG", "TOLLGATE_MERGE_DOMAIN_CONFIG"),
     ] {
         if let Some(on) = flag(from, false)?.filter(|_| get(from).is_some()) {
             t.set.insert(to, on.to_string());
         }
     }
-    for (name, why) in [
-        ("QUOTA_MODE", "a service-wide quota mode is not supported: mark the rules with quota_mode: true"),
-        (
-            "MERGE_DOMAIN_CONFIG",
-            "merging files of one domain is not supported: put each domain in one file or resource",
-        ),
-    ] {
-        if flag(name, false)? == Some(true) && get(name).is_some() {
-            return Err(format!("{name}=true: {why}"));
-        }
+    if flag("LIMIT_RESPONSE_HEADERS_ENABLED", false)? == Some(true) {
+        let names = [
+            ("LIMIT_LIMIT_HEADER", "RateLimit-Limit"),
+            ("LIMIT_REMAINING_HEADER", "RateLimit-Remaining"),
+            ("LIMIT_RESET_HEADER", "RateLimit-Reset"),
+        ]
+        .map(|(name, default)| get(name).unwrap_or_else(|| default.to_owned()));
+        t.set.insert("TOLLGATE_LIMIT_HEADERS", names.join(","));
     }
-    if let Some(prefix) = get("CACHE_KEY_PREFIX").filter(|v| !v.is_empty()) {
-        return Err(format!("CACHE_KEY_PREFIX={prefix}: tollgate's keys have no prefix setting; give each deployment its own Redis database (REDIS_URL=redis://host:port/N)"));
-    }
-    if flag("LIMIT_RESPONSE_HEADERS_ENABLED", false)? == Some(true)
-        && get("LIMIT_RESPONSE_HEADERS_ENABLED").is_some()
-    {
-        t.ignored.push("LIMIT_RESPONSE_HEADERS_ENABLED: headers are chosen per domain in tollgate (response_headers: [x-ratelimit, retry-after, ietf])".into());
-    }
-    t.copy(get, &[("NEAR_LIMIT_RATIO", "TOLLGATE_NEAR_LIMIT_RATIO")]);
+    t.copy(
+        get,
+        &[
+            ("NEAR_LIMIT_RATIO", "TOLLGATE_NEAR_LIMIT_RATIO"),
+            ("CACHE_KEY_PREFIX", "TOLLGATE_REDIS_KEY_PREFIX"),
+        ],
+    );
 
     telemetry::stats(get, &var, &flag, &mut t)?;
     telemetry::tracing(get, &flag, &mut t)?;

@@ -113,13 +113,7 @@ fn files_redis_forms_and_defaults() {
 
 #[test]
 fn what_tollgate_cannot_honour_stops_the_start_with_why() {
-    for env in [
-        [("BACKEND_TYPE", "memcache")],
-        [("GRPC_UDS", "/tmp/s")],
-        [("QUOTA_MODE", "true")],
-        [("CACHE_KEY_PREFIX", "x_")],
-        [("SHADOW_MODE", "maybe")],
-    ] {
+    for env in [[("BACKEND_TYPE", "memcache")], [("GRPC_UDS", "/tmp/s")], [("SHADOW_MODE", "maybe")]] {
         let error = run(&env, false).unwrap_err();
         assert!(error.starts_with(env[0].0), "{error}");
     }
@@ -146,4 +140,34 @@ fn xds_headers_metadata_and_backoff() {
     assert_eq!(t.set["TOLLGATE_XDS_BACKOFF_INITIAL"], "100ms");
     assert_eq!(t.set["TOLLGATE_XDS_BACKOFF_NO_JITTER"], "true");
     assert!(!t.set.contains_key("TOLLGATE_START_WITHOUT_CONFIG"), "healthy only with a config wins");
+}
+
+#[test]
+fn service_wide_settings_become_tollgates() {
+    let t = run(
+        &[
+            ("QUOTA_MODE", "true"),
+            ("MERGE_DOMAIN_CONFIG", "1"),
+            ("CACHE_KEY_PREFIX", "eg_"),
+            ("LIMIT_RESPONSE_HEADERS_ENABLED", "true"),
+            ("LIMIT_RESET_HEADER", "X-Reset"),
+            ("GRPC_SERVER_USE_TLS", "true"),
+            ("GRPC_SERVER_TLS_CERT", "/c"),
+            ("GRPC_SERVER_TLS_KEY", "/k"),
+            ("GRPC_CLIENT_TLS_CACERT", "/ca"),
+            ("GRPC_CLIENT_TLS_SAN", "envoy.internal"),
+        ],
+        false,
+    )
+    .unwrap();
+    for (name, value) in [
+        ("TOLLGATE_QUOTA_MODE", "true"),
+        ("TOLLGATE_MERGE_DOMAIN_CONFIG", "true"),
+        ("TOLLGATE_REDIS_KEY_PREFIX", "eg_"),
+        ("TOLLGATE_LIMIT_HEADERS", "RateLimit-Limit,RateLimit-Remaining,X-Reset"),
+        ("TOLLGATE_TLS_CLIENT_SAN", "envoy.internal"),
+    ] {
+        assert_eq!(t.set.get(name).map(String::as_str), Some(value), "{name}");
+    }
+    assert!(t.ignored.is_empty(), "{:?}", t.ignored);
 }

@@ -23,6 +23,12 @@
 //!   at its period end, and a request refused whatever the budgets say (`request`, `request_id`:
 //!   retrying cannot help) gets none. `X-Budget-Warning` (`<level>=<threshold>, ...`) names each
 //!   level whose spend is at or above one of its `alert_at` soft limits, with the highest.
+//! * (service-wide, `--limit-headers`) envoyproxy/ratelimit's `LIMIT_RESPONSE_HEADERS_ENABLED`:
+//!   the limit of the most constrained descriptor as "N per unit" (`RateLimit-Limit`), its whole
+//!   tokens left (`RateLimit-Remaining`) and whole seconds until its bucket is full again
+//!   (`RateLimit-Reset`; upstream's fixed window ends then, a token bucket is full then), under
+//!   the names the operator chose. Most constrained is upstream's choice: a denying enforced
+//!   limit if any, otherwise the one with the fewest left.
 //! * `grpc-status-details`: on OVER_LIMIT, `grpc-status-details-bin`, the base64 of a
 //!   `google.rpc.Status` (RESOURCE_EXHAUSTED) carrying `google.rpc.RetryInfo` with the same wait
 //!   as `Retry-After` (without RetryInfo when retrying cannot help). Envoy's gRPC local reply for
@@ -108,6 +114,53 @@ pub fn response_headers(decision: &Decision) -> Vec<(&'static str, String)> {
         headers.push(("RateLimit", states.join(", ")));
     }
     headers
+}
+
+/// The names of the three headers of `--limit-headers`: limit, remaining, reset.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LimitHeaderNames {
+    /// The limit, as requests per unit.
+    pub limit: String,
+    /// Whole tokens left.
+    pub remaining: String,
+    /// Whole seconds until the bucket is full.
+    pub reset: String,
+}
+
+impl Default for LimitHeaderNames {
+    // envoyproxy/ratelimit's defaults.
+    fn default() -> Self {
+        LimitHeaderNames {
+            limit: "RateLimit-Limit".into(),
+            remaining: "RateLimit-Remaining".into(),
+            reset: "RateLimit-Reset".into(),
+        }
+    }
+}
+
+/// envoyproxy/ratelimit's limit headers for `decision` (none when no descriptor has a limit):
+/// the last denying enforced limit, otherwise the first with the fewest whole tokens left.
+pub fn limit_headers(names: &LimitHeaderNames, decision: &Decision) -> Vec<(String, String)> {
+    let buckets = decision.descriptors.iter().filter_map(|d| match &d.outcome {
+        Outcome::Bucket(b) => Some(b),
+        _ => None,
+    });
+    let mut chosen: Option<&BucketReport> = None;
+    for b in buckets {
+        let enforced_denial = b.denied() && !b.shadow && !b.quota_mode;
+        match chosen {
+            _ if enforced_denial => chosen = Some(b),
+            Some(c) if c.denied() && !c.shadow && !c.quota_mode => {}
+            Some(c) if c.remaining() <= b.remaining() => {}
+            _ => chosen = Some(b),
+        }
+    }
+    let Some(b) = chosen else { return Vec::new() };
+    vec![
+        (names.limit.clone(), b.limit.current_limit.requests_per_unit.to_string()),
+        (names.remaining.clone(), (if b.denied() { 0 } else { b.remaining() }).to_string()),
+        (names.reset.clone(), b.verdict.reset_ms.div_ceil(1000).to_string()),
+    ]
 }
 
 // Where a priced request's budgets stand, on OK and OVER_LIMIT alike: the exhausted level, the

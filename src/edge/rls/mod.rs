@@ -46,19 +46,25 @@ pub struct RateLimitGrpc {
     limiter: Arc<Limiter>,
     inflight: Arc<Semaphore>,
     max_inflight: usize,
-    dynamic_metadata: bool,
+    extras: AnswerExtras,
+}
+
+/// What every answer carries beyond the decision, service-wide (envoyproxy/ratelimit's
+/// `RESPONSE_DYNAMIC_METADATA` and `LIMIT_RESPONSE_HEADERS_ENABLED`).
+#[derive(Debug, Clone, Default)]
+pub struct AnswerExtras {
+    /// envoyproxy/ratelimit's response dynamic metadata: domain, descriptors and the `metadata:`
+    /// of the rules that passed.
+    pub dynamic_metadata: bool,
+    /// The limit, remaining and reset headers of the most constrained limit, under these names.
+    pub limit_headers: Option<headers::LimitHeaderNames>,
 }
 
 impl RateLimitGrpc {
-    /// A service answering with `limiter`, with at most `max_inflight` decisions in progress;
-    /// `dynamic_metadata` adds envoyproxy/ratelimit's response dynamic metadata.
-    pub fn new(limiter: Arc<Limiter>, max_inflight: usize, dynamic_metadata: bool) -> Self {
-        RateLimitGrpc {
-            limiter,
-            inflight: Arc::new(Semaphore::new(max_inflight)),
-            max_inflight,
-            dynamic_metadata,
-        }
+    /// A service answering with `limiter`, with at most `max_inflight` decisions in progress,
+    /// adding `extras` to every answer.
+    pub fn new(limiter: Arc<Limiter>, max_inflight: usize, extras: AnswerExtras) -> Self {
+        RateLimitGrpc { limiter, inflight: Arc::new(Semaphore::new(max_inflight)), max_inflight, extras }
     }
 }
 
@@ -83,9 +89,19 @@ impl RateLimitGrpc {
         };
         let answer = decide(&self.limiter, request).await.map(|decision| {
             let mut response = encode(&decision);
-            if self.dynamic_metadata {
+            if self.extras.dynamic_metadata {
                 response.dynamic_metadata =
                     Some(metadata::to_struct(metadata::dynamic_metadata(request, &decision)));
+            }
+            if let Some(names) = &self.extras.limit_headers {
+                let limit_headers = headers::limit_headers(names, &decision);
+                response.response_headers_to_add.extend(
+                    limit_headers.into_iter().map(|(key, value)| HeaderValue {
+                        key,
+                        value,
+                        raw_value: Vec::new(),
+                    }),
+                );
             }
             response
         });
