@@ -33,9 +33,14 @@ impl HttpResponse {
 
 /// A GET with extra request headers.
 pub fn http_request(addr: SocketAddr, path: &str, headers: &[(&str, &str)]) -> HttpResponse {
+    http_method(addr, "GET", path, headers)
+}
+
+/// A request without a body, of any method, with extra request headers.
+pub fn http_method(addr: SocketAddr, method: &str, path: &str, headers: &[(&str, &str)]) -> HttpResponse {
     let mut stream = TcpStream::connect_timeout(&addr, Duration::from_secs(2)).expect("connect");
     stream.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
-    let mut request = format!("GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n");
+    let mut request = format!("{method} {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n");
     for (k, v) in headers {
         request.push_str(&format!("{k}: {v}\r\n"));
     }
