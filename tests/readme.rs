@@ -57,8 +57,9 @@ fn block(tag: &str) -> String {
 }
 
 /// The fixed ports the pages name.
-const PORTS: &[u16] =
-    &[8000, 8001, 8080, 8081, 8090, 8091, 9901, 9902, 9903, 9904, 10000, 10001, 10002, 10003, 6390, 5433];
+const PORTS: &[u16] = &[
+    8000, 8001, 8080, 8081, 8090, 8091, 9901, 9902, 9903, 9904, 10000, 10001, 10002, 10003, 6390, 5433, 18001,
+];
 
 /// Where the walkthrough runs: a directory with copies of `envoy/` whose fixed ports are moved to
 /// free ones, and links to `examples/` (no ports), `scripts/` and `target/` (Envoy's venv).
@@ -124,7 +125,11 @@ impl Walk {
 
 fn with_debug_build(text: &str) -> String {
     let bin = format!("{} ", tollgate_bin());
-    text.replace("cargo run --release -q -- ", &bin).replace("cargo run --release -- ", &bin)
+    // `cargo test` builds the examples beside the test binaries' `deps/`.
+    let xds_server = Path::new(tollgate_bin()).parent().unwrap().join("examples/xds-server");
+    text.replace("cargo run --release -q --example xds-server -- ", &format!("{} ", xds_server.display()))
+        .replace("cargo run --release -q -- ", &bin)
+        .replace("cargo run --release -- ", &bin)
 }
 
 /// PATH with the debug build's directory first: the README's `tollgate` is the binary on PATH.
@@ -296,4 +301,23 @@ fn the_walkthrough_works_as_printed() {
     assert!(redis.contains("overall: OK") && redis.contains("remaining=50"), "{redis}");
     let fields: Vec<&str> = redis.lines().rev().take(3).collect();
     assert_eq!(fields, ["50", "200", "50"], "t, c, s: {redis}");
+
+    // Replace envoyproxy/ratelimit in Envoy Gateway: a limit pushed over xDS, changed live.
+    let xds = run(&walk, "xds-walkthrough", Duration::from_secs(90));
+    let answers: Vec<&str> = xds.lines().filter(|l| l.starts_with("descriptor")).collect();
+    let shown: Vec<String> = answers.iter().map(|l| l.split(" full_in").next().unwrap().to_owned()).collect();
+    assert_eq!(
+        shown,
+        [
+            "descriptor 0 [user=alice]: OK  limit=3/MINUTE remaining=2",
+            "descriptor 0 [user=alice]: OK  limit=3/MINUTE remaining=1",
+            "descriptor 0 [user=alice]: OK  limit=3/MINUTE remaining=0",
+            "descriptor 0 [user=alice]: OVER_LIMIT  limit=3/MINUTE remaining=0",
+            "descriptor 0 [user=alice]: OVER_LIMIT  limit=10/MINUTE remaining=0",
+            "descriptor 0 [user=bob]: OK  limit=10/MINUTE remaining=9",
+        ],
+        "{xds}"
+    );
+    let (_, after_push) = xds.split_once("pushed v2: api\n").expect(&xds);
+    assert!(after_push.contains("demo: ACK v2"), "{xds}");
 }

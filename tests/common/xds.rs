@@ -6,33 +6,22 @@
 //! and NACKs back), and can be stopped and started again on the same port.
 
 use std::net::SocketAddr;
-use std::sync::{Arc, Mutex};
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
 
-use envoy_types::pb::envoy::service::discovery::v3::aggregated_discovery_service_server::{
-    AggregatedDiscoveryService, AggregatedDiscoveryServiceServer,
-};
-use envoy_types::pb::envoy::service::discovery::v3::{
-    DeltaDiscoveryRequest, DeltaDiscoveryResponse, DiscoveryRequest, DiscoveryResponse,
-};
+use envoy_types::pb::envoy::service::discovery::v3::aggregated_discovery_service_server::AggregatedDiscoveryServiceServer;
+use envoy_types::pb::envoy::service::discovery::v3::DiscoveryRequest;
 use envoy_types::pb::google::protobuf::Any;
-use envoy_types::pb::ratelimit::config::ratelimit::v3::{
-    RateLimitConfig, RateLimitDescriptor, RateLimitPolicy, RateLimitReplace, RateLimitUnit,
-};
-use prost::{Message as _, Name as _};
-use tokio::sync::{mpsc, oneshot, watch};
-use tokio_stream::wrappers::{ReceiverStream, TcpListenerStream};
-use tonic::{Request, Response, Status, Streaming};
+use envoy_types::pb::ratelimit::config::ratelimit::v3::RateLimitConfig;
+use tokio::sync::{oneshot, watch};
+use tokio_stream::wrappers::TcpListenerStream;
 
 use super::*;
 
-/// What the server sends: a version and its resources.
-type Snapshot = Option<(String, Vec<Any>)>;
-
-#[derive(Default)]
-struct Shared {
-    requests: Mutex<Vec<DiscoveryRequest>>,
-    streams: Mutex<u32>,
-}
+// The ADS core the walkthrough's server runs too.
+#[path = "../../examples/xds-server/ads.rs"]
+mod ads;
+use ads::{Ads, Log, Snapshot};
 
 /// TLS for the server: its certificate, and with `mutual`, client certificates from the CA.
 pub struct XdsTls<'a> {
@@ -43,7 +32,7 @@ pub struct XdsTls<'a> {
 pub struct XdsServer {
     pub addr: SocketAddr,
     snapshot: watch::Sender<Snapshot>,
-    shared: Arc<Shared>,
+    log: Arc<Log>,
     stop: Option<oneshot::Sender<()>>,
     thread: Option<std::thread::JoinHandle<()>>,
 }
@@ -59,7 +48,7 @@ impl XdsServer {
         addr: SocketAddr,
         tls: Option<XdsTls<'_>>,
         snapshot: watch::Sender<Snapshot>,
-        shared: Arc<Shared>,
+        log: Arc<Log>,
     ) -> XdsServer {
         let tls = tls.map(|t| {
             let identity = tonic::transport::Identity::from_pem(
@@ -76,7 +65,7 @@ impl XdsServer {
         });
         let (stop_tx, stop_rx) = oneshot::channel::<()>();
         let (bound_tx, bound_rx) = std::sync::mpsc::channel();
-        let service = Ads { snapshot: snapshot.subscribe(), shared: shared.clone() };
+        let service = Ads { snapshot: snapshot.subscribe(), log: log.clone() };
         let thread = std::thread::spawn(move || {
             let runtime =
                 tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build().unwrap();
@@ -100,7 +89,7 @@ impl XdsServer {
             runtime.shutdown_background();
         });
         bound_rx.recv().expect("xDS server bound");
-        XdsServer { addr, snapshot, shared, stop: Some(stop_tx), thread: Some(thread) }
+        XdsServer { addr, snapshot, log, stop: Some(stop_tx), thread: Some(thread) }
     }
 
     /// Stops serving (open streams break); the snapshot and the request log stay.
@@ -116,18 +105,14 @@ impl XdsServer {
     /// Serves again on the same port, with the same snapshot.
     pub fn restart(&mut self, tls: Option<XdsTls<'_>>) {
         self.stop();
-        let shared = self.shared.clone();
+        let log = self.log.clone();
         let snapshot = std::mem::replace(&mut self.snapshot, watch::Sender::new(None));
-        *self = Self::start_at(self.addr, tls, snapshot, shared);
+        *self = Self::start_at(self.addr, tls, snapshot, log);
     }
 
     /// Makes `configs` the whole config, as `version`.
     pub fn push(&self, version: &str, configs: &[RateLimitConfig]) {
-        let resources = configs
-            .iter()
-            .map(|c| Any { type_url: RateLimitConfig::type_url(), value: c.encode_to_vec() })
-            .collect();
-        self.push_any(version, resources);
+        self.push_any(version, ads::resources(configs));
     }
 
     /// Makes `resources` the whole config, as `version`, whatever they hold.
@@ -137,12 +122,12 @@ impl XdsServer {
 
     /// Every request clients sent, in order.
     pub fn requests(&self) -> Vec<DiscoveryRequest> {
-        self.shared.requests.lock().unwrap().clone()
+        self.log.requests.lock().unwrap().clone()
     }
 
     /// Streams opened so far.
     pub fn streams(&self) -> u32 {
-        *self.shared.streams.lock().unwrap()
+        self.log.streams.load(Ordering::SeqCst)
     }
 
     /// Waits until a client has ACKed `version` (a request with it and a nonce, no error).
@@ -171,103 +156,7 @@ impl Drop for XdsServer {
     }
 }
 
-struct Ads {
-    snapshot: watch::Receiver<Snapshot>,
-    shared: Arc<Shared>,
-}
-
-#[tonic::async_trait]
-impl AggregatedDiscoveryService for Ads {
-    type StreamAggregatedResourcesStream = ReceiverStream<Result<DiscoveryResponse, Status>>;
-    type DeltaAggregatedResourcesStream = ReceiverStream<Result<DeltaDiscoveryResponse, Status>>;
-
-    async fn stream_aggregated_resources(
-        &self,
-        request: Request<Streaming<DiscoveryRequest>>,
-    ) -> Result<Response<Self::StreamAggregatedResourcesStream>, Status> {
-        *self.shared.streams.lock().unwrap() += 1;
-        let mut incoming = request.into_inner();
-        let (tx, rx) = mpsc::channel(4);
-        let (shared, mut snapshot) = (self.shared.clone(), self.snapshot.clone());
-        tokio::spawn(async move {
-            // The first request says who asks; then every change of the snapshot is sent.
-            let Ok(Some(first)) = incoming.message().await else { return };
-            shared.requests.lock().unwrap().push(first);
-            let log = shared.clone();
-            tokio::spawn(async move {
-                while let Ok(Some(request)) = incoming.message().await {
-                    log.requests.lock().unwrap().push(request);
-                }
-            });
-            let mut nonce = 0u64;
-            snapshot.mark_changed();
-            while snapshot.changed().await.is_ok() {
-                let Some((version, resources)) = snapshot.borrow_and_update().clone() else { continue };
-                nonce += 1;
-                let response = DiscoveryResponse {
-                    version_info: version,
-                    resources,
-                    type_url: RateLimitConfig::type_url(),
-                    nonce: nonce.to_string(),
-                    ..Default::default()
-                };
-                if tx.send(Ok(response)).await.is_err() {
-                    return;
-                }
-            }
-        });
-        Ok(Response::new(ReceiverStream::new(rx)))
-    }
-
-    async fn delta_aggregated_resources(
-        &self,
-        _: Request<Streaming<DeltaDiscoveryRequest>>,
-    ) -> Result<Response<Self::DeltaAggregatedResourcesStream>, Status> {
-        Err(Status::unimplemented("state of the world only"))
-    }
-}
-
-/// A `RateLimitConfig` from the file syntax (or Envoy Gateway's dump of one: `rate_limit: null`,
-/// upper-case units, fields the proto lacks are ignored), named `name`.
+/// A `RateLimitConfig` from the file syntax (or Envoy Gateway's dump of one), named `name`.
 pub fn rate_limit_config(name: &str, yaml: &str) -> RateLimitConfig {
-    let file: serde_json::Value = serde_saphyr::from_str(yaml).expect("YAML");
-    RateLimitConfig {
-        name: name.to_owned(),
-        domain: file["domain"].as_str().unwrap_or_default().to_owned(),
-        descriptors: descriptors(&file["descriptors"]),
-    }
-}
-
-fn descriptors(list: &serde_json::Value) -> Vec<RateLimitDescriptor> {
-    let Some(list) = list.as_array() else { return Vec::new() };
-    list.iter()
-        .map(|d| RateLimitDescriptor {
-            key: d["key"].as_str().unwrap_or_default().to_owned(),
-            value: d["value"].as_str().unwrap_or_default().to_owned(),
-            rate_limit: d.get("rate_limit").filter(|r| !r.is_null()).map(|r| RateLimitPolicy {
-                unit: r["unit"]
-                    .as_str()
-                    .and_then(|u| RateLimitUnit::from_str_name(&u.to_ascii_uppercase()))
-                    .unwrap_or(RateLimitUnit::Unknown) as i32,
-                requests_per_unit: r["requests_per_unit"].as_u64().unwrap_or(0) as u32,
-                unlimited: r["unlimited"].as_bool().unwrap_or(false),
-                name: r["name"].as_str().unwrap_or_default().to_owned(),
-                replaces: r["replaces"]
-                    .as_array()
-                    .map(|l| {
-                        l.iter()
-                            .map(|x| RateLimitReplace {
-                                name: x["name"].as_str().unwrap_or_default().to_owned(),
-                            })
-                            .collect()
-                    })
-                    .unwrap_or_default(),
-            }),
-            descriptors: descriptors(&d["descriptors"]),
-            shadow_mode: d["shadow_mode"].as_bool().unwrap_or(false),
-            detailed_metric: d["detailed_metric"].as_bool().unwrap_or(false),
-            quota_mode: d["quota_mode"].as_bool().unwrap_or(false),
-            metadata: None,
-        })
-        .collect()
+    ads::rate_limit_config(name, yaml).expect("YAML")
 }
