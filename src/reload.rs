@@ -13,6 +13,11 @@
 //! then the reload reads the files, and does nothing if their digest equals that of what is in
 //! force.
 //!
+//! A directory reached through a symlink (a runtime root `current -> v1` swapped to `v2`, as
+//! envoyproxy/ratelimit's `RUNTIME_WATCH_ROOT` expects) is watched at its target, which a swap
+//! leaves behind: so the parent of every symlink on the way is watched too, and before each
+//! reload the directories are watched again where they now resolve.
+//!
 //! Dropping the [`Watch`] stops the file watcher, the signal task and the thread.
 
 use std::path::{Path, PathBuf};
@@ -43,8 +48,9 @@ pub enum Trigger {
 
 /// A watcher of some directories and the thread that runs reloads for it.
 pub struct Watch {
-    // Dropped first: no more events once the watch is going away.
-    _watcher: notify::RecommendedWatcher,
+    // Dropped first: no more events once the watch is going away. The thread holds it weakly,
+    // to watch the directories again.
+    _watcher: Arc<Mutex<notify::RecommendedWatcher>>,
     _signal: Option<AbortOnDropHandle<()>>,
 }
 
@@ -64,9 +70,21 @@ impl Watch {
                 let _ = files.send(Trigger::Files);
             }
         })?;
+        let mut watched = dirs.to_vec();
         for dir in dirs {
+            for link in dir.ancestors().filter(|a| a.symlink_metadata().is_ok_and(|m| m.is_symlink())) {
+                let holder = parent(link);
+                if !watched.contains(&holder) {
+                    watched.push(holder);
+                }
+            }
+        }
+        for dir in &watched {
             watcher.watch(dir, RecursiveMode::NonRecursive)?;
         }
+        let watcher = Arc::new(Mutex::new(watcher));
+        let rearm = Arc::downgrade(&watcher);
+        let dirs = dirs.to_vec();
         let signal = if hangup {
             let mut hangups = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup())
                 .map_err(|e| notify::Error::generic(&format!("cannot watch SIGHUP: {e}")))?;
@@ -93,6 +111,14 @@ impl Watch {
                             Ok(Trigger::Files) => {}
                             Err(std_mpsc::RecvTimeoutError::Timeout) => break,
                             Err(std_mpsc::RecvTimeoutError::Disconnected) => return,
+                        }
+                    }
+                    // Where a swapped symlink now leads (a directory it no longer reaches is
+                    // watched until it is deleted, which is harmless).
+                    if let Some(watcher) = rearm.upgrade() {
+                        let mut watcher = watcher.lock().unwrap_or_else(|p| p.into_inner());
+                        for dir in &dirs {
+                            let _ = watcher.watch(dir, RecursiveMode::NonRecursive);
                         }
                     }
                     reload(trigger);

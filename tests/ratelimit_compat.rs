@@ -243,3 +243,50 @@ async fn service_wide_settings_as_envoyproxy_ratelimit_reads_them() {
     assert!(!keys.is_empty());
     assert!(keys.iter().all(|k| k.starts_with("eg_rl:")), "every key under the prefix: {keys:?}");
 }
+
+// envoyproxy/ratelimit's default runtime layout (RUNTIME_WATCH_ROOT=true): the root is a
+// symlink `current -> v1`, swapped to `v2` by renaming a new link over it. The swap reloads, and
+// so does a later edit inside `v2` (the watch follows the link to its new target).
+#[tokio::test(flavor = "multi_thread")]
+async fn a_swapped_runtime_root_reloads() {
+    let (top, _) = config_file("");
+    let version = |name: &str, per_hour: u32| {
+        let dir = top.path().join(name).join("ratelimit/config");
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::write(dir.join("config.yaml"), rules(per_hour)).unwrap();
+        dir.join("config.yaml")
+    };
+    version("v1", 3);
+    let current = top.path().join("current");
+    std::os::unix::fs::symlink(top.path().join("v1"), &current).unwrap();
+    let root = current.to_str().unwrap().to_owned();
+    let redis = Redis::start();
+    let redis_at = redis.addr();
+    let server = Tollgate::start_as_ratelimit(&[
+        ("RUNTIME_ROOT", root.as_str()),
+        ("RUNTIME_SUBDIRECTORY", "ratelimit"),
+        ("RUNTIME_WATCH_ROOT", "true"),
+        ("REDIS_SOCKET_TYPE", "tcp"),
+        ("REDIS_URL", redis_at.as_str()),
+    ])
+    .wait_ready();
+    assert_eq!(limit(&server).await, "3");
+
+    let in_v2 = version("v2", 7);
+    let link = top.path().join("current.new");
+    std::os::unix::fs::symlink(top.path().join("v2"), &link).unwrap();
+    std::fs::rename(&link, &current).unwrap();
+    let serves = |want: &'static str| {
+        let server = &server;
+        async move {
+            let deadline = Instant::now() + Duration::from_secs(10);
+            while limit(server).await != want {
+                assert!(Instant::now() < deadline, "limit {want} never served");
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        }
+    };
+    serves("7").await;
+    std::fs::write(&in_v2, rules(9)).unwrap();
+    serves("9").await;
+}
