@@ -208,8 +208,12 @@ pub struct App {
 }
 
 /// The store `redis` describes (the embedded one for `None`), with the pre-check in front of
-/// Redis unless it is turned off. Needs a Tokio runtime.
-pub fn store(redis: Option<&RedisSettings>) -> Result<Arc<dyn Store>, ConnectError> {
+/// Redis unless it is turned off; the task that tells the pre-check of other replicas' raises
+/// goes into `tasks`. Needs a Tokio runtime.
+pub fn store(
+    redis: Option<&RedisSettings>,
+    tasks: &mut Vec<AbortOnDropHandle<()>>,
+) -> Result<Arc<dyn Store>, ConnectError> {
     let Some(redis) = redis else {
         tracing::warn!(
             "no Redis configured: using the embedded memory store. Limits hold PER PROCESS ONLY; \
@@ -220,7 +224,13 @@ pub fn store(redis: Option<&RedisSettings>) -> Result<Arc<dyn Store>, ConnectErr
     let store =
         Arc::new(RedisStore::connect(&redis.target, redis.timeout, redis.coalesce_delay, &redis.tls)?);
     Ok(match redis.precheck_buckets {
-        Some(buckets) => Arc::new(Precheck::new(store, Arc::new(MonotonicClock::new()), buckets)),
+        Some(buckets) => {
+            let precheck = Arc::new(
+                Precheck::new(store.clone(), Arc::new(MonotonicClock::new()), buckets).awaiting_raises(),
+            );
+            tasks.push(store.follow_raises(precheck.clone()));
+            precheck
+        }
         None => store,
     })
 }
@@ -247,7 +257,7 @@ impl App {
             tasks.extend(start_ratelimit_stats(stats, telemetry.clone(), settings.connections)?);
         }
         crate::telemetry::register_domains(&rules);
-        let store = store(settings.redis.as_ref()).map_err(StartError::Redis)?;
+        let store = store(settings.redis.as_ref(), &mut tasks).map_err(StartError::Redis)?;
         tracing::info!(store = %store.describe(), shadow_mode = settings.modes.shadow, quota_mode = settings.modes.quota, "store configured");
         // Says at once, and on every change, whether the store answers and why not.
         tasks.push(health::watch(store.clone()));

@@ -151,6 +151,12 @@ pub fn set_key_prefix(prefix: &str) -> Result<(), KeyPrefixError> {
     }
 }
 
+/// The channel every script that raises a bucket's balance publishes the bucket's key on (under
+/// the deployment's prefix, like the keys).
+pub fn raise_channel() -> String {
+    format!("{}tollgate:raised", KEY_PREFIX.get().map_or("", String::as_str))
+}
+
 // The deployment's prefix, `rl:` and, for a tenant's bucket, its hash tag.
 fn prefix(tenant: Option<&str>) -> String {
     let mut key = String::with_capacity(64);

@@ -201,7 +201,7 @@ async fn envoy_reaches_tollgate_over_mtls() {
 }
 
 /// The ACL tollgate needs: its scripts' commands on `rl:*` keys, nothing else.
-const TOLLGATE_ACL: &str = "user tollgate on >tollgate-secret resetkeys ~rl:* resetchannels -@all +evalsha +eval +script|load +ping +time +hmget +hset +hgetall +hdel +pexpireat +pexpiretime +pttl";
+const TOLLGATE_ACL: &str = "user tollgate on >tollgate-secret resetkeys ~rl:* resetchannels &tollgate:raised -@all +publish +subscribe +evalsha +eval +script|load +ping +time +hmget +hset +hgetall +hdel +pexpireat +pexpiretime +pttl";
 
 #[tokio::test(flavor = "multi_thread")]
 async fn redis_over_tls_as_a_least_privilege_acl_user() {
@@ -222,6 +222,15 @@ async fn redis_over_tls_as_a_least_privilege_acl_user() {
     for expected in [OK, OK, OVER_LIMIT] {
         assert_eq!(ask(&server.addr(), req("s", &["k=acl"], 1)).await.unwrap().overall_code, expected);
     }
+    // A replica with the pre-check subscribes to the raise channel, and a credit publishes on it.
+    let url = format!("rediss://tollgate:tollgate-secret@127.0.0.1:{}", redis.port);
+    let checked = Tollgate::start(&config, &Backend::Redis(url), &["--redis-ca", &pki.path_str("ca.pem")]);
+    wait_until("subscribed", 300, Duration::from_millis(10), || {
+        sample(&checked.metrics(), "tollgate_precheck_hearing_raises", &[]) == 1.0
+    });
+    let mut credit = req("s", &["k=acl"], 1);
+    credit.descriptors[0].is_negative_hits = true;
+    assert_eq!(ask(&checked.addr(), credit).await.unwrap().overall_code, OK);
     let (ok, log) = redis.tls_cli(&pki, &["--user", "admin", "--pass", "admin", "ACL", "LOG"]);
     assert!(ok && log.trim().is_empty(), "tollgate needed a command outside its ACL: {log}");
     let (_, keys) = redis.tls_cli(&pki, &["--user", "admin", "--pass", "admin", "KEYS", "*"]);

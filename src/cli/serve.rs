@@ -51,8 +51,8 @@ pub(super) struct ServeArgs {
     /// request waiting about this long at most for the call before it. 0 turns it off.
     #[arg(long, env = "TOLLGATE_COALESCE_DELAY", default_value = "500us", value_parser = humantime::parse_duration)]
     coalesce_delay: Duration,
-    /// Turn off the exact local pre-check (answering certain denials without Redis). Needed when
-    /// clients send credits (is_negative_hits) through several replicas.
+    /// Turn off the exact local pre-check (answering certain denials without Redis; it hears
+    /// raises made through other replicas on the channel `tollgate:raised`).
     #[arg(long, env = "TOLLGATE_NO_PRECHECK")]
     no_precheck: bool,
     /// Most buckets the pre-check remembers.

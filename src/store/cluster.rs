@@ -167,6 +167,14 @@ impl Cluster {
         Err(last.map_or(ClusterError::NoOwner(0), ClusterError::Redis))
     }
 
+    /// A connection for subscribing to channels: classic `PUBLISH` reaches every node of a
+    /// Cluster, so any one will do; the primary of slot 0 is one the map always names.
+    pub(crate) async fn pubsub(&self) -> Result<redis::aio::PubSub, ClusterError> {
+        let owner = self.owner(0).await?;
+        let node = self.inner.node(&owner).map_err(ClusterError::Redis)?;
+        node.pubsub().await.map_err(ClusterError::Redis)
+    }
+
     // The primary of `slot`; before the first slot map, waits for it.
     async fn owner(&self, slot: u16) -> Result<Arc<str>, ClusterError> {
         if let Some(owner) = self.inner.slots.load().owner(slot) {

@@ -97,6 +97,18 @@ pub trait Store: Send + Sync + 'static {
     }
 }
 
+/// Who wants to hear of balances raised by other replicas: a credit or refund on a bucket lifts
+/// its balance faster than refill, which a replica that saw the bucket short must not miss.
+/// [`RedisStore::follow_raises`] calls it; the pre-check is the listener.
+pub trait RaiseListener: Send + Sync + 'static {
+    /// The subscription is in place: raises from now on will be heard.
+    fn subscribed(&self);
+    /// The subscription is gone (connection lost, not yet back): raises may go unheard.
+    fn lost(&self);
+    /// The balance of the bucket at `key` was raised.
+    fn raised(&self, key: &str);
+}
+
 /// What becomes of tokens a script took when its reply arrives after the caller gave up.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum LateReply {

@@ -47,6 +47,7 @@ pub(crate) struct Call<'a> {
 /// A connection to one Redis server.
 pub(crate) struct Node {
     addr: String,
+    client: redis::Client,
     connection: ConnectionManager,
     background: ConnectionManager,
     down_since: Mutex<Option<Instant>>,
@@ -65,8 +66,13 @@ impl Node {
         epoch: Arc<AtomicU64>,
     ) -> Result<Node, RedisError> {
         let connection = ConnectionManager::new_lazy_with_config(client.clone(), config.clone())?;
-        let background = ConnectionManager::new_lazy_with_config(client, config)?;
-        Ok(Node { addr, connection, background, down_since: Mutex::new(None), epoch })
+        let background = ConnectionManager::new_lazy_with_config(client.clone(), config)?;
+        Ok(Node { addr, client, connection, background, down_since: Mutex::new(None), epoch })
+    }
+
+    /// A connection of its own for subscribing to channels.
+    pub(crate) async fn pubsub(&self) -> Result<redis::aio::PubSub, RedisError> {
+        self.client.get_async_pubsub().await
     }
 
     /// The server's address.

@@ -26,9 +26,12 @@
 //! * Credits (`is_negative_hits`, and refunds) raise a balance: one sent through this replica
 //!   drops the observation, and calls that were already running when it completed may not make
 //!   new ones. A refund the store sends itself (the late reply of a call its caller gave up on)
-//!   moves the store's epoch, before it is sent and when it is answered. A credit sent by
-//!   another replica is not seen: turn the pre-check off where buckets receive credits through
-//!   several replicas.
+//!   moves the store's epoch, before it is sent and when it is answered. A credit through any
+//!   other replica is published by the script that applies it, and heard here
+//!   ([`RaiseListener::raised`], `src/store/redis/raises.rs`) with the same effect, as soon as
+//!   the message arrives. While that subscription is missing ([`Precheck::awaiting_raises`]: at
+//!   start, and whenever it is lost until it is back) nothing is answered locally or
+//!   remembered, and its return forgets everything remembered before.
 //! * Expiry: a missing bucket is full at the asker's capacity, which may be larger than the one
 //!   the bucket was last written with. The store reports how long it certainly keeps each bucket
 //!   ([`Verdict::kept_ms`]: the TTL just written, or what is left of the stored one), and an
@@ -50,12 +53,12 @@
 
 use std::collections::HashMap;
 use std::hash::{BuildHasher, RandomState};
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use futures::future::BoxFuture;
 
-use super::{LateReply, Store, StoreError};
+use super::{LateReply, RaiseListener, Store, StoreError};
 use crate::bucket::{
     covers, Batch, BucketOp, BucketSpec, Charge, Group, GroupOutcome, LeaseOp, LeaseOutcome, Role, Verdict,
     RATE_RAISE_DELAY_MS,
@@ -84,6 +87,9 @@ pub struct Precheck {
     shard_capacity: usize,
     hasher: RandomState,
     answered: AtomicU64,
+    // Whether raises made through other replicas are heard (always, unless the pre-check relies
+    // on a subscription that is not in place).
+    hearing: AtomicBool,
 }
 
 // One lock's worth of the map. `len` mirrors the map's size so that the common case, a bucket
@@ -157,7 +163,15 @@ impl Precheck {
             shard_capacity: max_buckets.div_ceil(SHARDS),
             hasher: RandomState::new(),
             answered: AtomicU64::new(0),
+            hearing: AtomicBool::new(true),
         }
+    }
+
+    /// The same pre-check, answering nothing until told that raises made through other replicas
+    /// are heard ([`RaiseListener::subscribed`]), and again from when they are not
+    /// ([`RaiseListener::lost`]) until they are again.
+    pub fn awaiting_raises(self) -> Self {
+        Precheck { hearing: AtomicBool::new(false), ..self }
     }
 
     /// Groups answered without the inner store since start.
@@ -215,7 +229,9 @@ impl Precheck {
         for (op, verdict) in group.iter().zip(&outcome.verdicts) {
             // Debits the store gave back raised balances after they were reported: like credits.
             let credit = op.need < 0.0 || outcome.refunded;
-            let short = op.need >= 0.0 && !covers(verdict.tokens, op.need);
+            // Nothing is remembered while raises elsewhere go unheard.
+            let short =
+                op.need >= 0.0 && !covers(verdict.tokens, op.need) && self.hearing.load(Ordering::Acquire);
             let shard = self.shard(&op.key);
             // Skipping the removal of a stale observation is safe (it is still an upper bound);
             // a credit's never is, so credits always take the lock.
@@ -319,6 +335,29 @@ impl Precheck {
     }
 }
 
+impl RaiseListener for Precheck {
+    fn subscribed(&self) {
+        // Raises made while nobody listened are unknown: start from nothing.
+        self.forget_everything();
+        self.hearing.store(true, Ordering::Release);
+    }
+
+    fn lost(&self) {
+        self.hearing.store(false, Ordering::Release);
+        self.forget_everything();
+    }
+
+    fn raised(&self, key: &str) {
+        let shard = self.shard(key);
+        let mut map = shard.lock();
+        // Calls running now may report a balance from before the raise.
+        shard.void_until.store(self.clock.now_ms(), Ordering::Relaxed);
+        if map.remove(key).is_some() {
+            shard.len.store(map.len(), Ordering::Relaxed);
+        }
+    }
+}
+
 impl Shard {
     fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, Observation>> {
         self.map.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
@@ -337,7 +376,9 @@ impl Store for Precheck {
             let epoch = self.inner.epoch();
             // A credit in one group could lift a later group's bucket: such batches go to the
             // store whole.
-            let credits = batch.iter().flatten().any(|op| op.need < 0.0);
+            // Without hearing other replicas' raises, what was seen is no bound.
+            let credits =
+                batch.iter().flatten().any(|op| op.need < 0.0) || !self.hearing.load(Ordering::Acquire);
             let mut results: Vec<Option<Result<GroupOutcome, StoreError>>> = batch
                 .iter()
                 .map(|g| if credits { None } else { self.certain_denial(g, call_start, epoch).map(Ok) })

@@ -111,6 +111,12 @@ impl Sentinel {
         result
     }
 
+    /// A connection to the primary for subscribing to channels (replicas relay what is published
+    /// too, so a failover does not lose the subscription until the old primary goes away).
+    pub(crate) async fn pubsub(&self) -> Result<redis::aio::PubSub, RedisError> {
+        self.primary().await?.pubsub().await
+    }
+
     // The current primary, looked up if there is none yet.
     async fn primary(&self) -> Result<Arc<Node>, RedisError> {
         if let Some(node) = self.current.load_full() {

@@ -70,7 +70,7 @@ impl RedisTls {
 
 // A connected deployment.
 pub(super) enum Connection {
-    Standalone(Node),
+    Standalone(Box<Node>),
     Cluster(Cluster),
     // Boxed: the Sentinel client's state is ten times the others'.
     Sentinel(Box<Sentinel>),
@@ -102,7 +102,7 @@ impl Connection {
                 .map_err(ConnectError::Address)?;
                 let node =
                     Node::new(addr, client, config, Default::default()).map_err(ConnectError::Address)?;
-                (Connection::Standalone(node), description)
+                (Connection::Standalone(Box::new(node)), description)
             }
             RedisTarget::Cluster(seeds) => {
                 let mut infos = Vec::with_capacity(seeds.len());
@@ -154,6 +154,15 @@ impl Connection {
                 sentinel.query::<String>(&mut redis::cmd("PING")).await.map(drop).map_err(StoreError::Redis)
             }
             Connection::Cluster(cluster) => cluster.ping().await.map_err(from_cluster),
+        }
+    }
+
+    // A connection of its own for subscribing to channels.
+    pub(super) async fn pubsub(&self) -> Result<redis::aio::PubSub, StoreError> {
+        match self {
+            Connection::Standalone(node) => node.pubsub().await.map_err(StoreError::Redis),
+            Connection::Sentinel(sentinel) => sentinel.pubsub().await.map_err(StoreError::Redis),
+            Connection::Cluster(cluster) => cluster.pubsub().await.map_err(from_cluster),
         }
     }
 

@@ -24,6 +24,7 @@
 mod budget;
 mod connection;
 mod lease;
+mod raises;
 mod split;
 mod wire;
 

@@ -4,7 +4,9 @@
 -- ARGV: group count, then per group its op count, then per op seven values:
 --       key index (into KEYS), capacity, refill per second, need, role (0 enforced, 1 shadow,
 --       2 quota mode), max debt ('' = charged only when admitted, else charged always), tokens
---       asked unseen (by requests answered without the store since).
+--       asked unseen (by requests answered without the store since); then the channel the key of
+--       every bucket an admitted group credits (need < 0) is published on ('' = none), so that
+--       other replicas' pre-checks hear of the raise (src/store/redis/raises.rs).
 -- Reply: now_ms, then per group: admitted (1/0), then per op: allowed (1/0), tokens (exact, as
 --        %.17g), retry_after_ms (-1 = never), reset_ms, forgiven tokens (%.17g), the fastest
 --        refill per second the bucket may get, in force or pending (%.17g), ms after now the
@@ -14,6 +16,8 @@
 local out = {now}
 -- Reply slots to fill with how long each key is kept, once every group has run.
 local pending = {}
+-- Key indexes of the buckets credited.
+local raised = {}
 local a = 2
 for _ = 1, tonumber(ARGV[1]) do
   local n = tonumber(ARGV[a]); a = a + 1
@@ -24,6 +28,11 @@ for _ = 1, tonumber(ARGV[1]) do
     a = a + 7
   end
   local admitted, results = evaluate_group(group)
+  if admitted then
+    for _, op in ipairs(group) do
+      if op[4] < 0 then raised[op[1]] = true end
+    end
+  end
   out[#out + 1] = admitted and 1 or 0
   for _, r in ipairs(results) do
     local allowed, tokens, retry, reset, forgiven, fastest, k = unpack(r)
@@ -39,6 +48,12 @@ for _ = 1, tonumber(ARGV[1]) do
 end
 
 write_dirty()
+
+local channel = ARGV[a]
+if channel and channel ~= '' then
+  -- A user without the permission loses only what the pre-checks learn, never the decision.
+  for k in pairs(raised) do redis.pcall('PUBLISH', channel, KEYS[k]) end
+end
 
 -- How long after now key k is certainly kept.
 local function kept(k)

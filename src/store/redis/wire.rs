@@ -43,6 +43,7 @@ pub(super) fn encode<'a>(batch: &[&'a Group]) -> (Vec<&'a str>, Vec<String>) {
             args.push(op.unseen.to_string());
         }
     }
+    args.push(crate::identity::raise_channel());
     (keys, args)
 }
 
