@@ -38,6 +38,7 @@ pub mod reload;
 pub mod render;
 pub mod rule;
 pub mod server;
+pub mod slot;
 pub mod store;
 pub mod sweep;
 pub mod telemetry;

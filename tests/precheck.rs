@@ -357,6 +357,14 @@ impl Store for HeldStore {
         self.inner.budget(op)
     }
 
+    fn slots<'a>(
+        &'a self,
+        op: &'a tollgate::slot::SlotOp,
+    ) -> futures::future::BoxFuture<'a, Result<tollgate::slot::SlotOutcome, tollgate::store::StoreError>>
+    {
+        self.inner.slots(op)
+    }
+
     fn ping(&self) -> futures::future::BoxFuture<'_, Result<(), tollgate::store::StoreError>> {
         Box::pin(async { Ok(()) })
     }

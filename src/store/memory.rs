@@ -19,6 +19,7 @@ use crate::bucket::{self, Batch, BucketState, GroupOutcome, LeaseOp, LeaseOutcom
 use crate::budget::ledger::Ledger;
 use crate::budget::{BudgetOp, BudgetOutcome};
 use crate::clock::{Clock, SystemClock};
+use crate::slot::{SlotOp, SlotOutcome, Slots};
 use crate::sweep::sweep_map;
 
 /// Bucket state in process memory.
@@ -27,6 +28,8 @@ pub struct MemoryStore {
     buckets: Mutex<Swept<String, Entry>>,
     // Budgets; locked after `buckets` when both are (a budget op evaluates its token buckets).
     ledger: Mutex<Ledger>,
+    // Concurrency slots; locked after `buckets` too.
+    slots: Mutex<Slots>,
 }
 
 /// The longest a map goes without a sweep while it is used (ms): after a burst, the entries it
@@ -94,7 +97,7 @@ impl MemoryStore {
 
     /// A store on `clock`, for deterministic tests.
     pub fn with_clock(clock: Arc<dyn Clock>) -> Self {
-        MemoryStore { clock, buckets: Mutex::default(), ledger: Mutex::default() }
+        MemoryStore { clock, buckets: Mutex::default(), ledger: Mutex::default(), slots: Mutex::default() }
     }
 
     /// Evaluates `batch` now; the synchronous core of [`Store::evaluate`].
@@ -110,6 +113,19 @@ impl MemoryStore {
         let mut buckets = self.buckets.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
         let mut ledger = self.ledger.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
         ledger.apply(op, now, &mut |group| buckets.evaluate(&[group], now).remove(0))
+    }
+
+    /// Applies a slot op now, its token buckets under the same lock.
+    pub fn slots_now(&self, op: &SlotOp) -> SlotOutcome {
+        let now = self.clock.now_ms();
+        let mut buckets = self.buckets.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        let mut slots = self.slots.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        slots.apply(op, now, &mut |group| buckets.evaluate(&[group], now).remove(0))
+    }
+
+    /// The open slots of the set at `key` and when each expires (for equivalence tests).
+    pub fn open_slots(&self, key: &str) -> Vec<(String, u64)> {
+        self.slots.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).open(key)
     }
 
     /// A budget level's spent and held money in the period keyed `key`, as stored (for
@@ -179,6 +195,10 @@ impl Store for MemoryStore {
 
     fn budget<'a>(&'a self, op: &'a BudgetOp) -> BoxFuture<'a, Result<BudgetOutcome, StoreError>> {
         Box::pin(std::future::ready(Ok(self.budget_now(op))))
+    }
+
+    fn slots<'a>(&'a self, op: &'a SlotOp) -> BoxFuture<'a, Result<SlotOutcome, StoreError>> {
+        Box::pin(std::future::ready(Ok(self.slots_now(op))))
     }
 
     fn ping(&self) -> BoxFuture<'_, Result<(), StoreError>> {

@@ -39,6 +39,7 @@ pub use self::redis::{parse_leases, ConnectError, Peek, RedisStore, RedisTarget,
 pub use self::sentinel::SentinelTarget;
 use crate::bucket::{Batch, GroupOutcome, LeaseOp, LeaseOutcome};
 use crate::budget::{BudgetOp, BudgetOutcome};
+use crate::slot::{SlotOp, SlotOutcome};
 
 tokio::task_local! {
     static DEADLINE: Duration;
@@ -82,6 +83,10 @@ pub trait Store: Send + Sync + 'static {
     /// Applies a budget op ([`crate::budget`]): a request's hold or settlement at every level of
     /// its path and on its token buckets, atomically with every other call on them.
     fn budget<'a>(&'a self, op: &'a BudgetOp) -> BoxFuture<'a, Result<BudgetOutcome, StoreError>>;
+
+    /// Takes or gives back a request's concurrency slots ([`crate::slot`]), a take with the
+    /// request's token buckets, all or nothing, atomically with every other call on them.
+    fn slots<'a>(&'a self, op: &'a SlotOp) -> BoxFuture<'a, Result<SlotOutcome, StoreError>>;
 
     /// Checks that the backend answers, for readiness probes.
     fn ping(&self) -> BoxFuture<'_, Result<(), StoreError>>;

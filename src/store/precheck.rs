@@ -65,6 +65,7 @@ use crate::bucket::{
 };
 use crate::budget::{BudgetOp, BudgetOutcome};
 use crate::clock::Clock;
+use crate::slot::{SlotOp, SlotOutcome};
 
 /// Allowed rate difference between the local clock and the Redis server's clock.
 pub const DRIFT: f64 = 1e-3;
@@ -429,6 +430,12 @@ impl Store for Precheck {
     // pre-check answers) never name.
     fn budget<'a>(&'a self, op: &'a BudgetOp) -> BoxFuture<'a, Result<BudgetOutcome, StoreError>> {
         self.inner.budget(op)
+    }
+
+    // Slot sets are never answered from what was seen: a give-back on any replica frees a slot
+    // at once, which no refill bound describes.
+    fn slots<'a>(&'a self, op: &'a SlotOp) -> BoxFuture<'a, Result<SlotOutcome, StoreError>> {
+        self.inner.slots(op)
     }
 
     fn ping(&self) -> BoxFuture<'_, Result<(), StoreError>> {

@@ -101,3 +101,14 @@ local function write_dirty()
     dirty[k] = store(k, running[k], ttl, false)
   end
 end
+
+-- How long after now key k is certainly kept (after write_dirty): the TTL just written, else what
+-- is left of its expiry, 0 when missing.
+local function kept(k)
+  if dirty[k] then return dirty[k] end
+  if not running[k] then return 0 end
+  local at = expiry(k, false)
+  if at == false then return MAX_WAIT end
+  if not at then return 0 end
+  return math.max(0, at - now)
+end

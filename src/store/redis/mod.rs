@@ -25,6 +25,7 @@ mod budget;
 mod connection;
 mod lease;
 mod raises;
+mod slot;
 mod split;
 mod wire;
 
@@ -42,6 +43,7 @@ use super::node::{self, Script};
 use super::{LateReply, Store, StoreError};
 use crate::bucket::{Batch, BucketState, Group, GroupOutcome, LeaseOp, LeaseOutcome};
 use crate::budget::{BudgetOp, BudgetOutcome};
+use crate::slot::{SlotOp, SlotOutcome};
 
 /// The bucket script, loaded once per process.
 const SCRIPT: &str =
@@ -53,6 +55,9 @@ const BUDGET_SCRIPT: &str =
     concat!(include_str!("bucket.lua"), include_str!("group.lua"), include_str!("budget.lua"));
 /// Reads a bucket without changing it.
 const PEEK_SCRIPT: &str = include_str!("peek.lua");
+// Concurrency slots, with the request's token buckets all or nothing.
+const SLOT_SCRIPT: &str =
+    concat!(include_str!("bucket.lua"), include_str!("group.lua"), include_str!("slot.lua"));
 
 /// How long a call may go on after its caller's deadline, so that a late reply can still be
 /// refunded: twice the deadline, and at least a second.
@@ -84,6 +89,7 @@ struct Shared {
     peek_script: Script,
     lease_script: Script,
     budget_script: Script,
+    slot_script: Script,
     deadline: Duration,
     description: String,
 }
@@ -106,6 +112,7 @@ impl RedisStore {
             peek_script: Script::new(PEEK_SCRIPT),
             lease_script: Script::new(LEASE_SCRIPT),
             budget_script: Script::new(BUDGET_SCRIPT),
+            slot_script: Script::new(SLOT_SCRIPT),
             deadline,
             description,
         });
@@ -181,6 +188,10 @@ impl Store for RedisStore {
 
     fn budget<'a>(&'a self, op: &'a BudgetOp) -> BoxFuture<'a, Result<BudgetOutcome, StoreError>> {
         Box::pin(self.budget_op(op))
+    }
+
+    fn slots<'a>(&'a self, op: &'a SlotOp) -> BoxFuture<'a, Result<SlotOutcome, StoreError>> {
+        Box::pin(self.slot_op(op))
     }
 
     fn ping(&self) -> BoxFuture<'_, Result<(), StoreError>> {

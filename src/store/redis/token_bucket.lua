@@ -55,16 +55,6 @@ if channel and channel ~= '' then
   for k in pairs(raised) do redis.pcall('PUBLISH', channel, KEYS[k]) end
 end
 
--- How long after now key k is certainly kept.
-local function kept(k)
-  if dirty[k] then return dirty[k] end
-  if not running[k] then return 0 end
-  local at = expiry(k, false)
-  if at == false then return MAX_WAIT end
-  if not at then return 0 end
-  return math.max(0, at - now)
-end
-
 for _, slot in ipairs(pending) do
   out[slot[1]] = kept(slot[2])
 end

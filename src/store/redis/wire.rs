@@ -14,37 +14,52 @@ use crate::store::StoreError;
 pub(super) fn encode<'a>(batch: &[&'a Group]) -> (Vec<&'a str>, Vec<String>) {
     let mut keys: Vec<&str> = Vec::new();
     let mut key_index: HashMap<&str, usize> = HashMap::new();
-    let mut args: Vec<String> = Vec::with_capacity(1 + batch.iter().map(|g| 1 + 6 * g.len()).sum::<usize>());
+    let mut args: Vec<String> = Vec::with_capacity(2 + batch.iter().map(|g| 1 + 7 * g.len()).sum::<usize>());
     args.push(batch.len().to_string());
     for group in batch {
-        args.push(group.len().to_string());
-        for op in group.iter() {
-            let index = *key_index.entry(op.key.as_str()).or_insert_with(|| {
-                keys.push(op.key.as_str());
-                keys.len()
-            });
-            args.push(index.to_string());
-            // Display of f64 is the shortest text that parses back to the same double.
-            args.push(op.spec.capacity().to_string());
-            args.push(op.spec.refill_per_second().to_string());
-            args.push(op.need.to_string());
-            args.push(
-                match op.role {
-                    Role::Enforced => "0",
-                    Role::Shadow => "1",
-                    Role::QuotaMode => "2",
-                }
-                .to_owned(),
-            );
-            args.push(match op.charge {
-                Charge::Admitted => String::new(),
-                Charge::Always { max_debt } => max_debt.to_string(),
-            });
-            args.push(op.unseen.to_string());
-        }
+        encode_group(
+            group,
+            &mut |key| {
+                *key_index.entry(key).or_insert_with(|| {
+                    keys.push(key);
+                    keys.len()
+                })
+            },
+            &mut args,
+        );
     }
     args.push(crate::identity::raise_channel());
     (keys, args)
+}
+
+// One group as the scripts read it: its op count, then seven values per op, each key named by
+// `index` (its place in KEYS, from 1).
+pub(super) fn encode_group<'a>(
+    group: &'a Group,
+    index: &mut dyn FnMut(&'a str) -> usize,
+    args: &mut Vec<String>,
+) {
+    args.push(group.len().to_string());
+    for op in group.iter() {
+        args.push(index(op.key.as_str()).to_string());
+        // Display of f64 is the shortest text that parses back to the same double.
+        args.push(op.spec.capacity().to_string());
+        args.push(op.spec.refill_per_second().to_string());
+        args.push(op.need.to_string());
+        args.push(
+            match op.role {
+                Role::Enforced => "0",
+                Role::Shadow => "1",
+                Role::QuotaMode => "2",
+            }
+            .to_owned(),
+        );
+        args.push(match op.charge {
+            Charge::Admitted => String::new(),
+            Charge::Always { max_debt } => max_debt.to_string(),
+        });
+        args.push(op.unseen.to_string());
+    }
 }
 
 // Reads the reply of `peek.lua`.
@@ -91,29 +106,38 @@ pub(super) fn groups(reply: Value, batch: &[&Group]) -> Result<Vec<GroupOutcome>
     let now_ms = u64::try_from(int(&mut items)?).unwrap_or(0);
     let mut outcomes = Vec::with_capacity(batch.len());
     for group in batch {
-        let admitted = int(&mut items)? == 1;
-        let mut verdicts = Vec::with_capacity(group.len());
-        for _ in 0..group.len() {
-            let allowed = int(&mut items)? == 1;
-            let tokens = float(&mut items)?;
-            let retry = int(&mut items)?;
-            let reset = int(&mut items)?;
-            let forgiven = float(&mut items)?;
-            let fastest_refill = float(&mut items)?;
-            let kept = int(&mut items)?;
-            verdicts.push(Verdict {
-                allowed,
-                tokens,
-                retry_after_ms: u64::try_from(retry).ok(),
-                reset_ms: u64::try_from(reset).unwrap_or(0),
-                forgiven,
-                fastest_refill,
-                kept_ms: u64::try_from(kept).unwrap_or(0),
-            });
-        }
-        outcomes.push(GroupOutcome { admitted, now_ms, verdicts, refunded: false, unanswered: Vec::new() });
+        outcomes.push(read_group(&mut items, group.len(), now_ms)?);
     }
     Ok(outcomes)
+}
+
+// One group's admission and `ops` verdicts, as the scripts reply them.
+pub(super) fn read_group(
+    items: &mut impl Iterator<Item = Value>,
+    ops: usize,
+    now_ms: u64,
+) -> Result<GroupOutcome, StoreError> {
+    let admitted = int(items)? == 1;
+    let mut verdicts = Vec::with_capacity(ops);
+    for _ in 0..ops {
+        let allowed = int(items)? == 1;
+        let tokens = float(items)?;
+        let retry = int(items)?;
+        let reset = int(items)?;
+        let forgiven = float(items)?;
+        let fastest_refill = float(items)?;
+        let kept = int(items)?;
+        verdicts.push(Verdict {
+            allowed,
+            tokens,
+            retry_after_ms: u64::try_from(retry).ok(),
+            reset_ms: u64::try_from(reset).unwrap_or(0),
+            forgiven,
+            fastest_refill,
+            kept_ms: u64::try_from(kept).unwrap_or(0),
+        });
+    }
+    Ok(GroupOutcome { admitted, now_ms, verdicts, refunded: false, unanswered: Vec::new() })
 }
 
 pub(super) fn int(items: &mut impl Iterator<Item = Value>) -> Result<i64, StoreError> {

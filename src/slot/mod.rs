@@ -1,0 +1,251 @@
+//! Concurrency limits: at most `max` requests in flight under a node, each holding a slot from
+//! request time until its stream ends.
+//!
+//! A node with `concurrency: {max, ttl}` owns a **slot set** per value path (one per tenant, key
+//! or model, as its place in the tree says): the request ids holding a slot, each with the time
+//! its slot expires if it is never given back. A request names its path down to its request id:
+//!
+//! * **Take** (request time): if the request id has a record, the answer is the recorded one and
+//!   nothing more is taken (a retry); a record for another path refuses the request
+//!   ([`SlotVerdict::Reused`]). Otherwise every set on the path drops its expired slots, and if
+//!   each has one free, the request's token buckets are evaluated with it; only if they admit it
+//!   too is a slot added to every set. All or nothing, in one atomic step, and recorded.
+//! * **Give back** (stream end): the record's slots are removed from their sets once, however
+//!   often it is sent; a slot already expired stays gone; a record for another path changes
+//!   nothing.
+//!
+//! **The bound**: a set admits only while fewer than `max` slots are open, and a slot stays open
+//! until given back or expired, so at no moment are more than `max` requests admitted under the
+//! node whose slots are open, across every replica (the set lives in the store). A slot lost
+//! with its give-back frees itself after `ttl`.
+//!
+//! The arithmetic is [`Slots`] in Rust (the memory store's) and `store/redis/slot.lua` in Redis,
+//! the same step for step, which `tests/equivalence_slot.rs` holds them to.
+
+use std::collections::{BTreeMap, HashMap};
+
+use crate::bucket::{BucketOp, Group, GroupOutcome};
+
+/// One slot set a request takes from: a node's set for the request's values.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SlotSet {
+    /// The set's storage key ([`crate::identity`]).
+    pub key: String,
+    /// Most slots open at once.
+    pub max: u64,
+    /// How long a slot not given back stays open, in milliseconds.
+    pub ttl_ms: u64,
+}
+
+/// Taking slots or giving them back.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SlotAction {
+    /// At request time.
+    Take,
+    /// At stream end.
+    GiveBack,
+}
+
+/// A request's slot operation.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SlotOp {
+    /// The key of the request's record ([`crate::identity`]), in its tenant's slot.
+    pub record: String,
+    /// The request's path as text ([`crate::identity::path_text`]): a record for another path
+    /// is a reused request id.
+    pub binding: String,
+    /// Every set on the path.
+    pub sets: Vec<SlotSet>,
+    /// Take or give back.
+    pub action: SlotAction,
+    /// The request's token-bucket ops, evaluated with a take, all or nothing.
+    pub group: Group,
+}
+
+/// What became of a take or give-back.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SlotVerdict {
+    /// A slot taken in every set.
+    Taken,
+    /// A set was full (index into the op's sets), or the token buckets denied (no index).
+    Refused(Option<usize>),
+    /// A retry of a recorded take: its answer (admitted or not), nothing taken.
+    Repeated(bool),
+    /// The request id's record names another path: refused, nothing changed.
+    Reused,
+    /// Slots given back: how many were still open.
+    GivenBack(u64),
+    /// A give-back with nothing to give back (no record, a refused take, already given back).
+    Nothing,
+}
+
+/// One set after the op.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SetReading {
+    /// Slots open after the op.
+    pub open: u64,
+    /// Expired slots dropped by the op.
+    pub expired: u64,
+    /// For a full set, milliseconds until its earliest slot expires.
+    pub frees_in_ms: Option<u64>,
+}
+
+/// The outcome of a [`SlotOp`].
+#[derive(Debug, Clone, PartialEq)]
+pub struct SlotOutcome {
+    /// What happened.
+    pub verdict: SlotVerdict,
+    /// Per set of the op, in order (empty for a repeat, a reuse, or a give-back without record).
+    pub sets: Vec<SetReading>,
+    /// The token buckets' outcome, for a take that evaluated them.
+    pub group: Option<GroupOutcome>,
+    /// The store's clock, in milliseconds.
+    pub now_ms: u64,
+}
+
+impl SlotOutcome {
+    /// Whether the request is admitted.
+    pub fn admitted(&self) -> bool {
+        matches!(
+            self.verdict,
+            SlotVerdict::Taken
+                | SlotVerdict::Repeated(true)
+                | SlotVerdict::GivenBack(_)
+                | SlotVerdict::Nothing
+        )
+    }
+}
+
+// A request's record.
+#[derive(Debug, Clone)]
+struct Record {
+    binding: String,
+    admitted: bool,
+    given_back: bool,
+    expires_at_ms: u64,
+}
+
+/// Every set's and record's state (the memory store's).
+#[derive(Debug, Default)]
+pub struct Slots {
+    // Set key -> member (record key) -> expiry ms; with the set's own expiry.
+    sets: HashMap<String, (BTreeMap<String, u64>, u64)>,
+    records: HashMap<String, Record>,
+}
+
+impl Slots {
+    /// Applies `op` at `now_ms`; `buckets` evaluates its group atomically with it (with needs as
+    /// given, or as checks when `check` is true).
+    pub fn apply(
+        &mut self,
+        op: &SlotOp,
+        now_ms: u64,
+        buckets: &mut dyn FnMut(Group) -> GroupOutcome,
+    ) -> SlotOutcome {
+        let outcome = |verdict, sets, group| SlotOutcome { verdict, sets, group, now_ms };
+        let record = self.records.get(&op.record).filter(|r| r.expires_at_ms >= now_ms).cloned();
+        if let Some(r) = &record {
+            if r.binding != op.binding {
+                return outcome(SlotVerdict::Reused, Vec::new(), None);
+            }
+        }
+        match op.action {
+            SlotAction::Take => {
+                if let Some(r) = record {
+                    return outcome(SlotVerdict::Repeated(r.admitted), Vec::new(), None);
+                }
+                let mut readings: Vec<SetReading> =
+                    op.sets.iter().map(|s| self.sweep(&s.key, now_ms)).collect();
+                let full = op.sets.iter().zip(&readings).position(|(s, r)| r.open >= s.max);
+                let group = if full.is_some() {
+                    let checks: Group =
+                        op.group.iter().map(|b| BucketOp { need: 0.0, ..b.clone() }).collect();
+                    buckets(checks)
+                } else {
+                    buckets(op.group.clone())
+                };
+                let admitted = full.is_none() && group.admitted;
+                if admitted {
+                    for (set, reading) in op.sets.iter().zip(readings.iter_mut()) {
+                        let expiry = now_ms + set.ttl_ms;
+                        let (members, set_expiry) = self.sets.entry(set.key.clone()).or_default();
+                        members.insert(op.record.clone(), expiry);
+                        *set_expiry = (*set_expiry).max(expiry);
+                        reading.open += 1;
+                    }
+                } else {
+                    for (set, reading) in op.sets.iter().zip(readings.iter_mut()) {
+                        if reading.open >= set.max {
+                            reading.frees_in_ms = self.earliest(&set.key).map(|at| at.saturating_sub(now_ms));
+                        }
+                    }
+                }
+                let life = op.sets.iter().map(|s| s.ttl_ms).max().unwrap_or(0);
+                self.records.insert(
+                    op.record.clone(),
+                    Record {
+                        binding: op.binding.clone(),
+                        admitted,
+                        given_back: false,
+                        expires_at_ms: now_ms + life,
+                    },
+                );
+                let verdict = if admitted { SlotVerdict::Taken } else { SlotVerdict::Refused(full) };
+                outcome(verdict, readings, Some(group))
+            }
+            SlotAction::GiveBack => {
+                if !record.is_some_and(|r| r.admitted && !r.given_back) {
+                    return outcome(SlotVerdict::Nothing, Vec::new(), None);
+                }
+                let mut given = 0;
+                // The sets the path has now: a set no longer configured keeps its slot until it
+                // expires.
+                let mut readings = Vec::with_capacity(op.sets.len());
+                for key in op.sets.iter().map(|s| &s.key) {
+                    let mut reading = self.sweep(key, now_ms);
+                    if let Some((members, _)) = self.sets.get_mut(key) {
+                        if members.remove(&op.record).is_some() {
+                            given += 1;
+                            reading.open -= 1;
+                        }
+                    }
+                    readings.push(reading);
+                }
+                if let Some(stored) = self.records.get_mut(&op.record) {
+                    stored.given_back = true;
+                }
+                outcome(SlotVerdict::GivenBack(given), readings, None)
+            }
+        }
+    }
+
+    // Drops the set's expired slots; what is open then.
+    fn sweep(&mut self, key: &str, now_ms: u64) -> SetReading {
+        let Some((members, set_expiry)) = self.sets.get_mut(key) else {
+            return SetReading { open: 0, expired: 0, frees_in_ms: None };
+        };
+        // An expired set is gone, as its key is from Redis.
+        if *set_expiry < now_ms {
+            self.sets.remove(key);
+            return SetReading { open: 0, expired: 0, frees_in_ms: None };
+        }
+        let before = members.len();
+        members.retain(|_, at| *at > now_ms);
+        SetReading { open: members.len() as u64, expired: (before - members.len()) as u64, frees_in_ms: None }
+    }
+
+    fn earliest(&self, key: &str) -> Option<u64> {
+        self.sets.get(key).and_then(|(members, _)| members.values().min().copied())
+    }
+
+    /// The open slots of the set at `key` and their expiries, as stored (for equivalence tests).
+    pub fn open(&self, key: &str) -> Vec<(String, u64)> {
+        let mut open: Vec<(String, u64)> = self
+            .sets
+            .get(key)
+            .map(|(m, _)| m.iter().map(|(k, v)| (k.clone(), *v)).collect())
+            .unwrap_or_default();
+        open.sort();
+        open
+    }
+}
