@@ -165,6 +165,10 @@ pub fn config_json(rules: &RuleSet) -> Value {
                 "failure_mode": d.failure_mode,
                 "response_headers": d.headers,
                 "rules": d.rules,
+                "concurrency": d.concurrency_limits().into_iter().map(|(path, limit)| json!({
+                    "path": path, "max": limit.max, "ttl_ms": limit.ttl_ms,
+                })).collect::<Vec<_>>(),
+                "request_id_key": d.request_id_key,
                 "tiers": d.quotas.tiers,
                 "default_tier": d.quotas.default_tier,
                 "tenants": d.tenants,

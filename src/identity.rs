@@ -27,6 +27,8 @@
 //! | override | as the rule keys, with `=<n>/<unit>` as the first segment after the domain |
 //! | money budget (a period of it) | as the rule keys, then `:budget:<period start>` |
 //! | a request's budget record | `rl:{<tenant>}:<domain>:hold:<request id>` |
+//! | a node's concurrency slots | as the rule keys, then `:slots` |
+//! | a request's slot record | `rl:{<tenant>}:<domain>:slot:<request id>` |
 //!
 //! The braces are a Redis Cluster hash tag: only the tenant is hashed, so all buckets of one
 //! tenant share a slot and one Lua call checks and debits them atomically. Other keys contain no
@@ -193,6 +195,28 @@ pub fn budget_record(domain: &Domain, entries: &[(&str, &str)], request_id: &str
     let mut key = prefix(tenant_of(domain, entries));
     escape_into(&mut key, &domain.name);
     key.push_str(":hold:");
+    escape_into(&mut key, request_id);
+    key
+}
+
+/// The key of the concurrency slot set of the node that `entries` (a path from the root, with
+/// the domain's tenant entry on it) reach in `domain`: the node's key as a rule's bucket's, then
+/// `:slots`.
+pub fn slot_set(domain: &Domain, entries: &[(&str, &str)]) -> String {
+    let mut key = prefix(tenant_of(domain, entries));
+    escape_into(&mut key, &domain.name);
+    key.push(':');
+    write_entries(&mut key, entries, &[]);
+    key.push_str(":slots");
+    key
+}
+
+/// The key of the record pairing request `request_id`'s slots with their give-back, in the slot
+/// of the tenant on `entries`: `rl:{<tenant>}:<domain>:slot:<request id>`.
+pub fn slot_record(domain: &Domain, entries: &[(&str, &str)], request_id: &str) -> String {
+    let mut key = prefix(tenant_of(domain, entries));
+    escape_into(&mut key, &domain.name);
+    key.push_str(":slot:");
     escape_into(&mut key, request_id);
     key
 }

@@ -23,6 +23,7 @@ use std::sync::Arc;
 
 use crate::budget::BudgetSpec;
 use crate::rule::{Rule, Source};
+use crate::slot::ConcurrencySpec;
 
 /// One `(key, value)` entry of a request descriptor.
 pub trait DescriptorEntry {
@@ -173,6 +174,8 @@ pub struct Node {
     pub rule: Option<Arc<Rule>>,
     /// The money budget at this node, if any (priced domains).
     pub budget: Option<BudgetSpec>,
+    /// The concurrency limit at this node, if any.
+    pub concurrency: Option<ConcurrencySpec>,
     /// Where Envoy takes this entry from (for `tollgate render`).
     pub source: Option<Source>,
     /// The next level.

@@ -78,9 +78,22 @@ pub(super) fn domain(file: &Path, text_: &str) -> Result<Domain, ConfigError> {
         priced: priced.is_some(),
         rules: Vec::new(),
         classes: IndexMap::new(),
+        concurrent: false,
     };
     let root = tree.level(raw.descriptors.as_deref().unwrap_or_default(), &Place::root())?;
-    let (rules, classes) = (tree.rules, tree.classes);
+    let (rules, classes, concurrent) = (tree.rules, tree.classes, tree.concurrent);
+    let (request_id_key, at) = text(raw.request_id_key);
+    if request_id_key.is_some() && priced.is_none() && !concurrent {
+        return Err(invalid(Problem::new(
+            "request_id_key",
+            at,
+            "names a request for budgets and concurrency limits; this domain has neither",
+        )));
+    }
+    let request_id_key = request_id_key.unwrap_or_else(|| "request_id".into());
+    if request_id_key.is_empty() {
+        return Err(invalid(Problem::new("request_id_key", at, "must not be empty")));
+    }
     Ok(Domain {
         name,
         file: file.to_owned(),
@@ -94,6 +107,7 @@ pub(super) fn domain(file: &Path, text_: &str) -> Result<Domain, ConfigError> {
         tenants,
         rules,
         priced,
+        request_id_key,
         root,
     })
 }

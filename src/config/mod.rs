@@ -379,6 +379,9 @@ pub struct Domain {
     pub rules: Vec<Arc<Rule>>,
     /// Its prices and budget settings, if it prices LLM tokens ([`crate::budget`]).
     pub priced: Option<Priced>,
+    /// The descriptor key whose value names a request: it pairs a budget's hold with its
+    /// settlement, and a concurrency slot's take with its give-back (`request_id_key:`).
+    pub request_id_key: String,
     /// The descriptor tree.
     pub root: Level,
 }
@@ -393,8 +396,6 @@ pub struct Priced {
     pub prices_file: Option<(PathBuf, u64)>,
     /// The descriptor key whose value names the model (`model_key:`).
     pub model_key: String,
-    /// The descriptor key whose value pairs a request's hold with its settlement.
-    pub request_id_key: String,
     /// The descriptor key of the optional entry, right before the request id, whose value is the
     /// request body's size in bytes (`input_bytes_key:`): the input tokens held are sized by it.
     pub input_bytes_key: String,
@@ -417,6 +418,23 @@ impl Domain {
         }
         let mut out = Vec::new();
         walk(&self.root, &mut out);
+        out
+    }
+
+    /// Every node with a concurrency limit, as its path of keys (`tenant.route`) and its limit,
+    /// in tree order.
+    pub fn concurrency_limits(&self) -> Vec<(String, crate::slot::ConcurrencySpec)> {
+        fn walk(level: &Level, above: &str, out: &mut Vec<(String, crate::slot::ConcurrencySpec)>) {
+            for node in level.nodes() {
+                let path = if above.is_empty() { node.key.clone() } else { format!("{above}.{}", node.key) };
+                if let Some(limit) = node.concurrency {
+                    out.push((path.clone(), limit));
+                }
+                walk(&node.children, &path, out);
+            }
+        }
+        let mut out = Vec::new();
+        walk(&self.root, "", &mut out);
         out
     }
 

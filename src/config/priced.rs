@@ -21,7 +21,6 @@ const DEFAULT_HOLD_TTL: Duration = Duration::from_secs(600);
 pub(super) fn priced(raw: &mut raw::DomainFile, file: &Path) -> Result<Option<Priced>, Problem> {
     let keys_without_prices = [
         ("model_key", raw.model_key.as_ref().map(position)),
-        ("request_id_key", raw.request_id_key.as_ref().map(position)),
         ("input_bytes_key", raw.input_bytes_key.as_ref().map(position)),
         ("hold_ttl", raw.hold_ttl.as_ref().map(position)),
         ("on_lost_settle", raw.on_lost_settle.as_ref().map(position)),
@@ -35,7 +34,6 @@ pub(super) fn priced(raw: &mut raw::DomainFile, file: &Path) -> Result<Option<Pr
     let at = position(&prices);
     let (prices, prices_file) = price_table(prices.value, file).map_err(|m| Problem::new("prices", at, m))?;
     let (model_key, _) = text(raw.model_key.take());
-    let (request_id_key, _) = text(raw.request_id_key.take());
     let (input_bytes_key, _) = text(raw.input_bytes_key.take());
     let (hold_ttl, ttl_at) = text(raw.hold_ttl.take());
     let hold_ttl = match hold_ttl {
@@ -66,7 +64,6 @@ pub(super) fn priced(raw: &mut raw::DomainFile, file: &Path) -> Result<Option<Pr
         prices: Arc::new(prices),
         prices_file,
         model_key: model_key.unwrap_or_else(|| "model".into()),
-        request_id_key: request_id_key.unwrap_or_else(|| "request_id".into()),
         input_bytes_key: input_bytes_key.unwrap_or_else(|| "input_bytes".into()),
         hold_ttl,
         on_lost_settle,

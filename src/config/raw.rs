@@ -79,6 +79,15 @@ pub struct Budget {
     pub alert_at: Vec<String>,
 }
 
+/// A concurrency limit on a node: at most `max` requests in flight, a slot not given back freed
+/// after `ttl`.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Concurrency {
+    pub max: Spanned<u64>,
+    pub ttl: Option<Spanned<String>>,
+}
+
 /// A node of the descriptor tree.
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -111,6 +120,7 @@ pub struct Descriptor {
     pub hits_from: Option<Spanned<String>>,
     pub source: Option<Spanned<Source>>,
     pub budget: Option<Spanned<Budget>>,
+    pub concurrency: Option<Spanned<Concurrency>>,
 }
 
 /// envoyproxy/ratelimit's fixed-window limit, which tollgate turns into a token bucket.

@@ -15,6 +15,7 @@ use super::{ChargeRule, ClassDef, ConfigError, Limit, Rule, Source};
 use crate::bucket::MAX_CAPACITY;
 use crate::matcher::{Level, Node, ValueMatch};
 use crate::quota::Quotas;
+use crate::slot::{ConcurrencySpec, DEFAULT_TTL_MS};
 use crate::units::{RatePerUnit, Unit};
 
 /// Where a node sits: what its rule and its errors need to know about its ancestors.
@@ -76,6 +77,8 @@ pub(super) struct Tree<'a> {
     pub(super) priced: bool,
     pub(super) rules: Vec<Arc<Rule>>,
     pub(super) classes: IndexMap<String, ClassDef>,
+    // Some node has a concurrency limit.
+    pub(super) concurrent: bool,
 }
 
 impl Tree<'_> {
@@ -121,6 +124,20 @@ impl Tree<'_> {
                     priced::budget(b).map_err(|m| invalid(Located { message: m, position: position(b) }))?,
                 ),
             };
+            let concurrency = match &d.concurrency {
+                None => None,
+                Some(c) => Some(concurrency(c).map_err(invalid)?),
+            };
+            if concurrency.is_some() && place.tenant_depth.is_none() {
+                return Err(invalid(
+                    format!(
+                        "a concurrency limit sits under the '{}' entry (its hash tag keeps a request's slots and buckets in one step)",
+                        self.tenant_key
+                    )
+                    .into(),
+                ));
+            }
+            self.concurrent |= concurrency.is_some();
             if self.priced && (rule.is_some() || budget.is_some()) && place.tenant_depth.is_none() {
                 return Err(invalid(
                     format!(
@@ -135,8 +152,15 @@ impl Tree<'_> {
             check_source(key, value, source.as_ref()).map_err(|m| {
                 invalid(Located { message: m, position: d.source.as_ref().and_then(position) })
             })?;
-            let node =
-                Node { key: key.to_owned(), value: ValueMatch::parse(value), rule, budget, source, children };
+            let node = Node {
+                key: key.to_owned(),
+                value: ValueMatch::parse(value),
+                rule,
+                budget,
+                concurrency,
+                source,
+                children,
+            };
             level.insert(node).map_err(|_| {
                 invalid(format!("duplicate descriptor composite key '{}'", place.path).into())
             })?;
@@ -376,4 +400,27 @@ fn check_source(key: &str, value: Option<&str>, source: Option<&Source>) -> Resu
         }
         _ => Ok(()),
     }
+}
+
+// A node's `concurrency:`: at least one slot, a ttl of a second or more.
+fn concurrency(c: &Spanned<raw::Concurrency>) -> Result<ConcurrencySpec, Located> {
+    let max = c.value.max.value;
+    if max == 0 {
+        return Err(Located {
+            message: "concurrency max must be at least 1".into(),
+            position: position(&c.value.max),
+        });
+    }
+    let ttl_ms = match &c.value.ttl {
+        None => DEFAULT_TTL_MS,
+        Some(t) => humantime::parse_duration(&t.value)
+            .ok()
+            .filter(|d| *d >= std::time::Duration::from_secs(1))
+            .map(|d| d.as_millis().min(u128::from(crate::bucket::MAX_WAIT_MS)) as u64)
+            .ok_or_else(|| Located {
+                message: format!("concurrency ttl '{}': a duration of a second or more, e.g. 10m", t.value),
+                position: position(t),
+            })?,
+    };
+    Ok(ConcurrencySpec { max, ttl_ms })
 }

@@ -8,6 +8,7 @@ use serde::Serialize;
 
 use crate::bucket::{BucketSpec, Verdict};
 use crate::config::{Domain, FailureMode, Rule};
+use crate::slot::SlotVerdict;
 use crate::store::StoreError;
 use crate::units::RatePerUnit;
 
@@ -98,6 +99,13 @@ pub enum Outcome {
         /// The mode applied.
         mode: FailureMode,
     },
+    /// Concurrency slots taken or given back ([`crate::slot`]).
+    Slot(SlotReport),
+    /// The store failed on a take of concurrency slots and the failure mode answered.
+    SlotFailed {
+        /// The mode applied.
+        mode: FailureMode,
+    },
     /// The store failed and the failure mode answered.
     StoreFailed {
         /// The limit that could not be checked.
@@ -105,6 +113,44 @@ pub enum Outcome {
         /// The mode applied.
         mode: FailureMode,
     },
+}
+
+/// A descriptor's concurrency slots: taken (or refused) at request time, given back at stream end.
+#[derive(Debug, Clone)]
+pub struct SlotReport {
+    /// Each slot set on the path, top first.
+    pub sets: Vec<SlotLimit>,
+    /// What became of the take or give-back.
+    pub verdict: SlotVerdict,
+    /// The descriptor's own bucket (a take on a path with a rule).
+    pub bucket: Option<BucketReport>,
+}
+
+impl SlotReport {
+    /// Whether the take admitted the request (a give-back always does).
+    pub fn admitted(&self) -> bool {
+        !matches!(self.verdict, SlotVerdict::Refused(_) | SlotVerdict::Repeated(false) | SlotVerdict::Reused)
+    }
+
+    /// The set with the fewest slots left, if any.
+    pub fn tightest(&self) -> Option<&SlotLimit> {
+        self.sets.iter().min_by_key(|s| s.max.saturating_sub(s.open))
+    }
+}
+
+/// One slot set after an op.
+#[derive(Debug, Clone)]
+pub struct SlotLimit {
+    /// The node's path (its keys), the rule label of its metrics.
+    pub node: String,
+    /// Most slots open at once.
+    pub max: u64,
+    /// Slots open after the op.
+    pub open: u64,
+    /// Slots the op found expired and dropped.
+    pub expired: u64,
+    /// For a full set on a refused take, how long until its earliest slot expires.
+    pub frees_in_ms: Option<u64>,
 }
 
 /// The limit a descriptor was held to.
@@ -153,8 +199,14 @@ impl DescriptorVerdict {
     pub fn limit(&self) -> Option<&LimitInfo> {
         match &self.outcome {
             Outcome::Bucket(b) => Some(&b.limit),
+            Outcome::Slot(SlotReport { bucket: Some(b), .. }) => Some(&b.limit),
             Outcome::StoreFailed { limit, .. } => Some(limit),
-            Outcome::NoLimit | Outcome::Unlimited | Outcome::Budget(_) | Outcome::BudgetFailed { .. } => None,
+            Outcome::NoLimit
+            | Outcome::Unlimited
+            | Outcome::Budget(_)
+            | Outcome::BudgetFailed { .. }
+            | Outcome::Slot(_)
+            | Outcome::SlotFailed { .. } => None,
         }
     }
 }

@@ -25,7 +25,11 @@ impl Limiter {
                 Outcome::StoreFailed { limit, mode } => (limit.rule.as_ref(), failure_label(*mode)),
                 Outcome::Budget(_) if verdict.code == Code::OverLimit => (None, "over_limit"),
                 Outcome::Budget(_) => (None, "ok"),
-                Outcome::BudgetFailed { mode } => (None, failure_label(*mode)),
+                Outcome::BudgetFailed { mode } | Outcome::SlotFailed { mode } => (None, failure_label(*mode)),
+                Outcome::Slot(s) => {
+                    let rule = s.bucket.as_ref().and_then(|b| b.limit.rule.as_ref());
+                    (rule, if verdict.code == Code::OverLimit { "over_limit" } else { "ok" })
+                }
             };
             let rule_path = rule.map_or("", |r| r.path.as_str());
             self.telemetry.count_decision(domain, rule_path, outcome, verdict.hits);

@@ -24,6 +24,7 @@ mod decision;
 mod explain;
 mod labels;
 mod lease;
+mod slots;
 
 pub use self::budget::{
     BudgetExplained, BudgetReport, LevelStanding, Standing, StandingError, REFUSED_REQUEST,
@@ -31,9 +32,11 @@ pub use self::budget::{
 };
 pub use self::decision::{
     BucketReport, Code, DecideError, Decision, DescriptorVerdict, LimitInfo, Outcome, Query, QueryDescriptor,
+    SlotLimit, SlotReport,
 };
 pub use self::explain::{Effect, Explained, Explanation, SpecOrigin};
 pub use self::lease::{LeasedBucket, LocalLease, RlqsBucket, ASSIGNMENT_TTL, LEASE_TTL, RENEW_AFTER};
+pub use self::slots::RELEASE_KEY;
 
 use std::sync::Arc;
 
@@ -141,6 +144,11 @@ impl Limiter {
         };
         if let Some(priced) = &domain.priced {
             return self.decide_priced(domain, priced, query).await;
+        }
+        let slot_plans: Vec<Option<slots::SlotPlan<'_>>> =
+            query.descriptors.iter().map(|d| slots::plan(domain, &d.entries)).collect();
+        if slot_plans.iter().any(Option::is_some) {
+            return self.decide_with_slots(domain, query, slot_plans).await;
         }
         let mut plans: Vec<Plan<'_>> = query.descriptors.iter().map(|d| self.plan(domain, d)).collect();
         drop_replaced(&mut plans);

@@ -244,7 +244,7 @@ fn walk(
     for node in level.nodes() {
         let mut path = actions.to_vec();
         path.push(node_action(domain, priced, node, jwt)?);
-        if node.key == priced.request_id_key {
+        if node.key == domain.request_id_key {
             // The body's size goes right before the request id.
             let mut path = path.clone();
             let id = path.pop().expect("just pushed");
@@ -285,7 +285,7 @@ fn node_action(
             model["metadata"]["default_value"] = json!("_no_model");
             model
         }
-        None if node.key == priced.request_id_key => {
+        None if node.key == domain.request_id_key => {
             action(&node.key, &Source::RequestHeader("x-request-id".into()), jwt)
         }
         None => return Err(RenderError::NoSource { domain: domain.name.clone(), path: node.key.clone() }),

@@ -26,6 +26,19 @@ use std::collections::{BTreeMap, HashMap};
 
 use crate::bucket::{BucketOp, Group, GroupOutcome};
 
+/// A node's concurrency limit (`concurrency: {max, ttl}`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+pub struct ConcurrencySpec {
+    /// Most requests in flight under the node (per value path).
+    pub max: u64,
+    /// How long a slot not given back stays taken, in milliseconds.
+    pub ttl_ms: u64,
+}
+
+/// How long a slot not given back stays taken, by default: ten minutes, Envoy's longest usual
+/// stream timeout.
+pub const DEFAULT_TTL_MS: u64 = 600_000;
+
 /// One slot set a request takes from: a node's set for the request's values.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct SlotSet {

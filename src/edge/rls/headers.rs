@@ -29,6 +29,9 @@
 //!   (`RateLimit-Reset`; upstream's fixed window ends then, a token bucket is full then), under
 //!   the names the operator chose. Most constrained is upstream's choice: a denying enforced
 //!   limit if any, otherwise the one with the fewest left.
+//! * (always, on a path with a concurrency limit) `X-Concurrency-Limit` and
+//!   `X-Concurrency-Remaining` of the tightest slot set; on a take refused because a set is full,
+//!   `Retry-After` when its earliest open slot expires unreturned (an upper bound of the wait).
 //! * `grpc-status-details`: on OVER_LIMIT, `grpc-status-details-bin`, the base64 of a
 //!   `google.rpc.Status` (RESOURCE_EXHAUSTED) carrying `google.rpc.RetryInfo` with the same wait
 //!   as `Retry-After` (without RetryInfo when retrying cannot help). Envoy's gRPC local reply for
@@ -48,6 +51,10 @@ pub const FAILURE_MODE_HEADER: &str = "X-Tollgate-Failure-Mode";
 pub const BUDGET_EXHAUSTED: &str = "X-Budget-Exhausted";
 /// Names each budget level whose spend is at or above a soft limit, with that limit.
 pub const BUDGET_WARNING: &str = "X-Budget-Warning";
+/// The most requests in flight of the tightest concurrency limit on a request's path.
+pub const CONCURRENCY_LIMIT: &str = "X-Concurrency-Limit";
+/// Slots left under that limit after the request.
+pub const CONCURRENCY_REMAINING: &str = "X-Concurrency-Remaining";
 
 /// The headers for `decision`, as (name, value) pairs.
 pub fn response_headers(decision: &Decision) -> Vec<(&'static str, String)> {
@@ -76,6 +83,7 @@ pub fn response_headers(decision: &Decision) -> Vec<(&'static str, String)> {
     }
 
     budget_headers(decision, sets.retry_after, &mut headers);
+    slot_headers(decision, &mut headers);
 
     let candidates = if denying.is_empty() { &buckets } else { &denying };
     let most_constrained = candidates.iter().min_by(|a, b| {
@@ -197,6 +205,29 @@ fn budget_headers(decision: &Decision, retry_after: bool, headers: &mut Vec<(&'s
     if retry_after && decision.overall == Code::OverLimit {
         if let Some(seconds) = reports.iter().filter_map(|r| r.retry_after_s).max() {
             headers.push(("Retry-After", seconds.max(1).to_string()));
+        }
+    }
+}
+
+// Where a request's concurrency slots stand (whatever the domain's sets): the tightest set's
+// limit and slots left, and on a take refused because a set is full, `Retry-After` when its
+// earliest slot expires (a give-back may free one sooner: a retry then is not wasted, only
+// possibly early, which is why it says at most that).
+fn slot_headers(decision: &Decision, headers: &mut Vec<(&'static str, String)>) {
+    let reports = decision.descriptors.iter().filter_map(|d| match &d.outcome {
+        Outcome::Slot(r) if r.sets.iter().any(|s| s.max > 0) => Some(r),
+        _ => None,
+    });
+    let Some((report, tightest)) =
+        reports.filter_map(|r| Some((r, r.tightest()?))).min_by_key(|(_, t)| t.max.saturating_sub(t.open))
+    else {
+        return;
+    };
+    headers.push((CONCURRENCY_LIMIT, tightest.max.to_string()));
+    headers.push((CONCURRENCY_REMAINING, tightest.max.saturating_sub(tightest.open).to_string()));
+    if decision.overall == Code::OverLimit && !report.admitted() {
+        if let Some(ms) = report.sets.iter().filter_map(|s| s.frees_in_ms).min() {
+            headers.push(("Retry-After", ms.div_ceil(1000).max(1).to_string()));
         }
     }
 }

@@ -30,7 +30,7 @@ use envoy_types::pb::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimit
 use envoy_types::pb::google::protobuf::Duration as ProtoDuration;
 use tonic::{Request, Response, Status};
 
-use crate::limiter::{Code, Decision, Limiter, Outcome, Query, QueryDescriptor};
+use crate::limiter::{Code, Decision, Limiter, Outcome, Query, QueryDescriptor, SlotReport};
 use crate::telemetry::traces;
 use crate::units::{RatePerUnit, Unit};
 
@@ -254,14 +254,20 @@ pub fn encode(decision: &Decision) -> RateLimitResponse {
             }
             match &d.outcome {
                 Outcome::Unlimited => status.limit_remaining = u32::MAX,
-                Outcome::Bucket(b) => {
+                Outcome::Bucket(b) | Outcome::Slot(SlotReport { bucket: Some(b), .. }) => {
                     status.limit_remaining = b.remaining();
                     status.duration_until_reset = Some(duration(b.verdict.reset_ms));
+                }
+                // Slots left of the tightest set: what a slot-only descriptor has remaining.
+                Outcome::Slot(s) => {
+                    let left = s.tightest().map_or(0, |t| t.max.saturating_sub(t.open));
+                    status.limit_remaining = u32::try_from(left).unwrap_or(u32::MAX);
                 }
                 Outcome::NoLimit
                 | Outcome::StoreFailed { .. }
                 | Outcome::Budget(_)
-                | Outcome::BudgetFailed { .. } => {}
+                | Outcome::BudgetFailed { .. }
+                | Outcome::SlotFailed { .. } => {}
             }
             status
         })

@@ -151,7 +151,7 @@ impl Limiter {
         let currency = priced.prices.currency.clone();
         let mut verdicts: Vec<Option<(Code, Outcome)>> = vec![None; query.descriptors.len()];
         let parsed: Vec<Result<Parsed<'_>, Refusal>> =
-            query.descriptors.iter().map(|d| parse(priced, &d.entries)).collect();
+            query.descriptors.iter().map(|d| parse(domain, priced, &d.entries)).collect();
         let overrides = self
             .budget_overrides(domain, parsed.iter().filter_map(|p| Some(&p.as_ref().ok()?.path[..])))
             .await;
@@ -250,7 +250,7 @@ impl Limiter {
         entries: &[(&str, &str)],
         hits: u64,
     ) -> Effect {
-        let parsed = match parse(priced, entries) {
+        let parsed = match parse(domain, priced, entries) {
             Ok(p) => Parsed { usage: None, served: None, ..p },
             Err(_) => return Effect::NoRule,
         };

@@ -50,7 +50,11 @@ pub(super) struct Parsed<'q> {
     pub(super) usage: Option<&'q str>,
 }
 
-pub(super) fn parse<'q>(priced: &Priced, entries: &[(&'q str, &'q str)]) -> Result<Parsed<'q>, Refusal> {
+pub(super) fn parse<'q>(
+    domain: &Domain,
+    priced: &Priced,
+    entries: &[(&'q str, &'q str)],
+) -> Result<Parsed<'q>, Refusal> {
     let (mut rest, usage) = match entries.split_last() {
         Some((&(USAGE_KEY, kind), rest)) => (rest, Some(kind)),
         _ => (entries, None),
@@ -63,7 +67,7 @@ pub(super) fn parse<'q>(priced: &Priced, entries: &[(&'q str, &'q str)]) -> Resu
         }
     }
     let Some((&(id_key, id), before)) = rest.split_last() else { return Err(Refusal::Malformed) };
-    if id_key != priced.request_id_key {
+    if id_key != domain.request_id_key {
         return Err(Refusal::Malformed);
     }
     let mut path = before.to_vec();

@@ -1,0 +1,238 @@
+//! Concurrency limits in a request ([`crate::slot`]): which descriptors take or give back slots,
+//! and the store op for them.
+//!
+//! A descriptor whose last entry is the domain's request id entry, on a path through nodes with
+//! `concurrency:`, takes a slot at each of them; the same entries followed by one entry with key
+//! [`RELEASE_KEY`] give them back. The path itself (without the id) is what the descriptor's own
+//! rule, if any, limits, as for any descriptor; a give-back charges nothing.
+
+use std::sync::Arc;
+
+use super::decision::{SlotLimit, SlotReport};
+use super::{count_store_error, drop_replaced, group, overall, trace_decision, Limiter, Plan};
+use super::{Code, DecideError, Decision, Outcome, Query, QueryDescriptor};
+use crate::config::{Domain, FailureMode};
+use crate::identity;
+use crate::slot::{SlotAction, SlotOp, SlotOutcome, SlotSet, SlotVerdict};
+use crate::store::StoreError;
+use crate::telemetry::logs::{self, ErrorChain};
+
+/// The entry key that makes a descriptor a give-back.
+pub const RELEASE_KEY: &str = "release";
+
+/// A descriptor that takes or gives back slots.
+#[derive(Debug, Clone)]
+pub(super) struct SlotPlan<'q> {
+    /// The path, without the request id (and `release`).
+    pub(super) path: Vec<(&'q str, &'q str)>,
+    /// The op, without the request's token buckets.
+    pub(super) op: SlotOp,
+    /// Each set's node path (the rule name in metrics), in the op's order.
+    pub(super) nodes: Vec<String>,
+}
+
+impl SlotPlan<'_> {
+    pub(super) fn take(&self) -> bool {
+        self.op.action == SlotAction::Take
+    }
+}
+
+/// The slot plan of a descriptor with `entries` in `domain`, if it takes or gives back slots.
+pub(super) fn plan<'q>(domain: &Domain, entries: &[(&'q str, &'q str)]) -> Option<SlotPlan<'q>> {
+    let (action, path, id) = match entries {
+        [path @ .., (id_key, id), (RELEASE_KEY, _)] if *id_key == domain.request_id_key => {
+            (SlotAction::GiveBack, path, *id)
+        }
+        [path @ .., (id_key, id)] if *id_key == domain.request_id_key => (SlotAction::Take, path, *id),
+        _ => return None,
+    };
+    let nodes = domain.root.path(path)?;
+    let mut sets = Vec::new();
+    let mut names = Vec::new();
+    for (depth, node) in nodes.iter().enumerate() {
+        if let Some(limit) = node.concurrency {
+            sets.push(SlotSet {
+                key: identity::slot_set(domain, &path[..=depth]),
+                max: limit.max,
+                ttl_ms: limit.ttl_ms,
+            });
+            names.push(node_path(&path[..=depth]));
+        }
+    }
+    if sets.is_empty() {
+        return None;
+    }
+    let op = SlotOp {
+        record: identity::slot_record(domain, path, id),
+        binding: identity::path_text(path),
+        sets,
+        action,
+        group: Vec::new(),
+    };
+    Some(SlotPlan { path: path.to_vec(), op, nodes: names })
+}
+
+// A node's place as envoyproxy/ratelimit prints rule paths: `key_value.key`, values of the
+// config node only. Slot nodes are named by the request's own values here, which a wildcard or
+// any-value node would make unbounded: those are printed by key alone.
+fn node_path(path: &[(&str, &str)]) -> String {
+    path.iter().map(|(k, _)| *k).collect::<Vec<_>>().join(".")
+}
+
+impl Limiter {
+    /// Decides a request some of whose descriptors take or give back slots: its first take with
+    /// every token bucket of the request, all or nothing in one store op; every other slot
+    /// descriptor on its own.
+    pub(super) async fn decide_with_slots(
+        &self,
+        domain: &Arc<Domain>,
+        query: &Query<'_>,
+        slot_plans: Vec<Option<SlotPlan<'_>>>,
+    ) -> Result<Decision, DecideError> {
+        // Each descriptor as what it limits: a take its path, a give-back nothing.
+        let effective: Vec<QueryDescriptor<'_>> = query
+            .descriptors
+            .iter()
+            .zip(&slot_plans)
+            .map(|(d, s)| match s {
+                Some(s) => QueryDescriptor { entries: s.path.clone(), ..d.clone() },
+                None => d.clone(),
+            })
+            .collect();
+        let mut plans: Vec<Plan<'_>> = effective
+            .iter()
+            .zip(&slot_plans)
+            .map(
+                |(d, s)| {
+                    if s.as_ref().is_some_and(|s| !s.take()) {
+                        Plan::Free
+                    } else {
+                        self.plan(domain, d)
+                    }
+                },
+            )
+            .collect();
+        drop_replaced(&mut plans);
+        self.resolve_quotas(domain, &mut plans).await;
+        let (group, op_of) = group(&plans);
+        let first_take = slot_plans.iter().position(|s| s.as_ref().is_some_and(SlotPlan::take));
+        let mut answers: Vec<Option<Result<SlotOutcome, StoreError>>> = vec![None; slot_plans.len()];
+        let outcome = match first_take {
+            Some(i) => {
+                let plan = slot_plans[i].as_ref().expect("a take");
+                let op = SlotOp { group, ..plan.op.clone() };
+                let answer = self.slot_call(domain, &op).await;
+                let outcome = match &answer {
+                    Ok(o) => Ok(o.group.clone()),
+                    Err(e) => Err(e.clone()),
+                };
+                answers[i] = Some(answer);
+                outcome
+            }
+            None => self.evaluate(domain, group).await,
+        };
+        for (i, plan) in slot_plans.iter().enumerate() {
+            if let (Some(plan), None) = (plan, &answers[i]) {
+                answers[i] = Some(self.slot_call(domain, &plan.op).await);
+            }
+        }
+        let mut decision = self.verdicts(domain, query, &plans, &op_of, &outcome);
+        // A retried or refused take whose buckets were not evaluated gets its recorded answer.
+        let recorded = answers.iter().flatten().find_map(|a| match a {
+            Ok(SlotOutcome { verdict: SlotVerdict::Repeated(admitted), .. }) => Some(*admitted),
+            Ok(SlotOutcome { verdict: SlotVerdict::Reused, .. }) => Some(false),
+            _ => None,
+        });
+        for ((verdict, plan), answer) in decision.descriptors.iter_mut().zip(&slot_plans).zip(&answers) {
+            match (plan, answer) {
+                (Some(plan), Some(Ok(answer))) => {
+                    count_slots(domain, plan, answer);
+                    let bucket = match &verdict.outcome {
+                        Outcome::Bucket(b) => Some(b.clone()),
+                        _ => None,
+                    };
+                    let report = SlotReport {
+                        sets: plan
+                            .op
+                            .sets
+                            .iter()
+                            .zip(&plan.nodes)
+                            .enumerate()
+                            .map(|(n, (set, node))| {
+                                let reading = answer.sets.get(n);
+                                SlotLimit {
+                                    node: node.clone(),
+                                    max: set.max,
+                                    open: reading.map_or(0, |r| r.open),
+                                    expired: reading.map_or(0, |r| r.expired),
+                                    frees_in_ms: reading.and_then(|r| r.frees_in_ms),
+                                }
+                            })
+                            .collect(),
+                        verdict: answer.verdict,
+                        bucket,
+                    };
+                    verdict.code = if report.admitted() { verdict.code } else { Code::OverLimit };
+                    verdict.outcome = Outcome::Slot(report);
+                }
+                (Some(plan), Some(Err(_))) if plan.take() => {
+                    let mode = domain.failure_mode;
+                    verdict.code = if mode == FailureMode::Allow { Code::Ok } else { Code::OverLimit };
+                    verdict.outcome = Outcome::SlotFailed { mode };
+                }
+                (None, _) if recorded.is_some() && matches!(verdict.outcome, Outcome::StoreFailed { .. }) => {
+                    verdict.code = if recorded == Some(true) { Code::Ok } else { Code::OverLimit };
+                    verdict.outcome = Outcome::NoLimit;
+                }
+                _ => {}
+            }
+        }
+        decision.overall = overall(&decision.descriptors);
+        self.count_decision(query, &decision);
+        trace_decision(&domain.name, &plans, &decision);
+        let failed = answers.iter().flatten().find_map(|a| a.as_ref().err().cloned()).or(outcome.err());
+        match failed {
+            Some(source) if domain.failure_mode == FailureMode::Error => {
+                Err(DecideError::Unavailable { domain: domain.name.clone(), source })
+            }
+            _ => Ok(decision),
+        }
+    }
+
+    // One slot op, a failure counted and logged as a bucket call's is.
+    async fn slot_call(&self, domain: &Domain, op: &SlotOp) -> Result<SlotOutcome, StoreError> {
+        let result = self.store.slots(op).await;
+        if let Err(error) = &result {
+            count_store_error(
+                domain,
+                if matches!(error, StoreError::Timeout(_)) { "timeout" } else { "error" },
+            );
+            if let Some(held_back) = logs::throttled("slots_failed") {
+                let mode = domain.failure_mode;
+                tracing::warn!(domain = %domain.name, error = %ErrorChain(error), failure_mode = %mode, held_back, "store failed on concurrency slots; applying the failure mode");
+            }
+        }
+        result
+    }
+}
+
+// Slots taken, refused, given back and expired, per node (config paths: bounded).
+fn count_slots(domain: &Domain, plan: &SlotPlan<'_>, answer: &SlotOutcome) {
+    for (n, node) in plan.nodes.iter().enumerate() {
+        let count = |event: &'static str, by: u64| {
+            if by > 0 {
+                metrics::counter!("tollgate_concurrency_slots_total", "domain" => domain.name.clone(), "rule" => node.clone(), "event" => event)
+                    .increment(by);
+            }
+        };
+        if let Some(reading) = answer.sets.get(n) {
+            count("expired", reading.expired);
+        }
+        match answer.verdict {
+            SlotVerdict::Taken => count("taken", 1),
+            SlotVerdict::Refused(Some(full)) if full == n => count("refused", 1),
+            SlotVerdict::GivenBack(_) if answer.sets.get(n).is_some() => count("given_back", 1),
+            _ => {}
+        }
+    }
+}

@@ -1,0 +1,113 @@
+//! Concurrency limits over the RLS API, on the embedded store and on Redis: a take is
+//! idempotent per request id, a give-back counts once, a slot not given back expires, a request
+//! id reused on another path is refused, and a take is all or nothing with the token bucket on
+//! its path. What Redis holds is read back: the open slots are exactly the admitted takes not
+//! given back.
+
+mod common;
+
+use std::time::Duration;
+
+use common::*;
+
+const CONFIG: &str = r#"
+domain: conc
+descriptors:
+  - key: tenant
+    concurrency: {max: 2, ttl: 2s}
+    descriptors:
+      - key: route
+        token_bucket: {capacity: 5, refill_per_second: 0.001}
+"#;
+
+const SET: &str = "rl:{acme}:conc:tenant=acme:slots";
+
+async fn take(
+    server: &Tollgate,
+    route: &str,
+    id: &str,
+) -> envoy_types::pb::envoy::service::ratelimit::v3::RateLimitResponse {
+    let d = format!("tenant=acme,route={route},request_id={id}");
+    ask(&server.addr(), req("conc", &[&d], 1)).await.expect("answer")
+}
+
+async fn give_back(server: &Tollgate, id: &str) -> i32 {
+    let d = format!("tenant=acme,route=/export,request_id={id},release=1");
+    ask(&server.addr(), req("conc", &[&d], 1)).await.expect("answer").overall_code
+}
+
+fn remaining(r: &envoy_types::pb::envoy::service::ratelimit::v3::RateLimitResponse) -> &str {
+    header(r, "X-Concurrency-Remaining").expect("X-Concurrency-Remaining")
+}
+
+async fn slots_as_promised(backend: Backend, redis: Option<&Redis>) {
+    let (_dir, config) = config_file(CONFIG);
+    let server = Tollgate::start(&config, &backend, &[]);
+    let (_, shown) = http_get(server.http, "/config").unwrap();
+    let shown: serde_json::Value = serde_json::from_str(&shown).unwrap();
+    assert_eq!(
+        shown["domains"][0]["concurrency"],
+        serde_json::json!([{"path": "tenant", "max": 2, "ttl_ms": 2000}]),
+        "GET /config shows the limit"
+    );
+    let open =
+        || -> Option<i64> { redis.map(|r| redis::cmd("ZCARD").arg(SET).query(&mut r.connection()).unwrap()) };
+
+    let a = take(&server, "/export", "a").await;
+    assert_eq!(a.overall_code, OK);
+    assert_eq!((header(&a, "X-Concurrency-Limit"), remaining(&a)), (Some("2"), "1"));
+    assert_eq!(take(&server, "/export", "b").await.overall_code, OK);
+    let full = take(&server, "/export", "c").await;
+    assert_eq!(full.overall_code, OVER_LIMIT, "two in flight");
+    assert_eq!(remaining(&full), "0");
+    let retry: u64 = header(&full, "Retry-After").expect("Retry-After").parse().unwrap();
+    assert!((1..=2).contains(&retry), "the earliest slot expires within its 2 s ttl: {retry}");
+
+    // A retry of a take gets its answer again and takes nothing more.
+    assert_eq!(take(&server, "/export", "a").await.overall_code, OK);
+    assert_eq!(take(&server, "/export", "c").await.overall_code, OVER_LIMIT, "c was refused: still refused");
+    assert_eq!(open(), redis.map(|_| 2));
+    // Reused on another path: refused, nothing changed.
+    assert_eq!(take(&server, "/other", "b").await.overall_code, OVER_LIMIT);
+
+    // A give-back frees one slot, once.
+    assert_eq!(give_back(&server, "a").await, OK);
+    assert_eq!(give_back(&server, "a").await, OK);
+    assert_eq!(open(), redis.map(|_| 1));
+    let d = take(&server, "/export", "d").await;
+    assert_eq!(d.overall_code, OK);
+    assert_eq!(remaining(&d), "0", "b and d in flight");
+
+    // Not given back: b and d expire after their ttl, and their give-back then changes nothing.
+    tokio::time::sleep(Duration::from_millis(2100)).await;
+    let e = take(&server, "/export", "e").await;
+    assert_eq!(e.overall_code, OK);
+    assert_eq!(remaining(&e), "1");
+    assert_eq!(give_back(&server, "b").await, OK);
+    assert_eq!(open(), redis.map(|_| 1));
+
+    // All or nothing with the route's token bucket (5 tokens: a, b, d, e took four): f takes the
+    // last token and the second slot; g finds a free slot (f given back) but no token, and takes
+    // no slot.
+    assert_eq!(take(&server, "/export", "f").await.overall_code, OK);
+    assert_eq!(give_back(&server, "f").await, OK);
+    let g = take(&server, "/export", "g").await;
+    assert_eq!(g.overall_code, OVER_LIMIT, "the token bucket is empty");
+    assert_eq!(remaining(&g), "1", "and no slot was taken");
+    assert_eq!(open(), redis.map(|_| 1));
+    let m = server.metrics();
+    assert!(sample(&m, "tollgate_concurrency_slots_total", &[("event", "taken")]) >= 5.0);
+    assert!(sample(&m, "tollgate_concurrency_slots_total", &[("event", "refused")]) >= 1.0);
+    assert!(sample(&m, "tollgate_concurrency_slots_total", &[("event", "given_back")]) >= 2.0);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn slots_on_the_embedded_store() {
+    slots_as_promised(Backend::Memory, None).await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn slots_on_redis() {
+    let redis = Redis::start();
+    slots_as_promised(Backend::Redis(redis.url()), Some(&redis)).await;
+}
