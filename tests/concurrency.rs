@@ -1,4 +1,4 @@
-//! Concurrency limits over the RLS API, on the embedded store and on Redis: a take is
+//! Concurrency limits over the RLS API, on the embedded store, Redis and a Redis Cluster: a take is
 //! idempotent per request id, a give-back counts once, a slot not given back expires, a request
 //! id reused on another path is refused, and a take is all or nothing with the token bucket on
 //! its path. What Redis holds is read back: the open slots are exactly the admitted takes not
@@ -40,7 +40,8 @@ fn remaining(r: &envoy_types::pb::envoy::service::ratelimit::v3::RateLimitRespon
     header(r, "X-Concurrency-Remaining").expect("X-Concurrency-Remaining")
 }
 
-async fn slots_as_promised(backend: Backend, redis: Option<&Redis>) {
+// `zcard` reads the open slots from Redis (none for the embedded store).
+async fn slots_as_promised(backend: Backend, zcard: &dyn Fn() -> Option<i64>) {
     let (_dir, config) = config_file(CONFIG);
     let server = Tollgate::start(&config, &backend, &[]);
     let (_, shown) = http_get(server.http, "/config").unwrap();
@@ -50,8 +51,19 @@ async fn slots_as_promised(backend: Backend, redis: Option<&Redis>) {
         serde_json::json!([{"path": "tenant", "max": 2, "ttl_ms": 2000}]),
         "GET /config shows the limit"
     );
-    let open =
-        || -> Option<i64> { redis.map(|r| redis::cmd("ZCARD").arg(SET).query(&mut r.connection()).unwrap()) };
+    let (_, scrape) = http_get(server.http, "/metrics").unwrap();
+    for event in ["taken", "refused", "given_back", "expired"] {
+        let series =
+            format!(r#"tollgate_concurrency_slots_total{{domain="conc",rule="tenant",event="{event}"}} 0"#);
+        assert!(scrape.lines().any(|l| l == series), "{series} at startup");
+    }
+    assert!(scrape.contains(r#"tollgate_rule_limit{domain="conc",rule="tenant",kind="concurrency"} 2"#));
+    // What Redis holds: exactly the admitted takes not given back.
+    let expect_open = |n: i64| {
+        if let Some(open) = zcard() {
+            assert_eq!(open, n, "open slots in Redis");
+        }
+    };
 
     let a = take(&server, "/export", "a").await;
     assert_eq!(a.overall_code, OK);
@@ -66,14 +78,14 @@ async fn slots_as_promised(backend: Backend, redis: Option<&Redis>) {
     // A retry of a take gets its answer again and takes nothing more.
     assert_eq!(take(&server, "/export", "a").await.overall_code, OK);
     assert_eq!(take(&server, "/export", "c").await.overall_code, OVER_LIMIT, "c was refused: still refused");
-    assert_eq!(open(), redis.map(|_| 2));
+    expect_open(2);
     // Reused on another path: refused, nothing changed.
     assert_eq!(take(&server, "/other", "b").await.overall_code, OVER_LIMIT);
 
     // A give-back frees one slot, once.
     assert_eq!(give_back(&server, "a").await, OK);
     assert_eq!(give_back(&server, "a").await, OK);
-    assert_eq!(open(), redis.map(|_| 1));
+    expect_open(1);
     let d = take(&server, "/export", "d").await;
     assert_eq!(d.overall_code, OK);
     assert_eq!(remaining(&d), "0", "b and d in flight");
@@ -84,7 +96,7 @@ async fn slots_as_promised(backend: Backend, redis: Option<&Redis>) {
     assert_eq!(e.overall_code, OK);
     assert_eq!(remaining(&e), "1");
     assert_eq!(give_back(&server, "b").await, OK);
-    assert_eq!(open(), redis.map(|_| 1));
+    expect_open(1);
 
     // All or nothing with the route's token bucket (5 tokens: a, b, d, e took four): f takes the
     // last token and the second slot; g finds a free slot (f given back) but no token, and takes
@@ -94,7 +106,7 @@ async fn slots_as_promised(backend: Backend, redis: Option<&Redis>) {
     let g = take(&server, "/export", "g").await;
     assert_eq!(g.overall_code, OVER_LIMIT, "the token bucket is empty");
     assert_eq!(remaining(&g), "1", "and no slot was taken");
-    assert_eq!(open(), redis.map(|_| 1));
+    expect_open(1);
     let m = server.metrics();
     assert!(sample(&m, "tollgate_concurrency_slots_total", &[("event", "taken")]) >= 5.0);
     assert!(sample(&m, "tollgate_concurrency_slots_total", &[("event", "refused")]) >= 1.0);
@@ -103,11 +115,19 @@ async fn slots_as_promised(backend: Backend, redis: Option<&Redis>) {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn slots_on_the_embedded_store() {
-    slots_as_promised(Backend::Memory, None).await;
+    slots_as_promised(Backend::Memory, &|| None).await;
 }
 
 #[tokio::test(flavor = "multi_thread")]
 async fn slots_on_redis() {
     let redis = Redis::start();
-    slots_as_promised(Backend::Redis(redis.url()), Some(&redis)).await;
+    let zcard = || Some(redis::cmd("ZCARD").arg(SET).query(&mut redis.connection()).unwrap());
+    slots_as_promised(Backend::Redis(redis.url()), &zcard).await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn slots_on_a_cluster() {
+    let cluster = RedisCluster::start();
+    let zcard = || Some(redis::cmd("ZCARD").arg(SET).query(&mut cluster.connection()).unwrap());
+    slots_as_promised(Backend::Cluster(cluster.seeds()), &zcard).await;
 }

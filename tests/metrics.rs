@@ -222,8 +222,12 @@ fn every_metric_is_exported_at_zero_at_startup() {
     assert_eq!(status, 200);
     let mut missing = Vec::new();
     for (name, kind, _) in tollgate::telemetry::METRICS {
-        // Budget series belong to priced domains (tests/budget.rs checks them).
-        if tollgate::telemetry::LABELLED_BY_TRAFFIC.contains(name) || name.starts_with("tollgate_budget_") {
+        // Budget series belong to priced domains (tests/budget.rs checks them), slot series to
+        // domains with concurrency limits (tests/concurrency.rs).
+        if tollgate::telemetry::LABELLED_BY_TRAFFIC.contains(name)
+            || name.starts_with("tollgate_budget_")
+            || name.starts_with("tollgate_concurrency_")
+        {
             continue;
         }
         // Counters and histograms start at 0; gauges at what they measure (1 for "last reload

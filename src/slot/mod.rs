@@ -25,6 +25,7 @@
 use std::collections::{BTreeMap, HashMap};
 
 use crate::bucket::{BucketOp, Group, GroupOutcome};
+use crate::sweep::sweep_map;
 
 /// A node's concurrency limit (`concurrency: {max, ttl}`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
@@ -144,6 +145,9 @@ pub struct Slots {
     // Set key -> member (record key) -> expiry ms; with the set's own expiry.
     sets: HashMap<String, (BTreeMap<String, u64>, u64)>,
     records: HashMap<String, Record>,
+    // Expired entries are dropped when the maps have doubled since the last time: memory follows
+    // the live entries (a client sending a fresh request id per request grows nothing for long).
+    sweep_at: usize,
 }
 
 impl Slots {
@@ -155,6 +159,7 @@ impl Slots {
         now_ms: u64,
         buckets: &mut dyn FnMut(Group) -> GroupOutcome,
     ) -> SlotOutcome {
+        self.sweep_expired(now_ms);
         let outcome = |verdict, sets, group| SlotOutcome { verdict, sets, group, now_ms };
         let record = self.records.get(&op.record).filter(|r| r.expires_at_ms >= now_ms).cloned();
         if let Some(r) = &record {
@@ -232,6 +237,26 @@ impl Slots {
         }
     }
 
+    // Drops expired sets and records, as Redis would have.
+    fn sweep_expired(&mut self, now_ms: u64) {
+        if self.sets.len() + self.records.len() < self.sweep_at.max(1024) {
+            return;
+        }
+        sweep_map(&mut self.sets, |(_, expiry)| *expiry >= now_ms);
+        sweep_map(&mut self.records, |r| r.expires_at_ms >= now_ms);
+        self.sweep_at = 2 * (self.sets.len() + self.records.len());
+    }
+
+    /// Sets and records held, expired or not (for memory tests).
+    pub fn len(&self) -> usize {
+        self.sets.len() + self.records.len()
+    }
+
+    /// Whether nothing is held.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
     // Drops the set's expired slots; what is open then.
     fn sweep(&mut self, key: &str, now_ms: u64) -> SetReading {
         let Some((members, set_expiry)) = self.sets.get_mut(key) else {
@@ -260,5 +285,39 @@ impl Slots {
             .unwrap_or_default();
         open.sort();
         open
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn take(id: u32, now_ms: u64, slots: &mut Slots) -> SlotVerdict {
+        let op = SlotOp {
+            record: format!("r:{id}"),
+            binding: "p".into(),
+            sets: vec![SlotSet { key: format!("s:{}", id % 7), max: 1, ttl_ms: 1_000 }],
+            action: SlotAction::Take,
+            group: Vec::new(),
+        };
+        let mut admit = |_group: Group| GroupOutcome {
+            admitted: true,
+            now_ms,
+            verdicts: Vec::new(),
+            refunded: false,
+            unanswered: Vec::new(),
+        };
+        slots.apply(&op, now_ms, &mut admit).verdict
+    }
+
+    #[test]
+    fn a_flood_of_fresh_request_ids_leaves_only_the_live_ones() {
+        let mut slots = Slots::default();
+        for id in 0..100_000 {
+            // A new id every 0.1 ms: ten thousand records live at once at most.
+            take(id, u64::from(id) / 10, &mut slots);
+        }
+        assert!(slots.len() < 25_000, "{} held", slots.len());
+        assert_eq!(take(100_000, 20_000, &mut slots), SlotVerdict::Taken);
     }
 }

@@ -228,6 +228,7 @@ pub const METRICS: &[(&str, Kind, &str)] = &[
     ("tollgate_store_down_total", Kind::Counter, "Times the store stopped answering (or changed why), by cause: authentication, permission, tls, connection_refused, connection_lost, dns, timeout, cluster_coverage, other."),
     ("tollgate_store_call_groups_total", Kind::Counter, "Groups (one per tenant or key of a request) evaluated by those calls; divided by the calls, the average coalescing batch."),
     ("tollgate_precheck_answers_total", Kind::Counter, "Groups denied by the exact local pre-check without a Redis call."),
+    ("tollgate_concurrency_slots_total", Kind::Counter, "Concurrency slots by domain, node and event: taken, refused (a full set), given_back, expired (ended without a give-back)."),
     ("tollgate_precheck_hearing_raises", Kind::Gauge, "1 while the pre-check hears other replicas' balance raises (it answers denials itself only then), else 0."),
     ("tollgate_precheck_subscription_losses_total", Kind::Counter, "Times the subscription to other replicas' balance raises was lost (the pre-check answers nothing until it is back)."),
     ("tollgate_store_reconnects_total", Kind::Counter, "Rebuilds of the Redis Cluster connection after connection errors (to re-read the topology, e.g. after a failover)."),
@@ -384,6 +385,7 @@ pub fn register_domains(rules: &RuleSet) {
         }
         counter!("tollgate_debt_forgiven_tokens_total", "domain" => domain.name.clone()).increment(0);
         register_limits(domain);
+        register_slots(domain);
         if let Some(priced) = &domain.priced {
             register_budgets(domain, priced);
         }
@@ -404,6 +406,18 @@ fn register_limits(domain: &crate::config::Domain) {
             let mut labels = labels("requests_per_unit").to_vec();
             labels.push(("unit", rate.unit.name().to_owned()));
             gauge!("tollgate_rule_limit", &labels).set(f64::from(rate.requests_per_unit));
+        }
+    }
+}
+
+// Each concurrency limit's series: its `max` as a limit gauge, its slot events at 0.
+fn register_slots(domain: &crate::config::Domain) {
+    for (path, limit) in domain.concurrency_limits() {
+        gauge!("tollgate_rule_limit", "domain" => domain.name.clone(), "rule" => path.clone(), "kind" => "concurrency")
+            .set(limit.max as f64);
+        for event in ["taken", "refused", "given_back", "expired"] {
+            counter!("tollgate_concurrency_slots_total", "domain" => domain.name.clone(), "rule" => path.clone(), "event" => event)
+                .increment(0);
         }
     }
 }
