@@ -8,6 +8,7 @@ mod common;
 
 use std::time::Duration;
 
+use common::proxy::{Fault, FaultProxy};
 use common::*;
 
 const CONFIG: &str = r#"
@@ -130,4 +131,32 @@ async fn slots_on_a_cluster() {
     let cluster = RedisCluster::start();
     let zcard = || Some(redis::cmd("ZCARD").arg(SET).query(&mut cluster.connection()).unwrap());
     slots_as_promised(Backend::Cluster(cluster.seeds()), &zcard).await;
+}
+
+// A take whose reply comes after the deadline, in a `deny` domain: the failure mode refuses the
+// request, and the slot its script took is given back in the background long before its ttl.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_take_the_failure_mode_refused_holds_no_slot() {
+    let redis = Redis::start();
+    let proxy = FaultProxy::start(redis.port);
+    let (_dir, config) = config_file(&format!("failure_mode: deny\n{}", CONFIG.replace("ttl: 2s", "ttl: 60s")));
+    let server = Tollgate::start(
+        &config,
+        &Backend::Redis(format!("redis://127.0.0.1:{}", proxy.port)),
+        &["--redis-timeout", "100ms"],
+    );
+    // Warmed up (the script loaded), then one take whose reply is held back.
+    assert_eq!(take(&server, "/export", "warm").await.overall_code, OK);
+    assert_eq!(give_back(&server, "warm").await, OK);
+    proxy.set(Fault::DelayReplies(Duration::from_millis(300)));
+    assert_eq!(take(&server, "/export", "late").await.overall_code, OVER_LIMIT, "the failure mode (deny)");
+    proxy.set(Fault::Pass);
+    let mut con = redis.connection();
+    wait_until("the refused take's slot given back", 300, Duration::from_millis(10), || {
+        redis::cmd("ZCARD").arg(SET).query::<i64>(&mut con).unwrap() == 0
+    });
+    wait_until("the repair counted", 300, Duration::from_millis(10), || {
+        let labels = [("kind", "give_back_refused_take"), ("outcome", "ok")];
+        sample(&server.metrics(), "tollgate_concurrency_repairs_total", &labels) == 1.0
+    });
 }

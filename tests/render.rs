@@ -192,7 +192,9 @@ fn rendered_envoy_config_loads_in_envoy() {
 fn render_explains_what_it_cannot_do() {
     let err = render(&["envoy", "--config", &examples()]).unwrap_err();
     assert!(
-        err.contains("several domains (exports, grpc-api, llm, llm-gateway, api-gateway): choose one with --domain"),
+        err.contains(
+            "several domains (exports, grpc-api, llm, llm-gateway, api-gateway): choose one with --domain"
+        ),
         "{err}"
     );
     let (_dir, config) = config_file(

@@ -24,6 +24,7 @@ mod decision;
 mod explain;
 mod labels;
 mod lease;
+mod repair;
 mod slots;
 
 pub use self::budget::{

@@ -9,6 +9,7 @@
 use std::sync::Arc;
 
 use super::decision::{SlotLimit, SlotReport};
+use super::repair::{self, Repair};
 use super::{count_store_error, drop_replaced, group, overall, trace_decision, Limiter, Plan};
 use super::{Code, DecideError, Decision, Outcome, Query, QueryDescriptor};
 use crate::config::{Domain, FailureMode};
@@ -136,6 +137,11 @@ impl Limiter {
                 answers[i] = Some(self.slot_call(domain, &plan.op).await);
             }
         }
+        for (plan, answer) in slot_plans.iter().zip(&answers) {
+            if let (Some(plan), Some(Err(_))) = (plan, answer) {
+                self.repair_slots(domain, plan);
+            }
+        }
         let mut decision = self.verdicts(domain, query, &plans, &op_of, &outcome);
         // A retried or refused take whose buckets were not evaluated gets its recorded answer.
         let recorded = answers.iter().flatten().find_map(|a| match a {
@@ -197,6 +203,30 @@ impl Limiter {
             }
             _ => Ok(decision),
         }
+    }
+
+    // After a failed op, in the background: a give-back is sent again (it counts once however
+    // often it comes); a take the failure mode refused is given back (its script may have run
+    // and its reply been lost: the request must hold no slot). A take `allow` admitted keeps
+    // whatever it took, which its own give-back frees. What still fails is left to the ttl.
+    fn repair_slots(&self, domain: &Domain, plan: &SlotPlan<'_>) {
+        let kind = match plan.op.action {
+            SlotAction::Take if domain.failure_mode == FailureMode::Allow => return,
+            SlotAction::Take => "give_back_refused_take",
+            SlotAction::GiveBack => "give_back",
+        };
+        let op = SlotOp { action: SlotAction::GiveBack, group: Vec::new(), ..plan.op.clone() };
+        let store = self.store.clone();
+        let repair = Repair {
+            metric: "tollgate_concurrency_repairs_total",
+            domain: domain.name.clone(),
+            kind,
+            otherwise: "a slot could not be given back; it frees itself after the limit's ttl",
+        };
+        repair::spawn(repair, move || {
+            let (store, op) = (store.clone(), op.clone());
+            async move { store.slots(&op).await }
+        });
     }
 
     // One slot op, a failure counted and logged as a bucket call's is.

@@ -228,6 +228,7 @@ pub const METRICS: &[(&str, Kind, &str)] = &[
     ("tollgate_store_down_total", Kind::Counter, "Times the store stopped answering (or changed why), by cause: authentication, permission, tls, connection_refused, connection_lost, dns, timeout, cluster_coverage, other."),
     ("tollgate_store_call_groups_total", Kind::Counter, "Groups (one per tenant or key of a request) evaluated by those calls; divided by the calls, the average coalescing batch."),
     ("tollgate_precheck_answers_total", Kind::Counter, "Groups denied by the exact local pre-check without a Redis call."),
+    ("tollgate_concurrency_repairs_total", Kind::Counter, "Slot give-backs sent again in the background after a failed call, by domain, kind (give_back, give_back_refused_take) and outcome (ok, failed: left to the ttl)."),
     ("tollgate_concurrency_slots_total", Kind::Counter, "Concurrency slots by domain, node and event: taken, refused (a full set), given_back, expired (ended without a give-back)."),
     ("tollgate_precheck_hearing_raises", Kind::Gauge, "1 while the pre-check hears other replicas' balance raises (it answers denials itself only then), else 0."),
     ("tollgate_precheck_subscription_losses_total", Kind::Counter, "Times the subscription to other replicas' balance raises was lost (the pre-check answers nothing until it is back)."),
@@ -418,6 +419,14 @@ fn register_slots(domain: &crate::config::Domain) {
         for event in ["taken", "refused", "given_back", "expired"] {
             counter!("tollgate_concurrency_slots_total", "domain" => domain.name.clone(), "rule" => path.clone(), "event" => event)
                 .increment(0);
+        }
+    }
+    if !domain.concurrency_limits().is_empty() {
+        for kind in ["give_back", "give_back_refused_take"] {
+            for outcome in ["ok", "failed"] {
+                counter!("tollgate_concurrency_repairs_total", "domain" => domain.name.clone(), "kind" => kind, "outcome" => outcome)
+                    .increment(0);
+            }
         }
     }
 }

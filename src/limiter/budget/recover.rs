@@ -5,9 +5,9 @@
 use super::{BudgetAction, BudgetOp, BudgetOutcome, StoreError};
 use crate::budget::cost;
 use crate::config::{Domain, FailureMode};
+use crate::limiter::repair::{self, Repair};
 use crate::limiter::Limiter;
 use crate::store::Store;
-use crate::telemetry::logs::ErrorChain;
 
 impl Limiter {
     // After a failed op, in the background and under the background deadline: a hold whose
@@ -23,36 +23,18 @@ impl Limiter {
             BudgetAction::Cancel | BudgetAction::Peek => return,
         };
         let store = self.store.clone();
-        let name = domain.name.clone();
-        tokio::spawn(async move {
-            let mut last = None;
-            for attempt in 0..RECOVERY_ATTEMPTS {
-                if attempt > 0 {
-                    tokio::time::sleep(RECOVERY_PAUSE).await;
-                }
-                match crate::store::in_background(RECOVERY_DEADLINE, call(store.as_ref(), &op)).await {
-                    Ok(_) => {
-                        last = None;
-                        break;
-                    }
-                    Err(e) => last = Some(e),
-                }
-            }
-            let outcome = if last.is_some() { "failed" } else { "ok" };
-            metrics::counter!("tollgate_budget_recoveries_total", "domain" => name.clone(), "kind" => kind, "outcome" => outcome)
-                .increment(1);
-            if let Some(error) = last {
-                tracing::warn!(domain = %name, kind, error = %ErrorChain(&error), "a budget op could not be repaired; the hold expires as on_lost_settle says");
-            }
+        let repair = Repair {
+            metric: "tollgate_budget_recoveries_total",
+            domain: domain.name.clone(),
+            kind,
+            otherwise: "a budget op could not be repaired; the hold expires as on_lost_settle says",
+        };
+        repair::spawn(repair, move || {
+            let (store, op) = (store.clone(), op.clone());
+            async move { call(store.as_ref(), &op).await }
         });
     }
 }
-
-/// How often a failed hold's cancel or a failed settlement is tried again, how far apart, and how
-/// long each try may take (no request waits on them).
-const RECOVERY_ATTEMPTS: u32 = 3;
-const RECOVERY_PAUSE: std::time::Duration = std::time::Duration::from_millis(200);
-const RECOVERY_DEADLINE: std::time::Duration = std::time::Duration::from_secs(2);
 
 // One budget op; a settlement of a hold made at another price version is priced again at that
 // version's row, which the store keeps with the hold.
