@@ -139,7 +139,8 @@ async fn slots_on_a_cluster() {
 async fn a_take_the_failure_mode_refused_holds_no_slot() {
     let redis = Redis::start();
     let proxy = FaultProxy::start(redis.port);
-    let (_dir, config) = config_file(&format!("failure_mode: deny\n{}", CONFIG.replace("ttl: 2s", "ttl: 60s")));
+    let (_dir, config) =
+        config_file(&format!("failure_mode: deny\n{}", CONFIG.replace("ttl: 2s", "ttl: 60s")));
     let server = Tollgate::start(
         &config,
         &Backend::Redis(format!("redis://127.0.0.1:{}", proxy.port)),
@@ -159,4 +160,21 @@ async fn a_take_the_failure_mode_refused_holds_no_slot() {
         let labels = [("kind", "give_back_refused_take"), ("outcome", "ok")];
         sample(&server.metrics(), "tollgate_concurrency_repairs_total", &labels) == 1.0
     });
+}
+
+// A slot given back through replica X is free for replica Y at once: slots are never answered
+// from a replica's pre-check (both run with it), so Y asks the store, which has the slot.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_slot_given_back_on_one_replica_is_free_on_the_other_at_once() {
+    let redis = Redis::start();
+    let (_dir, config) = config_file(CONFIG);
+    let x = Tollgate::start(&config, &Backend::Redis(redis.url()), &[]);
+    let y = Tollgate::start(&config, &Backend::Redis(redis.url()), &[]);
+    assert_eq!(take(&x, "/export", "a").await.overall_code, OK);
+    assert_eq!(take(&x, "/export", "b").await.overall_code, OK);
+    for id in ["c", "d", "e"] {
+        assert_eq!(take(&y, "/export", id).await.overall_code, OVER_LIMIT, "full, seen by Y");
+    }
+    assert_eq!(give_back(&x, "a").await, OK);
+    assert_eq!(take(&y, "/export", "f").await.overall_code, OK, "the very next take on Y");
 }

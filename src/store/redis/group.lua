@@ -112,3 +112,39 @@ local function kept(k)
   if not at then return 0 end
   return math.max(0, at - now)
 end
+
+-- Reads one group from ARGV at index a (its op count, then seven values per op, as
+-- token_bucket.lua describes); returns it and the index after it.
+local function read_group(a)
+  local n = tonumber(ARGV[a]); a = a + 1
+  local group = {}
+  for i = 1, n do
+    group[i] = {tonumber(ARGV[a]), tonumber(ARGV[a + 1]), tonumber(ARGV[a + 2]), tonumber(ARGV[a + 3]),
+                ARGV[a + 4], tonumber(ARGV[a + 5]), tonumber(ARGV[a + 6])}
+    a = a + 7
+  end
+  return group, a
+end
+
+-- Appends a group's reply to out: admitted, then seven values per op; how long each key is kept
+-- is left as 0 in a slot noted in pending, for fill_kept once every group has run and written.
+local function reply_group(out, admitted, results, pending)
+  out[#out + 1] = admitted and 1 or 0
+  for _, r in ipairs(results) do
+    local allowed, tokens, retry, reset, forgiven, fastest, k = unpack(r)
+    out[#out + 1] = allowed and 1 or 0
+    out[#out + 1] = string.format('%.17g', tokens)
+    out[#out + 1] = retry
+    out[#out + 1] = reset
+    out[#out + 1] = string.format('%.17g', forgiven)
+    out[#out + 1] = string.format('%.17g', fastest)
+    out[#out + 1] = 0
+    pending[#pending + 1] = {#out, k}
+  end
+end
+
+local function fill_kept(out, pending)
+  for _, slot in ipairs(pending) do
+    out[slot[1]] = kept(slot[2])
+  end
+end

@@ -65,13 +65,10 @@ for i, set in ipairs(sets) do
   if full == 0 and readings[i][1] >= set[2] then full = i end
 end
 
-local n = tonumber(ARGV[a]); a = a + 1
-local group = {}
-for i = 1, n do
-  group[i] = {tonumber(ARGV[a]), tonumber(ARGV[a + 1]), tonumber(ARGV[a + 2]), tonumber(ARGV[a + 3]),
-              ARGV[a + 4], tonumber(ARGV[a + 5]), tonumber(ARGV[a + 6])}
-  if full > 0 then group[i][4] = 0 end
-  a = a + 7
+local group = read_group(a)
+-- A full set: the buckets are only checked.
+if full > 0 then
+  for _, op in ipairs(group) do op[4] = 0 end
 end
 local group_admitted, results = evaluate_group(group)
 write_dirty()
@@ -98,15 +95,7 @@ for i, set in ipairs(sets) do
 end
 
 out[#out + 1] = 1
-out[#out + 1] = group_admitted and 1 or 0
-for _, r in ipairs(results) do
-  local allowed, tokens, retry, reset, forgiven, fastest, k = unpack(r)
-  out[#out + 1] = allowed and 1 or 0
-  out[#out + 1] = string.format('%.17g', tokens)
-  out[#out + 1] = retry
-  out[#out + 1] = reset
-  out[#out + 1] = string.format('%.17g', forgiven)
-  out[#out + 1] = string.format('%.17g', fastest)
-  out[#out + 1] = kept(k)
-end
+local pending = {}
+reply_group(out, group_admitted, results, pending)
+fill_kept(out, pending)
 return out

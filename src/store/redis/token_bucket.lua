@@ -20,31 +20,15 @@ local pending = {}
 local raised = {}
 local a = 2
 for _ = 1, tonumber(ARGV[1]) do
-  local n = tonumber(ARGV[a]); a = a + 1
-  local group = {}
-  for i = 1, n do
-    group[i] = {tonumber(ARGV[a]), tonumber(ARGV[a + 1]), tonumber(ARGV[a + 2]), tonumber(ARGV[a + 3]),
-                ARGV[a + 4], tonumber(ARGV[a + 5]), tonumber(ARGV[a + 6])}
-    a = a + 7
-  end
+  local group
+  group, a = read_group(a)
   local admitted, results = evaluate_group(group)
   if admitted then
     for _, op in ipairs(group) do
       if op[4] < 0 then raised[op[1]] = true end
     end
   end
-  out[#out + 1] = admitted and 1 or 0
-  for _, r in ipairs(results) do
-    local allowed, tokens, retry, reset, forgiven, fastest, k = unpack(r)
-    out[#out + 1] = allowed and 1 or 0
-    out[#out + 1] = string.format('%.17g', tokens)
-    out[#out + 1] = retry
-    out[#out + 1] = reset
-    out[#out + 1] = string.format('%.17g', forgiven)
-    out[#out + 1] = string.format('%.17g', fastest)
-    out[#out + 1] = 0
-    pending[#pending + 1] = {#out, k}
-  end
+  reply_group(out, admitted, results, pending)
 end
 
 write_dirty()
@@ -55,7 +39,5 @@ if channel and channel ~= '' then
   for k in pairs(raised) do redis.pcall('PUBLISH', channel, KEYS[k]) end
 end
 
-for _, slot in ipairs(pending) do
-  out[slot[1]] = kept(slot[2])
-end
+fill_kept(out, pending)
 return out
