@@ -40,6 +40,11 @@ pub struct ConcurrencySpec {
 /// stream timeout.
 pub const DEFAULT_TTL_MS: u64 = 600_000;
 
+/// How long a set is kept after its latest slot expires: only cleaning up (its slots stopped
+/// counting at their own expiry), long enough that no op on it can meet the millisecond by which
+/// Redis's expiry clock may lag the script's.
+const LINGER_MS: u64 = 3_600_000;
+
 /// One slot set a request takes from: a node's set for the request's values.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct SlotSet {
@@ -188,7 +193,7 @@ impl Slots {
                         let expiry = now_ms + set.ttl_ms;
                         let (members, set_expiry) = self.sets.entry(set.key.clone()).or_default();
                         members.insert(op.record.clone(), expiry);
-                        *set_expiry = (*set_expiry).max(expiry);
+                        *set_expiry = (*set_expiry).max(expiry + LINGER_MS);
                         reading.open += 1;
                     }
                 } else {
@@ -262,7 +267,7 @@ impl Slots {
         let Some((members, set_expiry)) = self.sets.get_mut(key) else {
             return SetReading { open: 0, expired: 0, frees_in_ms: None };
         };
-        // An expired set is gone, as its key is from Redis.
+        // A set an hour past its latest slot is gone, as its key is from Redis.
         if *set_expiry < now_ms {
             self.sets.remove(key);
             return SetReading { open: 0, expired: 0, frees_in_ms: None };

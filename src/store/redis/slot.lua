@@ -1,9 +1,12 @@
 -- Concurrency slots (follows bucket.lua and group.lua in one script; the twin of `Slots::apply`
 -- in src/slot/mod.rs, step for step).
 --
--- A set is a sorted set of record keys scored by when their slot expires (ms), expiring itself
--- with its latest slot. A record is a hash {b = binding, a = admitted (1/0), g = given back
--- (1/0)} expiring with the longest ttl of the take's sets.
+-- A set is a sorted set of record keys scored by when their slot expires (ms); expired slots
+-- are dropped by score, and the key itself goes an hour after its latest slot (LINGER: only
+-- cleaning up, long after its slots stopped counting). A record is a hash {b = binding,
+-- a = admitted (1/0), g = given back (1/0), x = when it expires (ms)}: records expire by x on
+-- the script's clock, as budget.lua's keys do, not by Redis's own expiry, which runs on the clock
+-- the script started at (a millisecond earlier, at times); PEXPIREAT only cleans up.
 --
 -- KEYS: the record, then the sets, then the token buckets' keys.
 -- ARGV: 'take' or 'give', the binding, the set count, per set its max and ttl (ms); then the
@@ -15,6 +18,7 @@
 --        expires (-1 unless full and refused); then 1 and the group's reply as token_bucket.lua
 --        gives one, or 0.
 
+local LINGER = 3600000
 local action, binding, nsets = ARGV[1], ARGV[2], tonumber(ARGV[3])
 local record = KEYS[1]
 local sets = {}
@@ -30,7 +34,11 @@ local function sweep(key)
   return {redis.call('ZCARD', key), expired}
 end
 
-local rec = redis.call('HMGET', record, 'b', 'a', 'g')
+local rec = redis.call('HMGET', record, 'b', 'a', 'g', 'x')
+if rec[4] and tonumber(rec[4]) < now then
+  redis.call('DEL', record)
+  rec = {false, false, false, false}
+end
 if rec[1] and rec[1] ~= binding then
   return {'reused', 0, now}
 end
@@ -76,7 +84,7 @@ local admitted = full == 0 and group_admitted
 
 local life = 0
 for _, set in ipairs(sets) do life = math.max(life, set[3]) end
-redis.call('HSET', record, 'b', binding, 'a', admitted and 1 or 0, 'g', 0)
+redis.call('HSET', record, 'b', binding, 'a', admitted and 1 or 0, 'g', 0, 'x', string.format('%d', now + life))
 redis.call('PEXPIREAT', record, now + life)
 
 local out = {admitted and 'taken' or 'refused', full, now}
@@ -85,7 +93,7 @@ for i, set in ipairs(sets) do
   if admitted then
     redis.call('ZADD', set[1], now + set[3], record)
     local latest = redis.call('ZRANGE', set[1], -1, -1, 'WITHSCORES')
-    redis.call('PEXPIREAT', set[1], tonumber(latest[2]))
+    redis.call('PEXPIREAT', set[1], tonumber(latest[2]) + LINGER)
     open = open + 1
   elseif open >= set[2] then
     local earliest = redis.call('ZRANGE', set[1], 0, 0, 'WITHSCORES')
