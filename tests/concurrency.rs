@@ -178,3 +178,63 @@ async fn a_slot_given_back_on_one_replica_is_free_on_the_other_at_once() {
     assert_eq!(give_back(&x, "a").await, OK);
     assert_eq!(take(&y, "/export", "f").await.overall_code, OK, "the very next take on Y");
 }
+
+// A take whose request also has a limit outside the tenant (another Cluster slot): the outside
+// bucket is decided first; a take that then refuses gives its tokens back, and a denial outside
+// asks for no slot. The route bucket's balance and the open slots are read back from Redis.
+async fn a_take_with_a_limit_in_another_slot(backend: Backend, read: &dyn Fn() -> (f64, i64)) {
+    const SPLIT: &str = r#"
+domain: conc
+descriptors:
+  - key: tenant
+    concurrency: {max: 2, ttl: 10s}
+  - key: route
+    token_bucket: {capacity: 3, refill_per_second: 0.0001}
+"#;
+    let (_dir, config) = config_file(SPLIT);
+    let server = Tollgate::start(&config, &backend, &[]);
+    let take = |id: &'static str| {
+        let addr = server.addr();
+        async move {
+            let d = format!("tenant=acme,request_id={id}");
+            ask(&addr, req("conc", &[&d, "route=/export"], 1)).await.unwrap().overall_code
+        }
+    };
+    let route = |r: (f64, i64)| r.0.floor();
+    assert_eq!((take("a").await, take("b").await), (OK, OK));
+    assert_eq!(route(read()), 1.0);
+    assert_eq!(take("c").await, OVER_LIMIT, "two slots open");
+    assert_eq!(route(read()), 1.0, "the route's token given back");
+    let d = "tenant=acme,request_id=a,release=1";
+    assert_eq!(ask(&server.addr(), req("conc", &[d], 1)).await.unwrap().overall_code, OK);
+    assert_eq!(take("d").await, OK);
+    assert_eq!(read(), (0.0, 2));
+    let d = "tenant=acme,request_id=b,release=1";
+    assert_eq!(ask(&server.addr(), req("conc", &[d], 1)).await.unwrap().overall_code, OK);
+    assert_eq!(take("e").await, OVER_LIMIT, "the route is empty");
+    assert_eq!(read().1, 1, "and no slot was asked for");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_take_with_a_limit_in_another_slot_on_redis_and_a_cluster() {
+    const ROUTE: &str = "rl:conc:route=/export";
+    let redis = Redis::start();
+    let read = || {
+        let mut c = redis.connection();
+        let t: Option<f64> = redis::cmd("HGET").arg(ROUTE).arg("t").query(&mut c).unwrap();
+        (t.unwrap_or(3.0).floor(), redis::cmd("ZCARD").arg(SET).query(&mut c).unwrap())
+    };
+    a_take_with_a_limit_in_another_slot(Backend::Redis(redis.url()), &read).await;
+    let cluster = RedisCluster::start();
+    assert_ne!(
+        tollgate::identity::cluster_slot(ROUTE),
+        tollgate::identity::cluster_slot(SET),
+        "the route's bucket lies in another slot"
+    );
+    let read = || {
+        let mut c = cluster.connection();
+        let t: Option<f64> = redis::cmd("HGET").arg(ROUTE).arg("t").query(&mut c).unwrap();
+        (t.unwrap_or(3.0).floor(), redis::cmd("ZCARD").arg(SET).query(&mut c).unwrap())
+    };
+    a_take_with_a_limit_in_another_slot(Backend::Cluster(cluster.seeds()), &read).await;
+}

@@ -12,9 +12,11 @@ use super::decision::{SlotLimit, SlotReport};
 use super::repair::{self, Repair};
 use super::{count_store_error, drop_replaced, group, overall, trace_decision, Limiter, Plan};
 use super::{Code, DecideError, Decision, Outcome, Query, QueryDescriptor};
+use crate::bucket::{refund, Group, GroupOutcome};
 use crate::config::{Domain, FailureMode};
 use crate::identity;
 use crate::slot::{SlotAction, SlotOp, SlotOutcome, SlotSet, SlotVerdict};
+use crate::store::LateReply;
 use crate::store::StoreError;
 use crate::telemetry::logs::{self, ErrorChain};
 
@@ -121,19 +123,15 @@ impl Limiter {
         let outcome = match first_take {
             Some(i) => {
                 let plan = slot_plans[i].as_ref().expect("a take");
-                let op = SlotOp { group, ..plan.op.clone() };
-                let answer = self.slot_call(domain, &op).await;
-                let outcome = match &answer {
-                    Ok(o) => Ok(o.group.clone()),
-                    Err(e) => Err(e.clone()),
-                };
-                answers[i] = Some(answer);
+                let (outcome, answer) = self.take_with(domain, plan, group).await;
+                answers[i] = answer;
                 outcome
             }
             None => self.evaluate(domain, group).await,
         };
         for (i, plan) in slot_plans.iter().enumerate() {
-            if let (Some(plan), None) = (plan, &answers[i]) {
+            // The first take was decided with the buckets (and not asked at all if they denied).
+            if let (Some(plan), None, false) = (plan, &answers[i], Some(i) == first_take) {
                 answers[i] = Some(self.slot_call(domain, &plan.op).await);
             }
         }
@@ -203,6 +201,65 @@ impl Limiter {
             }
             _ => Ok(decision),
         }
+    }
+
+    // The take of `plan` with the request's token buckets, all or nothing: those in the take's
+    // Cluster slot in its one script; the others (limits outside the tenant, in other slots)
+    // first, on their own, and given back if the take then refuses. The buckets' outcome in the
+    // group's order, and the take's answer (none if the others denied or failed first).
+    async fn take_with(
+        &self,
+        domain: &Domain,
+        plan: &SlotPlan<'_>,
+        group: Group,
+    ) -> (Result<Option<GroupOutcome>, StoreError>, Option<Result<SlotOutcome, StoreError>>) {
+        let slot = identity::cluster_slot(&plan.op.record);
+        let (inside, outside): (Vec<usize>, Vec<usize>) =
+            (0..group.len()).partition(|&n| identity::cluster_slot(&group[n].key) == slot);
+        let pick = |which: &[usize]| -> Group { which.iter().map(|&n| group[n].clone()).collect() };
+        let first = if outside.is_empty() {
+            None
+        } else {
+            match self.evaluate(domain, pick(&outside)).await {
+                Ok(Some(o)) if o.admitted => Some(o),
+                // Denied or failed without the take: no slot asked for.
+                other => return (other, None),
+            }
+        };
+        let op = SlotOp { group: pick(&inside), ..plan.op.clone() };
+        let answer = self.slot_call(domain, &op).await;
+        let Some(first) = first else {
+            let outcome = answer.as_ref().map(|o| o.group.clone()).map_err(Clone::clone);
+            return (outcome, Some(answer));
+        };
+        let taken = answer.as_ref().is_ok_and(|o| o.verdict == SlotVerdict::Taken);
+        let mut refunded = false;
+        if !taken {
+            let back: Group = refund(&pick(&outside), &first).into_iter().map(|(_, op)| op).collect();
+            refunded = !back.is_empty();
+            if refunded {
+                metrics::counter!("tollgate_store_refunds_total", "reason" => "split").increment(1);
+                let _ = self.store_call(&[back], LateReply::Keep).await;
+            }
+        }
+        // Both parts' verdicts back in the group's order.
+        let second = match &answer {
+            Ok(SlotOutcome { group: Some(g), .. }) => g.clone(),
+            Ok(_) => return (Ok(Some(GroupOutcome { admitted: false, refunded, ..first })), Some(answer)),
+            Err(e) => return (Err(e.clone()), Some(answer)),
+        };
+        let mut verdicts = vec![first.verdicts[0]; group.len()];
+        for (n, v) in outside.iter().zip(&first.verdicts).chain(inside.iter().zip(&second.verdicts)) {
+            verdicts[*n] = *v;
+        }
+        let merged = GroupOutcome {
+            admitted: first.admitted && second.admitted,
+            now_ms: second.now_ms,
+            verdicts,
+            refunded,
+            unanswered: Vec::new(),
+        };
+        (Ok(Some(merged)), Some(answer))
     }
 
     // After a failed op, in the background: a give-back is sent again (it counts once however
