@@ -354,3 +354,25 @@ descriptors:
         .unwrap_err();
     assert!(err.contains("descriptor 'tenant.class' marks routes with a generic_key"), "{err}");
 }
+
+// The shipped concurrency front proxy (`envoy/concurrency.yaml`, run by tests/concurrency_envoy.rs)
+// is what `tollgate render` prints for `examples/concurrency.yaml`: the take and the give-back
+// at stream end, the request id Envoy's own.
+#[test]
+fn the_concurrency_front_proxy_is_what_render_prints() {
+    let rendered = render(&["envoy", "--config", &examples(), "--domain", "exports"]).unwrap();
+    let shipped = repo_yaml("envoy/concurrency.yaml");
+    let hcm = &shipped["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"];
+    let filter = hcm["http_filters"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|f| f["name"] == "envoy.filters.http.ratelimit")
+        .unwrap();
+    let ours = &rendered["http_filter"]["typed_config"];
+    assert_eq!(filter["typed_config"]["rate_limits"], ours["rate_limits"]);
+    assert_eq!(filter["typed_config"]["failure_mode_deny"], ours["failure_mode_deny"]);
+    for (key, value) in rendered["http_connection_manager"].as_object().unwrap() {
+        assert_eq!(&hcm[key], value, "{key}");
+    }
+}

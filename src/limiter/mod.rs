@@ -37,7 +37,6 @@ pub use self::decision::{
 };
 pub use self::explain::{Effect, Explained, Explanation, SpecOrigin};
 pub use self::lease::{LeasedBucket, LocalLease, RlqsBucket, ASSIGNMENT_TTL, LEASE_TTL, RENEW_AFTER};
-pub use self::slots::RELEASE_KEY;
 
 use std::sync::Arc;
 

@@ -15,13 +15,10 @@ use super::{Code, DecideError, Decision, Outcome, Query, QueryDescriptor};
 use crate::bucket::{refund, Group, GroupOutcome};
 use crate::config::{Domain, FailureMode};
 use crate::identity;
-use crate::slot::{SlotAction, SlotOp, SlotOutcome, SlotSet, SlotVerdict};
+use crate::slot::{SlotAction, SlotOp, SlotOutcome, SlotSet, SlotVerdict, RELEASE_KEY};
 use crate::store::LateReply;
 use crate::store::StoreError;
 use crate::telemetry::logs::{self, ErrorChain};
-
-/// The entry key that makes a descriptor a give-back.
-pub const RELEASE_KEY: &str = "release";
 
 /// A descriptor that takes or gives back slots.
 #[derive(Debug, Clone)]

@@ -18,6 +18,10 @@
 //! its `hits_from` response header, or from that trailer, which a small Lua filter copies into
 //! dynamic metadata (Envoy 1.40 cannot read trailers there).
 //!
+//! A domain with concurrency limits is rendered at the filter level too: each limit becomes a take
+//! (its path and the request id) and a give-back when the response is done (`release`); a rule at
+//! the limit's node is charged by the take.
+//!
 //! A domain with prices (LLM spend budgets) is rendered by `budget.rs`: a Lua filter that reads
 //! the model, the tokens to hold and the usage out of the bodies, and filter-level entries that
 //! hold at request time and settle at stream end.
@@ -158,7 +162,8 @@ pub fn rate_limits(domain: &Domain, jwt: &JwtPayload) -> Result<RateLimits, Rend
         filter: Vec::new(),
         trailers: Vec::new(),
     };
-    let filter_level = domain.rules.iter().any(|r| matches!(r.charge, ChargeRule::Always { .. }));
+    let filter_level = domain.rules.iter().any(|r| matches!(r.charge, ChargeRule::Always { .. }))
+        || !domain.concurrency_limits().is_empty();
     walk(domain, &domain.root, jwt, &[], &[], filter_level, &mut out)?;
     for entries in out.routes.values_mut() {
         let mut all = out.virtual_host.clone();
@@ -184,7 +189,25 @@ fn walk(
         if let Some(Source::GenericKey(value)) = &node.source {
             groups.push(format!("{}={value}", node.key));
         }
-        if let Some(rule) = node.rule.as_ref().filter(|r| r.limit != Limit::Unlimited) {
+        if node.concurrency.is_some() {
+            let actions: Option<Vec<Value>> = path.iter().cloned().collect();
+            let actions = actions.ok_or_else(|| RenderError::NoSource {
+                domain: domain.name.clone(),
+                path: node.key.clone(),
+            })?;
+            for entry in slot_entries(domain, actions, jwt) {
+                if !out.filter.contains(&entry) {
+                    out.filter.push(entry);
+                }
+            }
+        }
+        // A rule at a node with a concurrency limit is charged by the take, whose path is its.
+        let covered = node.concurrency.is_some();
+        if let Some(rule) = node
+            .rule
+            .as_ref()
+            .filter(|r| r.limit != Limit::Unlimited && !(covered && r.charge == ChargeRule::Admitted))
+        {
             let actions: Option<Vec<Value>> = path.iter().cloned().collect();
             let actions = actions.ok_or_else(|| RenderError::NoSource {
                 domain: domain.name.clone(),
@@ -209,6 +232,17 @@ fn walk(
         walk(domain, &node.children, jwt, &path, &groups, filter_level, out)?;
     }
     Ok(())
+}
+
+// A concurrency limit's two entries: the take at request time (the path, then the request id
+// from `x-request-id`) and the give-back when the response is done (the same, then `release`).
+fn slot_entries(domain: &Domain, mut actions: Vec<Value>, jwt: &JwtPayload) -> [Value; 2] {
+    actions.push(action(&domain.request_id_key, &Source::RequestHeader("x-request-id".into()), jwt));
+    let take = json!({ "actions": actions });
+    actions.push(
+        json!({ "generic_key": { "descriptor_key": crate::slot::RELEASE_KEY, "descriptor_value": "1" } }),
+    );
+    [take, json!({ "actions": actions, "apply_on_stream_done": true })]
 }
 
 // The entries of one rule: one per request; for `charge: always`, a check before the request and
@@ -352,6 +386,11 @@ pub fn envoy(rules: &RuleSet, options: &RenderOptions, address: &str) -> Result<
     }
     if !limits.trailers.is_empty() {
         out["lua_filter"] = trailer_filter(&limits.trailers);
+    }
+    // A slot is named by its request id: Envoy must make every id itself, or a client could
+    // resend an admitted request's id and be admitted as its retry, taking no slot.
+    if !domain.concurrency_limits().is_empty() {
+        out["http_connection_manager"] = budget::connection_manager();
     }
     Ok(out)
 }

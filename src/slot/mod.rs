@@ -36,6 +36,9 @@ pub struct ConcurrencySpec {
     pub ttl_ms: u64,
 }
 
+/// The entry key that makes a descriptor a give-back: the take's entries, then this (any value).
+pub const RELEASE_KEY: &str = "release";
+
 /// How long a slot not given back stays taken, by default: ten minutes, Envoy's longest usual
 /// stream timeout.
 pub const DEFAULT_TTL_MS: u64 = 600_000;
