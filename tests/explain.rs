@@ -139,3 +139,24 @@ fn an_unknown_domain_exits_non_zero() {
     assert!(stdout.contains("domain typo: not configured"), "{stdout}");
     assert!(stderr.contains("domain typo is not in"), "{stderr}");
 }
+
+// A descriptor ending in the request id takes a slot of every concurrency limit on its path, and
+// is limited by its path's rule; the same with `release` gives the slot back and charges nothing.
+#[test]
+fn explain_names_the_concurrency_limits_a_descriptor_takes_from() {
+    let (_dir, config) = config_file(
+        "domain: ex\ndescriptors:\n  - key: tenant\n    concurrency: {max: 4, ttl: 90s}\n    token_bucket: {capacity: 9, refill_per_second: 1}\n",
+    );
+    let take = explain(&config, None, &["tenant=acme,request_id=r1"]);
+    assert!(
+        take.contains(
+            "slots:    takes a slot of tenant (at most 4 in flight, a slot not given back freed after 90s)"
+        ),
+        "{take}"
+    );
+    assert!(take.contains("set rl:{acme}:ex:tenant=acme:slots in Cluster slot"), "{take}");
+    assert!(take.contains("limit:    capacity 9, refill 1/s"), "{take}");
+    let give = explain(&config, None, &["tenant=acme,request_id=r1,release=1"]);
+    assert!(give.contains("slots:    gives back its slot of tenant"), "{give}");
+    assert!(!give.contains("rule:") && !give.contains("bucket:"), "a give-back charges nothing: {give}");
+}

@@ -25,6 +25,7 @@ use tollgate::limiter::{
 use tollgate::quota::cache::CachedQuotas;
 use tollgate::quota::postgres::PostgresQuotas;
 use tollgate::quota::{EmbeddedQuotas, QuotaSource};
+use tollgate::slot::SlotAction;
 use tollgate::store::{MemoryStore, RedisStore, Store};
 use tollgate::telemetry::{Telemetry, TelemetryConfig};
 
@@ -137,8 +138,22 @@ async fn print_descriptor(
         let (line, column) = rule.position;
         println!("  rule:     {} at {}:{line}:{column}{also}", rule.path, rule.file.display());
     }
+    for s in &explained.slots {
+        let what = match s.action {
+            SlotAction::Take => "takes a slot",
+            SlotAction::GiveBack => "gives back its slot",
+        };
+        println!(
+            "  slots:    {what} of {} (at most {} in flight, a slot not given back freed after {:?})",
+            s.node,
+            s.max,
+            Duration::from_millis(s.ttl_ms)
+        );
+        println!("            set {} in Cluster slot {}", s.key, s.slot);
+    }
     let (limit, origin, role, need, tenant, slot) = match &explained.effect {
         Effect::UnknownDomain => return Ok(()),
+        Effect::NoRule if !explained.slots.is_empty() => return Ok(()),
         Effect::NoRule => {
             println!("  no rule with a limit matches: OK, nothing is stored");
             return Ok(());

@@ -8,11 +8,13 @@
 
 use std::sync::Arc;
 
+use super::slots::{self, SlotPlan};
 use super::{drop_replaced, limit_info, BudgetExplained, LimitInfo, Limiter, Plan, Query};
 use crate::bucket::Role;
 use crate::config::{Domain, Limit, Rule};
 use crate::identity;
 use crate::quota::QuotaOrigin;
+use crate::slot::SlotAction;
 
 /// The explanation of a whole query.
 #[derive(Debug)]
@@ -30,6 +32,25 @@ pub struct Explained {
     pub rule: Option<Arc<Rule>>,
     /// What that means for the request.
     pub effect: Effect,
+    /// The concurrency slots it takes or gives back (a path ending in the request id).
+    pub slots: Vec<SlotExplained>,
+}
+
+/// A concurrency limit a descriptor takes a slot of (or gives one back to).
+#[derive(Debug, Clone)]
+pub struct SlotExplained {
+    /// The node's path of keys.
+    pub node: String,
+    /// Its slot set's storage key.
+    pub key: String,
+    /// Most slots open at once.
+    pub max: u64,
+    /// How long a slot not given back stays taken, in milliseconds.
+    pub ttl_ms: u64,
+    /// The Redis Cluster slot of the set.
+    pub slot: u16,
+    /// Take (request time) or give back (stream end).
+    pub action: SlotAction,
 }
 
 /// What limits a descriptor.
@@ -97,7 +118,7 @@ impl Limiter {
             let descriptors = query
                 .descriptors
                 .iter()
-                .map(|_| Explained { rule: None, effect: Effect::UnknownDomain })
+                .map(|_| Explained { rule: None, effect: Effect::UnknownDomain, slots: Vec::new() })
                 .collect();
             return Explanation { domain: None, descriptors };
         };
@@ -105,16 +126,22 @@ impl Limiter {
             let mut descriptors = Vec::with_capacity(query.descriptors.len());
             for d in &query.descriptors {
                 let effect = self.explain_priced(domain, priced, &d.entries, d.hits).await;
-                descriptors.push(Explained { rule: None, effect });
+                descriptors.push(Explained { rule: None, effect, slots: Vec::new() });
             }
             return Explanation { domain: Some(domain.clone()), descriptors };
         }
-        let mut plans: Vec<Plan<'_>> = query.descriptors.iter().map(|d| self.plan(domain, d)).collect();
+        // A descriptor that takes or gives back slots is explained as its path (as it is decided).
+        let slot_plans: Vec<Option<SlotPlan<'_>>> =
+            query.descriptors.iter().map(|d| slots::plan(domain, &d.entries)).collect();
+        let effective = slots::effective(query, &slot_plans);
+        let mut plans: Vec<Plan<'_>> = slots::plans(self, domain, &effective, &slot_plans);
         let replaced = drop_replaced(&mut plans);
         self.resolve_quotas(domain, &mut plans).await;
         let mut descriptors = Vec::with_capacity(plans.len());
-        for (i, (plan, d)) in plans.iter().zip(&query.descriptors).enumerate() {
-            let matched = if d.limit.is_some() { None } else { domain.lookup(&d.entries).cloned() };
+        for (i, ((plan, d), slot_plan)) in plans.iter().zip(&effective).zip(&slot_plans).enumerate() {
+            let gives_back = slot_plan.as_ref().is_some_and(|s| !s.take());
+            let matched =
+                if d.limit.is_some() || gives_back { None } else { domain.lookup(&d.entries).cloned() };
             let effect = match plan {
                 Plan::Free => match replaced.iter().find(|(j, _)| *j == i) {
                     Some((_, by)) => Effect::Replaced { by: Arc::clone(by) },
@@ -150,7 +177,21 @@ impl Limiter {
                     }
                 }
             };
-            descriptors.push(Explained { rule: matched, effect });
+            let slots = slot_plan.as_ref().map_or_else(Vec::new, |s| {
+                s.op.sets
+                    .iter()
+                    .zip(&s.nodes)
+                    .map(|(set, node)| SlotExplained {
+                        node: node.clone(),
+                        key: set.key.clone(),
+                        max: set.max,
+                        ttl_ms: set.ttl_ms,
+                        slot: identity::cluster_slot(&set.key),
+                        action: s.op.action,
+                    })
+                    .collect()
+            });
+            descriptors.push(Explained { rule: matched, effect, slots });
         }
         Explanation { domain: Some(domain.clone()), descriptors }
     }

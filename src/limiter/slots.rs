@@ -72,6 +72,39 @@ pub(super) fn plan<'q>(domain: &Domain, entries: &[(&'q str, &'q str)]) -> Optio
     Some(SlotPlan { path: path.to_vec(), op, nodes: names })
 }
 
+/// Each descriptor as what it limits: a slot descriptor its path (without the request id).
+pub(super) fn effective<'q>(
+    query: &Query<'q>,
+    slot_plans: &[Option<SlotPlan<'q>>],
+) -> Vec<QueryDescriptor<'q>> {
+    query
+        .descriptors
+        .iter()
+        .zip(slot_plans)
+        .map(|(d, s)| match s {
+            Some(s) => QueryDescriptor { entries: s.path.clone(), ..d.clone() },
+            None => d.clone(),
+        })
+        .collect()
+}
+
+/// The descriptors' plans: a take's path is limited by its rule as any descriptor; a give-back
+/// charges nothing.
+pub(super) fn plans<'a>(
+    limiter: &Limiter,
+    domain: &'a Domain,
+    effective: &'a [QueryDescriptor<'a>],
+    slot_plans: &[Option<SlotPlan<'_>>],
+) -> Vec<Plan<'a>> {
+    effective
+        .iter()
+        .zip(slot_plans)
+        .map(
+            |(d, s)| if s.as_ref().is_some_and(|s| !s.take()) { Plan::Free } else { limiter.plan(domain, d) },
+        )
+        .collect()
+}
+
 // A node's place as envoyproxy/ratelimit prints rule paths: `key_value.key`, values of the
 // config node only. Slot nodes are named by the request's own values here, which a wildcard or
 // any-value node would make unbounded: those are printed by key alone.
@@ -89,29 +122,8 @@ impl Limiter {
         query: &Query<'_>,
         slot_plans: Vec<Option<SlotPlan<'_>>>,
     ) -> Result<Decision, DecideError> {
-        // Each descriptor as what it limits: a take its path, a give-back nothing.
-        let effective: Vec<QueryDescriptor<'_>> = query
-            .descriptors
-            .iter()
-            .zip(&slot_plans)
-            .map(|(d, s)| match s {
-                Some(s) => QueryDescriptor { entries: s.path.clone(), ..d.clone() },
-                None => d.clone(),
-            })
-            .collect();
-        let mut plans: Vec<Plan<'_>> = effective
-            .iter()
-            .zip(&slot_plans)
-            .map(
-                |(d, s)| {
-                    if s.as_ref().is_some_and(|s| !s.take()) {
-                        Plan::Free
-                    } else {
-                        self.plan(domain, d)
-                    }
-                },
-            )
-            .collect();
+        let effective = effective(query, &slot_plans);
+        let mut plans = plans(self, domain, &effective, &slot_plans);
         drop_replaced(&mut plans);
         self.resolve_quotas(domain, &mut plans).await;
         let (group, op_of) = group(&plans);
