@@ -181,42 +181,43 @@ fn prefix(tenant: Option<&str>) -> String {
 /// bucket's, then `:budget`. A period's state is `<base>:<period start ms>`, its open holds
 /// `<base>:<period start ms>:q` ([`crate::budget`]).
 pub fn budget_level(domain: &Domain, entries: &[(&str, &str)]) -> String {
-    let mut key = prefix(tenant_of(domain, entries));
-    escape_into(&mut key, &domain.name);
-    key.push(':');
-    write_entries(&mut key, entries, &[]);
-    key.push_str(":budget");
-    key
+    node_key(domain, entries, ":budget")
 }
 
 /// The key of the record pairing request `request_id`'s hold with its settlement, in the slot
 /// of the tenant on `entries`: `rl:{<tenant>}:<domain>:hold:<request id>`.
 pub fn budget_record(domain: &Domain, entries: &[(&str, &str)], request_id: &str) -> String {
-    let mut key = prefix(tenant_of(domain, entries));
-    escape_into(&mut key, &domain.name);
-    key.push_str(":hold:");
-    escape_into(&mut key, request_id);
-    key
+    request_key(domain, entries, ":hold:", request_id)
 }
 
 /// The key of the concurrency slot set of the node that `entries` (a path from the root, with
 /// the domain's tenant entry on it) reach in `domain`: the node's key as a rule's bucket's, then
 /// `:slots`.
 pub fn slot_set(domain: &Domain, entries: &[(&str, &str)]) -> String {
-    let mut key = prefix(tenant_of(domain, entries));
-    escape_into(&mut key, &domain.name);
-    key.push(':');
-    write_entries(&mut key, entries, &[]);
-    key.push_str(":slots");
-    key
+    node_key(domain, entries, ":slots")
 }
 
 /// The key of the record pairing request `request_id`'s slots with their give-back, in the slot
 /// of the tenant on `entries`: `rl:{<tenant>}:<domain>:slot:<request id>`.
 pub fn slot_record(domain: &Domain, entries: &[(&str, &str)], request_id: &str) -> String {
+    request_key(domain, entries, ":slot:", request_id)
+}
+
+// The key of the node `entries` reach, as a rule's bucket's, then `suffix`.
+fn node_key(domain: &Domain, entries: &[(&str, &str)], suffix: &str) -> String {
     let mut key = prefix(tenant_of(domain, entries));
     escape_into(&mut key, &domain.name);
-    key.push_str(":slot:");
+    key.push(':');
+    write_entries(&mut key, entries, &[]);
+    key.push_str(suffix);
+    key
+}
+
+// `<prefix>{<tenant>}:<domain><kind><request id>`: a request's record of one kind.
+fn request_key(domain: &Domain, entries: &[(&str, &str)], kind: &str, request_id: &str) -> String {
+    let mut key = prefix(tenant_of(domain, entries));
+    escape_into(&mut key, &domain.name);
+    key.push_str(kind);
     escape_into(&mut key, request_id);
     key
 }

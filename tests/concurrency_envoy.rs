@@ -159,7 +159,9 @@ async fn the_upstream_never_sees_more_than_the_limit_in_flight() {
     assert_eq!(other, 0, "every answer a 200 or a 429");
     assert!(most <= 5, "the upstream saw {most} in flight");
     assert_eq!(most, 5, "the limit is used");
-    assert!(ok as f64 >= 0.7 * ideal, "{ok} served, {ideal:.0} possible");
+    // 75-87% measured (the lower under a full CI run on two cores); well under it means slots
+    // linger after their responses.
+    assert!(ok as f64 >= 0.6 * ideal, "{ok} served, {ideal:.0} possible");
     assert_eq!(counts.served.load(Ordering::SeqCst), ok);
 
     // Every slot given back once the responses are done.
