@@ -145,10 +145,13 @@ impl Limiter {
         if let Some(priced) = &domain.priced {
             return self.decide_priced(domain, priced, query).await;
         }
-        let slot_plans: Vec<Option<slots::SlotPlan<'_>>> =
-            query.descriptors.iter().map(|d| slots::plan(domain, &d.entries)).collect();
-        if slot_plans.iter().any(Option::is_some) {
-            return self.decide_with_slots(domain, query, slot_plans).await;
+        // Most requests name no request id: they pay for no slot plans.
+        if query.descriptors.iter().any(|d| slots::may_name_slots(domain, &d.entries)) {
+            let slot_plans: Vec<Option<slots::SlotPlan<'_>>> =
+                query.descriptors.iter().map(|d| slots::plan(domain, &d.entries)).collect();
+            if slot_plans.iter().any(Option::is_some) {
+                return self.decide_with_slots(domain, query, slot_plans).await;
+            }
         }
         let mut plans: Vec<Plan<'_>> = query.descriptors.iter().map(|d| self.plan(domain, d)).collect();
         drop_replaced(&mut plans);

@@ -37,6 +37,15 @@ impl SlotPlan<'_> {
     }
 }
 
+/// Whether a descriptor with `entries` ends as a take or a give-back does (a request id, then
+/// perhaps `release`): a test without allocation, before [`plan`] walks the tree.
+pub(super) fn may_name_slots(domain: &Domain, entries: &[(&str, &str)]) -> bool {
+    match entries {
+        [.., (id_key, _), (RELEASE_KEY, _)] | [.., (id_key, _)] => *id_key == domain.request_id_key,
+        [] => false,
+    }
+}
+
 /// The slot plan of a descriptor with `entries` in `domain`, if it takes or gives back slots.
 pub(super) fn plan<'q>(domain: &Domain, entries: &[(&'q str, &'q str)]) -> Option<SlotPlan<'q>> {
     let (action, path, id) = match entries {
