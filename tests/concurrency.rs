@@ -1,4 +1,5 @@
-//! Concurrency limits over the RLS API, on the embedded store, Redis and a Redis Cluster: a take is
+//! Concurrency limits over the RLS API, on the embedded store, Redis, a Redis Cluster and Redis
+//! behind Sentinel: a take is
 //! idempotent per request id, a give-back counts once, a slot not given back expires, a request
 //! id reused on another path is refused, and a take is all or nothing with the token bucket on
 //! its path. What Redis holds is read back: the open slots are exactly the admitted takes not
@@ -42,9 +43,9 @@ fn remaining(r: &envoy_types::pb::envoy::service::ratelimit::v3::RateLimitRespon
 }
 
 // `zcard` reads the open slots from Redis (none for the embedded store).
-async fn slots_as_promised(backend: Backend, zcard: &dyn Fn() -> Option<i64>) {
+async fn slots_as_promised(backend: Backend, extra: &[&str], zcard: &dyn Fn() -> Option<i64>) {
     let (_dir, config) = config_file(CONFIG);
-    let server = Tollgate::start(&config, &backend, &[]);
+    let server = Tollgate::start(&config, &backend, extra);
     let (_, shown) = http_get(server.http, "/config").unwrap();
     let shown: serde_json::Value = serde_json::from_str(&shown).unwrap();
     assert_eq!(
@@ -112,25 +113,35 @@ async fn slots_as_promised(backend: Backend, zcard: &dyn Fn() -> Option<i64>) {
     assert!(sample(&m, "tollgate_concurrency_slots_total", &[("event", "taken")]) >= 5.0);
     assert!(sample(&m, "tollgate_concurrency_slots_total", &[("event", "refused")]) >= 1.0);
     assert!(sample(&m, "tollgate_concurrency_slots_total", &[("event", "given_back")]) >= 2.0);
+    // Taken less given back and expired: e's slot (one replica, so its own count is the world's).
+    assert_eq!(sample(&m, "tollgate_concurrency_slots_open", &[("rule", "tenant")]), 1.0);
 }
 
 #[tokio::test(flavor = "multi_thread")]
 async fn slots_on_the_embedded_store() {
-    slots_as_promised(Backend::Memory, &|| None).await;
+    slots_as_promised(Backend::Memory, &[], &|| None).await;
 }
 
 #[tokio::test(flavor = "multi_thread")]
 async fn slots_on_redis() {
     let redis = Redis::start();
     let zcard = || Some(redis::cmd("ZCARD").arg(SET).query(&mut redis.connection()).unwrap());
-    slots_as_promised(Backend::Redis(redis.url()), &zcard).await;
+    slots_as_promised(Backend::Redis(redis.url()), &[], &zcard).await;
 }
 
 #[tokio::test(flavor = "multi_thread")]
 async fn slots_on_a_cluster() {
     let cluster = RedisCluster::start();
     let zcard = || Some(redis::cmd("ZCARD").arg(SET).query(&mut cluster.connection()).unwrap());
-    slots_as_promised(Backend::Cluster(cluster.seeds()), &zcard).await;
+    slots_as_promised(Backend::Cluster(cluster.seeds()), &[], &zcard).await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn slots_behind_sentinel() {
+    let group = SentinelGroup::start();
+    let sentinel = ["--redis-sentinel", &group.addrs(), "--redis-sentinel-master", SENTINEL_MASTER];
+    let zcard = || Some(redis::cmd("ZCARD").arg(SET).query(&mut group.primary.connection()).unwrap());
+    slots_as_promised(Backend::Memory, &sentinel, &zcard).await;
 }
 
 // A take whose reply comes after the deadline, in a `deny` domain: the failure mode refuses the
@@ -237,4 +248,79 @@ async fn a_take_with_a_limit_in_another_slot_on_redis_and_a_cluster() {
         (t.unwrap_or(3.0).floor(), redis::cmd("ZCARD").arg(SET).query(&mut c).unwrap())
     };
     a_take_with_a_limit_in_another_slot(Backend::Cluster(cluster.seeds()), &read).await;
+}
+
+// Two descriptors down to one request id under one tenant (a limit per route and one per user):
+// one request, its slots all or nothing in one script. A take the user's full set refuses takes
+// no route slot; the stream-end call gives both back, whatever the order of its descriptors.
+// Takes at two tenants are undone when one refuses.
+#[tokio::test(flavor = "multi_thread")]
+async fn two_takes_of_one_request_are_all_or_nothing() {
+    const TWO: &str = r#"
+domain: conc
+descriptors:
+  - key: tenant
+    descriptors:
+      - key: route
+        concurrency: {max: 2, ttl: 60s}
+      - key: user
+        concurrency: {max: 1, ttl: 60s}
+"#;
+    const ROUTE: &str = "rl:{acme}:conc:tenant=acme:route=/export:slots";
+    const USER: &str = "rl:{acme}:conc:tenant=acme:user=u1:slots";
+    let redis = Redis::start();
+    let (_dir, config) = config_file(TWO);
+    let server = Tollgate::start(&config, &Backend::Redis(redis.url()), &[]);
+    let call = |descriptors: Vec<String>| {
+        let addr = server.addr();
+        async move {
+            let refs: Vec<&str> = descriptors.iter().map(String::as_str).collect();
+            ask(&addr, req("conc", &refs, 1)).await.unwrap()
+        }
+    };
+    let take = |id: &str| {
+        vec![
+            format!("tenant=acme,route=/export,request_id={id}"),
+            format!("tenant=acme,user=u1,request_id={id}"),
+        ]
+    };
+    let open = || {
+        let mut c = redis.connection();
+        let mut zcard = |key: &str| redis::cmd("ZCARD").arg(key).query::<i64>(&mut c).unwrap();
+        (zcard(ROUTE), zcard(USER))
+    };
+    let a = call(take("a")).await;
+    assert_eq!(a.overall_code, OK);
+    assert_eq!(header(&a, "X-Concurrency-Remaining"), Some("0"), "the user's set is the tightest");
+    assert_eq!(open(), (1, 1));
+    // The user's set is full: b takes no route slot either.
+    assert_eq!(call(take("b")).await.overall_code, OVER_LIMIT);
+    assert_eq!(open(), (1, 1), "nothing taken for b");
+    // A retry of a's call: its recorded answer, nothing more taken.
+    assert_eq!(call(take("a")).await.overall_code, OK);
+    assert_eq!(open(), (1, 1));
+    // The give-back, its descriptors in the other order: both slots back.
+    let release = vec![
+        "tenant=acme,user=u1,request_id=a,release=1".to_owned(),
+        "tenant=acme,route=/export,request_id=a,release=1".to_owned(),
+    ];
+    assert_eq!(call(release).await.overall_code, OK);
+    assert_eq!(open(), (0, 0));
+    // b's refusal is recorded (its retry is refused again); a new request gets both slots.
+    assert_eq!(call(take("b")).await.overall_code, OVER_LIMIT);
+    assert_eq!(call(take("c")).await.overall_code, OK);
+    assert_eq!(open(), (1, 1));
+
+    // Takes at two tenants (two records, two Cluster slots): zeta's is taken first, acme's user
+    // set is full (c), so zeta's slot is given back: the refused request holds nothing.
+    const ZETA: &str = "rl:{zeta}:conc:tenant=zeta:route=/export:slots";
+    let two_tenants = vec![
+        "tenant=zeta,route=/export,request_id=d".to_owned(),
+        "tenant=acme,user=u1,request_id=d".to_owned(),
+    ];
+    assert_eq!(call(two_tenants).await.overall_code, OVER_LIMIT);
+    let zeta: i64 = redis::cmd("ZCARD").arg(ZETA).query(&mut redis.connection()).unwrap();
+    assert_eq!((zeta, open()), (0, (1, 1)), "zeta's slot given back, acme's sets as they were");
+    let m = server.metrics();
+    assert_eq!(sample(&m, "tollgate_concurrency_slots_open", &[("rule", "tenant.route")]), 1.0);
 }

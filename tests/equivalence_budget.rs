@@ -11,7 +11,10 @@
 //! changes while holds are open; cancels and read-only peeks are among the ops. Request ids are
 //! reused by other paths and other holds (refused, nothing charged), counts come far above any
 //! hold, settlements come whose model left the price table (priced at the record's row), and
-//! soft limits are crossed (counted once a period, in both).
+//! soft limits are crossed (counted once a period, in both). Every op also carries two
+//! concurrency limits (the org's and the team's, on half the paths): holds take a slot of each, all or nothing,
+//! and are refused by a full set, settlements and cancels give them back, slots expire; every
+//! set's open slots compared after each op.
 
 mod common;
 
@@ -27,6 +30,7 @@ use tollgate::budget::{
     Money, PriceRow,
 };
 use tollgate::clock::ManualClock;
+use tollgate::slot::SlotSet;
 use tollgate::store::{MemoryStore, RedisStore, RedisTarget, RedisTls, Store};
 
 const PERIOD_MS: i64 = 700;
@@ -56,6 +60,16 @@ fn op(rng: &mut StdRng, now: i64, lost: LostSettle) -> BudgetOp {
         level(format!("rl:{{o}}:llm:org=o:team={team}:budget"), 15_000_000),
         level(format!("rl:{{o}}:llm:org=o:team={team}:key=k:budget"), 6_000_000),
     ];
+    // Slot ttls differ per op as they may after a reload, and span hold ttls.
+    let mut set = |key: String, max: u64| SlotSet { key, max, ttl_ms: rng.random_range(200..1_200) };
+    let mut sets = vec![
+        set("rl:{o}:llm:org=o:slots".into(), 3),
+        set(format!("rl:{{o}}:llm:org=o:team={team}:slots"), 2),
+    ];
+    // Half the requests are on paths without them (so that holds are not all held back).
+    if request >= 12 {
+        sets.clear();
+    }
     let buckets = vec![BucketLevel {
         key: format!("rl:{{o}}:llm:org=o:team={team}:key=k"),
         spec: BucketSpec::new(6_000.0, 4_000.0).unwrap(),
@@ -99,6 +113,7 @@ fn op(rng: &mut StdRng, now: i64, lost: LostSettle) -> BudgetOp {
         binding: format!("org=o:team={team}:key=k:model=m"),
         levels,
         buckets,
+        sets,
         version: version.into(),
         row: row(version),
         lost,
@@ -139,9 +154,11 @@ async fn replay(seed: u64, redis: &common::Redis) -> HashMap<&'static str, usize
         }
         let (secs, micros): (i64, i64) = redis::cmd("TIME").query(&mut con).unwrap();
         // Now and then the cancel the limiter sends after a hold whose answer it lost: of the
-        // hold just admitted, so that cancels of open holds are common.
+        // hold just admitted, so that cancels of open holds are common; or that hold again, as
+        // a retry.
         let op = match last_held.take() {
             Some(held) if rng.random_bool(0.3) => BudgetOp { action: BudgetAction::Cancel, ..held },
+            Some(held) if rng.random_bool(0.15) => held,
             _ => op(&mut rng, secs * 1000 + micros / 1000, lost),
         };
         let from_redis = store.budget(&op).await.expect("redis answers");
@@ -156,6 +173,7 @@ async fn replay(seed: u64, redis: &common::Redis) -> HashMap<&'static str, usize
             BudgetOutcome::Held { verdict: HoldVerdict::Duplicate, .. } => "duplicate hold",
             BudgetOutcome::Held { verdict: HoldVerdict::Reused, .. } => "reused id refused",
             BudgetOutcome::Held { exhausted: Some(_), .. } => "budget denied",
+            BudgetOutcome::Held { slots, .. } if slots.full.is_some() => "set full",
             BudgetOutcome::Held { .. } => "bucket denied",
             BudgetOutcome::Settled { had: HadHold::Open, .. } => "settled open",
             BudgetOutcome::Settled { had: HadHold::Expired, .. } => "settled expired",
@@ -172,6 +190,22 @@ async fn replay(seed: u64, redis: &common::Redis) -> HashMap<&'static str, usize
             BudgetOutcome::Peeked { .. } => "peeked",
         };
         *seen.entry(what).or_default() += 1;
+        if let BudgetOutcome::Settled { slots, .. } | BudgetOutcome::Cancelled { slots, .. } = &from_redis {
+            if slots.readings.iter().any(|r| r.given_back) {
+                *seen.entry("slot given back").or_default() += 1;
+            }
+        }
+        // Every set: the same open slots, expiring at the same times.
+        for set in &op.sets {
+            let stored: Vec<(String, u64)> =
+                redis::cmd("ZRANGE").arg(&set.key).arg(0).arg(-1).arg("WITHSCORES").query(&mut con).unwrap();
+            let now = now_of(&from_redis);
+            let mut open: Vec<(String, u64)> = stored.into_iter().filter(|(_, at)| *at > now).collect();
+            open.sort();
+            let memory_open: Vec<(String, u64)> =
+                memory.open_slots(&set.key).into_iter().filter(|(_, at)| *at > now).collect();
+            assert_eq!(open, memory_open, "seed {seed} step {step}: set {}", set.key);
+        }
         if let BudgetOutcome::Held { levels, .. } | BudgetOutcome::Settled { levels, .. } = &from_redis {
             if levels.iter().any(|l| l.alerted.1 > l.alerted.0) {
                 *seen.entry("alert crossed").or_default() += 1;
@@ -220,6 +254,8 @@ async fn memory_ledger_and_lua_script_agree() {
         "settled another's record",
         "alert crossed",
         "budget denied",
+        "set full",
+        "slot given back",
         "bucket denied",
         "settled open",
         "settled expired",

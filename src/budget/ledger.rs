@@ -12,6 +12,7 @@ use super::{
     BudgetAction, BudgetOp, BudgetOutcome, HadHold, HoldVerdict, LevelReading, LostSettle, Money, PriceRow,
 };
 use crate::bucket::{BucketOp, Charge, Group, GroupOutcome, Role};
+use crate::slot::{SetsOutcome, Slots};
 use crate::sweep::sweep_map;
 
 /// Every level's and request's state.
@@ -89,12 +90,14 @@ struct Working {
 
 impl Ledger {
     /// Applies `op` at `now_ms`; `buckets` evaluates one group of token-bucket ops atomically
-    /// with it (the memory store's bucket map, under the same lock).
+    /// with it (the memory store's bucket map, under the same lock), and `slots` holds its
+    /// concurrency sets.
     pub fn apply(
         &mut self,
         op: &BudgetOp,
         now_ms: u64,
         buckets: &mut dyn FnMut(Group) -> GroupOutcome,
+        slots: &mut Slots,
     ) -> BudgetOutcome {
         let now = now_ms as i64;
         let levels: Vec<(String, Money, i64)> = op
@@ -141,6 +144,7 @@ impl Ledger {
                     .collect();
                 let mut verdict = HoldVerdict::Admitted;
                 let mut exhausted = None;
+                let mut sets = SetsOutcome::default();
                 if let Some(r) = &record {
                     // Only the same request asking again is a retry: open, same path, same hold.
                     let retry = r.open
@@ -152,7 +156,10 @@ impl Ledger {
                     exhausted = indices.iter().zip(&levels).position(|(&w, (_, cap, _))| {
                         *cap < work[w].state.spent + work[w].state.held + *amount
                     });
-                    if exhausted.is_some() {
+                    let (readings, full) = slots.read_sets(&op.sets, now_ms);
+                    sets.readings = readings;
+                    sets.full = full.filter(|_| exhausted.is_none());
+                    if exhausted.is_some() || sets.full.is_some() {
                         verdict = HoldVerdict::Denied;
                     }
                 }
@@ -193,6 +200,10 @@ impl Ledger {
                         },
                     );
                 }
+                if record.is_none() {
+                    let admitted = verdict == HoldVerdict::Admitted;
+                    slots.close_sets(&op.sets, &op.record, admitted, now_ms, &mut sets.readings);
+                }
                 alert(&mut work);
                 let levels = indices.iter().map(|&w| reading(&work[w])).collect();
                 let expired = expired(&work);
@@ -204,6 +215,7 @@ impl Ledger {
                     levels,
                     buckets: bucket_readings,
                     expired,
+                    slots: sets,
                 }
             }
             BudgetAction::Peek => {
@@ -245,28 +257,25 @@ impl Ledger {
                         HadHold::Open
                     }
                 };
-                BudgetOutcome::Cancelled { now_ms, had, expired: expired(&work) }
+                let mut sets = SetsOutcome::default();
+                if had != HadHold::Other {
+                    sets.readings = slots.give_back(&op.sets, &op.record, now_ms).0;
+                }
+                BudgetOutcome::Cancelled { now_ms, had, expired: expired(&work), slots: sets }
             }
             BudgetAction::Settle { usage } => {
-                let charged_levels: Vec<(String, i64)> = match &record {
-                    // Another request's record, or no record and no price to charge at: nothing.
+                let settled = |had, slots| BudgetOutcome::Settled {
+                    now_ms,
+                    charged: Money::ZERO,
+                    had,
+                    levels: Vec::new(),
+                    expired: 0,
+                    slots,
+                };
+                match &record {
+                    // Another request's record: nothing.
                     Some(r) if r.binding != op.binding => {
-                        return BudgetOutcome::Settled {
-                            now_ms,
-                            charged: Money::ZERO,
-                            had: HadHold::Other,
-                            levels: Vec::new(),
-                            expired: 0,
-                        };
-                    }
-                    None if op.version.is_empty() => {
-                        return BudgetOutcome::Settled {
-                            now_ms,
-                            charged: Money::ZERO,
-                            had: HadHold::None,
-                            levels: Vec::new(),
-                            expired: 0,
-                        };
+                        return settled(HadHold::Other, SetsOutcome::default())
                     }
                     Some(r) if r.version != op.version => {
                         return BudgetOutcome::Reprice {
@@ -275,6 +284,13 @@ impl Ledger {
                             row: PriceRow::parse(&r.row).unwrap_or(op.row),
                         };
                     }
+                    _ => {}
+                }
+                let mut sets = SetsOutcome::default();
+                sets.readings = slots.give_back(&op.sets, &op.record, now_ms).0;
+                let charged_levels: Vec<(String, i64)> = match &record {
+                    // No record and no price to charge at: nothing more.
+                    None if op.version.is_empty() => return settled(HadHold::None, sets),
                     Some(r) => r.levels.clone(),
                     None => levels.iter().map(|(key, _, end)| (key.clone(), *end)).collect(),
                 };
@@ -348,7 +364,14 @@ impl Ledger {
                 }
                 alert(&mut work);
                 let levels = indices.iter().map(|&w| reading(&work[w])).collect();
-                BudgetOutcome::Settled { now_ms, charged: now_charge, had, levels, expired: expired(&work) }
+                BudgetOutcome::Settled {
+                    now_ms,
+                    charged: now_charge,
+                    had,
+                    levels,
+                    expired: expired(&work),
+                    slots: sets,
+                }
             }
         };
         for level in work.into_iter().filter(|l| l.written) {

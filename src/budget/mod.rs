@@ -42,6 +42,7 @@ use serde::Serialize;
 pub use self::money::{cost, Money, MoneyError};
 pub use self::period::{Calendar, Per, UnknownZone, Window};
 use crate::bucket::BucketSpec;
+use crate::slot::{SetsOutcome, SlotSet};
 
 /// Every reason a priced request is refused for, as `tollgate_budget_refusals_total` counts it
 /// (the limiter refuses; telemetry registers the series).
@@ -270,6 +271,9 @@ pub struct BudgetOp {
     pub levels: Vec<LevelOp>,
     /// The token buckets on its path, top first.
     pub buckets: Vec<BucketLevel>,
+    /// The concurrency limits on its path, top first: a hold takes a slot of each, all or
+    /// nothing with its budgets and buckets; a settlement or a cancel gives it back.
+    pub sets: Vec<SlotSet>,
     /// The price version in force, and the model's row in it.
     pub version: String,
     /// The model's prices at that version.
@@ -380,6 +384,8 @@ pub enum BudgetOutcome {
         buckets: Vec<(f64, Option<u64>)>,
         /// Other requests' holds this op found expired (counted at its top level).
         expired: u64,
+        /// Its concurrency sets (none read for a retry or a reused id).
+        slots: SetsOutcome,
     },
     /// A settlement's answer.
     Settled {
@@ -393,6 +399,8 @@ pub enum BudgetOutcome {
         levels: Vec<LevelReading>,
         /// Holds this op found expired (counted at its top level).
         expired: u64,
+        /// Its concurrency sets, the request's slot given back.
+        slots: SetsOutcome,
     },
     /// A peek's answer: per level, spent and held money (holds past their expiry included until
     /// an op finds them) and the period's end.
@@ -411,6 +419,8 @@ pub enum BudgetOutcome {
         had: HadHold,
         /// Holds this op found expired (counted at its top level).
         expired: u64,
+        /// Its concurrency sets, the request's slot given back.
+        slots: SetsOutcome,
     },
     /// The hold was made at another price version: price the usage at this row and send again.
     Reprice {

@@ -139,7 +139,7 @@ impl SlotReport {
 }
 
 /// One slot set after an op.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct SlotLimit {
     /// The node's path (its keys), the rule label of its metrics.
     pub node: String,

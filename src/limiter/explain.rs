@@ -14,7 +14,7 @@ use crate::bucket::Role;
 use crate::config::{Domain, Limit, Rule};
 use crate::identity;
 use crate::quota::QuotaOrigin;
-use crate::slot::SlotAction;
+use crate::slot::{SlotAction, SlotSet};
 
 /// The explanation of a whole query.
 #[derive(Debug)]
@@ -126,7 +126,12 @@ impl Limiter {
             let mut descriptors = Vec::with_capacity(query.descriptors.len());
             for d in &query.descriptors {
                 let effect = self.explain_priced(domain, priced, &d.entries, d.hits).await;
-                descriptors.push(Explained { rule: None, effect, slots: Vec::new() });
+                let slots = match &effect {
+                    // A hold takes its slots; a settlement gives them back.
+                    Effect::Budget(b) => explain_sets(&b.op.sets, &b.set_nodes, SlotAction::Take),
+                    _ => Vec::new(),
+                };
+                descriptors.push(Explained { rule: None, effect, slots });
             }
             return Explanation { domain: Some(domain.clone()), descriptors };
         }
@@ -177,22 +182,25 @@ impl Limiter {
                     }
                 }
             };
-            let slots = slot_plan.as_ref().map_or_else(Vec::new, |s| {
-                s.op.sets
-                    .iter()
-                    .zip(&s.nodes)
-                    .map(|(set, node)| SlotExplained {
-                        node: node.clone(),
-                        key: set.key.clone(),
-                        max: set.max,
-                        ttl_ms: set.ttl_ms,
-                        slot: identity::cluster_slot(&set.key),
-                        action: s.op.action,
-                    })
-                    .collect()
-            });
+            let slots =
+                slot_plan.as_ref().map_or_else(Vec::new, |s| explain_sets(&s.op.sets, &s.nodes, s.op.action));
             descriptors.push(Explained { rule: matched, effect, slots });
         }
         Explanation { domain: Some(domain.clone()), descriptors }
     }
+}
+
+// The slot sets an op takes a slot of or gives one back to, as explained.
+fn explain_sets(sets: &[SlotSet], nodes: &[String], action: SlotAction) -> Vec<SlotExplained> {
+    sets.iter()
+        .zip(nodes)
+        .map(|(set, node)| SlotExplained {
+            node: node.clone(),
+            key: set.key.clone(),
+            max: set.max,
+            ttl_ms: set.ttl_ms,
+            slot: identity::cluster_slot(&set.key),
+            action,
+        })
+        .collect()
 }

@@ -15,7 +15,7 @@ use super::{Code, DecideError, Decision, Outcome, Query, QueryDescriptor};
 use crate::bucket::{refund, Group, GroupOutcome};
 use crate::config::{Domain, FailureMode};
 use crate::identity;
-use crate::slot::{SlotAction, SlotOp, SlotOutcome, SlotSet, SlotVerdict, RELEASE_KEY};
+use crate::slot::{SetReading, SlotAction, SlotOp, SlotOutcome, SlotSet, SlotVerdict, RELEASE_KEY};
 use crate::store::LateReply;
 use crate::store::StoreError;
 use crate::telemetry::logs::{self, ErrorChain};
@@ -81,6 +81,41 @@ pub(super) fn plan<'q>(domain: &Domain, entries: &[(&'q str, &'q str)]) -> Optio
     Some(SlotPlan { path: path.to_vec(), op, nodes: names })
 }
 
+/// A request's takes at one record as one op, and its give-backs likewise: several descriptors
+/// down to the same request id under one tenant are one request, whose slots are all or nothing
+/// in one script. Its binding is their paths, sorted (the stream-end call names the same paths,
+/// whatever their order). The first such descriptor carries the op; the others carry none.
+pub(super) fn merge(mut plans: Vec<Option<SlotPlan<'_>>>) -> Vec<Option<SlotPlan<'_>>> {
+    for i in 0..plans.len() {
+        let Some(mut merged) = plans[i].take() else { continue };
+        let mut bindings = vec![merged.op.binding.clone()];
+        for later in plans.iter_mut().skip(i + 1) {
+            if !later
+                .as_ref()
+                .is_some_and(|p| (&p.op.record, p.op.action) == (&merged.op.record, merged.op.action))
+            {
+                continue;
+            }
+            let other = later.take().expect("checked");
+            for (set, node) in other.op.sets.into_iter().zip(other.nodes) {
+                if !merged.op.sets.iter().any(|s| s.key == set.key) {
+                    merged.op.sets.push(set);
+                    merged.nodes.push(node);
+                }
+            }
+            bindings.push(other.op.binding);
+        }
+        if bindings.len() > 1 {
+            bindings.sort();
+            bindings.dedup();
+            // A path's text escapes control characters: a newline cannot occur inside one.
+            merged.op.binding = bindings.join("\n");
+        }
+        plans[i] = Some(merged);
+    }
+    plans
+}
+
 /// Each descriptor as what it limits: a slot descriptor its path (without the request id).
 pub(super) fn effective<'q>(
     query: &Query<'q>,
@@ -117,14 +152,15 @@ pub(super) fn plans<'a>(
 // A node's place as envoyproxy/ratelimit prints rule paths: `key_value.key`, values of the
 // config node only. Slot nodes are named by the request's own values here, which a wildcard or
 // any-value node would make unbounded: those are printed by key alone.
-fn node_path(path: &[(&str, &str)]) -> String {
+pub(super) fn node_path(path: &[(&str, &str)]) -> String {
     path.iter().map(|(k, _)| *k).collect::<Vec<_>>().join(".")
 }
 
 impl Limiter {
     /// Decides a request some of whose descriptors take or give back slots: its first take with
-    /// every token bucket of the request, all or nothing in one store op; every other slot
-    /// descriptor on its own.
+    /// every token bucket of the request, all or nothing in one store op (the takes of one
+    /// tenant merged into it); a take at another tenant on its own, a refused take undoing the
+    /// others.
     pub(super) async fn decide_with_slots(
         &self,
         domain: &Arc<Domain>,
@@ -133,6 +169,7 @@ impl Limiter {
     ) -> Result<Decision, DecideError> {
         let effective = effective(query, &slot_plans);
         let mut plans = plans(self, domain, &effective, &slot_plans);
+        let slot_plans = merge(slot_plans);
         drop_replaced(&mut plans);
         self.resolve_quotas(domain, &mut plans).await;
         let (group, op_of) = group(&plans);
@@ -141,11 +178,11 @@ impl Limiter {
         let outcome = match first_take {
             Some(i) => {
                 let plan = slot_plans[i].as_ref().expect("a take");
-                let (outcome, answer) = self.take_with(domain, plan, group).await;
+                let (outcome, answer) = self.take_with(domain, plan, group.clone()).await;
                 answers[i] = answer;
                 outcome
             }
-            None => self.evaluate(domain, group).await,
+            None => self.evaluate(domain, group.clone()).await,
         };
         for (i, plan) in slot_plans.iter().enumerate() {
             // The first take was decided with the buckets (and not asked at all if they denied).
@@ -153,6 +190,7 @@ impl Limiter {
                 answers[i] = Some(self.slot_call(domain, &plan.op).await);
             }
         }
+        self.undo_if_refused(domain, &slot_plans, &answers, &group, &outcome).await;
         for (plan, answer) in slot_plans.iter().zip(&answers) {
             if let (Some(plan), Some(Err(_))) = (plan, answer) {
                 self.repair_slots(domain, plan);
@@ -168,7 +206,7 @@ impl Limiter {
         for ((verdict, plan), answer) in decision.descriptors.iter_mut().zip(&slot_plans).zip(&answers) {
             match (plan, answer) {
                 (Some(plan), Some(Ok(answer))) => {
-                    count_slots(domain, plan, answer);
+                    count_slots(domain, &plan.nodes, &answer.sets, SlotEvent::of(answer.verdict));
                     let bucket = match &verdict.outcome {
                         Outcome::Bucket(b) => Some(b.clone()),
                         _ => None,
@@ -218,6 +256,47 @@ impl Limiter {
                 Err(DecideError::Unavailable { domain: domain.name.clone(), source })
             }
             _ => Ok(decision),
+        }
+    }
+
+    // Several takes in one request, all or nothing by undoing: when one refused (or failed
+    // under a failure mode that refuses), the others' slots are given back and the buckets the
+    // first took refunded. The request is refused, and Envoy sends no give-back for a request
+    // it refused: without this, its slots would stay taken until their ttl.
+    async fn undo_if_refused(
+        &self,
+        domain: &Domain,
+        slot_plans: &[Option<SlotPlan<'_>>],
+        answers: &[Option<Result<SlotOutcome, StoreError>>],
+        group: &Group,
+        outcome: &Result<Option<GroupOutcome>, StoreError>,
+    ) {
+        let takes = || slot_plans.iter().zip(answers).filter(|(p, _)| p.as_ref().is_some_and(SlotPlan::take));
+        let refused = takes().any(|(_, a)| match a {
+            Some(Ok(answer)) => !answer.admitted(),
+            Some(Err(_)) => domain.failure_mode != FailureMode::Allow,
+            None => false,
+        });
+        let taken: Vec<&SlotPlan<'_>> = takes()
+            .filter(|(_, a)| matches!(a, Some(Ok(SlotOutcome { verdict: SlotVerdict::Taken, .. }))))
+            .filter_map(|(p, _)| p.as_ref())
+            .collect();
+        if !refused || taken.is_empty() {
+            return;
+        }
+        for plan in taken {
+            let op = SlotOp { action: SlotAction::GiveBack, group: Vec::new(), ..plan.op.clone() };
+            match self.slot_call(domain, &op).await {
+                Ok(answer) => count_slots(domain, &plan.nodes, &answer.sets, SlotEvent::Other),
+                Err(_) => self.repair_slots(domain, &SlotPlan { op, ..plan.clone() }),
+            }
+        }
+        if let Ok(Some(admitted)) = outcome {
+            let back: Group = refund(group, admitted).into_iter().map(|(_, op)| op).collect();
+            if !back.is_empty() {
+                metrics::counter!("tollgate_store_refunds_total", "reason" => "split").increment(1);
+                let _ = self.store_call(&[back], LateReply::Keep).await;
+            }
         }
     }
 
@@ -321,23 +400,50 @@ impl Limiter {
     }
 }
 
-// Slots taken, refused, given back and expired, per node (config paths: bounded).
-fn count_slots(domain: &Domain, plan: &SlotPlan<'_>, answer: &SlotOutcome) {
-    for (n, node) in plan.nodes.iter().enumerate() {
-        let count = |event: &'static str, by: u64| {
+/// What an op did to a request's slots, beside what its readings say (expired, given back).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum SlotEvent {
+    /// A slot taken in every set.
+    Taken,
+    /// Refused because this set was full (none: something else refused it).
+    Refused(Option<usize>),
+    /// Nothing taken or refused.
+    Other,
+}
+
+impl SlotEvent {
+    fn of(verdict: SlotVerdict) -> SlotEvent {
+        match verdict {
+            SlotVerdict::Taken => SlotEvent::Taken,
+            SlotVerdict::Refused(full) => SlotEvent::Refused(full),
+            _ => SlotEvent::Other,
+        }
+    }
+}
+
+/// Slots taken, refused, given back and expired per node (config paths: bounded), and the slots
+/// open: taken less given back and expired, per replica; summed over the replicas, the slots
+/// open, since a slot taken on one replica may be given back or found expired on another (as
+/// `tollgate_budget_holds_open` counts holds).
+pub(super) fn count_slots(domain: &Domain, nodes: &[String], readings: &[SetReading], event: SlotEvent) {
+    for (n, node) in nodes.iter().enumerate() {
+        let reading = readings.get(n);
+        let expired = reading.map_or(0, |r| r.expired);
+        let given_back = u64::from(reading.is_some_and(|r| r.given_back));
+        let taken = u64::from(event == SlotEvent::Taken);
+        let refused = u64::from(event == SlotEvent::Refused(Some(n)));
+        for (event, by) in
+            [("taken", taken), ("refused", refused), ("given_back", given_back), ("expired", expired)]
+        {
             if by > 0 {
                 metrics::counter!("tollgate_concurrency_slots_total", "domain" => domain.name.clone(), "rule" => node.clone(), "event" => event)
                     .increment(by);
             }
-        };
-        if let Some(reading) = answer.sets.get(n) {
-            count("expired", reading.expired);
         }
-        match answer.verdict {
-            SlotVerdict::Taken => count("taken", 1),
-            SlotVerdict::Refused(Some(full)) if full == n => count("refused", 1),
-            SlotVerdict::GivenBack(_) if answer.sets.get(n).is_some() => count("given_back", 1),
-            _ => {}
+        let net = taken as f64 - given_back as f64 - expired as f64;
+        if net != 0.0 {
+            metrics::gauge!("tollgate_concurrency_slots_open", "domain" => domain.name.clone(), "rule" => node.clone())
+                .increment(net);
         }
     }
 }

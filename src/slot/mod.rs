@@ -110,6 +110,18 @@ pub struct SetReading {
     pub expired: u64,
     /// For a full set, milliseconds until its earliest slot expires.
     pub frees_in_ms: Option<u64>,
+    /// Whether the op gave the request's slot back to it.
+    pub given_back: bool,
+}
+
+/// What an op that takes or gives back slots alongside something else (a budget hold, its
+/// settlement or cancel) did to its sets.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct SetsOutcome {
+    /// Per set, in the op's order (empty when the op read none).
+    pub readings: Vec<SetReading>,
+    /// A take refused for this full set (an index into the op's sets).
+    pub full: Option<usize>,
 }
 
 /// The outcome of a [`SlotOp`].
@@ -180,9 +192,7 @@ impl Slots {
                 if let Some(r) = record {
                     return outcome(SlotVerdict::Repeated(r.admitted), Vec::new(), None);
                 }
-                let mut readings: Vec<SetReading> =
-                    op.sets.iter().map(|s| self.sweep(&s.key, now_ms)).collect();
-                let full = op.sets.iter().zip(&readings).position(|(s, r)| r.open >= s.max);
+                let (mut readings, full) = self.read_sets(&op.sets, now_ms);
                 let group = if full.is_some() {
                     let checks: Group =
                         op.group.iter().map(|b| BucketOp { need: 0.0, ..b.clone() }).collect();
@@ -191,21 +201,7 @@ impl Slots {
                     buckets(op.group.clone())
                 };
                 let admitted = full.is_none() && group.admitted;
-                if admitted {
-                    for (set, reading) in op.sets.iter().zip(readings.iter_mut()) {
-                        let expiry = now_ms + set.ttl_ms;
-                        let (members, set_expiry) = self.sets.entry(set.key.clone()).or_default();
-                        members.insert(op.record.clone(), expiry);
-                        *set_expiry = (*set_expiry).max(expiry + LINGER_MS);
-                        reading.open += 1;
-                    }
-                } else {
-                    for (set, reading) in op.sets.iter().zip(readings.iter_mut()) {
-                        if reading.open >= set.max {
-                            reading.frees_in_ms = self.earliest(&set.key).map(|at| at.saturating_sub(now_ms));
-                        }
-                    }
-                }
+                self.close_sets(&op.sets, &op.record, admitted, now_ms, &mut readings);
                 let life = op.sets.iter().map(|s| s.ttl_ms).max().unwrap_or(0);
                 self.records.insert(
                     op.record.clone(),
@@ -223,20 +219,7 @@ impl Slots {
                 if !record.is_some_and(|r| r.admitted && !r.given_back) {
                     return outcome(SlotVerdict::Nothing, Vec::new(), None);
                 }
-                let mut given = 0;
-                // The sets the path has now: a set no longer configured keeps its slot until it
-                // expires.
-                let mut readings = Vec::with_capacity(op.sets.len());
-                for key in op.sets.iter().map(|s| &s.key) {
-                    let mut reading = self.sweep(key, now_ms);
-                    if let Some((members, _)) = self.sets.get_mut(key) {
-                        if members.remove(&op.record).is_some() {
-                            given += 1;
-                            reading.open -= 1;
-                        }
-                    }
-                    readings.push(reading);
-                }
+                let (readings, given) = self.give_back(&op.sets, &op.record, now_ms);
                 if let Some(stored) = self.records.get_mut(&op.record) {
                     stored.given_back = true;
                 }
@@ -265,19 +248,82 @@ impl Slots {
         self.len() == 0
     }
 
+    // The steps on sets that slot ops and budget holds share (and `store/redis/sets.lua` with
+    // them in Redis).
+
+    /// Drops every set's expired slots: what each has open then, and the first set that is full.
+    pub(crate) fn read_sets(&mut self, sets: &[SlotSet], now_ms: u64) -> (Vec<SetReading>, Option<usize>) {
+        let readings: Vec<SetReading> = sets.iter().map(|s| self.sweep(&s.key, now_ms)).collect();
+        let full = sets.iter().zip(&readings).position(|(s, r)| r.open >= s.max);
+        (readings, full)
+    }
+
+    /// After [`Slots::read_sets`]: an admitted request's slot added to every set (open until its
+    /// set's ttl); for a refused one, when each full set's earliest slot frees.
+    pub(crate) fn close_sets(
+        &mut self,
+        sets: &[SlotSet],
+        record: &str,
+        admitted: bool,
+        now_ms: u64,
+        readings: &mut [SetReading],
+    ) {
+        for (set, reading) in sets.iter().zip(readings.iter_mut()) {
+            if admitted {
+                let expiry = now_ms + set.ttl_ms;
+                let (members, set_expiry) = self.sets.entry(set.key.clone()).or_default();
+                members.insert(record.to_owned(), expiry);
+                *set_expiry = (*set_expiry).max(expiry + LINGER_MS);
+                reading.open += 1;
+            } else if reading.open >= set.max {
+                reading.frees_in_ms = self.earliest(&set.key).map(|at| at.saturating_sub(now_ms));
+            }
+        }
+    }
+
+    /// The slot of `record` given back to every set it is still open in: what each has open
+    /// then, and how many were given back. The sets the path has now: a set no longer configured
+    /// keeps its slot until it expires.
+    pub(crate) fn give_back(
+        &mut self,
+        sets: &[SlotSet],
+        record: &str,
+        now_ms: u64,
+    ) -> (Vec<SetReading>, u64) {
+        let mut given = 0;
+        let mut readings = Vec::with_capacity(sets.len());
+        for key in sets.iter().map(|s| &s.key) {
+            let mut reading = self.sweep(key, now_ms);
+            if let Some((members, _)) = self.sets.get_mut(key) {
+                if members.remove(record).is_some() {
+                    given += 1;
+                    reading.open -= 1;
+                    reading.given_back = true;
+                }
+            }
+            readings.push(reading);
+        }
+        (readings, given)
+    }
+
     // Drops the set's expired slots; what is open then.
     fn sweep(&mut self, key: &str, now_ms: u64) -> SetReading {
         let Some((members, set_expiry)) = self.sets.get_mut(key) else {
-            return SetReading { open: 0, expired: 0, frees_in_ms: None };
+            return SetReading { open: 0, expired: 0, frees_in_ms: None, given_back: false };
         };
         // A set an hour past its latest slot is gone, as its key is from Redis.
         if *set_expiry < now_ms {
             self.sets.remove(key);
-            return SetReading { open: 0, expired: 0, frees_in_ms: None };
+            return SetReading { open: 0, expired: 0, frees_in_ms: None, given_back: false };
         }
         let before = members.len();
         members.retain(|_, at| *at > now_ms);
-        SetReading { open: members.len() as u64, expired: (before - members.len()) as u64, frees_in_ms: None }
+        SetReading {
+            open: members.len() as u64,
+            expired: (before - members.len()) as u64,
+            frees_in_ms: None,
+            given_back: false,
+        }
     }
 
     fn earliest(&self, key: &str) -> Option<u64> {

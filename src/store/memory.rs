@@ -28,7 +28,8 @@ pub struct MemoryStore {
     buckets: Mutex<Swept<String, Entry>>,
     // Budgets; locked after `buckets` when both are (a budget op evaluates its token buckets).
     ledger: Mutex<Ledger>,
-    // Concurrency slots; locked after `buckets` too.
+    // Concurrency slots; locked after `buckets`, and after `ledger` (a budget op takes and gives
+    // back slots).
     slots: Mutex<Slots>,
 }
 
@@ -112,7 +113,8 @@ impl MemoryStore {
         let now = self.clock.now_ms();
         let mut buckets = self.buckets.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
         let mut ledger = self.ledger.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
-        ledger.apply(op, now, &mut |group| buckets.evaluate(&[group], now).remove(0))
+        let mut slots = self.slots.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        ledger.apply(op, now, &mut |group| buckets.evaluate(&[group], now).remove(0), &mut slots)
     }
 
     /// Applies a slot op now, its token buckets under the same lock.

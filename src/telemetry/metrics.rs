@@ -230,6 +230,7 @@ pub const METRICS: &[(&str, Kind, &str)] = &[
     ("tollgate_precheck_answers_total", Kind::Counter, "Groups denied by the exact local pre-check without a Redis call."),
     ("tollgate_concurrency_repairs_total", Kind::Counter, "Slot give-backs sent again in the background after a failed call, by domain, kind (give_back, give_back_refused_take) and outcome (ok, failed: left to the ttl)."),
     ("tollgate_concurrency_slots_total", Kind::Counter, "Concurrency slots by domain, node and event: taken, refused (a full set), given_back, expired (ended without a give-back)."),
+    ("tollgate_concurrency_slots_open", Kind::Gauge, "Slots this replica took less those it saw given back or expired, by domain and node; summed over the replicas, the slots open."),
     ("tollgate_precheck_hearing_raises", Kind::Gauge, "1 while the pre-check hears other replicas' balance raises (it answers denials itself only then), else 0."),
     ("tollgate_precheck_subscription_losses_total", Kind::Counter, "Times the subscription to other replicas' balance raises was lost (the pre-check answers nothing until it is back)."),
     ("tollgate_store_reconnects_total", Kind::Counter, "Rebuilds of the Redis Cluster connection after connection errors (to re-read the topology, e.g. after a failover)."),
@@ -420,6 +421,8 @@ fn register_slots(domain: &crate::config::Domain) {
             counter!("tollgate_concurrency_slots_total", "domain" => domain.name.clone(), "rule" => path.clone(), "event" => event)
                 .increment(0);
         }
+        gauge!("tollgate_concurrency_slots_open", "domain" => domain.name.clone(), "rule" => path.clone())
+            .increment(0.0);
     }
     if !domain.concurrency_limits().is_empty() {
         for kind in ["give_back", "give_back_refused_take"] {

@@ -212,21 +212,25 @@ fn budget_headers(decision: &Decision, retry_after: bool, headers: &mut Vec<(&'s
 // Where a request's concurrency slots stand (whatever the domain's sets): the tightest set's
 // limit and slots left, and on a take refused because a set is full, `Retry-After` when its
 // earliest slot expires (a give-back may free one sooner: a retry then is not wasted, only
-// possibly early, which is why it says at most that).
+// possibly early, which is why it says at most that). A priced request's slots are taken with
+// its hold, whose report carries them and its `Retry-After` (budget_headers).
 fn slot_headers(decision: &Decision, headers: &mut Vec<(&'static str, String)>) {
-    let reports = decision.descriptors.iter().filter_map(|d| match &d.outcome {
-        Outcome::Slot(r) if r.sets.iter().any(|s| s.max > 0) => Some(r),
-        _ => None,
+    let sets = decision.descriptors.iter().flat_map(|d| match &d.outcome {
+        Outcome::Slot(r) => &r.sets[..],
+        Outcome::Budget(r) => &r.slots[..],
+        _ => &[],
     });
-    let Some((report, tightest)) =
-        reports.filter_map(|r| Some((r, r.tightest()?))).min_by_key(|(_, t)| t.max.saturating_sub(t.open))
-    else {
+    let Some(tightest) = sets.filter(|s| s.max > 0).min_by_key(|s| s.max.saturating_sub(s.open)) else {
         return;
     };
     headers.push((CONCURRENCY_LIMIT, tightest.max.to_string()));
     headers.push((CONCURRENCY_REMAINING, tightest.max.saturating_sub(tightest.open).to_string()));
-    if decision.overall == Code::OverLimit && !report.admitted() {
-        if let Some(ms) = report.sets.iter().filter_map(|s| s.frees_in_ms).min() {
+    if decision.overall == Code::OverLimit {
+        let refused = decision.descriptors.iter().filter_map(|d| match &d.outcome {
+            Outcome::Slot(r) if !r.admitted() => Some(r),
+            _ => None,
+        });
+        if let Some(ms) = refused.flat_map(|r| &r.sets).filter_map(|s| s.frees_in_ms).min() {
             headers.push(("Retry-After", ms.div_ceil(1000).max(1).to_string()));
         }
     }

@@ -7,7 +7,9 @@ use std::time::Duration;
 use super::Request;
 use crate::budget::{BudgetAction, BudgetOutcome, HadHold, HoldVerdict, LevelReading, LostSettle, Money};
 use crate::config::{Domain, Priced};
+use crate::limiter::slots::{count_slots, SlotEvent};
 use crate::limiter::{count_store_error, Limiter};
+use crate::slot::SetsOutcome;
 use crate::store::StoreError;
 use crate::telemetry::logs::{self, ErrorChain};
 use crate::telemetry::traces;
@@ -54,6 +56,17 @@ impl Limiter {
         if let Some(kept) = written {
             self.telemetry.record_written(&name, kept);
         }
+        let (slots, event) = match outcome {
+            BudgetOutcome::Held { verdict: HoldVerdict::Admitted, slots, .. } => (slots, SlotEvent::Taken),
+            BudgetOutcome::Held { slots, .. } => (slots, SlotEvent::Refused(slots.full)),
+            BudgetOutcome::Settled { slots, .. } | BudgetOutcome::Cancelled { slots, .. } => {
+                (slots, SlotEvent::Other)
+            }
+            BudgetOutcome::Reprice { .. } | BudgetOutcome::Peeked { .. } => {
+                (&SetsOutcome::default(), SlotEvent::Other)
+            }
+        };
+        count_slots(domain, &request.set_nodes, &slots.readings, event);
         match outcome {
             BudgetOutcome::Held { verdict, exhausted, short, levels, .. } => {
                 metrics::counter!("tollgate_budget_holds_total", "domain" => name.clone(), "verdict" => verdict_label(*verdict))

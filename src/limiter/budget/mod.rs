@@ -38,6 +38,8 @@ use self::count::{budget_store_failed, count_refusal};
 use self::parse::{capped_usage, parse, settlement_price, Parsed, Refusal};
 use self::recover::call;
 
+use super::decision::SlotLimit;
+use super::slots::node_path;
 use super::{Code, DecideError, Decision, DescriptorVerdict, Effect, Limiter, Outcome, Query};
 use crate::budget::{
     BucketLevel, BudgetAction, BudgetOp, BudgetOutcome, BudgetOverride, BudgetSpec, Calendar, HoldVerdict,
@@ -45,6 +47,7 @@ use crate::budget::{
 };
 use crate::config::{Domain, FailureMode, Limit, Priced};
 use crate::identity;
+use crate::slot::SlotSet;
 use crate::store::StoreError;
 use crate::telemetry::logs;
 use crate::telemetry::traces;
@@ -76,6 +79,9 @@ pub struct BudgetReport {
     /// Per level whose spend is at or above a soft limit: its descriptor key and the highest
     /// such `alert_at` fraction.
     pub warnings: Vec<(String, Money)>,
+    /// The concurrency limits on the request's path, after its hold (a slot taken with it) or
+    /// settlement (given back).
+    pub slots: Vec<SlotLimit>,
 }
 
 impl BudgetReport {
@@ -87,6 +93,7 @@ impl BudgetReport {
             currency: currency.to_owned(),
             retry_after_s: None,
             warnings: Vec::new(),
+            slots: Vec::new(),
         }
     }
 }
@@ -98,6 +105,8 @@ pub struct BudgetExplained {
     pub op: BudgetOp,
     /// Each budget level's descriptor key, top first (as `op.levels`).
     pub level_names: Vec<String>,
+    /// Each concurrency limit's node path, as `op.sets`.
+    pub set_nodes: Vec<String>,
     /// The model, and the price table's currency.
     pub model: String,
     /// The currency.
@@ -114,6 +123,8 @@ struct Request {
     // Each level's value, as the top spenders metric shows it: the tenant's own, a hash below it
     // (a level such as an API key may be a credential).
     level_subjects: Vec<String>,
+    // Each concurrency limit's node path (the rule label of its metrics), as `op.sets`.
+    set_nodes: Vec<String>,
     // The request's tenant (for logs).
     tenant: Option<String>,
     descriptors: Vec<usize>,
@@ -264,6 +275,7 @@ impl Limiter {
                 Effect::Budget(Box::new(BudgetExplained {
                     op: request.op,
                     level_names: request.level_names,
+                    set_nodes: request.set_nodes,
                     model: model.unwrap_or_default(),
                     currency: priced.prices.currency.clone(),
                 }))
@@ -320,8 +332,17 @@ impl Limiter {
         let mut alert_at = Vec::new();
         let mut level_subjects = Vec::new();
         let mut buckets = Vec::new();
+        let (mut sets, mut set_nodes) = (Vec::new(), Vec::new());
         for (depth, node) in nodes.iter().enumerate() {
             let entries = &path[..=depth];
+            if let Some(limit) = node.concurrency {
+                sets.push(SlotSet {
+                    key: identity::slot_set(domain, entries),
+                    max: limit.max,
+                    ttl_ms: limit.ttl_ms,
+                });
+                set_nodes.push(node_path(entries));
+            }
             if let Some(budget) = &node.budget {
                 let (amount, calendar) = amount_and_calendar(budget, overrides, entries);
                 levels.push(LevelOp {
@@ -372,13 +393,14 @@ impl Limiter {
             binding: identity::path_text(levels_path),
             levels,
             buckets,
+            sets,
             version,
             row,
             lost: priced.on_lost_settle,
             life_ms: priced.hold_ttl.as_millis() as u64 + RECORD_GRACE_MS,
             action,
         };
-        Ok(Request { op, level_names, alert_at, level_subjects, tenant, descriptors: Vec::new() })
+        Ok(Request { op, level_names, alert_at, level_subjects, set_nodes, tenant, descriptors: Vec::new() })
     }
 }
 
@@ -407,14 +429,14 @@ fn report(request: &Request, outcome: &BudgetOutcome, currency: &str) -> (Code, 
         BudgetOutcome::Held { verdict: HoldVerdict::Reused, .. } => {
             return (Code::OverLimit, BudgetReport::refused(REFUSED_REQUEST_ID, currency));
         }
-        BudgetOutcome::Held { now_ms, verdict, exhausted, short, levels, buckets, .. } => {
+        BudgetOutcome::Held { now_ms, verdict, exhausted, short, levels, buckets, slots, .. } => {
             let code = if *verdict == HoldVerdict::Denied { Code::OverLimit } else { Code::Ok };
-            let retry = match (exhausted, short) {
-                (Some(l), _) => levels.get(*l).map(|r| seconds_until(r.end_ms, *now_ms)),
-                (None, Some(b)) => {
-                    buckets.get(*b).and_then(|(_, wait)| wait.map(|ms| ms.div_ceil(1000).max(1)))
-                }
-                (None, None) => None,
+            let whole = |ms: u64| ms.div_ceil(1000).max(1);
+            let retry = match (exhausted, slots.full, short) {
+                (Some(l), _, _) => levels.get(*l).map(|r| seconds_until(r.end_ms, *now_ms)),
+                (None, Some(set), _) => slots.readings.get(set).and_then(|r| r.frees_in_ms).map(whole),
+                (None, None, Some(b)) => buckets.get(*b).and_then(|(_, wait)| wait.map(whole)),
+                (None, None, None) => None,
             };
             (*now_ms, levels.as_slice(), code, *exhausted, retry)
         }
@@ -447,8 +469,29 @@ fn report(request: &Request, outcome: &BudgetOutcome, currency: &str) -> (Code, 
         currency: currency.to_owned(),
         retry_after_s: retry,
         warnings,
+        slots: slot_limits(request, outcome),
     };
     (code, report)
+}
+
+// The request's concurrency limits as its op left them.
+fn slot_limits(request: &Request, outcome: &BudgetOutcome) -> Vec<SlotLimit> {
+    let readings = match outcome {
+        BudgetOutcome::Held { slots, .. } | BudgetOutcome::Settled { slots, .. } => &slots.readings,
+        _ => return Vec::new(),
+    };
+    readings
+        .iter()
+        .zip(&request.op.sets)
+        .zip(&request.set_nodes)
+        .map(|((r, set), node)| SlotLimit {
+            node: node.clone(),
+            max: set.max,
+            open: r.open,
+            expired: r.expired,
+            frees_in_ms: r.frees_in_ms,
+        })
+        .collect()
 }
 
 // Whole seconds from `now_ms` to `end_ms`, rounded up.

@@ -109,6 +109,7 @@ impl Limiter {
             binding: String::new(),
             levels: ops.iter().map(|(l, _)| l.clone()).collect(),
             buckets: Vec::new(),
+            sets: Vec::new(),
             version: priced.prices.version.clone(),
             row: PriceRow([Money::ZERO; 4]),
             lost: LostSettle::Charge,

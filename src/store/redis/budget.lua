@@ -1,5 +1,6 @@
--- Money budgets (follows bucket.lua and group.lua in one script): a request's hold taken at every
--- level of its path at once, and its settlement at stream end; the twin of src/budget/ledger.rs.
+-- Money budgets (follows bucket.lua, group.lua and sets.lua in one script): a request's hold
+-- taken at every level of its path at once, and its settlement at stream end; the twin of
+-- src/budget/ledger.rs.
 --
 -- Money is whole nano-units, stored as decimal text and added on two limbs ({high, low}, low
 -- below 10^9): Lua's numbers are exact only to 2^53, a budget of 10^9 units is 10^18 nano-units.
@@ -12,6 +13,8 @@
 --   <level base>:<period start>:q   sorted set of its open holds, '<amount>|<record key>' by
 --                                   expiry (ms)
 --   (each hash also has x = when it expires, ms)
+--   the concurrency limits' slot sets (sets.lua), which a hold takes a slot of and a settlement
+--   or a cancel gives back to
 --   KEYS[1], the request's record   hash: b = its binding (the request's path), v = price
 --                                   version, r = its price row, a = amount held,
 --                                   t = tokens held (0 once trued up), e = hold expiry (ms),
@@ -19,13 +22,14 @@
 --                                   cost, p = the levels held ('<key> <period end> ...'),
 --                                   k:<kind> = 1 per settled usage kind
 --
--- KEYS: the request's record, then the token buckets on the path.
+-- KEYS: the request's record, then the token buckets on the path, then its slot sets.
 -- ARGV: 'hold', 'settle', 'cancel' or 'peek', what an expired hold becomes ('charge' or 'release'), how long a
 --       record and a period's state outlive it (ms), price version ('' for a settlement that can
 --       only be priced at its record's), price row, binding; level count, then per level: base
 --       key, amount, the periods around the caller's clock (previous start, start, end, next
 --       end), the alert count and each alert's spend (ascending); bucket count, then per bucket: key index, capacity, refill per
---       second, max debt ('' = charged only if admitted); then for 'hold': amount, tokens, hold
+--       second, max debt ('' = charged only if admitted); set count, then per set: key index, max,
+--       ttl (ms); then for 'hold': amount, tokens, hold
 --       TTL (ms); for 'settle': kind count, then per kind: name, tokens, cost at this version.
 -- Reply: now_ms, outcome, then
 --   hold ('admitted', 'duplicate': the record is open with this binding and hold, 'reused': the
@@ -36,11 +40,13 @@
 --   settle ('settled'): the amount charged now, what the hold was ('open', 'expired',
 --     'settled', 'none', 'other': the record has another binding, nothing charged), the count of
 --     levels charged and per level as for a hold;
---   and last, for every outcome but 'reprice', the count of holds found expired (at the op's
---   first level);
+--   and last, for every outcome but 'reprice' and 'peeked', the count of holds found expired (at
+--   the op's first level), then the count of sets read and per set: open, expired, ms until it
+--   frees (-1: not full or not refused), given back (1/0); and for a hold the full set that
+--   refused it (1-based, 0: none);
 --   peek ('peeked'): per level its spent and held money and period end, nothing changed;
 --   settle ('reprice'): the hold's version and price row, at which the caller prices again;
---   cancel ('cancelled'): what the hold was ('open': released, its tokens given back; 'none': a
+--   cancel ('cancelled'), then what the hold was ('open': released, its tokens given back; 'none': a
 --     closed record is left, so that the hold, should it still arrive, takes nothing; 'settled',
 --     'expired', 'other': nothing to undo).
 
@@ -168,6 +174,17 @@ local buckets = {}
 for i = 1, tonumber(arg()) do
   buckets[i] = {tonumber(arg()), tonumber(arg()), tonumber(arg()), tonumber(arg())}
 end
+local out = {now}
+local sets = {}
+for i = 1, tonumber(arg()) do
+  sets[i] = {KEYS[tonumber(arg())], tonumber(arg()), tonumber(arg())}
+end
+-- What the op did to its sets: their readings, and for a hold the full set that refused it.
+local set_readings, full = {}, 0
+local function append_sets()
+  out[#out + 1] = #set_readings
+  append_readings(out, set_readings)
+end
 
 -- The token buckets' group for `need` tokens each.
 local function bucket_group(need)
@@ -176,7 +193,6 @@ local function bucket_group(need)
   return group
 end
 
-local out = {now}
 -- Appends the count of `list`'s levels and, per level, its used and spent money, period end
 -- and alerts crossed before and after.
 local function readings(list)
@@ -206,7 +222,8 @@ if op == 'hold' then
   local amount, tokens, ttl = money(arg()), tonumber(arg()), tonumber(arg())
   local outcome, exhausted, short = 'admitted', 0, 0
   for _, lv in ipairs(levels) do lv[4] = level(lv[1], lv[3], lv[5]) end
-  if not expired(record) then
+  local fresh = expired(record)
+  if not fresh then
     -- Only the same request asking again is a retry: open, same path, same hold.
     local r = redis.call('HMGET', record, 'o', 'e', 'b', 'a', 't')
     if r[1] == '1' and tonumber(r[2]) > now and r[3] == binding and r[4] == money_text(amount)
@@ -219,7 +236,9 @@ if op == 'hold' then
     for i, lv in ipairs(levels) do
       if exhausted == 0 and less(lv[2], plus(plus(lv[4][1], lv[4][2]), amount)) then exhausted = i end
     end
-    if exhausted > 0 then outcome = 'denied' end
+    set_readings, full = read_sets(sets)
+    if exhausted > 0 then full = 0 end
+    if exhausted > 0 or full > 0 then outcome = 'denied' end
   end
   local results = {}
   if outcome == 'admitted' and #buckets > 0 then
@@ -247,6 +266,7 @@ if op == 'hold' then
       'x', string.format('%d', now + life))
     redis.call('PEXPIREAT', record, string.format('%d', now + life))
   end
+  if fresh then close_sets(sets, record, outcome == 'admitted', set_readings) end
   write_dirty()
   alert()
   write_levels()
@@ -260,6 +280,8 @@ if op == 'hold' then
     out[#out + 1] = r[3]
   end
   out[#out + 1] = swept
+  append_sets()
+  out[#out + 1] = full
   return out
 end
 
@@ -290,9 +312,12 @@ if op == 'cancel' then
     if tokens > 0 and #buckets > 0 then evaluate_group(bucket_group(-tokens)) end
     redis.call('HSET', record, 'o', '0', 't', '0')
   end
+  if had ~= 'other' then set_readings = give_back(sets, record) end
   write_dirty()
   write_levels()
-  return {now, 'cancelled', had, swept}
+  out = {now, 'cancelled', had, swept}
+  append_sets()
+  return out
 end
 
 -- settle
@@ -302,12 +327,18 @@ local rec = {}
 if not expired(record) then
   rec = redis.call('HMGET', record, 'v', 'r', 'a', 't', 'e', 'o', 'c', 'k', 'p', 'x', 'b')
 end
--- Another request's record, or no record and no price to charge at: nothing.
-if rec[1] and rec[11] ~= binding then return {now, 'settled', '0', 'other', 0, 0} end
-if not rec[1] and version == '' then return {now, 'settled', '0', 'none', 0, 0} end
+-- Another request's record: nothing.
+if rec[1] and rec[11] ~= binding then return {now, 'settled', '0', 'other', 0, 0, 0} end
+if rec[1] and rec[1] ~= version then return {now, 'reprice', rec[1], rec[2]} end
+set_readings = give_back(sets, record)
+-- No record and no price to charge at: nothing more.
+if not rec[1] and version == '' then
+  out = {now, 'settled', '0', 'none', 0, 0}
+  append_sets()
+  return out
+end
 local charged_levels = levels
 if rec[1] then
-  if rec[1] ~= version then return {now, 'reprice', rec[1], rec[2]} end
   charged_levels = {}
   local i = 0
   for key, finish in string.gmatch(rec[9], '(%S+) (%S+)') do
@@ -394,4 +425,5 @@ out[#out + 1] = money_text(now_charge)
 out[#out + 1] = had
 readings(charged_levels)
 out[#out + 1] = swept
+append_sets()
 return out

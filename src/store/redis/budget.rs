@@ -3,10 +3,12 @@
 
 use redis::Value;
 
+use super::wire;
 use super::RedisStore;
 use crate::budget::{
     BudgetAction, BudgetOp, BudgetOutcome, HadHold, HoldVerdict, LevelReading, Money, PriceRow,
 };
+use crate::slot::SetsOutcome;
 use crate::store::StoreError;
 
 impl RedisStore {
@@ -14,6 +16,7 @@ impl RedisStore {
         let slot = self.shared.connection.slot(&op.record);
         let mut keys: Vec<&str> = vec![&op.record];
         keys.extend(op.buckets.iter().map(|b| b.key.as_str()));
+        keys.extend(op.sets.iter().map(|s| s.key.as_str()));
         let (name, debt) = match op.action {
             BudgetAction::Hold { .. } => ("hold", false),
             BudgetAction::Settle { .. } => ("settle", true),
@@ -44,6 +47,14 @@ impl RedisStore {
                 b.spec.capacity().to_string(),
                 b.spec.refill_per_second().to_string(),
                 debt,
+            ]);
+        }
+        args.push(op.sets.len().to_string());
+        for (i, set) in op.sets.iter().enumerate() {
+            args.extend([
+                (i + 2 + op.buckets.len()).to_string(),
+                set.max.to_string(),
+                set.ttl_ms.to_string(),
             ]);
         }
         match &op.action {
@@ -79,7 +90,8 @@ fn parse(reply: Value) -> Result<BudgetOutcome, StoreError> {
             let had = r.had()?;
             let levels = r.readings()?;
             let expired = r.count()?;
-            return Ok(BudgetOutcome::Settled { now_ms, charged, had, levels, expired });
+            let slots = r.sets(false)?;
+            return Ok(BudgetOutcome::Settled { now_ms, charged, had, levels, expired, slots });
         }
         "peeked" => {
             let mut levels = Vec::new();
@@ -90,7 +102,8 @@ fn parse(reply: Value) -> Result<BudgetOutcome, StoreError> {
         }
         "cancelled" => {
             let had = r.had()?;
-            return Ok(BudgetOutcome::Cancelled { now_ms, had, expired: r.count()? });
+            let expired = r.count()?;
+            return Ok(BudgetOutcome::Cancelled { now_ms, had, expired, slots: r.sets(false)? });
         }
         "reprice" => {
             let version = r.text()?;
@@ -106,7 +119,8 @@ fn parse(reply: Value) -> Result<BudgetOutcome, StoreError> {
         .map(|_| Ok((r.float()?, u64::try_from(r.int()?).ok())))
         .collect::<Result<Vec<_>, StoreError>>()?;
     let expired = r.count()?;
-    Ok(BudgetOutcome::Held { now_ms, verdict, exhausted, short, levels, buckets, expired })
+    let slots = r.sets(true)?;
+    Ok(BudgetOutcome::Held { now_ms, verdict, exhausted, short, levels, buckets, expired, slots })
 }
 
 fn bad(what: &str) -> StoreError {
@@ -138,6 +152,16 @@ impl Reply {
 
     fn count(&mut self) -> Result<u64, StoreError> {
         u64::try_from(self.int()?).map_err(|_| bad("a negative count"))
+    }
+
+    // The sets' readings, then for a hold the full set that refused it.
+    fn sets(&mut self, hold: bool) -> Result<SetsOutcome, StoreError> {
+        let mut readings = Vec::new();
+        for _ in 0..self.count()? {
+            readings.push(wire::set_reading(&mut self.0)?);
+        }
+        let full = if hold { (self.count()? as usize).checked_sub(1) } else { None };
+        Ok(SetsOutcome { readings, full })
     }
 
     fn had(&mut self) -> Result<HadHold, StoreError> {

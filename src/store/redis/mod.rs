@@ -51,13 +51,21 @@ const SCRIPT: &str =
 /// The RLQS leases script.
 const LEASE_SCRIPT: &str = concat!(include_str!("bucket.lua"), include_str!("lease.lua"));
 /// The money budgets script.
-const BUDGET_SCRIPT: &str =
-    concat!(include_str!("bucket.lua"), include_str!("group.lua"), include_str!("budget.lua"));
+const BUDGET_SCRIPT: &str = concat!(
+    include_str!("bucket.lua"),
+    include_str!("group.lua"),
+    include_str!("sets.lua"),
+    include_str!("budget.lua")
+);
 /// Reads a bucket without changing it.
 const PEEK_SCRIPT: &str = include_str!("peek.lua");
 // Concurrency slots, with the request's token buckets all or nothing.
-const SLOT_SCRIPT: &str =
-    concat!(include_str!("bucket.lua"), include_str!("group.lua"), include_str!("slot.lua"));
+const SLOT_SCRIPT: &str = concat!(
+    include_str!("bucket.lua"),
+    include_str!("group.lua"),
+    include_str!("sets.lua"),
+    include_str!("slot.lua")
+);
 
 /// How long a call may go on after its caller's deadline, so that a late reply can still be
 /// refunded: twice the deadline, and at least a second.

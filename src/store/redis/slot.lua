@@ -1,12 +1,10 @@
--- Concurrency slots (follows bucket.lua and group.lua in one script; the twin of `Slots::apply`
--- in src/slot/mod.rs, step for step).
+-- Concurrency slots (follows bucket.lua, group.lua and sets.lua in one script; the twin of
+-- `Slots::apply` in src/slot/mod.rs, step for step).
 --
--- A set is a sorted set of record keys scored by when their slot expires (ms); expired slots
--- are dropped by score, and the key itself goes an hour after its latest slot (LINGER: only
--- cleaning up, long after its slots stopped counting). A record is a hash {b = binding,
--- a = admitted (1/0), g = given back (1/0), x = when it expires (ms)}: records expire by x on
--- the script's clock, as budget.lua's keys do, not by Redis's own expiry, which runs on the clock
--- the script started at (a millisecond earlier, at times); PEXPIREAT only cleans up.
+-- A record is a hash {b = binding, a = admitted (1/0), g = given back (1/0), x = when it expires
+-- (ms)}: records expire by x on the script's clock, as budget.lua's keys do, not by Redis's own
+-- expiry, which runs on the clock the script started at (a millisecond earlier, at times);
+-- PEXPIREAT only cleans up.
 --
 -- KEYS: the record, then the sets, then the token buckets' keys.
 -- ARGV: 'take' or 'give', the binding, the set count, per set its max and ttl (ms); then the
@@ -15,10 +13,9 @@
 -- Reply: verdict ('taken', 'refused', 'repeated', 'reused', 'given', 'nothing'), its number
 --        (refused: the full set's index from 1, 0 = the buckets; repeated: admitted 1/0; given:
 --        slots given back; else 0), now, per set read: open, expired, ms until its earliest slot
---        expires (-1 unless full and refused); then 1 and the group's reply as token_bucket.lua
+--        expires (-1 unless full and refused), given back (1/0); then 1 and the group's reply as token_bucket.lua
 --        gives one, or 0.
 
-local LINGER = 3600000
 local action, binding, nsets = ARGV[1], ARGV[2], tonumber(ARGV[3])
 local record = KEYS[1]
 local sets = {}
@@ -26,12 +23,6 @@ local a = 4
 for i = 1, nsets do
   sets[i] = {KEYS[1 + i], tonumber(ARGV[a]), tonumber(ARGV[a + 1])}
   a = a + 2
-end
-
--- Drops the set's expired slots; returns {open, expired}.
-local function sweep(key)
-  local expired = redis.call('ZREMRANGEBYSCORE', key, '-inf', now)
-  return {redis.call('ZCARD', key), expired}
 end
 
 local rec = redis.call('HMGET', record, 'b', 'a', 'g', 'x')
@@ -47,17 +38,9 @@ if action == 'give' then
   if not rec[1] or rec[2] ~= '1' or rec[3] == '1' then
     return {'nothing', 0, now}
   end
-  local out = {'given', 0, now}
-  local given = 0
-  for _, set in ipairs(sets) do
-    local r = sweep(set[1])
-    if redis.call('ZREM', set[1], record) == 1 then
-      given = given + 1
-      r[1] = r[1] - 1
-    end
-    out[#out + 1] = r[1]; out[#out + 1] = r[2]; out[#out + 1] = -1
-  end
-  out[2] = given
+  local readings, given = give_back(sets, record)
+  local out = {'given', given, now}
+  append_readings(out, readings)
   redis.call('HSET', record, 'g', 1)
   return out
 end
@@ -66,12 +49,7 @@ if rec[1] then
   return {'repeated', tonumber(rec[2]), now}
 end
 
-local readings = {}
-local full = 0
-for i, set in ipairs(sets) do
-  readings[i] = sweep(set[1])
-  if full == 0 and readings[i][1] >= set[2] then full = i end
-end
+local readings, full = read_sets(sets)
 
 local group = read_group(a)
 -- A full set: the buckets are only checked.
@@ -87,20 +65,9 @@ for _, set in ipairs(sets) do life = math.max(life, set[3]) end
 redis.call('HSET', record, 'b', binding, 'a', admitted and 1 or 0, 'g', 0, 'x', string.format('%d', now + life))
 redis.call('PEXPIREAT', record, now + life)
 
+close_sets(sets, record, admitted, readings)
 local out = {admitted and 'taken' or 'refused', full, now}
-for i, set in ipairs(sets) do
-  local open, frees = readings[i][1], -1
-  if admitted then
-    redis.call('ZADD', set[1], now + set[3], record)
-    local latest = redis.call('ZRANGE', set[1], -1, -1, 'WITHSCORES')
-    redis.call('PEXPIREAT', set[1], tonumber(latest[2]) + LINGER)
-    open = open + 1
-  elseif open >= set[2] then
-    local earliest = redis.call('ZRANGE', set[1], 0, 0, 'WITHSCORES')
-    if earliest[2] then frees = math.max(0, tonumber(earliest[2]) - now) end
-  end
-  out[#out + 1] = open; out[#out + 1] = readings[i][2]; out[#out + 1] = frees
-end
+append_readings(out, readings)
 
 out[#out + 1] = 1
 local pending = {}

@@ -6,7 +6,7 @@ use std::collections::HashMap;
 use redis::Value;
 
 use super::{wire, RedisStore};
-use crate::slot::{SetReading, SlotAction, SlotOp, SlotOutcome, SlotVerdict};
+use crate::slot::{SlotAction, SlotOp, SlotOutcome, SlotVerdict};
 use crate::store::StoreError;
 
 impl RedisStore {
@@ -65,10 +65,7 @@ fn parse(reply: Value, op: &SlotOp) -> Result<SlotOutcome, StoreError> {
     let mut sets = Vec::new();
     if read_sets {
         for _ in &op.sets {
-            let open = u64::try_from(wire::int(&mut items)?).unwrap_or(0);
-            let expired = u64::try_from(wire::int(&mut items)?).unwrap_or(0);
-            let frees_in_ms = u64::try_from(wire::int(&mut items)?).ok();
-            sets.push(SetReading { open, expired, frees_in_ms });
+            sets.push(wire::set_reading(&mut items)?);
         }
     }
     let group = match items.next() {

@@ -8,6 +8,7 @@ use redis::Value;
 
 use super::{parse_leases, Peek};
 use crate::bucket::{BucketState, Charge, Group, GroupOutcome, Role, Verdict};
+use crate::slot::SetReading;
 use crate::store::StoreError;
 
 // The distinct keys of `batch` and the ARGV that names them by index.
@@ -145,6 +146,16 @@ pub(super) fn int(items: &mut impl Iterator<Item = Value>) -> Result<i64, StoreE
         Some(Value::Int(i)) => Ok(i),
         other => Err(StoreError::Protocol(format!("expected an integer, got {other:?}"))),
     }
+}
+
+/// A slot set's reading as sets.lua appends one: open, expired, ms until it frees (-1: not
+/// asked), given back (1/0).
+pub(super) fn set_reading(items: &mut impl Iterator<Item = Value>) -> Result<SetReading, StoreError> {
+    let open = u64::try_from(int(items)?).unwrap_or(0);
+    let expired = u64::try_from(int(items)?).unwrap_or(0);
+    let frees_in_ms = u64::try_from(int(items)?).ok();
+    let given_back = int(items)? == 1;
+    Ok(SetReading { open, expired, frees_in_ms, given_back })
 }
 
 fn float(items: &mut impl Iterator<Item = Value>) -> Result<f64, StoreError> {
