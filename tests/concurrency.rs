@@ -174,13 +174,12 @@ async fn a_take_the_failure_mode_refused_holds_no_slot() {
 }
 
 // A slot given back through replica X is free for replica Y at once: slots are never answered
-// from a replica's pre-check (both run with it), so Y asks the store, which has the slot.
-#[tokio::test(flavor = "multi_thread")]
-async fn a_slot_given_back_on_one_replica_is_free_on_the_other_at_once() {
-    let redis = Redis::start();
+// from a replica's pre-check (both run with it), so Y asks the store, which has the slot. On
+// standalone Redis and a Cluster.
+async fn given_back_on_one_replica_free_on_the_other(backend: Backend) {
     let (_dir, config) = config_file(CONFIG);
-    let x = Tollgate::start(&config, &Backend::Redis(redis.url()), &[]);
-    let y = Tollgate::start(&config, &Backend::Redis(redis.url()), &[]);
+    let x = Tollgate::start(&config, &backend, &[]);
+    let y = Tollgate::start(&config, &backend, &[]);
     assert_eq!(take(&x, "/export", "a").await.overall_code, OK);
     assert_eq!(take(&x, "/export", "b").await.overall_code, OK);
     for id in ["c", "d", "e"] {
@@ -188,6 +187,14 @@ async fn a_slot_given_back_on_one_replica_is_free_on_the_other_at_once() {
     }
     assert_eq!(give_back(&x, "a").await, OK);
     assert_eq!(take(&y, "/export", "f").await.overall_code, OK, "the very next take on Y");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_slot_given_back_on_one_replica_is_free_on_the_other_at_once() {
+    let redis = Redis::start();
+    given_back_on_one_replica_free_on_the_other(Backend::Redis(redis.url())).await;
+    let cluster = RedisCluster::start();
+    given_back_on_one_replica_free_on_the_other(Backend::Cluster(cluster.seeds())).await;
 }
 
 // A take whose request also has a limit outside the tenant (another Cluster slot): the outside

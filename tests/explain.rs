@@ -159,4 +159,18 @@ fn explain_names_the_concurrency_limits_a_descriptor_takes_from() {
     let give = explain(&config, None, &["tenant=acme,request_id=r1,release=1"]);
     assert!(give.contains("slots:    gives back its slot of tenant"), "{give}");
     assert!(!give.contains("rule:") && !give.contains("bucket:"), "a give-back charges nothing: {give}");
+    // Given a Redis, the set's open slots now: one live, one expired (gone for a take too).
+    let redis = Redis::start();
+    let far = 4_102_444_800_000u64; // 2100-01-01, in ms
+    let set = "rl:{acme}:ex:tenant=acme:slots";
+    let _: () = redis::cmd("ZADD")
+        .arg(set)
+        .arg(far)
+        .arg("live")
+        .arg(1)
+        .arg("gone")
+        .query(&mut redis.connection())
+        .unwrap();
+    let read = explain(&config, Some(&redis), &["tenant=acme,request_id=r2"]);
+    assert!(read.contains("1 of 4 slots open now"), "{read}");
 }

@@ -150,6 +150,10 @@ async fn print_descriptor(
             Duration::from_millis(s.ttl_ms)
         );
         println!("            set {} in Cluster slot {}", s.key, s.slot);
+        if let Some(store) = store {
+            let open = store.open_slots(&s.key).await.with_context(|| format!("reading {}", s.key))?;
+            println!("            {open} of {} slots open now", s.max);
+        }
     }
     let (limit, origin, role, need, tenant, slot) = match &explained.effect {
         Effect::UnknownDomain => return Ok(()),

@@ -59,6 +59,8 @@ const BUDGET_SCRIPT: &str = concat!(
 );
 /// Reads a bucket without changing it.
 const PEEK_SCRIPT: &str = include_str!("peek.lua");
+/// Counts a slot set's open slots without changing it.
+const OPEN_SLOTS_SCRIPT: &str = include_str!("open_slots.lua");
 // Concurrency slots, with the request's token buckets all or nothing.
 const SLOT_SCRIPT: &str = concat!(
     include_str!("bucket.lua"),
@@ -95,6 +97,7 @@ struct Shared {
     connection: Connection,
     script: Script,
     peek_script: Script,
+    open_slots_script: Script,
     lease_script: Script,
     budget_script: Script,
     slot_script: Script,
@@ -118,6 +121,7 @@ impl RedisStore {
             connection,
             script: Script::new(SCRIPT),
             peek_script: Script::new(PEEK_SCRIPT),
+            open_slots_script: Script::new(OPEN_SLOTS_SCRIPT),
             lease_script: Script::new(LEASE_SCRIPT),
             budget_script: Script::new(BUDGET_SCRIPT),
             slot_script: Script::new(SLOT_SCRIPT),
@@ -138,6 +142,14 @@ impl RedisStore {
         let slot = self.shared.connection.slot(key);
         let reply = self.shared.eval_in_slot(&self.shared.peek_script, slot, &[key], &[]).await?;
         wire::peek(reply)
+    }
+
+    /// The open slots of the concurrency slot set at `key`, read without changing it.
+    pub async fn open_slots(&self, key: &str) -> Result<u64, StoreError> {
+        let slot = self.shared.connection.slot(key);
+        let reply = self.shared.eval_in_slot(&self.shared.open_slots_script, slot, &[key], &[]).await?;
+        let open = wire::int(&mut std::iter::once(reply))?;
+        Ok(u64::try_from(open).unwrap_or(0))
     }
 }
 
