@@ -1,7 +1,8 @@
 //! The bound of global limits across regions (issue 36, `docs/src/design/global-limits.md`),
 //! checked before they are built: regions hold leases of one global bucket (the RLQS lease
-//! arithmetic, `tollgate::bucket::lease`, run at the global tier) and decide on a regional bucket
-//! sized by their lease, with delays on every message, lost and repeated messages, and
+//! arithmetic, `tollgate::bucket::lease`, run at the global tier) and decide on their share of
+//! it (`tollgate::bucket::Share`, the regional bucket sized by the lease), with delays on every
+//! message, lost and repeated messages, and
 //! partitions longer than a lease; the global tier's own region decides RLS requests on the
 //! shared part of the bucket. The tokens admitted worldwide in any window of T seconds stay
 //! within `capacity + rate x T`, with no slack, when a region keeps the design's discipline:
@@ -20,7 +21,9 @@
 //! that breaks one goes over the bound.
 
 use proptest::prelude::*;
-use tollgate::bucket::{evaluate, lease, BucketOp, BucketSpec, BucketState, Charge, LeaseOp, Role};
+use tollgate::bucket::{
+    evaluate, lease, Ask, BucketOp, BucketSpec, BucketState, Charge, LeaseOp, Role, Share,
+};
 
 /// How long a lease lives at the global tier from its last renewal's arrival.
 const TTL_MS: u64 = 10_000;
@@ -29,32 +32,12 @@ const REPLY_TIMEOUT_MS: u64 = 1_000;
 /// Regions holding leases (the global tier's own region decides on the shared part).
 const REGIONS: usize = 3;
 
-// A region's bucket for one global bucket, sized by its lease.
-#[derive(Debug, Clone, Copy)]
-struct Share {
-    capacity: f64,
-    per_ms: f64,
-    tokens: f64,
-    at: u64,
-    // When the region stops deciding on it: its last applied renewal's send time + TTL.
-    until: u64,
-}
-
-impl Share {
-    fn refill(&mut self, now: u64) {
-        if now > self.at {
-            self.tokens = self.capacity.min(self.tokens + (now - self.at) as f64 * self.per_ms);
-            self.at = now;
-        }
-    }
-}
-
 // A renewal in flight: its op, when it reaches the global tier (None: lost), how long its answer
 // takes back (None: lost), and once it has arrived, when its answer reaches the region and what
 // it says.
 #[derive(Debug, Clone)]
 struct Pending {
-    sent: u64,
+    ask: Ask,
     op: LeaseOp,
     arrives: Option<u64>,
     back_ms: Option<u64>,
@@ -163,22 +146,9 @@ impl World {
     fn answer(&mut self, i: usize, t: u64) {
         let p = self.regions[i].pending.take().expect("due");
         let (_, capacity, rate) = p.answer.expect("answered");
-        let until = if self.discipline.life_from_send { p.sent } else { t } + TTL_MS;
-        let per_ms = rate / 1000.0;
-        let share = &mut self.regions[i].share;
-        match share.as_mut().filter(|_| !p.op.fresh) {
-            // A growth brings the tokens the global tier took for it.
-            Some(s) => {
-                s.refill(t);
-                let grew = (capacity - s.capacity).max(0.0);
-                s.capacity = capacity;
-                s.tokens = capacity.min(s.tokens + grew);
-                s.per_ms = per_ms;
-                s.until = until;
-            }
-            // A fresh lease: the global tier took its whole capacity.
-            None => *share = Some(Share { capacity, per_ms, tokens: capacity, at: t, until }),
-        }
+        // Broken on purpose: the life counted from the answer.
+        let ask = if self.discipline.life_from_send { p.ask } else { Ask { sent_ms: t, ..p.ask } };
+        Share::answer(&mut self.regions[i].share, &ask, capacity, rate, t, TTL_MS);
     }
 
     // Region `i` asks for a lease of `capacity` and `rate`; the renewal takes `d1` there and
@@ -193,20 +163,18 @@ impl World {
         (lost, again): (u8, u64),
     ) {
         let r = &mut self.regions[i];
-        if r.pending.as_ref().is_some_and(|p| now < p.sent + REPLY_TIMEOUT_MS) {
+        if r.pending.as_ref().is_some_and(|p| now < p.ask.sent_ms + REPLY_TIMEOUT_MS) {
             return;
         }
         r.pending = None;
-        let fresh = r.share.is_none_or(|s| s.until <= now);
-        if let Some(s) = r.share.as_mut().filter(|_| !fresh && self.discipline.shrink_first) {
-            // Shrinks first, here, before the global tier can give them to anyone.
-            s.refill(now);
-            if capacity < s.capacity {
-                s.capacity = capacity;
-                s.tokens = s.tokens.min(capacity);
-            }
-            s.per_ms = s.per_ms.min(rate / 1000.0);
-        }
+        let ask = if self.discipline.shrink_first {
+            Share::ask(&mut r.share, capacity, rate, now)
+        } else {
+            // Broken on purpose: shrinks wait for the answer.
+            let fresh = r.share.is_none_or(|s| !s.alive(now));
+            Ask { capacity, refill_per_second: rate, fresh, sent_ms: now }
+        };
+        let fresh = ask.fresh;
         let op = LeaseOp {
             key: "g".into(),
             spec: self.spec,
@@ -225,17 +193,18 @@ impl World {
         if lost & 4 != 0 && !r.cut.contains_at(now + d1 + again) {
             self.resent.push((now + d1 + again, op.clone()));
         }
-        self.regions[i].pending = Some(Pending { sent: now, op, arrives, back_ms, answer: None });
+        self.regions[i].pending = Some(Pending { ask, op, arrives, back_ms, answer: None });
     }
 
     // Region `i` admits up to `n` requests of one token from its share, while it lives.
     fn admit(&mut self, i: usize, now: u64, n: u32) {
-        if let Some(s) = self.regions[i].share.as_mut().filter(|s| s.until > now) {
-            s.refill(now);
-            let take = s.tokens.floor().min(f64::from(n));
-            s.tokens -= take;
-            if take > 0.0 {
-                self.admitted.push((now, take));
+        if let Some(s) = self.regions[i].share.as_mut() {
+            let mut taken = 0;
+            while taken < n && s.take(1.0, now) {
+                taken += 1;
+            }
+            if taken > 0 {
+                self.admitted.push((now, f64::from(taken)));
             }
         }
     }
