@@ -3,8 +3,9 @@
 #   docker run -p 8081:8081 -p 8080:8080 -v $PWD/examples:/etc/tollgate/rules:ro tollgate
 FROM rust:1.95-bookworm AS build
 WORKDIR /src
-COPY Cargo.toml Cargo.lock ./
+COPY Cargo.toml Cargo.lock build.rs ./
 COPY src src
+COPY proto proto
 COPY migrations migrations
 RUN cargo build --release --locked && strip target/release/tollgate \
  && mkdir -p /out/usr/local/bin /out/bin \

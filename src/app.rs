@@ -71,6 +71,9 @@ pub struct Settings {
     /// Serve `POST /json` and `GET /config` on the plaintext HTTP port even with mutual TLS on
     /// gRPC.
     pub http_unauthenticated: bool,
+    /// Serve `tollgate.region.v1.RegionLeases` on the gRPC port: this is the global tier of the
+    /// limits marked `global: true`.
+    pub global_tier: bool,
     /// Bounds of the per-tenant metric series.
     pub telemetry: TelemetryConfig,
     /// Install the process-wide Prometheus recorder (once per process; off for a second `App`
@@ -104,6 +107,7 @@ impl Settings {
             rlqs: RlqsLimits::default(),
             connections: ConnLimits::default(),
             http_unauthenticated: false,
+            global_tier: false,
             telemetry: TelemetryConfig::default(),
             exporter: false,
             watch: false,
@@ -202,6 +206,7 @@ pub struct App {
     rlqs: RlqsLimits,
     connections: ConnLimits,
     http_unauthenticated: bool,
+    global_tier: bool,
     config_loaded: watch::Receiver<bool>,
     _watches: Vec<Watch>,
     _tasks: Vec<AbortOnDropHandle<()>>,
@@ -316,6 +321,7 @@ impl App {
             rlqs: settings.rlqs,
             connections: settings.connections,
             http_unauthenticated: settings.http_unauthenticated,
+            global_tier: settings.global_tier,
             config_loaded,
             _watches: watches,
             _tasks: tasks,
@@ -333,6 +339,7 @@ impl App {
             rlqs: self.rlqs,
             connections: self.connections,
             http_unauthenticated: self.http_unauthenticated,
+            global_tier: self.global_tier,
             config_loaded: self.config_loaded.clone(),
         }
     }

@@ -74,6 +74,9 @@ pub struct Rule {
     pub quota_mode: bool,
     /// When the tokens are taken (`charge:`), and how deep into debt a bucket may go.
     pub charge: ChargeRule,
+    /// `global: true`: one bucket for every region. The global tier leases it to regions
+    /// (`tollgate.region.v1.RegionLeases`); see `docs/src/design/global-limits.md`.
+    pub global: bool,
     /// Per-value metrics requested.
     pub detailed_metric: bool,
     /// Names of rules this one replaces when both match one request.

@@ -17,6 +17,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
+use crate::edge::region::proto::region_leases_server::RegionLeasesServer;
+use crate::edge::region::RegionLeasesGrpc;
 use arc_swap::ArcSwap;
 use envoy_types::pb::envoy::service::rate_limit_quota::v3::rate_limit_quota_service_server::RateLimitQuotaServiceServer;
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_server::RateLimitServiceServer;
@@ -122,6 +124,8 @@ pub struct Service {
     /// Serve `POST /json` and `GET /config` on the plaintext HTTP port even when gRPC requires
     /// client certificates.
     pub http_unauthenticated: bool,
+    /// Serve `tollgate.region.v1.RegionLeases` (the global tier of global limits).
+    pub global_tier: bool,
     /// Whether a config is in force yet: until then, unready (pushed configs only).
     pub config_loaded: watch::Receiver<bool>,
 }
@@ -196,6 +200,7 @@ pub async fn run(
         rlqs: rlqs_limits,
         connections,
         http_unauthenticated,
+        global_tier,
         config_loaded,
     } = service;
     // gRPC health says SERVING once a config is in force (at once for files), and not after
@@ -260,6 +265,11 @@ pub async fn run(
     let grpc_routes = Routes::new(health_service)
         .add_service(RateLimitServiceServer::from_arc(rls))
         .add_service(RateLimitQuotaServiceServer::new(rlqs));
+    let grpc_routes = if global_tier {
+        grpc_routes.add_service(RegionLeasesServer::new(RegionLeasesGrpc::new(limiter.clone())))
+    } else {
+        grpc_routes
+    };
     let grpc_routes = match budget {
         Some(budget) => Routes::from(grpc_routes.into_axum_router().merge(budget)),
         None => grpc_routes,

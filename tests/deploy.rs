@@ -374,10 +374,25 @@ fn dockerfile_copies_what_exists() {
     }
     assert!(copies >= 3);
     assert!(dockerfile.contains("USER nonroot") && dockerfile.contains("cargo build --release --locked"));
-    // Everything the crate includes at compile time is inside what the Dockerfile copies.
-    for included in
-        ["src/store/redis/bucket.lua", "src/store/redis/lease.lua", "migrations/0001_tollgate_quotas.sql"]
-    {
+    // Everything the build reads is copied: the manifest, the build script and the proto it
+    // compiles, the sources, and what the crate includes at compile time.
+    let copied: Vec<&str> = dockerfile
+        .lines()
+        .filter(|l| l.starts_with("COPY ") && !l.contains("--from"))
+        .flat_map(|l| {
+            let parts: Vec<&str> = l.split_whitespace().skip(1).collect();
+            parts[..parts.len() - 1].to_vec()
+        })
+        .collect();
+    for needed in ["Cargo.toml", "Cargo.lock", "build.rs", "src", "proto", "migrations"] {
+        assert!(copied.contains(&needed), "the Dockerfile does not copy {needed}");
+    }
+    for included in [
+        "src/store/redis/bucket.lua",
+        "src/store/redis/lease.lua",
+        "proto/tollgate/region/v1/region.proto",
+        "migrations/0001_tollgate_quotas.sql",
+    ] {
         assert!(repo(included).exists());
     }
 }

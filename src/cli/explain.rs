@@ -134,6 +134,9 @@ async fn print_descriptor(
         if let Some(class) = &rule.class {
             also.push(format!("class {class}"));
         }
+        if rule.global {
+            also.push("global: one bucket for every region".to_owned());
+        }
         let also = if also.is_empty() { String::new() } else { format!(" ({})", also.join(", ")) };
         let (line, column) = rule.position;
         println!("  rule:     {} at {}:{line}:{column}{also}", rule.path, rule.file.display());

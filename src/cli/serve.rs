@@ -114,6 +114,11 @@ pub(super) struct ServeArgs {
     /// port, to anyone who reaches it.
     #[arg(long, env = "TOLLGATE_HTTP_UNAUTHENTICATED")]
     http_unauthenticated: bool,
+    /// Be the global tier of the limits marked `global: true`: serve
+    /// `tollgate.region.v1.RegionLeases` on the gRPC port, where regions lease their buckets.
+    /// Serve it to the regional tiers only (mutual TLS).
+    #[arg(long, env = "TOLLGATE_GLOBAL_TIER")]
+    global_tier: bool,
     /// Evaluate and count every limit, but never answer OVER_LIMIT.
     #[arg(long, env = "TOLLGATE_SHADOW_MODE")]
     shadow_mode: bool,
@@ -230,6 +235,7 @@ impl ServeArgs {
                 max_streams: self.rlqs_max_streams,
             },
             http_unauthenticated: self.http_unauthenticated,
+            global_tier: self.global_tier,
             telemetry: TelemetryConfig {
                 top_denied: self.top_denied_tenants,
                 top_denied_window: self.top_denied_window,

@@ -36,6 +36,11 @@ pub(super) fn run(args: ValidateArgs) -> Outcome {
             if n == 1 { "" } else { "s" },
             domain.file.display()
         );
+        // Global rules are decided elsewhere than the others: said, so that a rule marked by
+        // mistake (or not marked) shows.
+        for rule in domain.rules.iter().filter(|r| r.global) {
+            println!("  global: {} (one bucket for every region)", rule.path);
+        }
     }
     if !any {
         bail!("{}: no domains", path.display());

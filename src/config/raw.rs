@@ -121,6 +121,8 @@ pub struct Descriptor {
     pub source: Option<Spanned<Source>>,
     pub budget: Option<Spanned<Budget>>,
     pub concurrency: Option<Spanned<Concurrency>>,
+    /// One bucket for every region (the global tier leases it to regions).
+    pub global: Option<Spanned<bool>>,
 }
 
 /// envoyproxy/ratelimit's fixed-window limit, which tollgate turns into a token bucket.

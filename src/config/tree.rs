@@ -251,6 +251,15 @@ impl Tree<'_> {
             }
         }
         let charge = charge(d, limited)?;
+        let global = d.global.as_ref().is_some_and(|g| g.value);
+        if let Some(g) = d.global.as_ref().filter(|g| g.value) {
+            if !matches!(limit, Some(Limit::Bucket(_))) {
+                return Err(at(g, "global needs a rate_limit or token_bucket on the same node".into()));
+            }
+            if self.priced {
+                return Err(at(g, "global limits on priced domains are not built yet".into()));
+            }
+        }
         let Some(limit) = limit else { return Ok(None) };
         Ok(Some(Rule {
             path: place.path.clone(),
@@ -264,6 +273,7 @@ impl Tree<'_> {
             shadow_mode: d.shadow_mode,
             quota_mode: d.quota_mode,
             charge,
+            global,
             detailed_metric: d.detailed_metric || d.value_to_metric,
             replaces,
             metadata: d.metadata.clone(),

@@ -9,9 +9,12 @@
 //!   `envoy.filters.http.ratelimit` filter.
 //! * [`rlqs`]: Envoy's `envoy.service.rate_limit_quota.v3.RateLimitQuotaService` (gRPC streams),
 //!   the API of the `envoy.filters.http.rate_limit_quota` filter: Envoy enforces, tollgate leases.
+//! * [`region`]: tollgate's own `tollgate.region.v1.RegionLeases` (gRPC), served by the global
+//!   tier of limits that hold across regions: regions lease its buckets.
 //! * [`xds`]: the other way round, tollgate as a client: rate-limit configs pushed by a control
 //!   plane over xDS (envoyproxy/ratelimit's `RateLimitConfig`), compiled as files are.
 
+pub mod region;
 pub mod rlqs;
 pub mod rls;
 pub mod xds;

@@ -243,6 +243,26 @@ impl Limiter {
         }
     }
 
+    /// The bucket a region leases for `entries` of `domain`: one that a rule marked `global: true`
+    /// limits (in force, not in shadow mode), as an RLS descriptor with these entries would reach
+    /// it. `None` otherwise.
+    pub async fn global_bucket(&self, domain: &str, entries: &[(&str, &str)]) -> Option<LeasedBucket> {
+        let rules = self.rules.load_full();
+        let domain = rules.domain(domain)?;
+        let descriptor = QueryDescriptor { entries: entries.to_vec(), hits: 1, credit: false, limit: None };
+        match self.plan(domain, &descriptor) {
+            Plan::Bucket(p) if p.role != Role::Shadow && p.rule.is_some_and(|r| r.global) => {
+                Some(LeasedBucket {
+                    key: p.bucket.key,
+                    spec: p.spec?,
+                    cost: p.rule.map_or(1, |r| r.cost.max(1)),
+                    domain: domain.clone(),
+                })
+            }
+            _ => None,
+        }
+    }
+
     /// Sets the leases `ops`, all at once (one store call per slot), under the background
     /// deadline; one result per op.
     pub async fn lease(&self, ops: &[LeaseOp]) -> Vec<Result<LeaseOutcome, StoreError>> {

@@ -1,0 +1,143 @@
+//! The global tier's side of limits that hold across regions: `tollgate.region.v1.RegionLeases`
+//! (`proto/tollgate/region/v1/region.proto`), served with `--global-tier`.
+//!
+//! A region renews its leases of the buckets of rules marked `global: true`, many per call. Each
+//! renewal is a lease op ([`crate::bucket::lease`]) whose leaseholder is the region, setting its
+//! lease to an absolute size, so a renewal sent twice (a retry after a lost answer, or to another
+//! global replica) takes nothing more; the global tier's own RLS requests spend what the leases
+//! leave. The region keeps its spending inside its lease by the discipline of
+//! [`crate::bucket::Share`]; `tests/global_props.rs` checks the bound of both together.
+//!
+//! Nothing a caller sends is trusted beyond its own leases: a region name is bounded and free of
+//! whitespace (the store's lease field separates by it), sizes are finite and cut to the bucket,
+//! a call carries a bounded number of buckets, and entries resolve to a bucket only through a
+//! rule marked `global: true`. The service sets leases that take capacity from every other
+//! client of a bucket: expose it to the regional tiers only (mutual TLS, `--tls-client-ca`).
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use tonic::{Request, Response, Status};
+
+use crate::bucket::{LeaseOp, LeaseOutcome};
+use crate::limiter::{LeasedBucket, Limiter};
+
+/// The generated types and service of `tollgate.region.v1`.
+pub mod proto {
+    #![allow(missing_docs, unused_qualifications, clippy::all, clippy::pedantic)]
+    tonic::include_proto!("tollgate.region.v1");
+}
+
+use self::proto::region_leases_server::RegionLeases;
+use self::proto::{BucketLease, RenewRequest, RenewResponse};
+
+/// How long a region's lease lives at the global tier after the renewal that set it arrived; the
+/// region's share lives as long after the renewal was sent, so it ends first.
+pub const GLOBAL_LEASE_TTL: Duration = Duration::from_secs(10);
+/// Most buckets one renewal call may carry.
+pub const MAX_BUCKETS_PER_CALL: usize = 10_000;
+/// Most entries a bucket may be named by, and the longest key or value.
+const MAX_ENTRIES: usize = 64;
+const MAX_ENTRY_LEN: usize = 1_024;
+/// The longest region name.
+const MAX_REGION_LEN: usize = 64;
+
+/// The service.
+pub struct RegionLeasesGrpc {
+    limiter: Arc<Limiter>,
+}
+
+impl RegionLeasesGrpc {
+    /// The service, setting leases through `limiter`.
+    pub fn new(limiter: Arc<Limiter>) -> Self {
+        RegionLeasesGrpc { limiter }
+    }
+}
+
+#[tonic::async_trait]
+impl RegionLeases for RegionLeasesGrpc {
+    async fn renew(&self, request: Request<RenewRequest>) -> Result<Response<RenewResponse>, Status> {
+        let renew = request.into_inner();
+        let region = &renew.region;
+        if region.is_empty() || region.len() > MAX_REGION_LEN || region.chars().any(char::is_whitespace) {
+            return Err(Status::invalid_argument("region: 1-64 characters, no whitespace"));
+        }
+        if renew.buckets.len() > MAX_BUCKETS_PER_CALL {
+            return Err(Status::invalid_argument(format!(
+                "{} buckets in one call; at most {MAX_BUCKETS_PER_CALL}",
+                renew.buckets.len()
+            )));
+        }
+        let mut found: Vec<Option<(LeasedBucket, LeaseOp)>> = Vec::with_capacity(renew.buckets.len());
+        for b in &renew.buckets {
+            let sizes = [b.capacity, b.refill_per_second, b.demand];
+            if sizes.iter().any(|x| !x.is_finite() || *x < 0.0) {
+                return Err(Status::invalid_argument("capacity, rate and demand: finite, not negative"));
+            }
+            if b.entries.len() > MAX_ENTRIES
+                || b.entries.iter().any(|e| e.key.len() > MAX_ENTRY_LEN || e.value.len() > MAX_ENTRY_LEN)
+            {
+                return Err(Status::invalid_argument(format!(
+                    "a bucket is named by at most {MAX_ENTRIES} entries of at most {MAX_ENTRY_LEN} bytes"
+                )));
+            }
+            let entries: Vec<(&str, &str)> =
+                b.entries.iter().map(|e| (e.key.as_str(), e.value.as_str())).collect();
+            found.push(self.limiter.global_bucket(&b.domain, &entries).await.map(|bucket| {
+                let op = LeaseOp {
+                    key: bucket.key.clone(),
+                    spec: bucket.spec,
+                    replica: format!("region:{region}"),
+                    capacity: b.capacity.min(bucket.spec.capacity()),
+                    unit: bucket.cost as f64,
+                    refill_per_second: b.refill_per_second.min(bucket.spec.refill_per_second()),
+                    // A first lease cannot know how many regions start beside it: half of what
+                    // the others leave (as an RLQS replica's first lease).
+                    of_unleased: if b.fresh { 0.5 } else { 1.0 },
+                    ttl_ms: GLOBAL_LEASE_TTL.as_millis() as u64,
+                    demand: b.demand,
+                    fresh: b.fresh,
+                };
+                (bucket, op)
+            }));
+        }
+        let ops: Vec<LeaseOp> = found.iter().flatten().map(|(_, op)| op.clone()).collect();
+        let mut results = self.limiter.lease(&ops).await.into_iter();
+        let mut leases = Vec::with_capacity(found.len());
+        for f in &found {
+            let Some((bucket, _)) = f else {
+                metrics::counter!("tollgate_global_renewals_total", "outcome" => "unknown").increment(1);
+                leases.push(BucketLease::default());
+                continue;
+            };
+            match results.next().expect("one result per op") {
+                Ok(outcome) => {
+                    metrics::counter!("tollgate_global_renewals_total", "outcome" => "ok").increment(1);
+                    leases.push(lease(bucket, &outcome));
+                }
+                Err(error) => {
+                    metrics::counter!("tollgate_global_renewals_total", "outcome" => "store_failed")
+                        .increment(1);
+                    tracing::warn!(error = %crate::telemetry::logs::ErrorChain(&error), region = %region, "could not set a region's lease in the store");
+                    // The region keeps its shares until they expire and renews at its next round.
+                    return Err(Status::unavailable("the store did not answer"));
+                }
+            }
+        }
+        Ok(Response::new(RenewResponse { leases, ttl_ms: GLOBAL_LEASE_TTL.as_millis() as u64 }))
+    }
+}
+
+fn lease(bucket: &LeasedBucket, outcome: &LeaseOutcome) -> BucketLease {
+    BucketLease {
+        known: true,
+        bucket_capacity: bucket.spec.capacity(),
+        bucket_refill_per_second: bucket.spec.refill_per_second(),
+        cost: bucket.cost,
+        capacity: outcome.capacity,
+        refill_per_second: outcome.refill_per_second,
+        others_capacity: outcome.others.capacity,
+        others_refill_per_second: outcome.others.refill_per_second,
+        others_demand: outcome.others.demand,
+    }
+}

@@ -1,0 +1,154 @@
+//! The global tier of limits that hold across regions (`--global-tier`): regions lease the
+//! buckets of rules marked `global: true` over `tollgate.region.v1.RegionLeases`, a neutral gRPC
+//! client standing in for a region here. Leases are read back from Redis: each region's lease
+//! recorded in the bucket, the capacity of the leases and of the balance within the bucket's,
+//! a renewal sent twice taking nothing more, and RLS requests at the global tier spending only
+//! what the leases leave. Bad input is refused whole; without `--global-tier` the service is not
+//! served.
+
+mod common;
+
+use common::*;
+use tollgate::edge::region::proto::region_leases_client::RegionLeasesClient;
+use tollgate::edge::region::proto::{BucketLease, BucketRenewal, Entry, RenewRequest};
+
+const CONFIG: &str = r#"
+domain: api
+tenant_key: tenant
+descriptors:
+  - key: tenant
+    token_bucket: {capacity: 100, refill_per_second: 10}
+    global: true
+    descriptors:
+      - key: route
+        rate_limit: {unit: second, requests_per_unit: 5}
+"#;
+
+const BUCKET: &str = "rl:{acme}:api:tenant=acme";
+
+fn renewal(entries: &[(&str, &str)], capacity: f64, rate: f64, fresh: bool) -> BucketRenewal {
+    BucketRenewal {
+        domain: "api".into(),
+        entries: entries.iter().map(|(k, v)| Entry { key: (*k).into(), value: (*v).into() }).collect(),
+        capacity,
+        refill_per_second: rate,
+        demand: rate,
+        fresh,
+    }
+}
+
+async fn renew(
+    addr: &str,
+    region: &str,
+    buckets: Vec<BucketRenewal>,
+) -> Result<Vec<BucketLease>, tonic::Status> {
+    let mut client = RegionLeasesClient::connect(format!("http://{addr}")).await.expect("connects");
+    let answer = client.renew(RenewRequest { region: region.into(), buckets }).await?.into_inner();
+    assert_eq!(answer.ttl_ms, 10_000);
+    Ok(answer.leases)
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn regions_lease_a_global_bucket_and_rls_spends_the_rest() {
+    let redis = Redis::start();
+    let (_dir, config) = config_file(CONFIG);
+    let server = Tollgate::start(&config, &Backend::Redis(redis.url()), &["--global-tier"]);
+    let addr = server.addr();
+    let acme = [("tenant", "acme")];
+
+    // A first lease gets what it asks of the capacity, half of the rate the others leave.
+    let eu = renew(&addr, "eu", vec![renewal(&acme, 60.0, 6.0, true)]).await.unwrap();
+    assert!(eu[0].known);
+    assert_eq!((eu[0].bucket_capacity, eu[0].bucket_refill_per_second, eu[0].cost), (100.0, 10.0, 1));
+    assert_eq!((eu[0].capacity, eu[0].refill_per_second), (60.0, 5.0));
+    // The second region finds 40 tokens left, and half of the 5 a second eu leaves.
+    let us = renew(&addr, "us", vec![renewal(&acme, 60.0, 6.0, true)]).await.unwrap();
+    assert_eq!((us[0].capacity, us[0].refill_per_second), (40.0, 2.5));
+    assert_eq!((us[0].others_capacity, us[0].others_refill_per_second), (60.0, 5.0));
+    // A renewal of what the region holds, sent twice (a retry after a lost answer): the same
+    // lease, nothing more taken.
+    for _ in 0..2 {
+        let again = renew(&addr, "us", vec![renewal(&acme, 40.0, 2.5, false)]).await.unwrap();
+        assert_eq!((again[0].capacity, again[0].refill_per_second), (40.0, 2.5));
+    }
+
+    // Both leases are in the bucket, and its balance is what they left: nothing, so the global
+    // tier's own RLS request is denied (2.5 tokens a second are unleased: none refilled yet).
+    let mut con = redis.connection();
+    let leases: String = redis::cmd("HGET").arg(BUCKET).arg("h").query(&mut con).unwrap();
+    assert!(leases.contains("region:eu ") && leases.contains("region:us "), "{leases}");
+    let tokens: f64 = redis::cmd("HGET").arg(BUCKET).arg("t").query(&mut con).unwrap();
+    assert!(tokens < 1.0, "the leases took the capacity: {tokens} left");
+    let rls = ask(&addr, req("api", &["tenant=acme"], 1)).await.unwrap();
+    assert_eq!(rls.overall_code, OVER_LIMIT);
+
+    // A region gives its lease back (capacity and rate 0): RLS refills at the rate it returned.
+    let back = renew(&addr, "eu", vec![renewal(&acme, 0.0, 0.0, false)]).await.unwrap();
+    assert_eq!((back[0].capacity, back[0].refill_per_second), (0.0, 0.0));
+    let leases: String = redis::cmd("HGET").arg(BUCKET).arg("h").query(&mut con).unwrap();
+    assert!(!leases.contains("region:eu ") && leases.contains("region:us "), "{leases}");
+    wait_until("the returned rate refills the balance", 300, std::time::Duration::from_millis(10), || {
+        futures::executor::block_on(ask(&addr, req("api", &["tenant=acme"], 1))).unwrap().overall_code == OK
+    });
+
+    // Buckets no global rule limits get nothing: a rule without `global`, an unknown domain.
+    let unknown = renew(
+        &addr,
+        "eu",
+        vec![
+            renewal(&[("tenant", "acme"), ("route", "/a")], 5.0, 5.0, true),
+            BucketRenewal { domain: "nope".into(), ..renewal(&acme, 1.0, 1.0, true) },
+        ],
+    )
+    .await
+    .unwrap();
+    assert!(unknown.iter().all(|l| !l.known && l.capacity == 0.0), "{unknown:?}");
+    let m = server.metrics();
+    assert_eq!(sample(&m, "tollgate_global_renewals_total", &[("outcome", "ok")]), 5.0);
+    assert_eq!(sample(&m, "tollgate_global_renewals_total", &[("outcome", "unknown")]), 2.0);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn bad_renewals_are_refused_whole_and_the_service_is_off_by_default() {
+    let (_dir, config) = config_file(CONFIG);
+    let server = Tollgate::start(&config, &Backend::Memory, &["--global-tier"]);
+    let addr = server.addr();
+    let acme = [("tenant", "acme")];
+    let refused = |r: Result<Vec<BucketLease>, tonic::Status>| r.unwrap_err().code();
+    for region in ["", "a b", &"x".repeat(65)] {
+        let r = renew(&addr, region, vec![renewal(&acme, 1.0, 1.0, true)]).await;
+        assert_eq!(refused(r), tonic::Code::InvalidArgument, "region {region:?}");
+    }
+    for (capacity, rate) in [(f64::NAN, 1.0), (1.0, f64::INFINITY), (-1.0, 1.0)] {
+        let r = renew(&addr, "eu", vec![renewal(&acme, capacity, rate, true)]).await;
+        assert_eq!(refused(r), tonic::Code::InvalidArgument, "{capacity} {rate}");
+    }
+    let many = vec![renewal(&acme, 1.0, 1.0, true); 10_001];
+    assert_eq!(refused(renew(&addr, "eu", many).await), tonic::Code::InvalidArgument);
+    // Nothing was leased by the refused calls: a whole-bucket lease still finds all of it.
+    let whole = renew(&addr, "eu", vec![renewal(&acme, 100.0, 10.0, false)]).await.unwrap();
+    assert_eq!(whole[0].capacity, 100.0);
+
+    let (_dir2, config2) = config_file(CONFIG);
+    let regional = Tollgate::start(&config2, &Backend::Memory, &[]);
+    let off = renew(&regional.addr(), "eu", vec![renewal(&acme, 1.0, 1.0, true)]).await;
+    assert_eq!(refused(off), tonic::Code::Unimplemented);
+}
+
+/// `validate` and `explain` say which rules are global.
+#[test]
+fn validate_and_explain_name_the_global_rules() {
+    let (_dir, config) = config_file(CONFIG);
+    let run = |args: &[&str]| {
+        let out =
+            std::process::Command::new(tollgate_bin()).args(args).env("RUST_LOG", "off").output().unwrap();
+        assert!(out.status.success(), "{args:?}: {out:?}");
+        String::from_utf8(out.stdout).unwrap()
+    };
+    let path = config.to_str().unwrap();
+    let validated = run(&["validate", path]);
+    assert!(validated.contains("  global: tenant (one bucket for every region)"), "{validated}");
+    assert!(!validated.contains("global: tenant.route"), "{validated}");
+    let explained = run(&["explain", "--config", path, "--domain", "api", "--descriptor", "tenant=acme"]);
+    assert!(explained.contains("(global: one bucket for every region)"), "{explained}");
+}
