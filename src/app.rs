@@ -23,7 +23,7 @@ use crate::connections::ConnLimits;
 use crate::edge::rlqs::RlqsLimits;
 use crate::edge::rls::AnswerExtras;
 use crate::edge::xds::{XdsError, XdsSettings};
-use crate::limiter::{Limiter, ServiceModes};
+use crate::limiter::{GlobalShares, Limiter, ServiceModes};
 use crate::quota::cache::CachedQuotas;
 use crate::quota::postgres::{PostgresQuotas, QuotaError};
 use crate::quota::{EmbeddedQuotas, QuotaSource};
@@ -74,6 +74,9 @@ pub struct Settings {
     /// Serve `tollgate.region.v1.RegionLeases` on the gRPC port: this is the global tier of the
     /// limits marked `global: true`.
     pub global_tier: bool,
+    /// This is a region: decide the limits marked `global: true` on shares leased from the global
+    /// tier.
+    pub global: Option<GlobalSettings>,
     /// Bounds of the per-tenant metric series.
     pub telemetry: TelemetryConfig,
     /// Install the process-wide Prometheus recorder (once per process; off for a second `App`
@@ -108,6 +111,7 @@ impl Settings {
             connections: ConnLimits::default(),
             http_unauthenticated: false,
             global_tier: false,
+            global: None,
             telemetry: TelemetryConfig::default(),
             exporter: false,
             watch: false,
@@ -126,6 +130,15 @@ pub struct RatelimitStatsSettings {
     pub flush_interval: Duration,
     /// Serve the mapped series (and tollgate's own) here, at this path.
     pub prometheus: Option<(SocketAddr, String)>,
+}
+
+/// A region's link to the global tier of global limits.
+#[derive(Debug, Clone)]
+pub struct GlobalSettings {
+    /// The global tier's gRPC address (`http://host:port` or `https://`).
+    pub url: String,
+    /// This region's name (no whitespace); the replica leases as `<region>/<replica>`.
+    pub region: String,
 }
 
 /// How to reach Redis.
@@ -174,6 +187,9 @@ pub enum StartError {
     /// The gRPC TLS files do not make a configuration.
     #[error("gRPC TLS: {0}")]
     Tls(#[source] TlsError),
+    /// The global tier's address is unusable.
+    #[error("{0}")]
+    Global(#[source] crate::edge::region::client::BadUrl),
     /// The xDS client's settings are unusable.
     #[error("{0}")]
     Xds(#[source] XdsError),
@@ -278,7 +294,20 @@ impl App {
             None => Arc::new(EmbeddedQuotas),
         };
         let rules = Arc::new(ArcSwap::from_pointee(rules));
-        let limiter = Arc::new(Limiter::new(rules.clone(), store, quotas, telemetry.clone(), settings.modes));
+        let mut limiter = Limiter::new(rules.clone(), store, quotas, telemetry.clone(), settings.modes);
+        if let Some(global) = &settings.global {
+            let endpoint = crate::edge::region::client::endpoint(&global.url).map_err(StartError::Global)?;
+            let shares = Arc::new(GlobalShares::new(format!("{}/{}", global.region, server::replica_name())));
+            tracing::info!(global_tier = %global.url, leaseholder = %shares.leaseholder(), "deciding global limits on shares of the global tier's buckets");
+            let clock: Arc<dyn crate::clock::Clock> = Arc::new(crate::clock::SystemClock);
+            tasks.push(AbortOnDropHandle::new(tokio::spawn(crate::edge::region::client::renew_forever(
+                shares.clone(),
+                endpoint,
+                clock,
+            ))));
+            limiter = limiter.with_global_shares(shares);
+        }
+        let limiter = Arc::new(limiter);
         let tls = match &settings.tls {
             Some(files) => {
                 let tls = ReloadingTls::load(files.clone()).map_err(StartError::Tls)?;

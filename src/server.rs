@@ -162,8 +162,9 @@ fn invalid_argument(fields: &mut axum::http::HeaderMap) {
     }
 }
 
-// This process's name in the store's RLQS demand registries: unique among replicas.
-fn replica_name() -> String {
+/// This process's name as a leaseholder (the store's RLQS demand registries, a region's leases
+/// at the global tier): unique among replicas.
+pub fn replica_name() -> String {
     let host = std::env::var("HOSTNAME")
         .ok()
         .or_else(|| std::fs::read_to_string("/etc/hostname").ok())

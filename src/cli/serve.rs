@@ -8,7 +8,7 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use clap::Args;
-use tollgate::app::{App, QuotaSettings, RedisSettings, Settings};
+use tollgate::app::{App, GlobalSettings, QuotaSettings, RedisSettings, Settings};
 use tollgate::connections::ConnLimits;
 use tollgate::edge::rlqs::RlqsLimits;
 use tollgate::edge::rls::headers::LimitHeaderNames;
@@ -119,6 +119,13 @@ pub(super) struct ServeArgs {
     /// Serve it to the regional tiers only (mutual TLS).
     #[arg(long, env = "TOLLGATE_GLOBAL_TIER")]
     global_tier: bool,
+    /// Be a region of the limits marked `global: true`: decide them on shares leased from the
+    /// global tier at this gRPC address (http://host:port, or https://). Needs --region.
+    #[arg(long, env = "TOLLGATE_GLOBAL_URL", requires = "region")]
+    global_url: Option<String>,
+    /// This region's name (no whitespace), with --global-url.
+    #[arg(long, env = "TOLLGATE_REGION", requires = "global_url")]
+    region: Option<String>,
     /// Evaluate and count every limit, but never answer OVER_LIMIT.
     #[arg(long, env = "TOLLGATE_SHADOW_MODE")]
     shadow_mode: bool,
@@ -236,6 +243,15 @@ impl ServeArgs {
             },
             http_unauthenticated: self.http_unauthenticated,
             global_tier: self.global_tier,
+            global: match (&self.global_url, &self.region) {
+                (Some(url), Some(region)) => {
+                    if region.is_empty() || region.chars().any(char::is_whitespace) || region.contains('/') {
+                        anyhow::bail!("--region {region:?}: a name without whitespace or '/'");
+                    }
+                    Some(GlobalSettings { url: url.clone(), region: region.clone() })
+                }
+                _ => None,
+            },
             telemetry: TelemetryConfig {
                 top_denied: self.top_denied_tenants,
                 top_denied_window: self.top_denied_window,

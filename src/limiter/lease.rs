@@ -232,6 +232,12 @@ impl Limiter {
         let mut plans = vec![self.plan(domain, &descriptor)];
         self.resolve_quotas(domain, &mut plans).await;
         match plans.pop() {
+            // In a region a global rule's bucket is the global tier's, leased to this replica as
+            // shares RLQS does not hand out yet: no assignment (Envoy's no-assignment behavior)
+            // rather than the regional store's bucket, which would limit this region alone.
+            Some(Plan::Bucket(p)) if self.shares.is_some() && p.rule.is_some_and(|r| r.global) => {
+                RlqsBucket::Unknown(Some(domain.clone()))
+            }
             Some(Plan::Bucket(p)) if p.role != Role::Shadow => RlqsBucket::Leased(LeasedBucket {
                 key: p.bucket.key,
                 spec: p.spec.expect("tenant quotas resolved"),

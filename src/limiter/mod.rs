@@ -22,6 +22,7 @@
 mod budget;
 mod decision;
 mod explain;
+mod global;
 mod labels;
 mod lease;
 mod repair;
@@ -36,6 +37,7 @@ pub use self::decision::{
     SlotLimit, SlotReport,
 };
 pub use self::explain::{Effect, Explained, Explanation, SpecOrigin};
+pub use self::global::{GlobalShares, Granted, Renewal, FIRST_LEASE_WAIT, RENEW_EVERY};
 pub use self::lease::{LeasedBucket, LocalLease, RlqsBucket, ASSIGNMENT_TTL, LEASE_TTL, RENEW_AFTER};
 
 use std::sync::Arc;
@@ -84,8 +86,11 @@ pub struct Limiter {
     quotas: Arc<dyn QuotaSource>,
     telemetry: Arc<Telemetry>,
     modes: ServiceModes,
-    // Where budgets' calendar periods are computed from (the store picks by its own clock).
+    // Where budgets' calendar periods are computed from (the store picks by its own clock), and
+    // global shares' times.
     clock: Arc<dyn Clock>,
+    // This replica's shares of global buckets, in a region (`--global-url`).
+    shares: Option<Arc<GlobalShares>>,
 }
 
 // A descriptor's plan before the store is asked.
@@ -115,12 +120,17 @@ impl Limiter {
         telemetry: Arc<Telemetry>,
         modes: ServiceModes,
     ) -> Self {
-        Limiter { rules, store, quotas, telemetry, modes, clock: Arc::new(SystemClock) }
+        Limiter { rules, store, quotas, telemetry, modes, clock: Arc::new(SystemClock), shares: None }
     }
 
     /// The same limiter on `clock` (the system's by default), for deterministic tests.
     pub fn with_clock(self, clock: Arc<dyn Clock>) -> Self {
         Limiter { clock, ..self }
+    }
+
+    /// The same limiter deciding the rules marked `global: true` on `shares` (a region's).
+    pub fn with_global_shares(self, shares: Arc<GlobalShares>) -> Self {
+        Limiter { shares: Some(shares), ..self }
     }
 
     /// The store this limiter uses.
@@ -157,7 +167,10 @@ impl Limiter {
         drop_replaced(&mut plans);
         self.resolve_quotas(domain, &mut plans).await;
         let (group, op_of) = group(&plans);
-        let outcome = self.evaluate(domain, group).await;
+        let outcome = match &self.shares {
+            Some(shares) => self.evaluate_with_shares(domain, shares, query, &plans, group, &op_of).await,
+            None => self.evaluate(domain, group).await,
+        };
         let decision = self.verdicts(domain, query, &plans, &op_of, &outcome);
         self.count_decision(query, &decision);
         trace_decision(&domain.name, &plans, &decision);

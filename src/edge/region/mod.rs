@@ -22,6 +22,8 @@ use tonic::{Request, Response, Status};
 use crate::bucket::{LeaseOp, LeaseOutcome};
 use crate::limiter::{LeasedBucket, Limiter};
 
+pub mod client;
+
 /// The generated types and service of `tollgate.region.v1`.
 pub mod proto {
     #![allow(missing_docs, unused_qualifications, clippy::all, clippy::pedantic)]
@@ -39,8 +41,8 @@ pub const MAX_BUCKETS_PER_CALL: usize = 10_000;
 /// Most entries a bucket may be named by, and the longest key or value.
 const MAX_ENTRIES: usize = 64;
 const MAX_ENTRY_LEN: usize = 1_024;
-/// The longest region name.
-const MAX_REGION_LEN: usize = 64;
+/// The longest leaseholder name (`<region>/<replica>`, the replica a host name and more).
+const MAX_REGION_LEN: usize = 256;
 
 /// The service.
 pub struct RegionLeasesGrpc {
@@ -60,7 +62,7 @@ impl RegionLeases for RegionLeasesGrpc {
         let renew = request.into_inner();
         let region = &renew.region;
         if region.is_empty() || region.len() > MAX_REGION_LEN || region.chars().any(char::is_whitespace) {
-            return Err(Status::invalid_argument("region: 1-64 characters, no whitespace"));
+            return Err(Status::invalid_argument("region: 1-256 characters, no whitespace"));
         }
         if renew.buckets.len() > MAX_BUCKETS_PER_CALL {
             return Err(Status::invalid_argument(format!(

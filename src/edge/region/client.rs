@@ -1,0 +1,128 @@
+//! A region's side of `tollgate.region.v1.RegionLeases` (`--global-url`): every round
+//! ([`RENEW_EVERY`], or at once when a bucket wants its first lease) this replica renews its
+//! shares of the global buckets its requests asked for ([`GlobalShares::due`]) in one call per
+//! [`MAX_BUCKETS_PER_CALL`], and hands the answers back ([`GlobalShares::answered`]). One round
+//! runs at a time, so one renewal per bucket is in flight. A round that gets no answer within
+//! [`RENEW_TIMEOUT`] is dropped: the shares keep the life they have, and the next round asks
+//! again.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use tonic::transport::{Channel, Endpoint};
+
+use super::proto::region_leases_client::RegionLeasesClient;
+use super::proto::{BucketRenewal, Entry, RenewRequest};
+use super::MAX_BUCKETS_PER_CALL;
+use crate::clock::Clock;
+use crate::limiter::{GlobalShares, Granted, Renewal, RENEW_EVERY};
+use crate::telemetry::logs;
+
+/// How long a round waits for the global tier's answer.
+pub const RENEW_TIMEOUT: Duration = Duration::from_secs(1);
+/// How soon a round follows one whose leases came back short: the others' leases shrink at
+/// their own rounds, and this one learns of it only by asking again.
+const SHORT_AGAIN: Duration = Duration::from_millis(200);
+
+/// The global tier at `url` could not be used.
+#[derive(Debug, thiserror::Error)]
+#[error("--global-url {url}: {source}")]
+pub struct BadUrl {
+    url: String,
+    source: tonic::transport::Error,
+}
+
+/// The global tier at `url`.
+pub fn endpoint(url: &str) -> Result<Endpoint, BadUrl> {
+    let endpoint = Endpoint::from_shared(url.to_owned())
+        .map_err(|source| BadUrl { url: url.to_owned(), source })?
+        .connect_timeout(RENEW_TIMEOUT)
+        .tcp_nodelay(true)
+        // A connection a partition left dead is found by its pings within two seconds and made
+        // again, rather than after the kernel's TCP timeouts.
+        .http2_keep_alive_interval(Duration::from_secs(1))
+        .keep_alive_timeout(Duration::from_secs(1))
+        .keep_alive_while_idle(true);
+    Ok(endpoint)
+}
+
+/// Renews `shares` on the global tier at `endpoint` until dropped, on `clock` (the limiter's).
+/// A round that fails makes the next on a new connection: one a partition left half-open (its
+/// handshake lost) may otherwise hold every round until its pings give it up.
+pub async fn renew_forever(shares: Arc<GlobalShares>, endpoint: Endpoint, clock: Arc<dyn Clock>) {
+    let mut client = RegionLeasesClient::new(endpoint.connect_lazy());
+    let mut next = RENEW_EVERY;
+    loop {
+        tokio::select! {
+            () = tokio::time::sleep(next) => {}
+            () = shares.wanted.notified() => {}
+        }
+        let renewals = shares.due(clock.now_ms());
+        let mut short = false;
+        for round in renewals.chunks(MAX_BUCKETS_PER_CALL) {
+            match renew(&shares, &mut client, round, clock.as_ref()).await {
+                Some(cut) => short |= cut,
+                None => client = RegionLeasesClient::new(endpoint.connect_lazy()),
+            }
+        }
+        next = if short { SHORT_AGAIN } else { RENEW_EVERY };
+        metrics::gauge!("tollgate_global_last_renewal_age_seconds")
+            .set(clock.now_ms().saturating_sub(*shares.renewed.borrow()) as f64 / 1000.0);
+    }
+}
+
+async fn renew(
+    shares: &GlobalShares,
+    client: &mut RegionLeasesClient<Channel>,
+    round: &[Renewal],
+    clock: &dyn Clock,
+) -> Option<bool> {
+    let buckets = round
+        .iter()
+        .map(|r| BucketRenewal {
+            domain: r.domain.clone(),
+            entries: r.entries.iter().map(|(k, v)| Entry { key: k.clone(), value: v.clone() }).collect(),
+            capacity: r.ask.capacity,
+            refill_per_second: r.ask.refill_per_second,
+            demand: r.demand,
+            fresh: r.ask.fresh,
+        })
+        .collect();
+    let request = RenewRequest { region: shares.leaseholder().to_owned(), buckets };
+    let answer = tokio::time::timeout(RENEW_TIMEOUT, client.renew(request)).await;
+    match answer {
+        Ok(Ok(answer)) => {
+            let answer = answer.into_inner();
+            let granted = round.iter().zip(answer.leases.iter().map(Some).chain(std::iter::repeat(None)));
+            let answers = granted
+                .map(|(r, lease)| {
+                    let g = lease.filter(|l| l.known).map(|l| Granted {
+                        bucket: (l.bucket_capacity, l.bucket_refill_per_second, l.cost),
+                        capacity: l.capacity,
+                        rate: l.refill_per_second,
+                        others_demand: l.others_demand,
+                    });
+                    (r.key.clone(), g)
+                })
+                .collect();
+            metrics::counter!("tollgate_global_rounds_total", "outcome" => "ok").increment(1);
+            Some(shares.answered(answers, clock.now_ms(), answer.ttl_ms))
+        }
+        failed => {
+            shares.failed(round);
+            metrics::counter!("tollgate_global_rounds_total", "outcome" => "failed").increment(1);
+            if let Some(held_back) = logs::throttled("global_renewal_failed") {
+                let why = match failed {
+                    Ok(Err(status)) => format!("{}: {}", status.code(), status.message()),
+                    _ => format!("no answer within {RENEW_TIMEOUT:?}"),
+                };
+                tracing::warn!(
+                    why,
+                    held_back,
+                    "could not renew this region's shares of global buckets; they keep their life, then deny"
+                );
+            }
+            None
+        }
+    }
+}

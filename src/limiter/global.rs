@@ -1,0 +1,359 @@
+//! Global limits in a region (`--global-url`): the buckets of rules marked `global: true` are
+//! decided on this replica's shares of them ([`Share`]), which it leases from the global tier
+//! and renews every round (`docs/src/design/global-limits.md`).
+//!
+//! Each replica is a leaseholder of its own (`<region>/<replica>` at the global tier), so one
+//! renewal per bucket is in flight at a time by construction (the discipline's last rule). A
+//! share is sized by this replica's demand beside what the others' leases record: its part of
+//! the bucket, at least a sixteenth. A bucket nobody here asked for in a lease's life is given
+//! back. A request for a bucket with no live share here waits for a first lease, briefly; one
+//! still without (the global tier out of reach past the share's life) is denied: the fallback is
+//! `deny` (the bound holds with no slack).
+//!
+//! The renewal loop and its protocol live in the edge (`crate::edge::region::client`); this is
+//! what it renews and what decisions take.
+
+use std::collections::HashMap;
+use std::sync::Mutex;
+use std::time::Duration;
+
+use super::{Limiter, Plan, Query};
+use crate::bucket::{Ask, Asked, BucketOp, Group, GroupOutcome, Role, Share, Verdict};
+use crate::config::{Domain, FailureMode};
+use crate::rule::ChargeRule;
+use crate::store::StoreError;
+
+/// How often shares are renewed.
+pub const RENEW_EVERY: Duration = Duration::from_secs(1);
+/// How long a request for a bucket without a live share waits for a first lease.
+pub const FIRST_LEASE_WAIT: Duration = Duration::from_millis(1_500);
+/// Most buckets held at once; a new one beyond it is denied (and counted).
+pub const MAX_SHARES: usize = 100_000;
+/// The smallest part of a bucket a share asks for.
+const FLOOR: f64 = 1.0 / 16.0;
+/// A bucket not asked for this long is given back.
+const IDLE_MS: u64 = 10_000;
+/// A lease below this part of what was asked is short.
+const SHORT: f64 = 0.8;
+
+// What taking from a share found.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(super) enum Taken {
+    /// Taken; the share's tokens after, its capacity and rate.
+    Yes { tokens: f64, capacity: f64, rate: f64 },
+    /// Not enough; the share's tokens, capacity and rate.
+    No { tokens: f64, capacity: f64, rate: f64 },
+    /// No live share here (none yet, or it lapsed).
+    NoShare,
+}
+
+/// One renewal of a round.
+#[derive(Debug, Clone)]
+pub struct Renewal {
+    /// The bucket's key.
+    pub key: String,
+    /// The domain and entries naming it at the global tier.
+    pub domain: String,
+    /// The descriptor entries.
+    pub entries: Vec<(String, String)>,
+    /// What is asked.
+    pub ask: Ask,
+    /// This replica's demand, tokens per second.
+    pub demand: f64,
+}
+
+/// The global tier's answer for one bucket.
+#[derive(Debug, Clone, Copy)]
+pub struct Granted {
+    /// The bucket: capacity, rate, tokens per request.
+    pub bucket: (f64, f64, u64),
+    /// The lease set.
+    pub capacity: f64,
+    /// Its rate.
+    pub rate: f64,
+    /// What the other leaseholders and RLS at the global tier asked lately, per second.
+    pub others_demand: f64,
+}
+
+/// This replica's shares of global buckets.
+pub struct GlobalShares {
+    leaseholder: String,
+    table: Mutex<HashMap<String, Entry>>,
+    /// Woken when a bucket wants its first lease now.
+    pub wanted: tokio::sync::Notify,
+    /// Sent after every round (its time, ms).
+    pub renewed: tokio::sync::watch::Sender<u64>,
+}
+
+#[derive(Debug)]
+struct Entry {
+    domain: String,
+    entries: Vec<(String, String)>,
+    share: Option<Share>,
+    asked: Asked,
+    pending: Option<Ask>,
+    // From the last answer: the bucket and the others' demand.
+    bucket: Option<(f64, f64, u64)>,
+    others_demand: f64,
+    used_ms: u64,
+}
+
+impl GlobalShares {
+    /// Shares leased as `leaseholder` (`<region>/<replica>`).
+    pub fn new(leaseholder: String) -> Self {
+        GlobalShares {
+            leaseholder,
+            table: Mutex::default(),
+            wanted: tokio::sync::Notify::new(),
+            renewed: tokio::sync::watch::Sender::new(0),
+        }
+    }
+
+    /// The name this replica leases under.
+    pub fn leaseholder(&self) -> &str {
+        &self.leaseholder
+    }
+
+    fn table(&self) -> std::sync::MutexGuard<'_, HashMap<String, Entry>> {
+        self.table.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    // Takes `need` tokens of bucket `key` (named `entries` in `domain` at the global tier) at
+    // `now_ms`, counting them as demand.
+    fn take(&self, key: &str, domain: &str, entries: &[(&str, &str)], need: f64, now_ms: u64) -> Taken {
+        let mut table = self.table();
+        if !table.contains_key(key) {
+            if table.len() >= MAX_SHARES {
+                metrics::counter!("tollgate_global_shares_refused_total").increment(1);
+                return Taken::NoShare;
+            }
+            let owned = entries.iter().map(|(k, v)| ((*k).to_owned(), (*v).to_owned())).collect();
+            table.insert(
+                key.to_owned(),
+                Entry {
+                    domain: domain.to_owned(),
+                    entries: owned,
+                    share: None,
+                    asked: Asked::default(),
+                    pending: None,
+                    bucket: None,
+                    others_demand: 0.0,
+                    used_ms: now_ms,
+                },
+            );
+        }
+        let entry = table.get_mut(key).expect("inserted");
+        entry.used_ms = now_ms;
+        entry.asked.record(now_ms, need.max(0.0));
+        let Some(share) = entry.share.as_mut().filter(|s| s.alive(now_ms)) else { return Taken::NoShare };
+        let taken = share.take(need, now_ms);
+        let (tokens, capacity, rate) = (share.tokens, share.capacity, share.refill_per_second);
+        if taken {
+            Taken::Yes { tokens, capacity, rate }
+        } else {
+            Taken::No { tokens, capacity, rate }
+        }
+    }
+
+    // Gives back `tokens` a request took from bucket `key` and did not use.
+    fn give_back(&self, key: &str, tokens: f64, now_ms: u64) {
+        if let Some(share) = self.table().get_mut(key).and_then(|e| e.share.as_mut()) {
+            share.give_back(tokens, now_ms);
+        }
+    }
+
+    /// The round's renewals at `now_ms`: every bucket asked for lately, sized by demand (shrinks
+    /// applied to the shares now, before they are asked for), and a release of each one idle
+    /// for a lease's life (then forgotten).
+    pub fn due(&self, now_ms: u64) -> Vec<Renewal> {
+        let mut table = self.table();
+        let mut renewals = Vec::new();
+        table.retain(|_, e| e.used_ms + 2 * IDLE_MS > now_ms || e.pending.is_some());
+        for (key, e) in table.iter_mut().filter(|(_, e)| e.pending.is_none()) {
+            let demand = e.asked.per_second(now_ms);
+            let idle = e.used_ms + IDLE_MS <= now_ms;
+            if idle && e.share.is_none() {
+                continue;
+            }
+            let (capacity, rate) = match e.bucket {
+                _ if idle => (0.0, 0.0),
+                // Not known yet: all of it; the global tier cuts it to what the others leave.
+                None => (f64::MAX, f64::MAX),
+                Some((c, r, cost)) => {
+                    let total = demand + e.others_demand;
+                    let part = if total <= 0.0 { FLOOR } else { (demand / total).max(FLOOR) };
+                    ((c * part).max(cost as f64).min(c), r * part)
+                }
+            };
+            let ask = Share::ask(&mut e.share, capacity, rate, now_ms);
+            if idle {
+                e.share = None;
+            }
+            e.pending = Some(ask);
+            renewals.push(Renewal {
+                key: key.clone(),
+                domain: e.domain.clone(),
+                entries: e.entries.clone(),
+                ask,
+                demand,
+            });
+        }
+        renewals
+    }
+
+    /// The answers to a round's renewals (`None`: none for that bucket), arriving at `now_ms`;
+    /// leases live `ttl_ms` at the global tier. True when a lease came back short of what was
+    /// asked (the others hold it, or a first lease could not be sized): the next round should
+    /// come soon, since the others shrink theirs at their own rounds.
+    pub fn answered(&self, answers: Vec<(String, Option<Granted>)>, now_ms: u64, ttl_ms: u64) -> bool {
+        let mut table = self.table();
+        let mut short = false;
+        for (key, granted) in answers {
+            let Some(e) = table.get_mut(&key) else { continue };
+            let Some(ask) = e.pending.take() else { continue };
+            match granted {
+                Some(g) => {
+                    e.bucket = Some(g.bucket);
+                    e.others_demand = g.others_demand;
+                    short |= g.capacity < ask.capacity * SHORT || g.rate < ask.refill_per_second * SHORT;
+                    if ask.capacity > 0.0 || ask.refill_per_second > 0.0 {
+                        Share::answer(&mut e.share, &ask, g.capacity, g.rate, now_ms, ttl_ms);
+                    }
+                }
+                // No global rule limits it (there): no share, asked again next round.
+                None => e.share = None,
+            }
+        }
+        metrics::gauge!("tollgate_global_shares")
+            .set(table.values().filter(|e| e.share.is_some()).count() as f64);
+        drop(table);
+        self.renewed.send_replace(now_ms);
+        short
+    }
+
+    /// A round that got no answer: its renewals are dropped (the shares keep their life).
+    pub fn failed(&self, renewals: &[Renewal]) {
+        let mut table = self.table();
+        for r in renewals {
+            if let Some(e) = table.get_mut(&r.key) {
+                e.pending = None;
+            }
+        }
+    }
+}
+
+impl Limiter {
+    /// The request's group evaluated with its global buckets taken from this replica's shares,
+    /// all or nothing with the rest (taken first; given back if the store then denies). A global
+    /// op is an enforced debit of a rule marked `global: true`; others stay with the store.
+    pub(super) async fn evaluate_with_shares(
+        &self,
+        domain: &Domain,
+        shares: &GlobalShares,
+        query: &Query<'_>,
+        plans: &[Plan<'_>],
+        group: Group,
+        op_of: &[Option<usize>],
+    ) -> Result<Option<GroupOutcome>, StoreError> {
+        let global: Vec<Option<usize>> = (0..group.len())
+            .map(|op| {
+                let d = op_of.iter().position(|o| *o == Some(op))?;
+                let Plan::Bucket(p) = &plans[d] else { return None };
+                let global = p.rule.is_some_and(|r| r.global && matches!(r.charge, ChargeRule::Admitted));
+                (global && p.role == Role::Enforced && group[op].need >= 0.0).then_some(d)
+            })
+            .collect();
+        if global.iter().all(Option::is_none) {
+            return self.evaluate(domain, group).await;
+        }
+        let take = |op: usize, d: usize| {
+            let entries = &query.descriptors[d].entries;
+            shares.take(&group[op].key, &domain.name, entries, group[op].need, self.clock.now_ms())
+        };
+        let mut taken: Vec<Option<Taken>> =
+            global.iter().enumerate().map(|(op, d)| d.map(|d| take(op, d))).collect();
+        // A bucket without a share here yet: its first lease, briefly awaited.
+        if taken.contains(&Some(Taken::NoShare)) {
+            let mut renewed = shares.renewed.subscribe();
+            renewed.mark_unchanged();
+            shares.wanted.notify_one();
+            let _ = tokio::time::timeout(FIRST_LEASE_WAIT, renewed.changed()).await;
+            for (op, d) in global.iter().enumerate() {
+                if let (Some(d), Some(Taken::NoShare)) = (d, taken[op]) {
+                    taken[op] = Some(take(op, *d));
+                }
+            }
+        }
+        let all_taken = taken.iter().flatten().all(|t| matches!(t, Taken::Yes { .. }));
+        // The rest goes to the store: debited if every share had its tokens, else only checked.
+        let rest: Vec<usize> = (0..group.len()).filter(|op| global[*op].is_none()).collect();
+        let store_group: Group = rest
+            .iter()
+            .map(|&op| BucketOp { need: if all_taken { group[op].need } else { 0.0 }, ..group[op].clone() })
+            .collect();
+        let stored = if store_group.is_empty() { Ok(None) } else { self.evaluate(domain, store_group).await };
+        let admitted = all_taken
+            && match &stored {
+                Ok(Some(o)) => o.admitted,
+                Ok(None) => true,
+                Err(_) => domain.failure_mode == FailureMode::Allow,
+            };
+        let now_ms = self.clock.now_ms();
+        if !admitted {
+            for (op, t) in taken.iter().enumerate() {
+                if let Some(Taken::Yes { .. }) = t {
+                    shares.give_back(&group[op].key, group[op].need, now_ms);
+                }
+            }
+        }
+        let stored = stored?;
+        let mut verdicts = Vec::with_capacity(group.len());
+        let mut next_rest = 0;
+        for (op, t) in taken.iter().enumerate() {
+            match t {
+                Some(t) => verdicts.push(share_verdict(*t, group[op].need)),
+                None => {
+                    let v =
+                        stored.as_ref().map(|o| o.verdicts[next_rest]).expect("the store answered the rest");
+                    next_rest += 1;
+                    verdicts.push(v);
+                }
+            }
+        }
+        let unanswered =
+            stored.as_ref().map(|o| o.unanswered.iter().map(|&i| rest[i]).collect()).unwrap_or_default();
+        Ok(Some(GroupOutcome {
+            admitted,
+            now_ms: stored.as_ref().map_or(now_ms, |o| o.now_ms),
+            verdicts,
+            refunded: false,
+            unanswered,
+        }))
+    }
+}
+
+// A share's answer as a bucket verdict (for headers and metrics).
+fn share_verdict(taken: Taken, need: f64) -> Verdict {
+    let (allowed, tokens, capacity, rate) = match taken {
+        Taken::Yes { tokens, capacity, rate } => (true, tokens, capacity, rate),
+        Taken::No { tokens, capacity, rate } => (false, tokens, capacity, rate),
+        Taken::NoShare => (false, 0.0, 0.0, 0.0),
+    };
+    let ms = |tokens: f64| if rate > 0.0 { (tokens.max(0.0) / rate * 1000.0).ceil() as u64 } else { 0 };
+    let retry_after_ms = match taken {
+        Taken::Yes { .. } => Some(0),
+        // Waiting helps only if the share can ever hold `need`; without one, at the next round.
+        Taken::No { .. } if need <= capacity && rate > 0.0 => Some(ms(need - tokens)),
+        Taken::No { .. } => None,
+        Taken::NoShare => Some(RENEW_EVERY.as_millis() as u64),
+    };
+    Verdict {
+        allowed,
+        tokens,
+        retry_after_ms,
+        reset_ms: ms(capacity - tokens),
+        forgiven: 0.0,
+        fastest_refill: rate,
+        kept_ms: 0,
+    }
+}

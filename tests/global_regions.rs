@@ -1,0 +1,132 @@
+//! Regions on one machine (loopback): a global tier on Redis (`--global-tier`) and two regions
+//! (`--global-url`, embedded stores) reaching it through the fault proxy, each answer held back
+//! 100 ms, neutral RLS clients sending each region far more than the whole limit. The tokens the
+//! regions admit together stay within `capacity + rate x T` in every window, and most of it is
+//! used; a region cut off keeps deciding on its share until the share's life ends, then denies,
+//! while the other region gets the whole bucket; healed, it is back on a share within seconds.
+
+mod common;
+
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use common::proxy::{Fault, FaultProxy};
+use common::*;
+
+const CONFIG: &str = r#"
+domain: api
+tenant_key: tenant
+descriptors:
+  - key: tenant
+    token_bucket: {capacity: 20, refill_per_second: 10}
+    global: true
+"#;
+const CAPACITY: f64 = 20.0;
+const RATE: f64 = 10.0;
+
+// Sends `region` a request every 20 ms until `until`, recording when each was admitted.
+async fn load(addr: String, until: Instant, admitted: Arc<Mutex<Vec<Instant>>>) -> (u32, u32) {
+    let (mut ok, mut over) = (0, 0);
+    while Instant::now() < until {
+        let r = ask(&addr, req("api", &["tenant=acme"], 1)).await.expect("answer");
+        if r.overall_code == OK {
+            ok += 1;
+            admitted.lock().unwrap().push(Instant::now());
+        } else {
+            over += 1;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    (ok, over)
+}
+
+// The most admitted over `capacity + rate x T` in any window (0: within).
+fn excess(admitted: &mut [Instant]) -> f64 {
+    admitted.sort();
+    let mut worst: f64 = 0.0;
+    for (i, from) in admitted.iter().enumerate() {
+        for (n, to) in admitted[i..].iter().enumerate() {
+            let bound = CAPACITY + RATE * to.duration_since(*from).as_secs_f64();
+            worst = worst.max((n + 1) as f64 - bound);
+        }
+    }
+    worst
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn two_regions_keep_one_global_limit_and_a_partition_falls_back_to_deny() {
+    let redis = Redis::start();
+    let (_dir, config) = config_file(CONFIG);
+    let global = Tollgate::start(&config, &Backend::Redis(redis.url()), &["--global-tier"]);
+    let global_port: u16 = global.addr().rsplit(':').next().unwrap().parse().unwrap();
+    let proxies = [FaultProxy::start(global_port), FaultProxy::start(global_port)];
+    let regions: Vec<Tollgate> = ["eu", "us"]
+        .iter()
+        .zip(&proxies)
+        .map(|(name, proxy)| {
+            proxy.set(Fault::DelayReplies(Duration::from_millis(100)));
+            let url = format!("http://127.0.0.1:{}", proxy.port);
+            Tollgate::start(&config, &Backend::Memory, &["--global-url", &url, "--region", name])
+        })
+        .collect();
+
+    // Six seconds of both regions asking 50 a second each, against 10 a second in all.
+    let admitted = Arc::new(Mutex::new(Vec::new()));
+    let start = Instant::now();
+    let until = start + Duration::from_secs(6);
+    let loads: Vec<_> =
+        regions.iter().map(|r| tokio::spawn(load(r.addr(), until, admitted.clone()))).collect();
+    let mut counts = Vec::new();
+    for l in loads {
+        counts.push(l.await.unwrap());
+    }
+    let mut all = admitted.lock().unwrap().clone();
+    let bound = CAPACITY + RATE * start.elapsed().as_secs_f64();
+    let over = excess(&mut all);
+    println!(
+        "admitted {} of a bound of {bound:.0} (eu, us: {counts:?}); worst window {over:.2} over",
+        all.len()
+    );
+    assert!(over <= 1e-9, "{over} admitted over capacity + rate x T in some window");
+    assert!(all.len() as f64 >= 0.5 * bound, "{} admitted, bound {bound:.0}: the shares are used", all.len());
+    assert!(counts.iter().all(|(ok, _)| *ok > 0), "both regions admit: {counts:?}");
+
+    // eu cut off: it decides on its share until the share's life ends (10 s after its last
+    // renewal was sent, at most a round before the cut), then denies.
+    proxies[0].set(Fault::Blackhole);
+    let cut = Instant::now();
+    let during = load(regions[0].addr(), cut + Duration::from_secs(8), Arc::default()).await;
+    assert!(during.0 > 0, "eu still admits on its share while cut off: {during:?}");
+    tokio::time::sleep_until((cut + Duration::from_millis(10_500)).into()).await;
+    for _ in 0..3 {
+        let r = ask(&regions[0].addr(), req("api", &["tenant=acme"], 1)).await.unwrap();
+        assert_eq!(
+            r.overall_code,
+            OVER_LIMIT,
+            "eu's share lapsed: denied ({:?} after the cut)",
+            cut.elapsed()
+        );
+    }
+    let failed = sample(&regions[0].metrics(), "tollgate_global_rounds_total", &[("outcome", "failed")]);
+    assert!(failed >= 5.0, "{failed} failed rounds counted");
+    // us gets the whole rate once eu's lease has expired at the global tier.
+    let before = Instant::now();
+    let us = load(regions[1].addr(), before + Duration::from_secs(3), Arc::default()).await;
+    assert!(us.0 >= 20, "us admitted {us:?} in 3 s with the whole bucket to itself");
+
+    // Healed: eu is back on a share within 5 s.
+    proxies[0].set(Fault::DelayReplies(Duration::from_millis(100)));
+    let healed = Instant::now();
+    loop {
+        let r = ask(&regions[0].addr(), req("api", &["tenant=acme"], 1)).await.unwrap();
+        if r.overall_code == OK {
+            break;
+        }
+        assert!(
+            healed.elapsed() < Duration::from_secs(5),
+            "eu not back on a share 5 s after the partition healed"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    println!("eu back on a share {:?} after the partition healed", healed.elapsed());
+}
