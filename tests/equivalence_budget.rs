@@ -155,10 +155,16 @@ async fn replay(seed: u64, redis: &common::Redis) -> HashMap<&'static str, usize
         let (secs, micros): (i64, i64) = redis::cmd("TIME").query(&mut con).unwrap();
         // Now and then the cancel the limiter sends after a hold whose answer it lost: of the
         // hold just admitted, so that cancels of open holds are common; or that hold again, as
-        // a retry.
+        // a retry; or its settlement, so that settlements of open holds (and the give-back of
+        // their slots) are common too.
         let op = match last_held.take() {
             Some(held) if rng.random_bool(0.3) => BudgetOp { action: BudgetAction::Cancel, ..held },
             Some(held) if rng.random_bool(0.15) => held,
+            Some(held) if rng.random_bool(0.3) => {
+                let price = row(&held.version).price(Kind::Output);
+                let usage = vec![(Kind::Output, 50, tollgate::budget::cost(50, price))];
+                BudgetOp { action: BudgetAction::Settle { usage }, ..held }
+            }
             _ => op(&mut rng, secs * 1000 + micros / 1000, lost),
         };
         let from_redis = store.budget(&op).await.expect("redis answers");
