@@ -63,8 +63,8 @@ fn op(rng: &mut StdRng, now: i64, lost: LostSettle) -> BudgetOp {
     // Slot ttls differ per op as they may after a reload, and span hold ttls.
     let mut set = |key: String, max: u64| SlotSet { key, max, ttl_ms: rng.random_range(200..1_200) };
     let mut sets = vec![
-        set("rl:{o}:llm:org=o:slots".into(), 3),
-        set(format!("rl:{{o}}:llm:org=o:team={team}:slots"), 2),
+        set("rl:{o}:llm:org=o:slots".into(), 2),
+        set(format!("rl:{{o}}:llm:org=o:team={team}:slots"), 1),
     ];
     // Half the requests are on paths without them (so that holds are not all held back).
     if request >= 12 {
