@@ -153,6 +153,23 @@ pub struct SlotLimit {
     pub frees_in_ms: Option<u64>,
 }
 
+impl SlotLimit {
+    /// `set` (the node `node`'s) as an op left it: its reading, or nothing read.
+    pub(super) fn of(
+        set: &crate::slot::SlotSet,
+        node: &str,
+        reading: Option<&crate::slot::SetReading>,
+    ) -> SlotLimit {
+        SlotLimit {
+            node: node.to_owned(),
+            max: set.max,
+            open: reading.map_or(0, |r| r.open),
+            expired: reading.map_or(0, |r| r.expired),
+            frees_in_ms: reading.and_then(|r| r.frees_in_ms),
+        }
+    }
+}
+
 /// The limit a descriptor was held to.
 #[derive(Debug, Clone)]
 pub struct LimitInfo {

@@ -218,16 +218,7 @@ impl Limiter {
                             .iter()
                             .zip(&plan.nodes)
                             .enumerate()
-                            .map(|(n, (set, node))| {
-                                let reading = answer.sets.get(n);
-                                SlotLimit {
-                                    node: node.clone(),
-                                    max: set.max,
-                                    open: reading.map_or(0, |r| r.open),
-                                    expired: reading.map_or(0, |r| r.expired),
-                                    frees_in_ms: reading.and_then(|r| r.frees_in_ms),
-                                }
-                            })
+                            .map(|(n, (set, node))| SlotLimit::of(set, node, answer.sets.get(n)))
                             .collect(),
                         verdict: answer.verdict,
                         bucket,

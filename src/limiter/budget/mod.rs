@@ -484,13 +484,7 @@ fn slot_limits(request: &Request, outcome: &BudgetOutcome) -> Vec<SlotLimit> {
         .iter()
         .zip(&request.op.sets)
         .zip(&request.set_nodes)
-        .map(|((r, set), node)| SlotLimit {
-            node: node.clone(),
-            max: set.max,
-            open: r.open,
-            expired: r.expired,
-            frees_in_ms: r.frees_in_ms,
-        })
+        .map(|((r, set), node)| SlotLimit::of(set, node, Some(r)))
         .collect()
 }
 
