@@ -65,6 +65,14 @@ fn gateway(listener: SocketAddr, admin: SocketAddr, replicas: &[SocketAddr], llm
         };
         cluster["load_assignment"]["endpoints"][0]["lb_endpoints"] = json!(endpoints);
     }
+    // The shipped 0.1 s RLS timeout is for release builds; three debug replicas on two shared
+    // cores, cold, can take longer for the first holds of a burst, and Envoy's answer to its own
+    // timeout (500) says nothing about money. A store failure still reaches tollgate's failure
+    // mode well inside a second.
+    let hcm = &mut c["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"];
+    let filters = hcm["http_filters"].as_array_mut().unwrap();
+    let ratelimit = filters.iter_mut().find(|f| f["name"] == "envoy.filters.http.ratelimit").unwrap();
+    ratelimit["typed_config"]["timeout"] = json!("1s");
     c
 }
 
