@@ -135,8 +135,9 @@ pub struct RatelimitStatsSettings {
 /// A region's link to the global tier of global limits.
 #[derive(Debug, Clone)]
 pub struct GlobalSettings {
-    /// The global tier's gRPC address (`http://host:port` or `https://`).
-    pub url: String,
+    /// The global tier's gRPC addresses (`http://host:port` or `https://`), tried in turn: a
+    /// region renews through one until a round fails, then through the next.
+    pub urls: Vec<String>,
     /// This region's name (no whitespace); the replica leases as `<region>/<replica>`.
     pub region: String,
 }
@@ -296,13 +297,18 @@ impl App {
         let rules = Arc::new(ArcSwap::from_pointee(rules));
         let mut limiter = Limiter::new(rules.clone(), store, quotas, telemetry.clone(), settings.modes);
         if let Some(global) = &settings.global {
-            let endpoint = crate::edge::region::client::endpoint(&global.url).map_err(StartError::Global)?;
+            let endpoints = global
+                .urls
+                .iter()
+                .map(|url| crate::edge::region::client::endpoint(url))
+                .collect::<Result<Vec<_>, _>>()
+                .map_err(StartError::Global)?;
             let shares = Arc::new(GlobalShares::new(format!("{}/{}", global.region, server::replica_name())));
-            tracing::info!(global_tier = %global.url, leaseholder = %shares.leaseholder(), "deciding global limits on shares of the global tier's buckets");
+            tracing::info!(global_tier = ?global.urls, leaseholder = %shares.leaseholder(), "deciding global limits on shares of the global tier's buckets");
             let clock: Arc<dyn crate::clock::Clock> = Arc::new(crate::clock::SystemClock);
             tasks.push(AbortOnDropHandle::new(tokio::spawn(crate::edge::region::client::renew_forever(
                 shares.clone(),
-                endpoint,
+                endpoints,
                 clock,
             ))));
             limiter = limiter.with_global_shares(shares);

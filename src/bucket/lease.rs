@@ -86,11 +86,12 @@ pub fn leases_live(leases: &[Lease], now_ms: u64) -> bool {
 pub const ASKED_WINDOW_MS: u64 = 5_000;
 
 /// Tokens asked of a bucket by requests other than leases (RLS, `POST /json`), counted while it
-/// has leases, in two windows of [`ASKED_WINDOW_MS`]: the demand RLQS leases are sized beside, so
-/// that when both sides ask more than the bucket gives, each gets its demand's part (an RLS
-/// request takes what refilled whenever it comes; a lease only what its size says).
+/// has leases, in two windows of `WINDOW_MS` ([`ASKED_WINDOW_MS`] in the bucket's state): the
+/// demand RLQS leases are sized beside, so that when both sides ask more than the bucket gives,
+/// each gets its demand's part (an RLS request takes what refilled whenever it comes; a lease
+/// only what its size says). A region's share counts its own demand in shorter windows.
 #[derive(Debug, Clone, Copy, PartialEq, Default)]
-pub struct Asked {
+pub struct Asked<const WINDOW_MS: u64 = ASKED_WINDOW_MS> {
     /// Tokens asked in the window before the current one.
     pub previous: f64,
     /// Tokens asked in the current window.
@@ -99,13 +100,13 @@ pub struct Asked {
     pub since_ms: u64,
 }
 
-impl Asked {
+impl<const WINDOW_MS: u64> Asked<WINDOW_MS> {
     // Moves the windows on to the one `now_ms` falls in.
     fn roll(&mut self, now_ms: u64) {
-        if self.since_ms == 0 || now_ms >= self.since_ms.saturating_add(2 * ASKED_WINDOW_MS) {
+        if self.since_ms == 0 || now_ms >= self.since_ms.saturating_add(2 * WINDOW_MS) {
             *self = Asked { previous: 0.0, current: 0.0, since_ms: now_ms };
-        } else if now_ms >= self.since_ms + ASKED_WINDOW_MS {
-            *self = Asked { previous: self.current, current: 0.0, since_ms: self.since_ms + ASKED_WINDOW_MS };
+        } else if now_ms >= self.since_ms + WINDOW_MS {
+            *self = Asked { previous: self.current, current: 0.0, since_ms: self.since_ms + WINDOW_MS };
         }
     }
 
@@ -118,7 +119,7 @@ impl Asked {
     /// Tokens asked per second over the last window and the current one, as of `now_ms`.
     pub fn per_second(&mut self, now_ms: u64) -> f64 {
         self.roll(now_ms);
-        let span = ASKED_WINDOW_MS + now_ms.saturating_sub(self.since_ms);
+        let span = WINDOW_MS + now_ms.saturating_sub(self.since_ms);
         (self.previous + self.current) * 1000.0 / span as f64
     }
 }

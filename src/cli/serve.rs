@@ -120,9 +120,10 @@ pub(super) struct ServeArgs {
     #[arg(long, env = "TOLLGATE_GLOBAL_TIER")]
     global_tier: bool,
     /// Be a region of the limits marked `global: true`: decide them on shares leased from the
-    /// global tier at this gRPC address (http://host:port, or https://). Needs --region.
-    #[arg(long, env = "TOLLGATE_GLOBAL_URL", requires = "region")]
-    global_url: Option<String>,
+    /// global tier at these gRPC addresses (http://host:port, or https://; comma-separated: the
+    /// next after a failed round). Needs --region.
+    #[arg(long, env = "TOLLGATE_GLOBAL_URL", requires = "region", value_delimiter = ',')]
+    global_url: Vec<String>,
     /// This region's name (no whitespace), with --global-url.
     #[arg(long, env = "TOLLGATE_REGION", requires = "global_url")]
     region: Option<String>,
@@ -243,14 +244,14 @@ impl ServeArgs {
             },
             http_unauthenticated: self.http_unauthenticated,
             global_tier: self.global_tier,
-            global: match (&self.global_url, &self.region) {
-                (Some(url), Some(region)) => {
+            global: match &self.region {
+                Some(region) => {
                     if region.is_empty() || region.chars().any(char::is_whitespace) || region.contains('/') {
                         anyhow::bail!("--region {region:?}: a name without whitespace or '/'");
                     }
-                    Some(GlobalSettings { url: url.clone(), region: region.clone() })
+                    Some(GlobalSettings { urls: self.global_url.clone(), region: region.clone() })
                 }
-                _ => None,
+                None => None,
             },
             telemetry: TelemetryConfig {
                 top_denied: self.top_denied_tenants,

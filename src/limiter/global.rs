@@ -35,6 +35,10 @@ const FLOOR: f64 = 1.0 / 16.0;
 const IDLE_MS: u64 = 10_000;
 /// A lease below this part of what was asked is short.
 const SHORT: f64 = 0.8;
+/// The window a replica's demand is counted in (over the last one and the current one). Shares
+/// are renewed every second, so a demand that moves is sized by within a round or two; RLQS's
+/// longer windows smooth Envoys' reports, which come every few seconds.
+const DEMAND_WINDOW_MS: u64 = 1_000;
 
 // What taking from a share found.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -90,7 +94,7 @@ struct Entry {
     domain: String,
     entries: Vec<(String, String)>,
     share: Option<Share>,
-    asked: Asked,
+    asked: Asked<DEMAND_WINDOW_MS>,
     pending: Option<Ask>,
     // From the last answer: the bucket and the others' demand.
     bucket: Option<(f64, f64, u64)>,

@@ -46,11 +46,14 @@ pub fn endpoint(url: &str) -> Result<Endpoint, BadUrl> {
     Ok(endpoint)
 }
 
-/// Renews `shares` on the global tier at `endpoint` until dropped, on `clock` (the limiter's).
-/// A round that fails makes the next on a new connection: one a partition left half-open (its
-/// handshake lost) may otherwise hold every round until its pings give it up.
-pub async fn renew_forever(shares: Arc<GlobalShares>, endpoint: Endpoint, clock: Arc<dyn Clock>) {
-    let mut client = RegionLeasesClient::new(endpoint.connect_lazy());
+/// Renews `shares` on the global tier at `endpoints` until dropped, on `clock` (the limiter's).
+/// A round that fails makes the next on a new connection to the next endpoint: one a partition
+/// left half-open (its handshake lost) may otherwise hold every round until its pings give it up,
+/// and a global replica that is gone is left for another. Every global replica sets the same
+/// lease (this replica's, to an absolute size), so moving between them counts nothing twice.
+pub async fn renew_forever(shares: Arc<GlobalShares>, endpoints: Vec<Endpoint>, clock: Arc<dyn Clock>) {
+    let mut at = 0;
+    let mut client = RegionLeasesClient::new(endpoints[at].connect_lazy());
     let mut next = RENEW_EVERY;
     loop {
         tokio::select! {
@@ -62,7 +65,10 @@ pub async fn renew_forever(shares: Arc<GlobalShares>, endpoint: Endpoint, clock:
         for round in renewals.chunks(MAX_BUCKETS_PER_CALL) {
             match renew(&shares, &mut client, round, clock.as_ref()).await {
                 Some(cut) => short |= cut,
-                None => client = RegionLeasesClient::new(endpoint.connect_lazy()),
+                None => {
+                    at = (at + 1) % endpoints.len();
+                    client = RegionLeasesClient::new(endpoints[at].connect_lazy());
+                }
             }
         }
         next = if short { SHORT_AGAIN } else { RENEW_EVERY };
