@@ -122,7 +122,16 @@ async fn readyz(State(state): State<HttpState>) -> Response {
             .into_response();
     }
     match state.store.ping().await {
-        Ok(()) => "ready\n".into_response(),
+        // A region cut off from the global tier still serves: it decides global limits on the
+        // shares it holds, then denies them; the body says so for whoever looks.
+        Ok(()) => match state.rls.limiter().global_cut_off() {
+            Some(cut) => format!(
+                "ready; cut off from the global tier for {:.1} s: global limits are decided on the shares held until they lapse, then denied\n",
+                cut.as_secs_f64()
+            )
+            .into_response(),
+            None => "ready\n".into_response(),
+        },
         Err(e) => (StatusCode::SERVICE_UNAVAILABLE, format!("store unreachable: {}\n", health::explain(&e)))
             .into_response(),
     }

@@ -3,7 +3,8 @@
 //! 100 ms, neutral RLS clients sending each region far more than the whole limit. The tokens the
 //! regions admit together stay within `capacity + rate x T` in every window, and most of it is
 //! used; a region cut off keeps deciding on its share until the share's life ends, then denies,
-//! while the other region gets the whole bucket; healed, it is back on a share within seconds.
+//! while the other region gets the whole bucket; healed, it is back on a share within seconds. A
+//! bucket nothing asks for is parked: renewed seldom, its next request still answered at once.
 
 mod common;
 
@@ -107,8 +108,17 @@ async fn two_regions_keep_one_global_limit_and_a_partition_falls_back_to_deny() 
             cut.elapsed()
         );
     }
-    let failed = sample(&regions[0].metrics(), "tollgate_global_rounds_total", &[("outcome", "failed")]);
+    let scrape = regions[0].metrics();
+    let failed = sample(&scrape, "tollgate_global_rounds_total", &[("outcome", "failed")]);
     assert!(failed >= 5.0, "{failed} failed rounds counted");
+    let fallback = sample(&scrape, "tollgate_global_fallback_denials_total", &[]);
+    assert!(fallback >= 3.0, "{fallback} fallback denials counted");
+    let cut_off = sample(&scrape, "tollgate_global_cut_off_seconds", &[]);
+    assert!(cut_off >= 8.0, "cut off for {cut_off} s by the gauge, 10.5 s after the cut");
+    // Still ready (it serves), and saying why its global limits deny.
+    let (status, body) = http_get(regions[0].http, "/readyz").expect("/readyz");
+    assert_eq!(status, 200, "{body}");
+    assert!(body.contains("cut off from the global tier for"), "{body}");
     // us gets the whole rate once eu's lease has expired at the global tier.
     let before = Instant::now();
     let us = load(regions[1].addr(), before + Duration::from_secs(3), Arc::default()).await;
@@ -129,4 +139,54 @@ async fn two_regions_keep_one_global_limit_and_a_partition_falls_back_to_deny() 
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     println!("eu back on a share {:?} after the partition healed", healed.elapsed());
+    let (_, body) = http_get(regions[0].http, "/readyz").expect("/readyz");
+    assert_eq!(body, "ready\n", "healed: no longer cut off");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_quiet_bucket_is_parked_renewed_seldom_and_still_answers_at_once() {
+    let redis = Redis::start();
+    let (_dir, config) = config_file(CONFIG);
+    let global = Tollgate::start(&config, &Backend::Redis(redis.url()), &["--global-tier"]);
+    let proxy = FaultProxy::start(global.grpc.port());
+    proxy.set(Fault::DelayReplies(Duration::from_millis(100)));
+    let url = format!("http://127.0.0.1:{}", proxy.port);
+    let region = Tollgate::start(&config, &Backend::Memory, &["--global-url", &url, "--region", "eu"]);
+
+    // Twenty tenants asked for, then quiet.
+    let tenants: Vec<String> = (0..20).map(|i| format!("tenant=t{i}")).collect();
+    for t in &tenants {
+        assert_eq!(ask(&region.addr(), req("api", &[t], 1)).await.unwrap().overall_code, OK);
+    }
+    let renewals = || sample(&global.metrics(), "tollgate_global_renewals_total", &[("outcome", "ok")]);
+    // Two rounds to notice the quiet (demand counts over 1-2 s), one to park.
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    let before = renewals();
+    tokio::time::sleep(Duration::from_secs(8)).await;
+    let quiet = renewals() - before;
+    println!("{quiet} renewals of 20 parked buckets in 8 s");
+    assert!(quiet <= 20.0, "{quiet} renewals in 8 s: parked buckets are renewed seldom (160 unparked)");
+
+    // A parked bucket answers its next request from the region, without the 100 ms round trip.
+    let asked = Instant::now();
+    assert_eq!(ask(&region.addr(), req("api", &[&tenants[0]], 1)).await.unwrap().overall_code, OK);
+    assert!(
+        asked.elapsed() < Duration::from_millis(90),
+        "{:?}: answered from the parked share",
+        asked.elapsed()
+    );
+    // Its lease at the global tier is one request's tokens with no rate, living a minute.
+    let mut con = redis.connection();
+    let field: String = redis::cmd("HGET").arg("rl:{t1}:api:tenant=t1").arg("h").query(&mut con).unwrap();
+    let leases = tollgate::store::parse_leases(&field).unwrap();
+    let now_ms = redis_ms(&mut con);
+    assert_eq!(leases.len(), 1, "{leases:?}");
+    assert_eq!((leases[0].capacity, leases[0].refill_per_second), (1.0, 0.0), "{leases:?}");
+    assert!(leases[0].expires_at_ms > now_ms + 40_000, "a parked lease lives a minute: {leases:?}");
+}
+
+// Redis's clock, in milliseconds.
+fn redis_ms(con: &mut redis::Connection) -> u64 {
+    let (s, us): (u64, u64) = redis::cmd("TIME").query(con).unwrap();
+    s * 1000 + us / 1000
 }

@@ -79,6 +79,17 @@ async fn regions_lease_a_global_bucket_and_rls_spends_the_rest() {
     assert!(leases.contains("region:eu ") && leases.contains("region:us "), "{leases}");
     let tokens: f64 = redis::cmd("HGET").arg(BUCKET).arg("t").query(&mut con).unwrap();
     assert!(tokens < 1.0, "the leases took the capacity: {tokens} left");
+    // `tollgate explain` on the global tier's Redis shows each region's share.
+    let explained = std::process::Command::new(tollgate_bin())
+        .args(["explain", "--config", config.to_str().unwrap(), "--domain", "api"])
+        .args(["--descriptor", "tenant=acme", "--redis-url", &redis.url()])
+        .env("RUST_LOG", "off")
+        .output()
+        .unwrap();
+    let explained = String::from_utf8_lossy(&explained.stdout);
+    assert!(explained.contains("global: one bucket for every region"), "{explained}");
+    assert!(explained.contains("leased:   60.000 tokens, 5.000/s to region:eu"), "{explained}");
+    assert!(explained.contains("leased:   40.000 tokens, 2.500/s to region:us"), "{explained}");
     let rls = ask(&addr, req("api", &["tenant=acme"], 1)).await.unwrap();
     assert_eq!(rls.overall_code, OVER_LIMIT);
 

@@ -13,13 +13,11 @@
 
 mod common;
 
-use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use common::paced::{count, excess, paced, Admitted};
 use common::proxy::{Fault, FaultProxy};
 use common::*;
-use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_client::RateLimitServiceClient;
-use tonic::transport::Channel;
 
 const CONFIG: &str = r#"
 domain: api
@@ -64,64 +62,6 @@ impl Region {
     }
 }
 
-/// When the world admitted, and where.
-type Admitted = Arc<Mutex<Vec<(Instant, usize)>>>;
-
-/// Asks `region`'s replicas in turn at `rate_at(elapsed since start)` requests a second until
-/// `until`, recording each admission.
-async fn paced(
-    region: usize,
-    addrs: Vec<String>,
-    start: Instant,
-    until: Instant,
-    rate_at: impl Fn(Duration) -> f64,
-    admitted: Admitted,
-) {
-    let mut clients = Vec::new();
-    for a in &addrs {
-        let channel = Channel::from_shared(format!("http://{a}")).unwrap().connect().await.unwrap();
-        clients.push(RateLimitServiceClient::new(channel));
-    }
-    let mut next = Instant::now();
-    let mut i = 0;
-    while next < until {
-        tokio::time::sleep_until(next.into()).await;
-        let n = clients.len();
-        let client = &mut clients[i % n];
-        i += 1;
-        let answer = client.should_rate_limit(req("api", &["tenant=acme"], 1)).await.expect("answer");
-        if answer.into_inner().overall_code == OK {
-            admitted.lock().unwrap().push((Instant::now(), region));
-        }
-        next += Duration::from_secs_f64(1.0 / rate_at(next.duration_since(start)));
-    }
-}
-
-// The most admitted over `capacity + rate x T` in any window (0: within).
-fn excess(admitted: &[(Instant, usize)]) -> f64 {
-    let mut at: Vec<Instant> = admitted.iter().map(|(t, _)| *t).collect();
-    at.sort();
-    let mut worst: f64 = 0.0;
-    for (i, from) in at.iter().enumerate() {
-        for (n, to) in at[i..].iter().enumerate() {
-            let bound = CAPACITY + RATE * to.duration_since(*from).as_secs_f64();
-            worst = worst.max((n + 1) as f64 - bound);
-        }
-    }
-    worst
-}
-
-// Admitted by `region` (any: `None`) between `from` and `to` after `start`.
-fn count(admitted: &[(Instant, usize)], start: Instant, region: Option<usize>, from: f64, to: f64) -> usize {
-    admitted
-        .iter()
-        .filter(|(t, r)| {
-            let s = t.duration_since(start).as_secs_f64();
-            region.is_none_or(|want| *r == want) && s >= from && s < to
-        })
-        .count()
-}
-
 #[tokio::test(flavor = "multi_thread")]
 async fn three_regions_share_by_demand_follow_its_shift_and_outlive_a_global_replica() {
     let global_redis = Redis::start();
@@ -144,7 +84,7 @@ async fn three_regions_share_by_demand_follow_its_shift_and_outlive_a_global_rep
         let parts = if at.as_secs_f64() < SPLIT { [0.80, 0.15, 0.05] } else { [0.05, 0.15, 0.80] };
         3.0 * RATE * parts[region]
     };
-    let admitted: Admitted = Arc::default();
+    let admitted = Admitted::default();
     let start = Instant::now();
     let until = start + Duration::from_secs_f64(END);
     let loads: Vec<_> = regions
@@ -152,7 +92,8 @@ async fn three_regions_share_by_demand_follow_its_shift_and_outlive_a_global_rep
         .enumerate()
         .map(|(i, r)| {
             let addrs = r.replicas.iter().map(Tollgate::addr).collect();
-            tokio::spawn(paced(i, addrs, start, until, move |at| demand(i, at), admitted.clone()))
+            let rate = move |at| demand(i, at);
+            tokio::spawn(paced(i, addrs, ("api", "acme"), (start, until), rate, admitted.clone()))
         })
         .collect();
     tokio::time::sleep_until((start + Duration::from_secs_f64(SHIFTED)).into()).await;
@@ -167,7 +108,7 @@ async fn three_regions_share_by_demand_follow_its_shift_and_outlive_a_global_rep
         (0..3).map(|r| count(&all, start, Some(r), from, to)).collect()
     };
     let split = count(&all, start, None, 0.0, SPLIT);
-    let over = excess(&all);
+    let over = excess(&all, CAPACITY, RATE);
     println!(
         "80/15/5 over {SPLIT} s: admitted {split} of a bound of {:.0} ({:.3}; eu, us, ap: {:?}); worst window {over:.2} over",
         bound(SPLIT),

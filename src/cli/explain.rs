@@ -236,6 +236,18 @@ async fn print_descriptor(
                 now.tokens,
                 limit.spec.capacity()
             );
+            // Leases: an RLQS replica's for its Envoys, or at the global tier a region
+            // replica's share (`region:<region>/<replica>`).
+            for lease in state.leases.iter().filter(|l| l.expires_at_ms > peek.now_ms) {
+                println!(
+                    "  leased:   {:.3} tokens, {:.3}/s to {} (its demand {:.3}/s), for {:.1} s more",
+                    lease.capacity,
+                    lease.refill_per_second,
+                    lease.replica,
+                    lease.demand,
+                    (lease.expires_at_ms - peek.now_ms) as f64 / 1000.0
+                );
+            }
         }
     }
     Ok(())

@@ -5,15 +5,19 @@
 //! Each replica is a leaseholder of its own (`<region>/<replica>` at the global tier), so one
 //! renewal per bucket is in flight at a time by construction (the discipline's last rule). A
 //! share is sized by this replica's demand beside what the others' leases record: its part of
-//! the bucket, at least a sixteenth. A bucket nobody here asked for in a lease's life is given
-//! back. A request for a bucket with no live share here waits for a first lease, briefly; one
-//! still without (the global tier out of reach past the share's life) is denied: the fallback is
-//! `deny` (the bound holds with no slack).
+//! the bucket, at least a sixteenth. A bucket nobody here asked for lately is **parked**: its
+//! share shrinks to one request's tokens with no rate, which the global tier lets live a minute,
+//! so that an idle bucket costs a renewal every 40 s or so and its next request is still answered
+//! at once (and sizes the share by demand again at the next round); one not asked for in five
+//! minutes is given back. A request for a bucket with no live share here waits for a first lease,
+//! briefly; one still without (the global tier out of reach past the share's life) is denied: the
+//! fallback is `deny` (the bound holds with no slack).
 //!
 //! The renewal loop and its protocol live in the edge (`crate::edge::region::client`); this is
 //! what it renews and what decisions take.
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
 use std::time::Duration;
 
@@ -32,7 +36,9 @@ pub const MAX_SHARES: usize = 100_000;
 /// The smallest part of a bucket a share asks for.
 const FLOOR: f64 = 1.0 / 16.0;
 /// A bucket not asked for this long is given back.
-const IDLE_MS: u64 = 10_000;
+const IDLE_MS: u64 = 300_000;
+/// A parked share is renewed once it has less than this left to live.
+const PARKED_RENEW_BEFORE_MS: u64 = 20_000;
 /// A lease below this part of what was asked is short.
 const SHORT: f64 = 0.8;
 /// The window a replica's demand is counted in (over the last one and the current one). Shares
@@ -77,6 +83,8 @@ pub struct Granted {
     pub rate: f64,
     /// What the other leaseholders and RLS at the global tier asked lately, per second.
     pub others_demand: f64,
+    /// How long the lease lives at the global tier after the renewal arrived, in milliseconds.
+    pub ttl_ms: u64,
 }
 
 /// This replica's shares of global buckets.
@@ -87,6 +95,8 @@ pub struct GlobalShares {
     pub wanted: tokio::sync::Notify,
     /// Sent after every round (its time, ms).
     pub renewed: tokio::sync::watch::Sender<u64>,
+    // When the rounds started failing, in clock ms (0: the last one reached the global tier).
+    cut_off_since_ms: AtomicU64,
 }
 
 #[derive(Debug)]
@@ -110,6 +120,7 @@ impl GlobalShares {
             table: Mutex::default(),
             wanted: tokio::sync::Notify::new(),
             renewed: tokio::sync::watch::Sender::new(0),
+            cut_off_since_ms: AtomicU64::new(0),
         }
     }
 
@@ -167,8 +178,9 @@ impl GlobalShares {
     }
 
     /// The round's renewals at `now_ms`: every bucket asked for lately, sized by demand (shrinks
-    /// applied to the shares now, before they are asked for), and a release of each one idle
-    /// for a lease's life (then forgotten).
+    /// applied to the shares now, before they are asked for); a parking of each one with a live
+    /// share that nothing asked for lately, and a renewal of a parked one near its end; a release
+    /// of each one idle for [`IDLE_MS`] (then forgotten).
     pub fn due(&self, now_ms: u64) -> Vec<Renewal> {
         let mut table = self.table();
         let mut renewals = Vec::new();
@@ -179,10 +191,19 @@ impl GlobalShares {
             if idle && e.share.is_none() {
                 continue;
             }
+            let live = e.share.filter(|s| s.alive(now_ms));
             let (capacity, rate) = match e.bucket {
                 _ if idle => (0.0, 0.0),
                 // Not known yet: all of it; the global tier cuts it to what the others leave.
                 None => (f64::MAX, f64::MAX),
+                // Quiet: parked, until its next request; nothing to park without a live share.
+                Some((_, _, cost)) if demand <= 0.0 => match live {
+                    None => continue,
+                    Some(s) if is_parked(&s, cost) && s.until_ms > now_ms + PARKED_RENEW_BEFORE_MS => {
+                        continue
+                    }
+                    Some(_) => (cost as f64, 0.0),
+                },
                 Some((c, r, cost)) => {
                     let total = demand + e.others_demand;
                     let part = if total <= 0.0 { FLOOR } else { (demand / total).max(FLOOR) };
@@ -205,11 +226,11 @@ impl GlobalShares {
         renewals
     }
 
-    /// The answers to a round's renewals (`None`: none for that bucket), arriving at `now_ms`;
-    /// leases live `ttl_ms` at the global tier. True when a lease came back short of what was
-    /// asked (the others hold it, or a first lease could not be sized): the next round should
-    /// come soon, since the others shrink theirs at their own rounds.
-    pub fn answered(&self, answers: Vec<(String, Option<Granted>)>, now_ms: u64, ttl_ms: u64) -> bool {
+    /// The answers to a round's renewals (`None`: none for that bucket), arriving at `now_ms`.
+    /// True when a lease came back short of what was asked (the others hold it, or a first lease
+    /// could not be sized): the next round should come soon, since the others shrink theirs at
+    /// their own rounds.
+    pub fn answered(&self, answers: Vec<(String, Option<Granted>)>, now_ms: u64) -> bool {
         let mut table = self.table();
         let mut short = false;
         for (key, granted) in answers {
@@ -221,7 +242,7 @@ impl GlobalShares {
                     e.others_demand = g.others_demand;
                     short |= g.capacity < ask.capacity * SHORT || g.rate < ask.refill_per_second * SHORT;
                     if ask.capacity > 0.0 || ask.refill_per_second > 0.0 {
-                        Share::answer(&mut e.share, &ask, g.capacity, g.rate, now_ms, ttl_ms);
+                        Share::answer(&mut e.share, &ask, g.capacity, g.rate, now_ms, g.ttl_ms);
                     }
                 }
                 // No global rule limits it (there): no share, asked again next round.
@@ -231,12 +252,23 @@ impl GlobalShares {
         metrics::gauge!("tollgate_global_shares")
             .set(table.values().filter(|e| e.share.is_some()).count() as f64);
         drop(table);
+        self.cut_off_since_ms.store(0, Ordering::Relaxed);
         self.renewed.send_replace(now_ms);
         short
     }
 
-    /// A round that got no answer: its renewals are dropped (the shares keep their life).
-    pub fn failed(&self, renewals: &[Renewal]) {
+    /// How long, as of `now_ms`, this replica's rounds have not reached the global tier (`None`:
+    /// the last one did).
+    pub fn cut_off_for_ms(&self, now_ms: u64) -> Option<u64> {
+        let since = self.cut_off_since_ms.load(Ordering::Relaxed);
+        (since > 0).then(|| now_ms.saturating_sub(since))
+    }
+
+    /// A round, at `now_ms`, that got no answer: its renewals are dropped (the shares keep their
+    /// life), and the replica counts as cut off from the first such round on.
+    pub fn failed(&self, renewals: &[Renewal], now_ms: u64) {
+        let _ =
+            self.cut_off_since_ms.compare_exchange(0, now_ms.max(1), Ordering::Relaxed, Ordering::Relaxed);
         let mut table = self.table();
         for r in renewals {
             if let Some(e) = table.get_mut(&r.key) {
@@ -288,6 +320,9 @@ impl Limiter {
                 }
             }
         }
+        if taken.contains(&Some(Taken::NoShare)) {
+            metrics::counter!("tollgate_global_fallback_denials_total").increment(1);
+        }
         let all_taken = taken.iter().flatten().all(|t| matches!(t, Taken::Yes { .. }));
         // The rest goes to the store: debited if every share had its tokens, else only checked.
         let rest: Vec<usize> = (0..group.len()).filter(|op| global[*op].is_none()).collect();
@@ -334,6 +369,11 @@ impl Limiter {
             unanswered,
         }))
     }
+}
+
+// Whether `share` is parked: no rate, at most one request's tokens (`cost`).
+fn is_parked(share: &Share, cost: u64) -> bool {
+    share.refill_per_second == 0.0 && share.capacity <= cost as f64
 }
 
 // A share's answer as a bucket verdict (for headers and metrics).

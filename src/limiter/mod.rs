@@ -133,6 +133,13 @@ impl Limiter {
         Limiter { shares: Some(shares), ..self }
     }
 
+    /// In a region, this replica's cut-off from the global tier: how long its rounds have failed
+    /// (`None`: not a region, or its last round reached the global tier).
+    pub fn global_cut_off(&self) -> Option<std::time::Duration> {
+        let shares = self.shares.as_ref()?;
+        shares.cut_off_for_ms(self.clock.now_ms()).map(std::time::Duration::from_millis)
+    }
+
     /// The store this limiter uses.
     pub fn store(&self) -> &Arc<dyn Store> {
         &self.store

@@ -10,6 +10,7 @@
 #![allow(dead_code, unused_imports)]
 
 pub mod load;
+pub mod paced;
 pub mod proxy;
 
 mod configmap;

@@ -72,8 +72,8 @@ pub async fn renew_forever(shares: Arc<GlobalShares>, endpoints: Vec<Endpoint>, 
             }
         }
         next = if short { SHORT_AGAIN } else { RENEW_EVERY };
-        metrics::gauge!("tollgate_global_last_renewal_age_seconds")
-            .set(clock.now_ms().saturating_sub(*shares.renewed.borrow()) as f64 / 1000.0);
+        let cut_off = shares.cut_off_for_ms(clock.now_ms()).unwrap_or(0);
+        metrics::gauge!("tollgate_global_cut_off_seconds").set(cut_off as f64 / 1000.0);
     }
 }
 
@@ -107,15 +107,16 @@ async fn renew(
                         capacity: l.capacity,
                         rate: l.refill_per_second,
                         others_demand: l.others_demand,
+                        ttl_ms: if l.ttl_ms > 0 { l.ttl_ms } else { answer.ttl_ms },
                     });
                     (r.key.clone(), g)
                 })
                 .collect();
             metrics::counter!("tollgate_global_rounds_total", "outcome" => "ok").increment(1);
-            Some(shares.answered(answers, clock.now_ms(), answer.ttl_ms))
+            Some(shares.answered(answers, clock.now_ms()))
         }
         failed => {
-            shares.failed(round);
+            shares.failed(round, clock.now_ms());
             metrics::counter!("tollgate_global_rounds_total", "outcome" => "failed").increment(1);
             if let Some(held_back) = logs::throttled("global_renewal_failed") {
                 let why = match failed {

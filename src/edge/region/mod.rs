@@ -36,6 +36,9 @@ use self::proto::{BucketLease, RenewRequest, RenewResponse};
 /// How long a region's lease lives at the global tier after the renewal that set it arrived; the
 /// region's share lives as long after the renewal was sent, so it ends first.
 pub const GLOBAL_LEASE_TTL: Duration = Duration::from_secs(10);
+/// How long a parked lease lives (no rate, at most one request's tokens): a region renews it
+/// seldom, and one that is gone keeps no more than a request's tokens from the others this long.
+pub const PARKED_LEASE_TTL: Duration = Duration::from_secs(60);
 /// Most buckets one renewal call may carry.
 pub const MAX_BUCKETS_PER_CALL: usize = 10_000;
 /// Most entries a bucket may be named by, and the longest key or value.
@@ -86,6 +89,9 @@ impl RegionLeases for RegionLeasesGrpc {
             let entries: Vec<(&str, &str)> =
                 b.entries.iter().map(|e| (e.key.as_str(), e.value.as_str())).collect();
             found.push(self.limiter.global_bucket(&b.domain, &entries).await.map(|bucket| {
+                let parked =
+                    b.refill_per_second == 0.0 && b.capacity > 0.0 && b.capacity <= bucket.cost as f64;
+                let ttl = if parked { PARKED_LEASE_TTL } else { GLOBAL_LEASE_TTL };
                 let op = LeaseOp {
                     key: bucket.key.clone(),
                     spec: bucket.spec,
@@ -96,7 +102,7 @@ impl RegionLeases for RegionLeasesGrpc {
                     // A first lease cannot know how many regions start beside it: half of what
                     // the others leave (as an RLQS replica's first lease).
                     of_unleased: if b.fresh { 0.5 } else { 1.0 },
-                    ttl_ms: GLOBAL_LEASE_TTL.as_millis() as u64,
+                    ttl_ms: ttl.as_millis() as u64,
                     demand: b.demand,
                     fresh: b.fresh,
                 };
@@ -107,7 +113,7 @@ impl RegionLeases for RegionLeasesGrpc {
         let mut results = self.limiter.lease(&ops).await.into_iter();
         let mut leases = Vec::with_capacity(found.len());
         for f in &found {
-            let Some((bucket, _)) = f else {
+            let Some((bucket, op)) = f else {
                 metrics::counter!("tollgate_global_renewals_total", "outcome" => "unknown").increment(1);
                 leases.push(BucketLease::default());
                 continue;
@@ -115,7 +121,7 @@ impl RegionLeases for RegionLeasesGrpc {
             match results.next().expect("one result per op") {
                 Ok(outcome) => {
                     metrics::counter!("tollgate_global_renewals_total", "outcome" => "ok").increment(1);
-                    leases.push(lease(bucket, &outcome));
+                    leases.push(lease(bucket, op, &outcome));
                 }
                 Err(error) => {
                     metrics::counter!("tollgate_global_renewals_total", "outcome" => "store_failed")
@@ -130,8 +136,9 @@ impl RegionLeases for RegionLeasesGrpc {
     }
 }
 
-fn lease(bucket: &LeasedBucket, outcome: &LeaseOutcome) -> BucketLease {
+fn lease(bucket: &LeasedBucket, op: &LeaseOp, outcome: &LeaseOutcome) -> BucketLease {
     BucketLease {
+        ttl_ms: op.ttl_ms,
         known: true,
         bucket_capacity: bucket.spec.capacity(),
         bucket_refill_per_second: bucket.spec.refill_per_second(),

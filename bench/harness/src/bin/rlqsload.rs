@@ -18,8 +18,6 @@
 //! line of `key=value` results.
 
 use std::collections::HashMap;
-use std::io::{Read, Write};
-use std::net::TcpStream;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -34,6 +32,7 @@ use envoy_types::pb::google::protobuf::Duration as ProtoDuration;
 use hdrhistogram::Histogram;
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
+use tollgate_bench::{percentile, redis_work};
 
 struct Args {
     addrs: Vec<String>,
@@ -289,55 +288,6 @@ async fn stream(
                 }
             }
         }
-    }
-}
-
-/// One INFO section from Redis, by a raw RESP call (the harness takes no Redis client).
-fn redis_info(addr: &str, section: &str) -> String {
-    let mut conn = TcpStream::connect(addr).expect("redis");
-    conn.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
-    write!(conn, "INFO {section}\r\n").unwrap();
-    let mut reply = Vec::new();
-    let mut buf = [0u8; 65536];
-    loop {
-        let n = conn.read(&mut buf).unwrap();
-        reply.extend_from_slice(&buf[..n]);
-        let text = String::from_utf8_lossy(&reply);
-        if let Some((head, body)) = text.split_once("\r\n") {
-            let len: usize = head.trim_start_matches('$').parse().unwrap();
-            if body.len() >= len {
-                return body[..len].to_owned();
-            }
-        }
-        if n == 0 {
-            panic!("redis closed the connection");
-        }
-    }
-}
-
-/// Every command the Redis servers at `addrs` (comma-separated: a Cluster's primaries) ran so far,
-/// scripts' commands included, and their CPU seconds, summed.
-fn redis_work(addrs: &str) -> (u64, f64) {
-    let mut total = (0, 0.0);
-    for addr in addrs.split(',') {
-        total.0 += redis_info(addr, "commandstats")
-            .lines()
-            .filter_map(|l| l.split_once("calls=")?.1.split(',').next()?.parse::<u64>().ok())
-            .sum::<u64>();
-        total.1 += redis_info(addr, "cpu")
-            .lines()
-            .filter(|l| l.starts_with("used_cpu_user:") || l.starts_with("used_cpu_sys:"))
-            .filter_map(|l| l.split_once(':')?.1.trim().parse::<f64>().ok())
-            .sum::<f64>();
-    }
-    total
-}
-
-fn percentile(h: &Histogram<u64>, q: f64) -> u64 {
-    if h.is_empty() {
-        0
-    } else {
-        h.value_at_quantile(q)
     }
 }
 

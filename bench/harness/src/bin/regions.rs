@@ -1,0 +1,263 @@
+//! The multi-region row of tollgate's benchmarks (issue 36), on loopback: a global tier of two
+//! replicas on one Redis (`--global-tier`) and three regions (eu, us, ap), each with its own
+//! Redis and two replicas (`--global-url` naming both global replicas) that reach the global
+//! tier through the fault proxy, every answer held back 80, 120 or 150 ms (this machine's kernel
+//! has no `netem`, so the proxy stands in for distance). It measures, in one run:
+//!
+//! * **latency**: open-loop RLS load on eu's replicas, the same rate over the same tenants, for a
+//!   rule marked `global: true` and the same rule without it (decided in eu's Redis);
+//! * **cost**: the global Redis's commands (`INFO commandstats`, the scripts' own included) per
+//!   bucket per region per second while those buckets are asked for, and once they are idle;
+//! * **the bound**: three times a global bucket's rate asked 80/15/5 by the regions (paced
+//!   clients, as `tests/global_world.rs`): admitted against `capacity + rate x T`, over the whole
+//!   run and its first 30 s, and the worst window.
+//!
+//! Prints one line of `key=value` results; every process it starts is stopped when it ends.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use envoy_types::pb::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::Entry;
+use envoy_types::pb::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor;
+use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_client::RateLimitServiceClient;
+use envoy_types::pb::envoy::service::ratelimit::v3::RateLimitRequest;
+use hdrhistogram::Histogram;
+use tollgate_bench::paced::{count, excess, paced, Admitted};
+use tollgate_bench::proxy::{Fault, FaultProxy};
+use tollgate_bench::{free_port, percentile, redis_work, wait_until, Child};
+use tonic::transport::Channel;
+
+/// The world's bucket: capacity and rate.
+const CAPACITY: f64 = 50.0;
+const RATE: f64 = 50.0;
+
+/// The config directory's files: the world's bucket, and a rule with room for every request,
+/// global and not, for the latency rows.
+const CONFIG: [(&str, &str); 3] = [
+    ("world.yaml", "domain: world\ndescriptors:\n  - key: tenant\n    token_bucket: {capacity: 50, refill_per_second: 50}\n    global: true\n"),
+    ("global.yaml", "domain: global\ndescriptors:\n  - key: tenant\n    token_bucket: {capacity: 1000000000, refill_per_second: 1000000000}\n    global: true\n"),
+    ("regional.yaml", "domain: regional\ndescriptors:\n  - key: tenant\n    token_bucket: {capacity: 1000000000, refill_per_second: 1000000000}\n"),
+];
+
+struct Args {
+    tollgate: PathBuf,
+    dir: PathBuf,
+    world_seconds: f64,
+    latency_seconds: f64,
+    rate: f64,
+    buckets: usize,
+}
+
+fn parse(mut argv: impl Iterator<Item = String>) -> Args {
+    let mut a = Args {
+        tollgate: "target/release/tollgate".into(),
+        dir: std::env::temp_dir(),
+        world_seconds: 60.0,
+        latency_seconds: 10.0,
+        rate: 1000.0,
+        buckets: 1000,
+    };
+    while let Some(flag) = argv.next() {
+        let mut value = || argv.next().unwrap_or_else(|| panic!("{flag} needs a value"));
+        match flag.as_str() {
+            "--tollgate" => a.tollgate = value().into(),
+            "--dir" => a.dir = value().into(),
+            "--world-seconds" => a.world_seconds = value().parse().unwrap(),
+            "--latency-seconds" => a.latency_seconds = value().parse().unwrap(),
+            "--rate" => a.rate = value().parse().unwrap(),
+            "--buckets" => a.buckets = value().parse().unwrap(),
+            other => panic!("unknown flag {other}"),
+        }
+    }
+    a
+}
+
+/// A redis-server on a free loopback port: its guard and address.
+fn redis(dir: &Path, name: &str) -> (Child, String) {
+    let port = free_port();
+    let child = Child::spawn(
+        Command::new("redis-server").args(["--port", &port.to_string(), "--bind", "127.0.0.1"]).args([
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+        ]),
+        &dir.join(format!("redis-{name}.log")),
+    );
+    let addr = format!("127.0.0.1:{port}");
+    wait_until("redis", || std::net::TcpStream::connect(&addr).is_ok());
+    (child, addr)
+}
+
+/// A tollgate replica on free loopback ports, ready: its guard and gRPC address.
+fn tollgate(a: &Args, config: &Path, name: &str, flags: &[&str]) -> (Child, String) {
+    let (grpc, http) = (free_port(), free_port());
+    let child = Child::spawn(
+        Command::new(&a.tollgate)
+            .arg("serve")
+            .arg("--config")
+            .arg(config)
+            .args(["--grpc-addr", &format!("127.0.0.1:{grpc}"), "--http-addr", &format!("127.0.0.1:{http}")])
+            .args(["--drain-delay", "0s"])
+            .args(flags)
+            .env("RUST_LOG", "error"),
+        &a.dir.join(format!("tollgate-{name}.log")),
+    );
+    wait_until("tollgate /readyz", || ready(http));
+    (child, format!("127.0.0.1:{grpc}"))
+}
+
+fn ready(http: u16) -> bool {
+    use std::io::{Read, Write};
+    let Ok(mut s) = std::net::TcpStream::connect(("127.0.0.1", http)) else { return false };
+    let _ = s.write_all(b"GET /readyz HTTP/1.0\r\n\r\n");
+    let mut answer = String::new();
+    let _ = s.read_to_string(&mut answer);
+    answer.starts_with("HTTP/1.0 200") || answer.starts_with("HTTP/1.1 200")
+}
+
+fn request(domain: &str, tenant: &str) -> RateLimitRequest {
+    RateLimitRequest {
+        domain: domain.to_owned(),
+        descriptors: vec![RateLimitDescriptor {
+            entries: vec![Entry { key: "tenant".into(), value: tenant.to_owned() }],
+            ..Default::default()
+        }],
+        hits_addend: 1,
+    }
+}
+
+/// Open-loop load: `rate` requests a second over `buckets` tenants in `domain`, to `addrs` in
+/// turn, for `warmup` then `seconds`; the latencies of the measured part (µs), each request timed
+/// from when it was due, so a slow answer does not hide the ones queued behind it.
+async fn open_loop(addrs: &[String], domain: &str, a: &Args, warmup: Duration) -> Histogram<u64> {
+    let mut clients = Vec::new();
+    for addr in addrs {
+        let channel = Channel::from_shared(format!("http://{addr}")).unwrap().connect().await.unwrap();
+        clients.push(RateLimitServiceClient::new(channel));
+    }
+    let histogram = Arc::new(std::sync::Mutex::new(Histogram::<u64>::new(3).unwrap()));
+    let start = Instant::now();
+    let measured_from = start + warmup;
+    let until = measured_from + Duration::from_secs_f64(a.latency_seconds);
+    let every = Duration::from_secs_f64(1.0 / a.rate);
+    let mut tasks = Vec::new();
+    let mut due = start;
+    let mut i = 0usize;
+    while due < until {
+        tokio::time::sleep_until(due.into()).await;
+        let mut client = clients[i % clients.len()].clone();
+        let request = request(domain, &format!("t{}", i % a.buckets));
+        let histogram = histogram.clone();
+        tasks.push(tokio::spawn(async move {
+            client.should_rate_limit(request).await.expect("answer");
+            if due >= measured_from {
+                histogram.lock().unwrap().record(due.elapsed().as_micros() as u64).unwrap();
+            }
+        }));
+        i += 1;
+        due += every;
+    }
+    for t in tasks {
+        t.await.unwrap();
+    }
+    Arc::try_unwrap(histogram).unwrap().into_inner().unwrap()
+}
+
+#[tokio::main]
+async fn main() {
+    let a = parse(std::env::args().skip(1));
+    let config = a.dir.join("regions");
+    std::fs::create_dir_all(&config).unwrap();
+    for (file, yaml) in CONFIG {
+        std::fs::write(config.join(file), yaml).unwrap();
+    }
+
+    let (_global_redis, global_redis) = redis(&a.dir, "global");
+    let globals: Vec<(Child, String)> = (0..2)
+        .map(|i| {
+            let flags = ["--redis-url", &format!("redis://{global_redis}"), "--global-tier"];
+            tollgate(&a, &config, &format!("global-{i}"), &flags)
+        })
+        .collect();
+    let (mut keep, mut keep_proxies) = (Vec::new(), Vec::new());
+    let mut regions: Vec<Vec<String>> = Vec::new();
+    for (name, ms) in [("eu", 80), ("us", 120), ("ap", 150)] {
+        let (r, addr) = redis(&a.dir, name);
+        let proxies: Vec<FaultProxy> = globals
+            .iter()
+            .map(|(_, g)| FaultProxy::start(g.rsplit(':').next().unwrap().parse().unwrap()))
+            .collect();
+        let urls: Vec<String> = proxies
+            .iter()
+            .map(|p| {
+                p.set(Fault::DelayReplies(Duration::from_millis(ms)));
+                format!("http://127.0.0.1:{}", p.port)
+            })
+            .collect();
+        let mut replicas = Vec::new();
+        for i in 0..2 {
+            let urls = urls.join(",");
+            let flags = ["--redis-url", &format!("redis://{addr}"), "--global-url", &urls, "--region", name];
+            let (child, grpc) = tollgate(&a, &config, &format!("{name}-{i}"), &flags);
+            keep.push(child);
+            replicas.push(grpc);
+        }
+        keep.push(r);
+        regions.push(replicas);
+        keep_proxies.extend(proxies);
+    }
+
+    // Latency: the same open-loop load on eu, a regional rule, then a global one. The cost of
+    // the global one is what the global Redis ran meanwhile, per bucket, per region, per second.
+    let warmup = Duration::from_secs(3);
+    let regional = open_loop(&regions[0], "regional", &a, warmup).await;
+    let before = redis_work(&global_redis).0;
+    let global = open_loop(&regions[0], "global", &a, warmup).await;
+    let hot_commands = redis_work(&global_redis).0 - before;
+    // Approximate: the count includes the warm-up's first leases.
+    let hot = hot_commands as f64 / (a.buckets as f64 * (a.latency_seconds + warmup.as_secs_f64()));
+    // Idle: the same buckets asked for nothing, 20 s (the first 10 s still held and renewed).
+    let before = redis_work(&global_redis).0;
+    tokio::time::sleep(Duration::from_secs(10)).await;
+    let held = redis_work(&global_redis).0;
+    tokio::time::sleep(Duration::from_secs(10)).await;
+    let after = redis_work(&global_redis).0;
+    let idle_held = (held - before) as f64 / (a.buckets as f64 * 10.0);
+    let idle_after = (after - held) as f64 / (a.buckets as f64 * 10.0);
+
+    // The world: three times the rate, split 80/15/5.
+    let admitted = Admitted::default();
+    let start = Instant::now();
+    let until = start + Duration::from_secs_f64(a.world_seconds);
+    let loads: Vec<_> = regions
+        .iter()
+        .enumerate()
+        .map(|(i, addrs)| {
+            let rate = move |_| 3.0 * RATE * [0.80, 0.15, 0.05][i];
+            tokio::spawn(paced(i, addrs.clone(), ("world", "acme"), (start, until), rate, admitted.clone()))
+        })
+        .collect();
+    for l in loads {
+        l.await.unwrap();
+    }
+    let all = admitted.lock().unwrap().clone();
+    let bound = |seconds: f64| CAPACITY + RATE * seconds;
+    let first = a.world_seconds.min(30.0);
+    let per_region: Vec<String> = (0..3).map(|r| count(&all, start, Some(r), 0.0, a.world_seconds).to_string()).collect();
+    println!(
+        "regional_p50_us={} regional_p99_us={} global_p50_us={} global_p99_us={} hot_cmds={hot:.3} idle_held_cmds={idle_held:.3} idle_after_cmds={idle_after:.3} admitted={} bound={:.0} ratio={:.3} first_ratio={:.3} worst_over={:.2} per_region={}",
+        percentile(&regional, 0.5),
+        percentile(&regional, 0.99),
+        percentile(&global, 0.5),
+        percentile(&global, 0.99),
+        all.len(),
+        bound(a.world_seconds),
+        all.len() as f64 / bound(a.world_seconds),
+        count(&all, start, None, 0.0, first) as f64 / bound(first),
+        excess(&all, CAPACITY, RATE),
+        per_region.join("/"),
+    );
+}
