@@ -140,6 +140,9 @@ pub struct GlobalSettings {
     pub urls: Vec<String>,
     /// This region's name (no whitespace); the replica leases as `<region>/<replica>`.
     pub region: String,
+    /// How long a request for a global bucket without a share here waits for its first lease
+    /// before it is denied.
+    pub first_lease_wait: Duration,
 }
 
 /// How to reach Redis.
@@ -303,7 +306,8 @@ impl App {
                 .map(|url| crate::edge::region::client::endpoint(url))
                 .collect::<Result<Vec<_>, _>>()
                 .map_err(StartError::Global)?;
-            let shares = Arc::new(GlobalShares::new(format!("{}/{}", global.region, server::replica_name())));
+            let leaseholder = format!("{}/{}", global.region, server::replica_name());
+            let shares = Arc::new(GlobalShares::new(leaseholder, global.first_lease_wait));
             tracing::info!(global_tier = ?global.urls, leaseholder = %shares.leaseholder(), "deciding global limits on shares of the global tier's buckets");
             let clock: Arc<dyn crate::clock::Clock> = Arc::new(crate::clock::SystemClock);
             tasks.push(AbortOnDropHandle::new(tokio::spawn(crate::edge::region::client::renew_forever(

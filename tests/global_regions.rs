@@ -2,9 +2,10 @@
 //! (`--global-url`, embedded stores) reaching it through the fault proxy, each answer held back
 //! 100 ms, neutral RLS clients sending each region far more than the whole limit. The tokens the
 //! regions admit together stay within `capacity + rate x T` in every window, and most of it is
-//! used; a region cut off keeps deciding on its share until the share's life ends, then denies,
-//! while the other region gets the whole bucket; healed, it is back on a share within seconds. A
-//! bucket nothing asks for is parked: renewed seldom, its next request still answered at once.
+//! used; a region cut off for 30 s keeps deciding on its share until the share's life ends, then
+//! denies, while the other region gets the whole bucket; healed, it is back on a share within
+//! seconds. A bucket nothing asks for is parked: renewed seldom, its next request still answered
+//! at once.
 
 mod common;
 
@@ -92,8 +93,8 @@ async fn two_regions_keep_one_global_limit_and_a_partition_falls_back_to_deny() 
     assert!(all.len() as f64 >= 0.5 * bound, "{} admitted, bound {bound:.0}: the shares are used", all.len());
     assert!(counts.iter().all(|(ok, _)| *ok > 0), "both regions admit: {counts:?}");
 
-    // eu cut off: it decides on its share until the share's life ends (10 s after its last
-    // renewal was sent, at most a round before the cut), then denies.
+    // eu cut off for 30 s: it decides on its share until the share's life ends (10 s after its
+    // last renewal was sent, at most a round before the cut), then denies.
     proxies[0].set(Fault::Blackhole);
     let cut = Instant::now();
     let during = load(regions[0].addr(), cut + Duration::from_secs(8), Arc::default()).await;
@@ -124,6 +125,13 @@ async fn two_regions_keep_one_global_limit_and_a_partition_falls_back_to_deny() 
     let us = load(regions[1].addr(), before + Duration::from_secs(3), Arc::default()).await;
     assert!(us.0 >= 20, "us admitted {us:?} in 3 s with the whole bucket to itself");
 
+    // Cut off for 30 s in all: eu denies throughout, from its share's end on.
+    while cut.elapsed() < Duration::from_secs(30) {
+        let r = ask(&regions[0].addr(), req("api", &["tenant=acme"], 1)).await.unwrap();
+        assert_eq!(r.overall_code, OVER_LIMIT, "eu still cut off, {:?} after the cut", cut.elapsed());
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+
     // Healed: eu is back on a share within 5 s.
     proxies[0].set(Fault::DelayReplies(Duration::from_millis(100)));
     let healed = Instant::now();
@@ -151,7 +159,9 @@ async fn a_quiet_bucket_is_parked_renewed_seldom_and_still_answers_at_once() {
     let proxy = FaultProxy::start(global.grpc.port());
     proxy.set(Fault::DelayReplies(Duration::from_millis(100)));
     let url = format!("http://127.0.0.1:{}", proxy.port);
-    let region = Tollgate::start(&config, &Backend::Memory, &["--global-url", &url, "--region", "eu"]);
+    // Each first request waits for its first lease (100 ms away), rather than being denied.
+    let flags = ["--global-url", &url, "--region", "eu", "--global-first-lease-wait", "1s"];
+    let region = Tollgate::start(&config, &Backend::Memory, &flags);
 
     // Twenty tenants asked for, then quiet.
     let tenants: Vec<String> = (0..20).map(|i| format!("tenant=t{i}")).collect();

@@ -38,24 +38,6 @@ fn loopback() -> SocketAddr {
     format!("127.0.0.1:{}", free_port()).parse().unwrap()
 }
 
-fn socket(a: SocketAddr) -> Value {
-    json!({"address": a.ip().to_string(), "port_value": a.port()})
-}
-
-fn endpoints(addrs: &[SocketAddr]) -> Value {
-    json!([{"lb_endpoints": addrs.iter().map(|a| json!({"endpoint": {"address": {"socket_address": socket(*a)}}})).collect::<Vec<_>>()}])
-}
-
-fn h2_cluster(name: &str, addrs: &[SocketAddr]) -> Value {
-    json!({
-        "name": name, "type": "STATIC", "connect_timeout": "0.25s",
-        "typed_extension_protocol_options": {"envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
-            "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
-            "explicit_http_config": {"http2_protocol_options": {}}}},
-        "load_assignment": {"cluster_name": name, "endpoints": endpoints(addrs)},
-    })
-}
-
 /// The rate_limit_quota filter: bucket id {tenant: <x-tenant header>}.
 fn rlqs_filter() -> Value {
     rlqs_filter_named(None)
@@ -99,45 +81,6 @@ fn rls_filter() -> Value {
             "rate_limit_service": {"transport_api_version": "V3", "grpc_service": {"envoy_grpc": {"cluster_name": "tollgate"}}},
         },
     })
-}
-
-/// An Envoy in front of `upstream`, limiting with `filter`, its tollgate cluster on `tollgates`.
-fn envoy_config(
-    listener: SocketAddr,
-    admin: SocketAddr,
-    filter: Value,
-    tollgates: &[SocketAddr],
-    upstream: SocketAddr,
-) -> Value {
-    let rls_actions =
-        json!([{"actions": [{"request_headers": {"header_name": "x-tenant", "descriptor_key": "tenant"}}]}]);
-    json!({
-        "admin": {"address": {"socket_address": socket(admin)}},
-        "static_resources": {
-            "listeners": [{"name": "l", "address": {"socket_address": socket(listener)}, "filter_chains": [{"filters": [{
-                "name": "envoy.filters.network.http_connection_manager",
-                "typed_config": {
-                    "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
-                    "stat_prefix": "t",
-                    "route_config": {"virtual_hosts": [{"name": "all", "domains": ["*"], "rate_limits": rls_actions,
-                        "routes": [{"match": {"prefix": "/"}, "route": {"cluster": "upstream"}}]}]},
-                    "http_filters": [filter, {"name": "envoy.filters.http.router", "typed_config": {"@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"}}],
-                },
-            }]}]}],
-            "clusters": [h2_cluster("tollgate", tollgates), {
-                "name": "upstream", "type": "STATIC", "connect_timeout": "0.25s",
-                "load_assignment": {"cluster_name": "upstream", "endpoints": endpoints(&[upstream])},
-            }],
-        },
-    })
-}
-
-async fn upstream() -> SocketAddr {
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    let app = axum::Router::new().fallback(|| async { "ok" });
-    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
-    addr
 }
 
 /// Counts of one Envoy's answers.
@@ -236,7 +179,7 @@ fn rig(backend: &Backend, filters: &[Value], config: &std::path::Path, upstream:
         let (listener, admin) = (loopback(), loopback());
         // Each Envoy prefers a replica; both are in its cluster.
         let order = if i % 2 == 0 { grpc.clone() } else { grpc.iter().rev().copied().collect() };
-        envoys.push(Envoy::start(&envoy_config(listener, admin, filter.clone(), &order, upstream), admin));
+        envoys.push(Envoy::start(&tenant_envoy(listener, admin, filter.clone(), &order, upstream), admin));
         listeners.push(listener);
     }
     Rig { replicas, envoys, listeners }
@@ -416,7 +359,7 @@ async fn a_killed_replica_and_a_restarted_envoy() {
     let (listener, admin) = (rig.listeners[0], rig.envoys[0].admin);
     rig.envoys[0].proc.kill();
     let live = [rig.replicas[1].grpc];
-    rig.envoys[0] = Envoy::start(&envoy_config(listener, admin, rlqs_filter(), &live, upstream), admin);
+    rig.envoys[0] = Envoy::start(&tenant_envoy(listener, admin, rlqs_filter(), &live, upstream), admin);
     let at_restart = ok(&counts[0]);
     tokio::time::sleep(Duration::from_secs(6)).await;
     let after_restart = ok(&counts[0]) - at_restart;
@@ -550,7 +493,7 @@ async fn an_envoy_with_10000_buckets_keeps_its_stream() {
     let tollgate = Tollgate::start(&config, &Backend::Memory, &[]);
     let (listener, admin) = (loopback(), loopback());
     let _envoy =
-        Envoy::start(&envoy_config(listener, admin, rlqs_filter(), &[tollgate.grpc], upstream), admin);
+        Envoy::start(&tenant_envoy(listener, admin, rlqs_filter(), &[tollgate.grpc], upstream), admin);
     let started = std::time::Instant::now();
     let tenants: Vec<String> = (0..BUCKETS).map(|i| format!("t{i}")).collect();
     let chunks = tenants.chunks(BUCKETS / 8).map(|c| request_each(listener, c.to_vec()));

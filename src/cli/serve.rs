@@ -127,6 +127,13 @@ pub(super) struct ServeArgs {
     /// This region's name (no whitespace), with --global-url.
     #[arg(long, env = "TOLLGATE_REGION", requires = "global_url")]
     region: Option<String>,
+    /// With --global-url: how long a request for a global bucket without a share here waits for
+    /// its first lease before it is denied. Keep it under Envoy's RLS timeout (0.1 s in the
+    /// configs tollgate ships and renders): a request Envoy gives up on passes uncounted when the
+    /// filter fails open. A longer wait, under a longer Envoy timeout, answers a new bucket's
+    /// first requests rather than denying them.
+    #[arg(long, env = "TOLLGATE_GLOBAL_FIRST_LEASE_WAIT", default_value = "80ms", value_parser = humantime::parse_duration, requires = "global_url")]
+    global_first_lease_wait: Duration,
     /// Evaluate and count every limit, but never answer OVER_LIMIT.
     #[arg(long, env = "TOLLGATE_SHADOW_MODE")]
     shadow_mode: bool,
@@ -249,7 +256,11 @@ impl ServeArgs {
                     if region.is_empty() || region.chars().any(char::is_whitespace) || region.contains('/') {
                         anyhow::bail!("--region {region:?}: a name without whitespace or '/'");
                     }
-                    Some(GlobalSettings { urls: self.global_url.clone(), region: region.clone() })
+                    Some(GlobalSettings {
+                        urls: self.global_url.clone(),
+                        region: region.clone(),
+                        first_lease_wait: self.global_first_lease_wait,
+                    })
                 }
                 None => None,
             },

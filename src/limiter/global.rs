@@ -29,8 +29,6 @@ use crate::store::StoreError;
 
 /// How often shares are renewed.
 pub const RENEW_EVERY: Duration = Duration::from_secs(1);
-/// How long a request for a bucket without a live share waits for a first lease.
-pub const FIRST_LEASE_WAIT: Duration = Duration::from_millis(1_500);
 /// Most buckets held at once; a new one beyond it is denied (and counted).
 pub const MAX_SHARES: usize = 100_000;
 /// The smallest part of a bucket a share asks for.
@@ -90,6 +88,7 @@ pub struct Granted {
 /// This replica's shares of global buckets.
 pub struct GlobalShares {
     leaseholder: String,
+    first_lease_wait: Duration,
     table: Mutex<HashMap<String, Entry>>,
     /// Woken when a bucket wants its first lease now.
     pub wanted: tokio::sync::Notify,
@@ -113,10 +112,12 @@ struct Entry {
 }
 
 impl GlobalShares {
-    /// Shares leased as `leaseholder` (`<region>/<replica>`).
-    pub fn new(leaseholder: String) -> Self {
+    /// Shares leased as `leaseholder` (`<region>/<replica>`), a request for a bucket without a
+    /// live share waiting up to `first_lease_wait` for its first lease.
+    pub fn new(leaseholder: String, first_lease_wait: Duration) -> Self {
         GlobalShares {
             leaseholder,
+            first_lease_wait,
             table: Mutex::default(),
             wanted: tokio::sync::Notify::new(),
             renewed: tokio::sync::watch::Sender::new(0),
@@ -313,7 +314,7 @@ impl Limiter {
             let mut renewed = shares.renewed.subscribe();
             renewed.mark_unchanged();
             shares.wanted.notify_one();
-            let _ = tokio::time::timeout(FIRST_LEASE_WAIT, renewed.changed()).await;
+            let _ = tokio::time::timeout(shares.first_lease_wait, renewed.changed()).await;
             for (op, d) in global.iter().enumerate() {
                 if let (Some(d), Some(Taken::NoShare)) = (d, taken[op]) {
                     taken[op] = Some(take(op, *d));

@@ -37,7 +37,7 @@ pub use self::decision::{
     SlotLimit, SlotReport,
 };
 pub use self::explain::{Effect, Explained, Explanation, SpecOrigin};
-pub use self::global::{GlobalShares, Granted, Renewal, FIRST_LEASE_WAIT, RENEW_EVERY};
+pub use self::global::{GlobalShares, Granted, Renewal, RENEW_EVERY};
 pub use self::lease::{LeasedBucket, LocalLease, RlqsBucket, ASSIGNMENT_TTL, LEASE_TTL, RENEW_AFTER};
 
 use std::sync::Arc;

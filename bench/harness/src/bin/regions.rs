@@ -5,9 +5,11 @@
 //! has no `netem`, so the proxy stands in for distance). It measures, in one run:
 //!
 //! * **latency**: open-loop RLS load on eu's replicas, the same rate over the same tenants, for a
-//!   rule marked `global: true` and the same rule without it (decided in eu's Redis);
-//! * **cost**: the global Redis's commands (`INFO commandstats`, the scripts' own included) per
-//!   bucket per region per second while those buckets are asked for, and once they are idle;
+//!   rule marked `global: true` and the same rule without it (decided in eu's Redis), in turn,
+//!   twice each;
+//! * **cost**: the global Redis's commands (`INFO commandstats`, the scripts' own included) and
+//!   CPU per bucket per region per second while those buckets are asked for, in the 5 s in which
+//!   they are parked once the asking stops, and over the next minute, parked;
 //! * **the bound**: three times a global bucket's rate asked 80/15/5 by the regions (paced
 //!   clients, as `tests/global_world.rs`): admitted against `capacity + rate x T`, over the whole
 //!   run and its first 30 s, and the worst window.
@@ -210,23 +212,31 @@ async fn main() {
         keep_proxies.extend(proxies);
     }
 
-    // Latency: the same open-loop load on eu, a regional rule, then a global one. The cost of
-    // the global one is what the global Redis ran meanwhile, per bucket, per region, per second.
+    // Latency: the same open-loop load on eu, a regional rule and a global one in turn, twice
+    // (so that a slow spell of the shared cores does not land on one side only). The cost of the
+    // global one is what the global Redis ran meanwhile, per bucket, per region, per second.
     let warmup = Duration::from_secs(3);
-    let regional = open_loop(&regions[0], "regional", &a, warmup).await;
-    let before = redis_work(&global_redis).0;
-    let global = open_loop(&regions[0], "global", &a, warmup).await;
-    let hot_commands = redis_work(&global_redis).0 - before;
-    // Approximate: the count includes the warm-up's first leases.
-    let hot = hot_commands as f64 / (a.buckets as f64 * (a.latency_seconds + warmup.as_secs_f64()));
-    // Idle: the same buckets asked for nothing, 20 s (the first 10 s still held and renewed).
-    let before = redis_work(&global_redis).0;
-    tokio::time::sleep(Duration::from_secs(10)).await;
-    let held = redis_work(&global_redis).0;
-    tokio::time::sleep(Duration::from_secs(10)).await;
-    let after = redis_work(&global_redis).0;
-    let idle_held = (held - before) as f64 / (a.buckets as f64 * 10.0);
-    let idle_after = (after - held) as f64 / (a.buckets as f64 * 10.0);
+    let mut regional = open_loop(&regions[0], "regional", &a, warmup).await;
+    let before = redis_work(&global_redis);
+    let mut global = open_loop(&regions[0], "global", &a, warmup).await;
+    let after = redis_work(&global_redis);
+    regional.add(open_loop(&regions[0], "regional", &a, warmup).await).unwrap();
+    global.add(open_loop(&regions[0], "global", &a, warmup).await).unwrap();
+    // Per bucket per second of the first global run (its warm-up's first leases included).
+    let per = |n: f64, seconds: f64| n / (a.buckets as f64 * seconds);
+    let run = a.latency_seconds + warmup.as_secs_f64();
+    let hot = per((after.0 - before.0) as f64, run);
+    let hot_cpu_us = per((after.1 - before.1) * 1e6, run);
+    // Idle: the same buckets asked for nothing: the 5 s in which they are parked, then a minute
+    // of parked leases (each renewed once in it).
+    let parking = redis_work(&global_redis);
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    let parked = redis_work(&global_redis);
+    tokio::time::sleep(Duration::from_secs(60)).await;
+    let idle = redis_work(&global_redis);
+    let parking_cmds = per((parked.0 - parking.0) as f64, 5.0);
+    let idle_cmds = per((idle.0 - parked.0) as f64, 60.0);
+    let idle_cpu_us = per((idle.1 - parked.1) * 1e6, 60.0);
 
     // The world: three times the rate, split 80/15/5.
     let admitted = Admitted::default();
@@ -248,7 +258,7 @@ async fn main() {
     let first = a.world_seconds.min(30.0);
     let per_region: Vec<String> = (0..3).map(|r| count(&all, start, Some(r), 0.0, a.world_seconds).to_string()).collect();
     println!(
-        "regional_p50_us={} regional_p99_us={} global_p50_us={} global_p99_us={} hot_cmds={hot:.3} idle_held_cmds={idle_held:.3} idle_after_cmds={idle_after:.3} admitted={} bound={:.0} ratio={:.3} first_ratio={:.3} worst_over={:.2} per_region={}",
+        "regional_p50_us={} regional_p99_us={} global_p50_us={} global_p99_us={} hot_cmds={hot:.3} hot_cpu_us={hot_cpu_us:.2} parking_cmds={parking_cmds:.3} idle_cmds={idle_cmds:.3} idle_cpu_us={idle_cpu_us:.3} admitted={} bound={:.0} ratio={:.3} first_ratio={:.3} worst_over={:.2} per_region={}",
         percentile(&regional, 0.5),
         percentile(&regional, 0.99),
         percentile(&global, 0.5),
