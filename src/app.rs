@@ -20,6 +20,7 @@ use arc_swap::ArcSwap;
 use crate::clock::MonotonicClock;
 use crate::config::{ConfigError, RuleSet, Sources};
 use crate::connections::ConnLimits;
+use crate::edge::client_tls::ClientTlsFiles;
 use crate::edge::rlqs::RlqsLimits;
 use crate::edge::rls::AnswerExtras;
 use crate::edge::xds::{XdsError, XdsSettings};
@@ -143,6 +144,8 @@ pub struct GlobalSettings {
     /// How long a request for a global bucket without a share here waits for its first lease
     /// before it is denied.
     pub first_lease_wait: Duration,
+    /// TLS to an `https://` global tier.
+    pub tls: ClientTlsFiles,
 }
 
 /// How to reach Redis.
@@ -303,7 +306,7 @@ impl App {
             let endpoints = global
                 .urls
                 .iter()
-                .map(|url| crate::edge::region::client::endpoint(url))
+                .map(|url| crate::edge::region::client::endpoint(url, &global.tls))
                 .collect::<Result<Vec<_>, _>>()
                 .map_err(StartError::Global)?;
             let leaseholder = format!("{}/{}", global.region, server::replica_name());

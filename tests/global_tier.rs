@@ -163,3 +163,39 @@ fn validate_and_explain_name_the_global_rules() {
     let explained = run(&["explain", "--config", path, "--domain", "api", "--descriptor", "tenant=acme"]);
     assert!(explained.contains("(global: one bucket for every region)"), "{explained}");
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_region_reaches_a_global_tier_behind_mutual_tls_with_its_client_certificate() {
+    let redis = Redis::start();
+    let pki = TestPki::new();
+    let (_dir, config) = config_file(CONFIG);
+    let mut flags: Vec<String> = pki.mtls_args();
+    flags.push("--global-tier".into());
+    let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
+    let global = Tollgate::start(&config, &Backend::Redis(redis.url()), &flags);
+    let url = format!("https://127.0.0.1:{}", global.grpc.port());
+    let region = |name: &str, with_certificate: bool| {
+        let mut flags = vec!["--global-url", &url, "--region", name, "--global-first-lease-wait", "1s"];
+        let (ca, cert, key) =
+            (pki.path_str("ca.pem"), pki.path_str("client.pem"), pki.path_str("client.key"));
+        flags.extend(["--global-tls-ca", &ca]);
+        if with_certificate {
+            flags.extend(["--global-tls-cert", &cert, "--global-tls-key", &key]);
+        }
+        Tollgate::start(&config, &Backend::Memory, &flags)
+    };
+
+    let eu = region("eu", true);
+    let answer = ask(&eu.addr(), req("api", &["tenant=acme"], 1)).await.unwrap();
+    assert_eq!(answer.overall_code, OK, "eu leased its share over mutual TLS");
+    let mut con = redis.connection();
+    let leases: String = redis::cmd("HGET").arg(BUCKET).arg("h").query(&mut con).unwrap();
+    assert!(leases.contains("region:eu/"), "{leases}");
+
+    // Without a client certificate the global tier refuses the handshake: no share, denied.
+    let us = region("us", false);
+    let answer = ask(&us.addr(), req("api", &["tenant=acme"], 1)).await.unwrap();
+    assert_eq!(answer.overall_code, OVER_LIMIT, "us has no share without a client certificate");
+    let failed = sample(&us.metrics(), "tollgate_global_rounds_total", &[("outcome", "failed")]);
+    assert!(failed >= 1.0, "{failed} failed rounds");
+}

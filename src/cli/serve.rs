@@ -10,6 +10,7 @@ use std::time::Duration;
 use clap::Args;
 use tollgate::app::{App, GlobalSettings, QuotaSettings, RedisSettings, Settings};
 use tollgate::connections::ConnLimits;
+use tollgate::edge::client_tls::ClientTlsFiles;
 use tollgate::edge::rlqs::RlqsLimits;
 use tollgate::edge::rls::headers::LimitHeaderNames;
 use tollgate::edge::rls::AnswerExtras;
@@ -134,6 +135,19 @@ pub(super) struct ServeArgs {
     /// first requests rather than denying them.
     #[arg(long, env = "TOLLGATE_GLOBAL_FIRST_LEASE_WAIT", default_value = "80ms", value_parser = humantime::parse_duration, requires = "global_url")]
     global_first_lease_wait: Duration,
+    /// CA certificates (PEM) that signed an https:// global tier's certificate (default: the
+    /// web's roots).
+    #[arg(long, env = "TOLLGATE_GLOBAL_TLS_CA", requires = "global_url")]
+    global_tls_ca: Option<PathBuf>,
+    /// Client certificate (PEM) for a global tier that requires mutual TLS (--tls-client-ca).
+    #[arg(long, env = "TOLLGATE_GLOBAL_TLS_CERT", requires_all = ["global_url", "global_tls_key"])]
+    global_tls_cert: Option<PathBuf>,
+    /// Its private key (PEM).
+    #[arg(long, env = "TOLLGATE_GLOBAL_TLS_KEY", requires = "global_tls_cert")]
+    global_tls_key: Option<PathBuf>,
+    /// The name the global tier's certificate must carry, if not its host's.
+    #[arg(long, env = "TOLLGATE_GLOBAL_TLS_SERVER_NAME", requires = "global_url")]
+    global_tls_server_name: Option<String>,
     /// Evaluate and count every limit, but never answer OVER_LIMIT.
     #[arg(long, env = "TOLLGATE_SHADOW_MODE")]
     shadow_mode: bool,
@@ -260,6 +274,11 @@ impl ServeArgs {
                         urls: self.global_url.clone(),
                         region: region.clone(),
                         first_lease_wait: self.global_first_lease_wait,
+                        tls: ClientTlsFiles {
+                            ca: self.global_tls_ca.clone(),
+                            client: self.global_tls_cert.clone().zip(self.global_tls_key.clone()),
+                            server_name: self.global_tls_server_name.clone(),
+                        },
                     })
                 }
                 None => None,

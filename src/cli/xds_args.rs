@@ -8,7 +8,8 @@ use std::time::Duration;
 use anyhow::Context as _;
 use clap::Args;
 use tollgate::app::RatelimitStatsSettings;
-use tollgate::edge::xds::{Backoff, XdsSettings, XdsTls};
+use tollgate::edge::client_tls::ClientTlsFiles;
+use tollgate::edge::xds::{Backoff, XdsSettings};
 use tollgate::telemetry::ratelimit_stats::StatsSettings;
 
 /// Where pushed rules come from.
@@ -70,7 +71,7 @@ impl XdsArgs {
     /// The xDS client's settings, if a server is named.
     pub(super) fn settings(&self) -> Option<XdsSettings> {
         let server = self.xds_server.clone()?;
-        let tls = (self.xds_tls || server.starts_with("https://")).then(|| XdsTls {
+        let tls = (self.xds_tls || server.starts_with("https://")).then(|| ClientTlsFiles {
             ca: self.xds_tls_ca.clone(),
             client: self.xds_tls_cert.clone().zip(self.xds_tls_key.clone()),
             server_name: self.xds_tls_server_name.clone(),

@@ -13,7 +13,10 @@
 //!   tier of limits that hold across regions: regions lease its buckets.
 //! * [`xds`]: the other way round, tollgate as a client: rate-limit configs pushed by a control
 //!   plane over xDS (envoyproxy/ratelimit's `RateLimitConfig`), compiled as files are.
+//!
+//! [`client_tls`] is the TLS of tollgate's own clients (xDS, a region's link to the global tier).
 
+pub mod client_tls;
 pub mod region;
 pub mod rlqs;
 pub mod rls;

@@ -15,6 +15,7 @@ use super::proto::region_leases_client::RegionLeasesClient;
 use super::proto::{BucketRenewal, Entry, RenewRequest};
 use super::MAX_BUCKETS_PER_CALL;
 use crate::clock::Clock;
+use crate::edge::client_tls::ClientTlsFiles;
 use crate::limiter::{GlobalShares, Granted, Renewal, RENEW_EVERY};
 use crate::telemetry::logs;
 
@@ -26,16 +27,18 @@ const SHORT_AGAIN: Duration = Duration::from_millis(200);
 
 /// The global tier at `url` could not be used.
 #[derive(Debug, thiserror::Error)]
-#[error("--global-url {url}: {source}")]
+#[error("--global-url {url}: {why}")]
 pub struct BadUrl {
     url: String,
-    source: tonic::transport::Error,
+    why: String,
 }
 
-/// The global tier at `url`.
-pub fn endpoint(url: &str) -> Result<Endpoint, BadUrl> {
-    let endpoint = Endpoint::from_shared(url.to_owned())
-        .map_err(|source| BadUrl { url: url.to_owned(), source })?
+/// The global tier at `url`, over TLS made from `tls` when it is `https://` (the web's roots when
+/// no CA is given; a client certificate for a global tier that requires one).
+pub fn endpoint(url: &str, tls: &ClientTlsFiles) -> Result<Endpoint, BadUrl> {
+    let bad = |why: String| BadUrl { url: url.to_owned(), why };
+    let mut endpoint = Endpoint::from_shared(url.to_owned())
+        .map_err(|e| bad(e.to_string()))?
         .connect_timeout(RENEW_TIMEOUT)
         .tcp_nodelay(true)
         // A connection a partition left dead is found by its pings within two seconds and made
@@ -43,6 +46,10 @@ pub fn endpoint(url: &str) -> Result<Endpoint, BadUrl> {
         .http2_keep_alive_interval(Duration::from_secs(1))
         .keep_alive_timeout(Duration::from_secs(1))
         .keep_alive_while_idle(true);
+    if url.starts_with("https://") {
+        let config = tls.config().map_err(bad)?;
+        endpoint = endpoint.tls_config(config).map_err(|e| bad(format!("TLS: {e}")))?;
+    }
     Ok(endpoint)
 }
 

@@ -16,7 +16,6 @@
 
 pub mod resource;
 
-use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -31,9 +30,10 @@ use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tokio_util::task::AbortOnDropHandle;
 use tonic::metadata::{MetadataKey, MetadataValue};
-use tonic::transport::{Certificate, Channel, ClientTlsConfig, Endpoint, Identity};
+use tonic::transport::{Channel, Endpoint};
 
 use crate::config::Sources;
+use crate::edge::client_tls::ClientTlsFiles;
 use crate::reload::Reloader;
 use crate::telemetry::logs::ErrorChain;
 
@@ -49,22 +49,11 @@ pub struct XdsSettings {
     /// Headers sent on the stream (e.g. a token).
     pub headers: Vec<(String, String)>,
     /// TLS to the server; `None` for plaintext.
-    pub tls: Option<XdsTls>,
+    pub tls: Option<ClientTlsFiles>,
     /// Reconnection pacing.
     pub backoff: Backoff,
     /// Largest response accepted, in bytes (tonic's default, 4 MiB, when `None`).
     pub max_message_bytes: Option<usize>,
-}
-
-/// TLS to the xDS server.
-#[derive(Debug, Clone, Default)]
-pub struct XdsTls {
-    /// CA certificates (PEM) that signed the server's certificate; the web's roots when `None`.
-    pub ca: Option<PathBuf>,
-    /// This client's certificate chain and key (PEM), for a server that requires mutual TLS.
-    pub client: Option<(PathBuf, PathBuf)>,
-    /// The name the server's certificate must carry, when not the host of `server`.
-    pub server_name: Option<String>,
 }
 
 /// Delays between attempts to open the stream.
@@ -305,19 +294,7 @@ fn endpoint(settings: &XdsSettings) -> Result<Endpoint, XdsError> {
         .keep_alive_timeout(Duration::from_secs(10))
         .keep_alive_while_idle(true);
     if let Some(tls) = tls {
-        let read =
-            |path: &PathBuf| std::fs::read(path).map_err(|e| bad(format!("reading {}: {e}", path.display())));
-        let mut config = ClientTlsConfig::new();
-        config = match &tls.ca {
-            Some(ca) => config.ca_certificate(Certificate::from_pem(read(ca)?)),
-            None => config.with_webpki_roots(),
-        };
-        if let Some((cert, key)) = &tls.client {
-            config = config.identity(Identity::from_pem(read(cert)?, read(key)?));
-        }
-        if let Some(name) = &tls.server_name {
-            config = config.domain_name(name.clone());
-        }
+        let config = tls.config().map_err(bad)?;
         endpoint = endpoint.tls_config(config).map_err(|e| bad(format!("TLS to {url}: {e}")))?;
     }
     Ok(endpoint)

@@ -256,7 +256,8 @@ async fn main() {
     let all = admitted.lock().unwrap().clone();
     let bound = |seconds: f64| CAPACITY + RATE * seconds;
     let first = a.world_seconds.min(30.0);
-    let per_region: Vec<String> = (0..3).map(|r| count(&all, start, Some(r), 0.0, a.world_seconds).to_string()).collect();
+    let per_region: Vec<String> =
+        (0..3).map(|r| count(&all, start, Some(r), 0.0, a.world_seconds).to_string()).collect();
     println!(
         "regional_p50_us={} regional_p99_us={} global_p50_us={} global_p99_us={} hot_cmds={hot:.3} hot_cpu_us={hot_cpu_us:.2} parking_cmds={parking_cmds:.3} idle_cmds={idle_cmds:.3} idle_cpu_us={idle_cpu_us:.3} admitted={} bound={:.0} ratio={:.3} first_ratio={:.3} worst_over={:.2} per_region={}",
         percentile(&regional, 0.5),
