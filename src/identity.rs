@@ -29,6 +29,7 @@
 //! | a request's budget record | `rl:{<tenant>}:<domain>:hold:<request id>` |
 //! | a node's concurrency slots | as the rule keys, then `:slots` |
 //! | a request's slot record | `rl:{<tenant>}:<domain>:slot:<request id>` |
+//! | a global bucket's fallback in a region cut off | its key, then `:fallback` |
 //!
 //! The braces are a Redis Cluster hash tag: only the tenant is hashed, so all buckets of one
 //! tenant share a slot and one Lua call checks and debits them atomically. Other keys contain no
@@ -36,7 +37,8 @@
 //! `:` or `=` in any part, every entry segment holds exactly one raw `=` and never starts with
 //! one, a class segment holds none, and an override segment starts with one; a budget's
 //! `budget`, period and `q` segments and a record's `hold` follow the domain or entries where
-//! those shapes have entry segments or end. An empty tenant
+//! those shapes have entry segments or end; a fallback's `fallback` follows a whole rule or class
+//! key, where an entry segment would hold a `=` and a class key ends. An empty tenant
 //! id, which Redis would not treat as a hash tag, is written as a lone `%` (never the output of
 //! escaping anything).
 //!
@@ -258,6 +260,13 @@ pub fn cluster_slot(key: &str) -> u16 {
         })
         .unwrap_or(bytes);
     crc16::State::<crc16::XMODEM>::calculate(hashed) % 16384
+}
+
+/// The bucket a region decides global bucket `key` on while it is cut off from the global tier
+/// past its share (`global_fallback: {split: N}`), in the region's own store: in the tenant's slot,
+/// beside the region's other buckets of the tenant.
+pub fn fallback_bucket(key: &str) -> String {
+    format!("{key}:fallback")
 }
 
 /// Percent-encodes `%`, `{`, `}`, `:`, `=` and control characters of `s`.

@@ -77,6 +77,9 @@ pub struct Rule {
     /// `global: true`: one bucket for every region. The global tier leases it to regions
     /// (`tollgate.region.v1.RegionLeases`); see `docs/src/design/global-limits.md`.
     pub global: bool,
+    /// `global_fallback: {split: N}`: a region cut off from the global tier past its share
+    /// decides the bucket in its own store at capacity / N and rate / N (`None`: it denies).
+    pub global_fallback: Option<u32>,
     /// Per-value metrics requested.
     pub detailed_metric: bool,
     /// Names of rules this one replaces when both match one request.

@@ -339,6 +339,8 @@ fn errors_name_file_position_path_and_problem() {
         ("domain: d\ndescriptors:\n  - key: a\n    global: true\n", "global needs a rate_limit or token_bucket"),
         ("domain: d\ndescriptors:\n  - key: tenant\n    global: true\n    token_bucket: {capacity: 1, refill_per_second: 1}\n    concurrency: {max: 1}\n", "global limits in a domain with concurrency limits are not built yet"),
         ("domain: d\ndescriptors:\n  - key: a\n    global: true\n    rate_limit: {unlimited: true}\n", "global needs a rate_limit or token_bucket"),
+        ("domain: d\ndescriptors:\n  - key: a\n    global_fallback: {split: 2}\n    token_bucket: {capacity: 1, refill_per_second: 1}\n", "global_fallback needs global: true"),
+        ("domain: d\ndescriptors:\n  - key: a\n    global: true\n    global_fallback: {split: 1}\n    token_bucket: {capacity: 1, refill_per_second: 1}\n", "split: the number of regions sharing the bucket, 2 to 1000"),
         ("domain: d\ntenant_key: org\nprices: {version: '1', currency: USD, models: {m: {input: 1, output: 1}}}\ndescriptors:\n  - key: org\n    global: true\n    token_bucket: {capacity: 1, refill_per_second: 1}\n    descriptors:\n      - key: model\n        descriptors:\n          - key: request_id\n", "global limits on priced domains are not built yet"),
         ("domain: d\ndescriptors:\n  - key: tenant\n    concurrency: {max: 2, ttl: soon}\n", "concurrency ttl 'soon'"),
         ("domain: d\nrequest_id_key: id\ndescriptors:\n  - key: tenant\n", "this domain has neither"),

@@ -10,7 +10,7 @@
 //! * a region applies a shrink (of capacity or rate) before it asks for it, and a growth only
 //!   when the answer arrives, crediting the tokens the lease grew by;
 //! * a lease's local life starts when its renewal was sent, so it ends before the global tier's
-//!   (which starts when the renewal arrived); after it the region denies (`global_fallback: deny`);
+//!   (which starts when the renewal arrived); after it the region denies (the default fallback);
 //! * a first lease, or one asked after the region's ran out, is `fresh`: the global tier takes its
 //!   whole capacity again, and the region starts full;
 //! * one renewal in flight per region and bucket, and answers to older ones dropped: a growth

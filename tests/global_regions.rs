@@ -9,9 +9,9 @@
 
 mod common;
 
-use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use common::paced::{excess, Admitted};
 use common::proxy::{Fault, FaultProxy};
 use common::*;
 
@@ -27,32 +27,19 @@ const CAPACITY: f64 = 20.0;
 const RATE: f64 = 10.0;
 
 // Sends `region` a request every 20 ms until `until`, recording when each was admitted.
-async fn load(addr: String, until: Instant, admitted: Arc<Mutex<Vec<Instant>>>) -> (u32, u32) {
+async fn load(addr: String, until: Instant, admitted: Admitted) -> (u32, u32) {
     let (mut ok, mut over) = (0, 0);
     while Instant::now() < until {
         let r = ask(&addr, req("api", &["tenant=acme"], 1)).await.expect("answer");
         if r.overall_code == OK {
             ok += 1;
-            admitted.lock().unwrap().push(Instant::now());
+            admitted.lock().unwrap().push((Instant::now(), 0));
         } else {
             over += 1;
         }
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     (ok, over)
-}
-
-// The most admitted over `capacity + rate x T` in any window (0: within).
-fn excess(admitted: &mut [Instant]) -> f64 {
-    admitted.sort();
-    let mut worst: f64 = 0.0;
-    for (i, from) in admitted.iter().enumerate() {
-        for (n, to) in admitted[i..].iter().enumerate() {
-            let bound = CAPACITY + RATE * to.duration_since(*from).as_secs_f64();
-            worst = worst.max((n + 1) as f64 - bound);
-        }
-    }
-    worst
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -73,7 +60,7 @@ async fn two_regions_keep_one_global_limit_and_a_partition_falls_back_to_deny() 
         .collect();
 
     // Six seconds of both regions asking 50 a second each, against 10 a second in all.
-    let admitted = Arc::new(Mutex::new(Vec::new()));
+    let admitted = Admitted::default();
     let start = Instant::now();
     let until = start + Duration::from_secs(6);
     let loads: Vec<_> =
@@ -82,9 +69,9 @@ async fn two_regions_keep_one_global_limit_and_a_partition_falls_back_to_deny() 
     for l in loads {
         counts.push(l.await.unwrap());
     }
-    let mut all = admitted.lock().unwrap().clone();
+    let all = admitted.lock().unwrap().clone();
     let bound = CAPACITY + RATE * start.elapsed().as_secs_f64();
-    let over = excess(&mut all);
+    let over = excess(&all, CAPACITY, RATE);
     println!(
         "admitted {} of a bound of {bound:.0} (eu, us: {counts:?}); worst window {over:.2} over",
         all.len()
@@ -97,7 +84,7 @@ async fn two_regions_keep_one_global_limit_and_a_partition_falls_back_to_deny() 
     // last renewal was sent, at most a round before the cut), then denies.
     proxies[0].set(Fault::Blackhole);
     let cut = Instant::now();
-    let during = load(regions[0].addr(), cut + Duration::from_secs(8), Arc::default()).await;
+    let during = load(regions[0].addr(), cut + Duration::from_secs(8), Admitted::default()).await;
     assert!(during.0 > 0, "eu still admits on its share while cut off: {during:?}");
     tokio::time::sleep_until((cut + Duration::from_millis(10_500)).into()).await;
     for _ in 0..3 {
@@ -112,7 +99,7 @@ async fn two_regions_keep_one_global_limit_and_a_partition_falls_back_to_deny() 
     let scrape = regions[0].metrics();
     let failed = sample(&scrape, "tollgate_global_rounds_total", &[("outcome", "failed")]);
     assert!(failed >= 5.0, "{failed} failed rounds counted");
-    let fallback = sample(&scrape, "tollgate_global_fallback_denials_total", &[]);
+    let fallback = sample(&scrape, "tollgate_global_fallbacks_total", &[("fallback", "deny")]);
     assert!(fallback >= 3.0, "{fallback} fallback denials counted");
     let cut_off = sample(&scrape, "tollgate_global_cut_off_seconds", &[]);
     assert!(cut_off >= 8.0, "cut off for {cut_off} s by the gauge, 10.5 s after the cut");
@@ -122,7 +109,7 @@ async fn two_regions_keep_one_global_limit_and_a_partition_falls_back_to_deny() 
     assert!(body.contains("cut off from the global tier for"), "{body}");
     // us gets the whole rate once eu's lease has expired at the global tier.
     let before = Instant::now();
-    let us = load(regions[1].addr(), before + Duration::from_secs(3), Arc::default()).await;
+    let us = load(regions[1].addr(), before + Duration::from_secs(3), Admitted::default()).await;
     assert!(us.0 >= 20, "us admitted {us:?} in 3 s with the whole bucket to itself");
 
     // Cut off for 30 s in all: eu denies throughout, from its share's end on.
@@ -199,4 +186,45 @@ async fn a_quiet_bucket_is_parked_renewed_seldom_and_still_answers_at_once() {
 fn redis_ms(con: &mut redis::Connection) -> u64 {
     let (s, us): (u64, u64) = redis::cmd("TIME").query(con).unwrap();
     s * 1000 + us / 1000
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_region_cut_off_decides_on_its_split_of_the_bucket_in_its_own_store() {
+    let (global_redis, regional) = (Redis::start(), Redis::start());
+    let split = CONFIG.replace("global: true", "global: true\n    global_fallback: {split: 2}");
+    let (_dir, config) = config_file(&split);
+    let global = Tollgate::start(&config, &Backend::Redis(global_redis.url()), &["--global-tier"]);
+    let proxy = FaultProxy::start(global.grpc.port());
+    proxy.set(Fault::Blackhole);
+    let url = format!("http://127.0.0.1:{}", proxy.port);
+    let region =
+        Tollgate::start(&config, &Backend::Redis(regional.url()), &["--global-url", &url, "--region", "eu"]);
+
+    // Never reaching the global tier, eu decides on half the bucket (10 tokens, 5 a second).
+    let admitted = Admitted::default();
+    let start = Instant::now();
+    let (ok, _) = load(region.addr(), start + Duration::from_secs(3), admitted.clone()).await;
+    let all = admitted.lock().unwrap().clone();
+    let bound = CAPACITY / 2.0 + RATE / 2.0 * start.elapsed().as_secs_f64();
+    let over = excess(&all, CAPACITY / 2.0, RATE / 2.0);
+    println!(
+        "cut off from the start: {ok} admitted of its split's bound {bound:.1}; worst window {over:.2} over"
+    );
+    assert!(over <= 1e-9, "{over} over the split's capacity + rate x T");
+    assert!(f64::from(ok) >= 0.8 * bound, "{ok} admitted of {bound:.1}: the split is used");
+    // Its part lives in the region's own Redis, beside the tenant's other buckets.
+    let mut con = regional.connection();
+    let tokens: Option<f64> =
+        redis::cmd("HGET").arg("rl:{acme}:api:tenant=acme:fallback").arg("t").query(&mut con).unwrap();
+    assert!(tokens.is_some(), "the fallback bucket is in the regional store");
+    let split = sample(&region.metrics(), "tollgate_global_fallbacks_total", &[("fallback", "split")]);
+    assert!(split >= 60.0, "{split} decisions by the split");
+    // Known to be cut off (its rounds fail), it no longer waits for a first lease.
+    let asked = Instant::now();
+    ask(&region.addr(), req("api", &["tenant=acme"], 1)).await.unwrap();
+    assert!(
+        asked.elapsed() < Duration::from_millis(60),
+        "{:?}: no first-lease wait once cut off",
+        asked.elapsed()
+    );
 }

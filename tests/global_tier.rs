@@ -158,10 +158,20 @@ fn validate_and_explain_name_the_global_rules() {
     };
     let path = config.to_str().unwrap();
     let validated = run(&["validate", path]);
-    assert!(validated.contains("  global: tenant (one bucket for every region)"), "{validated}");
+    assert!(
+        validated.contains("  global: tenant (one bucket for every region; cut off, a region denies it)"),
+        "{validated}"
+    );
     assert!(!validated.contains("global: tenant.route"), "{validated}");
     let explained = run(&["explain", "--config", path, "--domain", "api", "--descriptor", "tenant=acme"]);
-    assert!(explained.contains("(global: one bucket for every region)"), "{explained}");
+    assert!(
+        explained.contains("(global: one bucket for every region; cut off, a region denies it)"),
+        "{explained}"
+    );
+    let (_dir, split) =
+        config_file(&CONFIG.replacen("global: true", "global: true\n    global_fallback: {split: 3}", 1));
+    let validated = run(&["validate", split.to_str().unwrap()]);
+    assert!(validated.contains("cut off, a region decides on 1/3 of it in its own store"), "{validated}");
 }
 
 #[tokio::test(flavor = "multi_thread")]

@@ -135,7 +135,7 @@ async fn print_descriptor(
             also.push(format!("class {class}"));
         }
         if rule.global {
-            also.push("global: one bucket for every region".to_owned());
+            also.push(format!("global: one bucket for every region; {}", fallback(rule.global_fallback)));
         }
         let also = if also.is_empty() { String::new() } else { format!(" ({})", also.join(", ")) };
         let (line, column) = rule.position;
@@ -322,4 +322,12 @@ async fn print_budget(budget: &BudgetExplained, hits: u64, store: Option<&RedisS
 // Milliseconds since the epoch as an RFC 3339 instant.
 fn instant(ms: i64) -> String {
     jiff::Timestamp::from_millisecond(ms).map_or_else(|_| ms.to_string(), |t| t.to_string())
+}
+
+// What a region cut off from the global tier past its share does with a global rule's bucket.
+pub(super) fn fallback(split: Option<u32>) -> String {
+    match split {
+        Some(n) => format!("cut off, a region decides on 1/{n} of it in its own store"),
+        None => "cut off, a region denies it".to_owned(),
+    }
 }

@@ -39,7 +39,8 @@ pub(super) fn run(args: ValidateArgs) -> Outcome {
         // Global rules are decided elsewhere than the others: said, so that a rule marked by
         // mistake (or not marked) shows.
         for rule in domain.rules.iter().filter(|r| r.global) {
-            println!("  global: {} (one bucket for every region)", rule.path);
+            let fallback = super::explain::fallback(rule.global_fallback);
+            println!("  global: {} (one bucket for every region; {fallback})", rule.path);
         }
     }
     if !any {

@@ -123,6 +123,16 @@ pub struct Descriptor {
     pub concurrency: Option<Spanned<Concurrency>>,
     /// One bucket for every region (the global tier leases it to regions).
     pub global: Option<Spanned<bool>>,
+    /// What a region cut off from the global tier past its share decides a global bucket on.
+    pub global_fallback: Option<Spanned<GlobalFallback>>,
+}
+
+/// `global_fallback: {split: N}`: the bucket split N ways, one part per region, decided in the
+/// region's own store (without it, such a region denies).
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct GlobalFallback {
+    pub split: Spanned<u32>,
 }
 
 /// envoyproxy/ratelimit's fixed-window limit, which tollgate turns into a token bucket.

@@ -252,6 +252,19 @@ impl Tree<'_> {
         }
         let charge = charge(d, limited)?;
         let global = d.global.as_ref().is_some_and(|g| g.value);
+        let global_fallback = match &d.global_fallback {
+            None => None,
+            Some(f) if !global => {
+                return Err(at(f, "global_fallback needs global: true on the same node".into()))
+            }
+            Some(f) if !(2..=1000).contains(&f.value.split.value) => {
+                return Err(at(
+                    &f.value.split,
+                    "split: the number of regions sharing the bucket, 2 to 1000".into(),
+                ))
+            }
+            Some(f) => Some(f.value.split.value),
+        };
         if let Some(g) = d.global.as_ref().filter(|g| g.value) {
             if !matches!(limit, Some(Limit::Bucket(_))) {
                 return Err(at(g, "global needs a rate_limit or token_bucket on the same node".into()));
@@ -274,6 +287,7 @@ impl Tree<'_> {
             quota_mode: d.quota_mode,
             charge,
             global,
+            global_fallback,
             detailed_metric: d.detailed_metric || d.value_to_metric,
             replaces,
             metadata: d.metadata.clone(),

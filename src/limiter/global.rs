@@ -1,16 +1,17 @@
 //! Global limits in a region (`--global-url`): the buckets of rules marked `global: true` are
 //! decided on this replica's shares of them ([`Share`]), which it leases from the global tier
-//! and renews every round (`docs/src/design/global-limits.md`).
+//! and renews (`docs/src/design/global-limits.md`).
 //!
 //! Each replica is a leaseholder of its own (`<region>/<replica>` at the global tier), so one
 //! renewal per bucket is in flight at a time by construction (the discipline's last rule). A
 //! share is sized by this replica's demand beside what the others' leases record: its part of
-//! the bucket, at least a sixteenth. A bucket nobody here asked for lately is **parked**: its
-//! share shrinks to one request's tokens with no rate, which the global tier lets live a minute,
-//! so that an idle bucket costs a renewal every 40 s or so and its next request is still answered
-//! at once (and sizes the share by demand again at the next round); one not asked for in five
-//! minutes is given back. A request for a bucket with no live share here waits for a first lease,
-//! briefly; one still without (the global tier out of reach past the share's life) is denied: the
+//! the bucket, at least a sixteenth; one already near that size is renewed only every few
+//! seconds. A bucket nobody here asked for lately is **parked**: its share shrinks to one
+//! request's tokens with no rate, which the global tier lets live a minute, so that an idle
+//! bucket costs a renewal every 40 s or so and its next request is still answered at once (and
+//! sizes the share by demand again at the next round); one not asked for in five minutes is
+//! given back. A request for a bucket with no live share here waits for a first lease, briefly;
+//! one still without (the global tier out of reach past the share's life) is denied: the
 //! fallback is `deny` (the bound holds with no slack).
 //!
 //! The renewal loop and its protocol live in the edge (`crate::edge::region::client`); this is
@@ -22,7 +23,7 @@ use std::sync::Mutex;
 use std::time::Duration;
 
 use super::{Limiter, Plan, Query};
-use crate::bucket::{Ask, Asked, BucketOp, Group, GroupOutcome, Role, Share, Verdict};
+use crate::bucket::{Ask, Asked, BucketOp, BucketSpec, Group, GroupOutcome, Role, Share, Verdict};
 use crate::config::{Domain, FailureMode};
 use crate::rule::ChargeRule;
 use crate::store::StoreError;
@@ -37,6 +38,12 @@ const FLOOR: f64 = 1.0 / 16.0;
 const IDLE_MS: u64 = 300_000;
 /// A parked share is renewed once it has less than this left to live.
 const PARKED_RENEW_BEFORE_MS: u64 = 20_000;
+/// A share within this part of the size its demand wants is settled: it is renewed only once it
+/// has less than [`SETTLED_RENEW_BEFORE_MS`] left to live, not every round, so that a steadily
+/// asked bucket costs the global tier a renewal every few seconds. A shrink beyond it is sent at
+/// once (the others grow by it), and so is a growth.
+const SETTLED: f64 = 0.1;
+const SETTLED_RENEW_BEFORE_MS: u64 = 6_000;
 /// A lease below this part of what was asked is short.
 const SHORT: f64 = 0.8;
 /// The window a replica's demand is counted in (over the last one and the current one). Shares
@@ -208,7 +215,18 @@ impl GlobalShares {
                 Some((c, r, cost)) => {
                     let total = demand + e.others_demand;
                     let part = if total <= 0.0 { FLOOR } else { (demand / total).max(FLOOR) };
-                    ((c * part).max(cost as f64).min(c), r * part)
+                    let want = ((c * part).max(cost as f64).min(c), r * part);
+                    let near = |have: f64, want: f64| (want - have).abs() <= SETTLED * have.max(want);
+                    match live {
+                        Some(s)
+                            if near(s.capacity, want.0)
+                                && near(s.refill_per_second, want.1)
+                                && s.until_ms > now_ms + SETTLED_RENEW_BEFORE_MS =>
+                        {
+                            continue
+                        }
+                        _ => want,
+                    }
                 }
             };
             let ask = Share::ask(&mut e.share, capacity, rate, now_ms);
@@ -282,24 +300,32 @@ impl GlobalShares {
 impl Limiter {
     /// The request's group evaluated with its global buckets taken from this replica's shares,
     /// all or nothing with the rest (taken first; given back if the store then denies). A global
-    /// op is an enforced debit of a rule marked `global: true`; others stay with the store.
+    /// op is an enforced debit of a rule marked `global: true`; others stay with the store. A
+    /// global op with no live share here after the first-lease wait falls back: to its part of
+    /// the bucket in the store (`global_fallback: {split: N}`), else to a denial.
     pub(super) async fn evaluate_with_shares(
         &self,
         domain: &Domain,
         shares: &GlobalShares,
         query: &Query<'_>,
         plans: &[Plan<'_>],
-        group: Group,
+        mut group: Group,
         op_of: &[Option<usize>],
     ) -> Result<Option<GroupOutcome>, StoreError> {
-        let global: Vec<Option<usize>> = (0..group.len())
+        // Per op: the descriptor of a global op, and its rule's fallback split.
+        let (mut global, split): (Vec<Option<usize>>, Vec<Option<u32>>) = (0..group.len())
             .map(|op| {
-                let d = op_of.iter().position(|o| *o == Some(op))?;
-                let Plan::Bucket(p) = &plans[d] else { return None };
-                let global = p.rule.is_some_and(|r| r.global && matches!(r.charge, ChargeRule::Admitted));
-                (global && p.role == Role::Enforced && group[op].need >= 0.0).then_some(d)
+                let Some(d) = op_of.iter().position(|o| *o == Some(op)) else { return (None, None) };
+                let Plan::Bucket(p) = &plans[d] else { return (None, None) };
+                let rule = p.rule.filter(|r| r.global && matches!(r.charge, ChargeRule::Admitted));
+                match rule {
+                    Some(r) if p.role == Role::Enforced && group[op].need >= 0.0 => {
+                        (Some(d), r.global_fallback)
+                    }
+                    _ => (None, None),
+                }
             })
-            .collect();
+            .unzip();
         if global.iter().all(Option::is_none) {
             return self.evaluate(domain, group).await;
         }
@@ -309,8 +335,10 @@ impl Limiter {
         };
         let mut taken: Vec<Option<Taken>> =
             global.iter().enumerate().map(|(op, d)| d.map(|d| take(op, d))).collect();
-        // A bucket without a share here yet: its first lease, briefly awaited.
-        if taken.contains(&Some(Taken::NoShare)) {
+        // A bucket without a share here yet: its first lease, briefly awaited, unless the rounds
+        // are failing (cut off: no lease is coming, so the fallback answers at once).
+        let cut_off = shares.cut_off_for_ms(self.clock.now_ms()).is_some();
+        if taken.contains(&Some(Taken::NoShare)) && !cut_off {
             let mut renewed = shares.renewed.subscribe();
             renewed.mark_unchanged();
             shares.wanted.notify_one();
@@ -321,8 +349,23 @@ impl Limiter {
                 }
             }
         }
-        if taken.contains(&Some(Taken::NoShare)) {
-            metrics::counter!("tollgate_global_fallback_denials_total").increment(1);
+        // Still without a share: the fallback. A split is decided in the store with the rest.
+        for op in 0..group.len() {
+            if taken[op] != Some(Taken::NoShare) {
+                continue;
+            }
+            let spec = group[op].spec;
+            let part = split[op].and_then(|n| {
+                BucketSpec::new(spec.capacity() / f64::from(n), spec.refill_per_second() / f64::from(n)).ok()
+            });
+            let Some(part) = part else {
+                metrics::counter!("tollgate_global_fallbacks_total", "fallback" => "deny").increment(1);
+                continue;
+            };
+            metrics::counter!("tollgate_global_fallbacks_total", "fallback" => "split").increment(1);
+            group[op].key = crate::identity::fallback_bucket(&group[op].key);
+            group[op].spec = part;
+            (global[op], taken[op]) = (None, None);
         }
         let all_taken = taken.iter().flatten().all(|t| matches!(t, Taken::Yes { .. }));
         // The rest goes to the store: debited if every share had its tokens, else only checked.
