@@ -10,9 +10,11 @@
 //! request's tokens with no rate, which the global tier lets live a minute, so that an idle
 //! bucket costs a renewal every 40 s or so and its next request is still answered at once (and
 //! sizes the share by demand again at the next round); one not asked for in five minutes is
-//! given back. A request for a bucket with no live share here waits for a first lease, briefly;
-//! one still without (the global tier out of reach past the share's life) is denied: the
-//! fallback is `deny` (the bound holds with no slack).
+//! given back (after ten seconds once the table is nearly full). A request for a bucket with no
+//! live share here waits for a first lease, briefly (not at all while the rounds fail); one still
+//! without (the global tier out of reach past the share's life) falls back: to its
+//! `global_fallback: {split: N}` part in the region's store, else to a denial (the bound then
+//! holds with no slack).
 //!
 //! The renewal loop and its protocol live in the edge (`crate::edge::region::client`); this is
 //! what it renews and what decisions take.
@@ -34,8 +36,11 @@ pub const RENEW_EVERY: Duration = Duration::from_secs(1);
 pub const MAX_SHARES: usize = 100_000;
 /// The smallest part of a bucket a share asks for.
 const FLOOR: f64 = 1.0 / 16.0;
-/// A bucket not asked for this long is given back.
+/// A bucket not asked for this long is given back (and forgotten after twice as long)...
 const IDLE_MS: u64 = 300_000;
+/// ...or this long, once the table holds nine tenths of [`MAX_SHARES`]: quiet buckets make room
+/// for new ones, which would otherwise be refused.
+const CROWDED_IDLE_MS: u64 = 10_000;
 /// A parked share is renewed once it has less than this left to live.
 const PARKED_RENEW_BEFORE_MS: u64 = 20_000;
 /// A share within this part of the size its demand wants is settled: it is renewed only once it
@@ -192,10 +197,11 @@ impl GlobalShares {
     pub fn due(&self, now_ms: u64) -> Vec<Renewal> {
         let mut table = self.table();
         let mut renewals = Vec::new();
-        table.retain(|_, e| e.used_ms + 2 * IDLE_MS > now_ms || e.pending.is_some());
+        let idle_ms = if table.len() * 10 >= MAX_SHARES * 9 { CROWDED_IDLE_MS } else { IDLE_MS };
+        table.retain(|_, e| e.used_ms + 2 * idle_ms > now_ms || e.pending.is_some());
         for (key, e) in table.iter_mut().filter(|(_, e)| e.pending.is_none()) {
             let demand = e.asked.per_second(now_ms);
-            let idle = e.used_ms + IDLE_MS <= now_ms;
+            let idle = e.used_ms + idle_ms <= now_ms;
             if idle && e.share.is_none() {
                 continue;
             }
@@ -443,5 +449,58 @@ fn share_verdict(taken: Taken, need: f64) -> Verdict {
         forgiven: 0.0,
         fastest_refill: rate,
         kept_ms: 0,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    // Every bucket taken once at 0 and granted a share of (1 token, 0.1/s) of a (10, 1) bucket.
+    fn shares_with(buckets: usize) -> GlobalShares {
+        let shares = GlobalShares::new("eu/r".into(), Duration::ZERO);
+        for i in 0..buckets {
+            shares.take(&format!("k{i}"), "api", &[("tenant", "t")], 1.0, 0);
+        }
+        let granted =
+            Granted { bucket: (10.0, 1.0, 1), capacity: 1.0, rate: 0.1, others_demand: 0.0, ttl_ms: 60_000 };
+        let answers = shares.due(0).into_iter().map(|r| (r.key, Some(granted))).collect();
+        shares.answered(answers, 100);
+        shares
+    }
+
+    #[test]
+    fn quiet_buckets_are_parked_and_given_back_sooner_when_the_table_is_nearly_full() {
+        // Few buckets: quiet ones are parked (one request's tokens, no rate), not given back.
+        let roomy = shares_with(10);
+        let asks: Vec<Ask> = roomy.due(15_000).into_iter().map(|r| r.ask).collect();
+        assert_eq!(asks.len(), 10);
+        assert!(asks.iter().all(|a| (a.capacity, a.refill_per_second) == (1.0, 0.0)), "{:?}", asks[0]);
+        // Nine tenths of the most: quiet for 10 s is enough to be given back.
+        let crowded = shares_with(MAX_SHARES * 9 / 10);
+        let asks: Vec<Ask> = crowded.due(15_000).into_iter().map(|r| r.ask).collect();
+        assert_eq!(asks.len(), MAX_SHARES * 9 / 10);
+        assert!(asks.iter().all(|a| (a.capacity, a.refill_per_second) == (0.0, 0.0)), "{:?}", asks[0]);
+    }
+
+    #[test]
+    fn a_settled_share_is_renewed_only_near_its_end() {
+        // One bucket, asked steadily, holding all of it: what its demand wants.
+        let shares = GlobalShares::new("eu/r".into(), Duration::ZERO);
+        let ask = |at: u64| shares.take("k", "api", &[("tenant", "t")], 1.0, at);
+        ask(0);
+        let whole =
+            Granted { bucket: (10.0, 1.0, 1), capacity: 10.0, rate: 1.0, others_demand: 0.0, ttl_ms: 10_000 };
+        let first = shares.due(0).into_iter().map(|r| (r.key, Some(whole))).collect();
+        shares.answered(first, 100);
+        let mut renewed_at = Vec::new();
+        for at in (1_000..=9_000).step_by(1_000) {
+            ask(at - 500);
+            if !shares.due(at).is_empty() {
+                renewed_at.push(at);
+                break;
+            }
+        }
+        assert_eq!(renewed_at, [4_000], "settled: renewed once no more than 6 s of its 10 s life is left");
     }
 }
