@@ -123,10 +123,10 @@ async fn readyz(State(state): State<HttpState>) -> Response {
     }
     match state.store.ping().await {
         // A region cut off from the global tier still serves: it decides global limits on the
-        // shares it holds, then denies them; the body says so for whoever looks.
+        // shares it holds, then by each rule's fallback; the body says so for whoever looks.
         Ok(()) => match state.rls.limiter().global_cut_off() {
             Some(cut) => format!(
-                "ready; cut off from the global tier for {:.1} s: global limits are decided on the shares held until they lapse, then denied\n",
+                "ready; cut off from the global tier for {:.1} s: global limits are decided on the shares held until they lapse, then by each rule's fallback (denied, or its split)\n",
                 cut.as_secs_f64()
             )
             .into_response(),
