@@ -210,7 +210,9 @@ async fn a_region_cut_off_decides_on_its_split_of_the_bucket_in_its_own_store() 
     println!(
         "cut off from the start: {ok} admitted of its split's bound {bound:.1}; worst window {over:.2} over"
     );
-    assert!(over <= 1e-9, "{over} over the split's capacity + rate x T");
+    // Admissions are stamped when the answer arrives, a few ms after Redis decided: a window
+    // between two stamps can look up to rate x that jitter shorter (5/s x 10 ms = 0.05 tokens).
+    assert!(over <= 0.05, "{over} over the split's capacity + rate x T");
     assert!(f64::from(ok) >= 0.8 * bound, "{ok} admitted of {bound:.1}: the split is used");
     // Its part lives in the region's own Redis, beside the tenant's other buckets.
     let mut con = regional.connection();
