@@ -11,18 +11,11 @@ mod common;
 
 use std::time::{Duration, Instant};
 
-use common::paced::{excess, Admitted};
+use common::paced::{excess, Admitted, GLOBAL_TENANT_RULE};
 use common::proxy::{Fault, FaultProxy};
 use common::*;
 
-const CONFIG: &str = r#"
-domain: api
-tenant_key: tenant
-descriptors:
-  - key: tenant
-    token_bucket: {capacity: 20, refill_per_second: 10}
-    global: true
-"#;
+const CONFIG: &str = GLOBAL_TENANT_RULE;
 const CAPACITY: f64 = 20.0;
 const RATE: f64 = 10.0;
 

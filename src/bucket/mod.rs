@@ -57,7 +57,7 @@ mod tests;
 pub use self::group::{evaluate, refund};
 pub use self::lease::{lease, Asked, Lease, LeaseOp, LeaseOutcome, Others};
 pub use self::refill::{covers, refill};
-pub use self::share::{Ask, Share};
+pub use self::share::{is_parked, Ask, Share};
 pub use self::spec::{BucketSpec, SpecError, MAX_CAPACITY, MAX_WAIT_MS, MIN_REFILL_PER_SECOND};
 
 use serde::Serialize;

@@ -50,6 +50,13 @@ pub struct Ask {
     pub sent_ms: u64,
 }
 
+/// Whether a lease of `capacity` and `refill_per_second` on a bucket taking `cost` tokens a
+/// request is parked: no rate, at most one request's tokens. A region keeps such a share of a
+/// bucket nothing asked for lately, and the global tier lets such a lease live longer.
+pub fn is_parked(capacity: f64, refill_per_second: f64, cost: u64) -> bool {
+    refill_per_second == 0.0 && capacity <= cost as f64
+}
+
 impl Share {
     /// Whether the share counts at `now_ms`.
     pub fn alive(&self, now_ms: u64) -> bool {

@@ -25,7 +25,7 @@ use std::sync::Mutex;
 use std::time::Duration;
 
 use super::{Limiter, Plan, Query};
-use crate::bucket::{Ask, Asked, BucketOp, BucketSpec, Group, GroupOutcome, Role, Share, Verdict};
+use crate::bucket::{is_parked, Ask, Asked, BucketOp, BucketSpec, Group, GroupOutcome, Role, Share, Verdict};
 use crate::config::{Domain, FailureMode};
 use crate::rule::ChargeRule;
 use crate::store::StoreError;
@@ -213,7 +213,10 @@ impl GlobalShares {
                 // Quiet: parked, until its next request; nothing to park without a live share.
                 Some((_, _, cost)) if demand <= 0.0 => match live {
                     None => continue,
-                    Some(s) if is_parked(&s, cost) && s.until_ms > now_ms + PARKED_RENEW_BEFORE_MS => {
+                    Some(s)
+                        if is_parked(s.capacity, s.refill_per_second, cost)
+                            && s.until_ms > now_ms + PARKED_RENEW_BEFORE_MS =>
+                    {
                         continue
                     }
                     Some(_) => (cost as f64, 0.0),
@@ -419,11 +422,6 @@ impl Limiter {
             unanswered,
         }))
     }
-}
-
-// Whether `share` is parked: no rate, at most one request's tokens (`cost`).
-fn is_parked(share: &Share, cost: u64) -> bool {
-    share.refill_per_second == 0.0 && share.capacity <= cost as f64
 }
 
 // A share's answer as a bucket verdict (for headers and metrics).

@@ -14,6 +14,17 @@ use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_client::R
 use envoy_types::pb::envoy::service::ratelimit::v3::RateLimitRequest;
 use tonic::transport::Channel;
 
+/// The global rule of the two-region tests: one tenant bucket of 20 tokens refilling 10 a second,
+/// shared by every region.
+pub const GLOBAL_TENANT_RULE: &str = r#"
+domain: api
+tenant_key: tenant
+descriptors:
+  - key: tenant
+    token_bucket: {capacity: 20, refill_per_second: 10}
+    global: true
+"#;
+
 /// When the world admitted, and in which region.
 pub type Admitted = Arc<Mutex<Vec<(Instant, usize)>>>;
 

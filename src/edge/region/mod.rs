@@ -19,7 +19,7 @@ use std::time::Duration;
 
 use tonic::{Request, Response, Status};
 
-use crate::bucket::{LeaseOp, LeaseOutcome};
+use crate::bucket::{is_parked, LeaseOp, LeaseOutcome};
 use crate::limiter::{LeasedBucket, Limiter};
 
 pub mod client;
@@ -89,8 +89,8 @@ impl RegionLeases for RegionLeasesGrpc {
             let entries: Vec<(&str, &str)> =
                 b.entries.iter().map(|e| (e.key.as_str(), e.value.as_str())).collect();
             found.push(self.limiter.global_bucket(&b.domain, &entries).await.map(|bucket| {
-                let parked =
-                    b.refill_per_second == 0.0 && b.capacity > 0.0 && b.capacity <= bucket.cost as f64;
+                // Capacity 0 with no rate is a release, not a parking.
+                let parked = b.capacity > 0.0 && is_parked(b.capacity, b.refill_per_second, bucket.cost);
                 let ttl = if parked { PARKED_LEASE_TTL } else { GLOBAL_LEASE_TTL };
                 let op = LeaseOp {
                     key: bucket.key.clone(),
