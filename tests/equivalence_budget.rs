@@ -8,7 +8,8 @@
 //! to the time each script reports), with periods of 700 ms and holds of 20-400 ms, so that
 //! periods roll over, holds expire unsettled (charged or released), records outlive their holds
 //! and expire, settlements come in parts, twice, late and without a hold, and a price version
-//! changes while holds are open; cancels and read-only peeks are among the ops. Request ids are
+//! changes while holds are open; cancels, read-only peeks and regions' money leases (reported
+//! spend charged, leases grown, shrunk and left to expire, charged whole) are among the ops. Request ids are
 //! reused by other paths and other holds (refused, nothing charged), counts come far above any
 //! hold, settlements come whose model left the price table (priced at the record's row), and
 //! soft limits are crossed (counted once a period, in both). Every op also carries two
@@ -26,8 +27,8 @@ use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use tollgate::bucket::BucketSpec;
 use tollgate::budget::{
-    BucketLevel, BudgetAction, BudgetOp, BudgetOutcome, HadHold, HoldVerdict, Kind, LevelOp, LostSettle,
-    Money, PriceRow,
+    BucketLevel, BudgetAction, BudgetOp, BudgetOutcome, HadHold, HoldVerdict, Kind, LeaseReport, LevelOp,
+    LostSettle, Money, PriceRow,
 };
 use tollgate::clock::ManualClock;
 use tollgate::slot::SlotSet;
@@ -84,6 +85,17 @@ fn op(rng: &mut StdRng, now: i64, lost: LostSettle) -> BudgetOp {
         BudgetAction::Cancel
     } else if rng.random_bool(0.05) {
         BudgetAction::Peek
+    } else if rng.random_bool(0.12) {
+        // A region's money lease of the levels (as at the global tier): spend reported, more or
+        // less wanted, beside the holds of the global tier's own requests.
+        let holder = if rng.random_bool(0.5) { "eu/a" } else { "us/b" };
+        let reports = (0..3)
+            .map(|_| {
+                let spent = Money(rng.random_range(0..8_000_000));
+                LeaseReport { spent, wanted: spent + Money(rng.random_range(0..9_000_000)) }
+            })
+            .collect();
+        BudgetAction::Lease { holder: holder.into(), ttl_ms: rng.random_range(20..400), reports }
     } else if rng.random_bool(0.6) {
         // Mostly the request's own hold, so that retries are genuine; sometimes another.
         let (amount, tokens) = if rng.random_bool(0.8) {
@@ -128,7 +140,8 @@ fn now_of(outcome: &BudgetOutcome) -> u64 {
         | BudgetOutcome::Settled { now_ms, .. }
         | BudgetOutcome::Reprice { now_ms, .. }
         | BudgetOutcome::Cancelled { now_ms, .. }
-        | BudgetOutcome::Peeked { now_ms, .. } => *now_ms,
+        | BudgetOutcome::Peeked { now_ms, .. }
+        | BudgetOutcome::Leased { now_ms, .. } => *now_ms,
     }
 }
 
@@ -194,6 +207,13 @@ async fn replay(seed: u64, redis: &common::Redis) -> HashMap<&'static str, usize
             BudgetOutcome::Cancelled { had: HadHold::None, .. } => "cancelled before held",
             BudgetOutcome::Cancelled { .. } => "cancelled nothing",
             BudgetOutcome::Peeked { .. } => "peeked",
+            BudgetOutcome::Leased { levels, .. }
+                if matches!(&op.action, BudgetAction::Lease { reports, .. }
+                    if levels.iter().zip(reports).any(|(l, r)| l.granted < r.wanted)) =>
+            {
+                "lease cut to the room"
+            }
+            BudgetOutcome::Leased { .. } => "leased",
         };
         *seen.entry(what).or_default() += 1;
         if let BudgetOutcome::Settled { slots, .. } | BudgetOutcome::Cancelled { slots, .. } = &from_redis {
@@ -219,11 +239,16 @@ async fn replay(seed: u64, redis: &common::Redis) -> HashMap<&'static str, usize
         }
         // Every level the op read that is clearly alive in Redis: the same spent and held money
         // in the memory store.
-        if let BudgetOutcome::Held { levels: readings, .. }
-        | BudgetOutcome::Settled { levels: readings, .. } = &from_redis
+        let ends: Vec<i64> = match &from_redis {
+            BudgetOutcome::Held { levels, .. } | BudgetOutcome::Settled { levels, .. } => {
+                levels.iter().map(|l| l.end_ms).collect()
+            }
+            BudgetOutcome::Leased { levels, .. } => levels.iter().map(|l| l.end_ms).collect(),
+            _ => Vec::new(),
+        };
         {
-            for (level, reading) in op.levels.iter().zip(readings) {
-                let key = format!("{}:{}", level.base, reading.end_ms - PERIOD_MS);
+            for (level, end_ms) in op.levels.iter().zip(ends) {
+                let key = format!("{}:{}", level.base, end_ms - PERIOD_MS);
                 let ttl: i64 = redis::cmd("PTTL").arg(&key).query(&mut con).unwrap();
                 if ttl < 100 {
                     continue;
@@ -271,6 +296,8 @@ async fn memory_ledger_and_lua_script_agree() {
         "cancelled open",
         "cancelled before held",
         "peeked",
+        "leased",
+        "lease cut to the room",
         "levels compared",
     ] {
         assert!(seen.get(what).copied().unwrap_or(0) > 5, "{what} exercised too rarely: {seen:?}");

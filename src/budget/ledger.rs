@@ -6,10 +6,11 @@
 //! money and its open holds by expiry; per request its record. Entries expire as those keys do,
 //! and an expired entry reads as a missing one.
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 
 use super::{
-    BudgetAction, BudgetOp, BudgetOutcome, HadHold, HoldVerdict, LevelReading, LostSettle, Money, PriceRow,
+    BudgetAction, BudgetOp, BudgetOutcome, HadHold, HoldVerdict, LeaseReading, LevelReading, LostSettle, Money,
+    PriceRow,
 };
 use crate::bucket::{BucketOp, Charge, Group, GroupOutcome, Role};
 use crate::slot::{SetsOutcome, Slots};
@@ -34,6 +35,9 @@ struct Level {
     holds: BTreeSet<(u64, String)>,
     // How many of its alerts the spend has crossed, as counted so far.
     alerted: u32,
+    // Per leaseholder of a global budget: (granted, reported spent, its member of `holds`, or
+    // '' with nothing unspent): `<base>:<start>:L` in Redis.
+    leases: BTreeMap<String, (Money, Money, String)>,
     expires_at_ms: u64,
 }
 
@@ -125,9 +129,10 @@ impl Ledger {
                     unseen: 0.0,
                     role: Role::Enforced,
                     charge: match op.action {
-                        BudgetAction::Hold { .. } | BudgetAction::Cancel | BudgetAction::Peek => {
-                            Charge::Admitted
-                        }
+                        BudgetAction::Hold { .. }
+                        | BudgetAction::Cancel
+                        | BudgetAction::Peek
+                        | BudgetAction::Lease { .. } => Charge::Admitted,
                         BudgetAction::Settle { .. } => Charge::Always { max_debt: b.spec.capacity() },
                     },
                 })
@@ -136,6 +141,54 @@ impl Ledger {
         let record = self.records.get(&op.record).filter(|r| r.expires_at_ms >= now_ms).cloned();
         let mut work: Vec<Working> = Vec::new();
         let outcome = match &op.action {
+            BudgetAction::Lease { holder, ttl_ms, reports } => {
+                let mut leased = Vec::new();
+                for (((key, amount, end), l), report) in levels.iter().zip(&op.levels).zip(reports) {
+                    let w = self.load(&mut work, key, *end, now_ms, op.lost, &l.alerts);
+                    let level = &mut work[w];
+                    let state = &mut level.state;
+                    let (mut granted, mut reported, member) = state.leases.get(holder).cloned().unwrap_or_default();
+                    if !member.is_empty() {
+                        match state.holds.iter().find(|(_, m)| *m == member).cloned() {
+                            Some(live) => {
+                                state.holds.remove(&live);
+                                state.held = state.held.saturating_sub(granted.saturating_sub(reported));
+                            }
+                            // It expired unrenewed, and loading the level charged it whole.
+                            None => reported = granted,
+                        }
+                    }
+                    if reported < report.spent {
+                        state.spent = state.spent + report.spent.saturating_sub(reported);
+                        reported = report.spent;
+                    }
+                    // Never below what it was granted unless it asks for less.
+                    let floor = report.wanted.min(granted).saturating_sub(reported);
+                    let room = amount.saturating_sub(state.spent + state.held);
+                    let unspent = floor.max(report.wanted.saturating_sub(reported).min(room));
+                    granted = reported + unspent;
+                    let mut member = String::new();
+                    if unspent > Money::ZERO {
+                        member = format!("{}|@{holder}", unspent.nanos());
+                        state.holds.insert((now_ms + ttl_ms, member.clone()));
+                        state.held = state.held + unspent;
+                    }
+                    state.leases.insert(holder.clone(), (granted, reported, member));
+                    level.written = true;
+                    leased.push((w, granted));
+                }
+                alert(&mut work);
+                let levels = leased
+                    .into_iter()
+                    .map(|(w, granted)| LeaseReading {
+                        granted,
+                        spent: work[w].state.spent,
+                        held: work[w].state.held,
+                        end_ms: work[w].end_ms,
+                    })
+                    .collect();
+                BudgetOutcome::Leased { now_ms, levels }
+            }
             BudgetAction::Hold { amount, tokens, ttl_ms } => {
                 let indices: Vec<usize> = levels
                     .iter()
@@ -404,7 +457,8 @@ impl Ledger {
         for hold in &due {
             let amount = hold.1.split('|').next().and_then(Money::from_nanos).unwrap_or_default();
             state.held = state.held.saturating_sub(amount);
-            if lost == LostSettle::Charge {
+            // A lease's holder may have spent all of it: charged whatever `lost` says.
+            if lost == LostSettle::Charge || hold.1.contains("|@") {
                 state.spent = state.spent + amount;
             }
             state.holds.remove(hold);

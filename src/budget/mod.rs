@@ -196,6 +196,9 @@ pub struct BudgetSpec {
     /// Soft limits (`alert_at:`): fractions of the amount, ascending, in nano-units of one
     /// (0.8 is 800,000,000), whose crossing by the spend is logged and counted once a period.
     pub alert_at: Vec<Money>,
+    /// `global: true`: one budget for every region, spent by each region from a money lease of
+    /// it (`docs/src/design/global-limits.md`).
+    pub global: bool,
 }
 
 impl BudgetSpec {
@@ -315,6 +318,43 @@ pub enum BudgetAction {
     /// open hold is released and its tokens given back; with no record yet, one is left closed,
     /// so that the hold, should it still arrive, takes nothing.
     Cancel,
+    /// Set `holder`'s money lease of every level (a global budget's, at the global tier): its
+    /// spend so far is charged, and what it may still spend is held for it until `ttl_ms`
+    /// from now, as much as it wants and the level has room for, never less than it had unless
+    /// it asks for less ([`LeaseReport`]). A lease not renewed in time is charged whole: the
+    /// holder may have spent it all.
+    Lease {
+        /// The leaseholder (`<region>/<replica>`, no whitespace).
+        holder: String,
+        /// How long the lease stands unless renewed.
+        ttl_ms: u64,
+        /// Per level, what the holder reports and wants.
+        reports: Vec<LeaseReport>,
+    },
+}
+
+/// A leaseholder's report of one level, in its period: both amounts since the period began.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LeaseReport {
+    /// What it has spent (charged on its side): the level is charged what exceeds what was
+    /// reported before, so a report sent twice charges once.
+    pub spent: Money,
+    /// What it wants granted in all, spent included: below what it was granted, a shrink (the
+    /// holder has committed no more than this); above, a growth, as far as the level's room goes.
+    pub wanted: Money,
+}
+
+/// A level after a lease op.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LeaseReading {
+    /// What the holder is granted in all in the period, its reported spend included.
+    pub granted: Money,
+    /// The level's spent and held money (every lease's unspent part held).
+    pub spent: Money,
+    /// Held.
+    pub held: Money,
+    /// When its period ends (ms since the epoch, the store's clock).
+    pub end_ms: i64,
 }
 
 /// A level after an op.
@@ -421,6 +461,13 @@ pub enum BudgetOutcome {
         expired: u64,
         /// Its concurrency sets, the request's slot given back.
         slots: SetsOutcome,
+    },
+    /// A lease op's answer, per level.
+    Leased {
+        /// The store's clock.
+        now_ms: u64,
+        /// Per level, top first.
+        levels: Vec<LeaseReading>,
     },
     /// The hold was made at another price version: price the usage at this row and send again.
     Reprice {

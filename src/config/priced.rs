@@ -178,5 +178,5 @@ pub(super) fn budget(raw: &Spanned<raw::Budget>) -> Result<BudgetSpec, String> {
         }
         alert_at.push(fraction);
     }
-    Ok(BudgetSpec { amount, calendar, alert_at })
+    Ok(BudgetSpec { amount, calendar, alert_at, global: false })
 }

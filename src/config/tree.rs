@@ -13,6 +13,7 @@ use super::problem::{position, Located};
 use super::{priced, raw};
 use super::{ChargeRule, ClassDef, ConfigError, Limit, Rule, Source};
 use crate::bucket::MAX_CAPACITY;
+use crate::budget::BudgetSpec;
 use crate::matcher::{Level, Node, ValueMatch};
 use crate::quota::Quotas;
 use crate::slot::{ConcurrencySpec, DEFAULT_TTL_MS};
@@ -120,9 +121,10 @@ impl Tree<'_> {
                 Some(_) if !self.priced => {
                     return Err(invalid("a budget needs the domain's `prices:` (what tokens cost)".into()))
                 }
-                Some(b) => Some(
-                    priced::budget(b).map_err(|m| invalid(Located { message: m, position: position(b) }))?,
-                ),
+                Some(b) => Some(BudgetSpec {
+                    global: d.global.as_ref().is_some_and(|g| g.value),
+                    ..priced::budget(b).map_err(|m| invalid(Located { message: m, position: position(b) }))?
+                }),
             };
             let concurrency = match &d.concurrency {
                 None => None,
@@ -266,11 +268,20 @@ impl Tree<'_> {
             Some(f) => Some(f.value.split.value),
         };
         if let Some(g) = d.global.as_ref().filter(|g| g.value) {
-            if !matches!(limit, Some(Limit::Bucket(_))) {
-                return Err(at(g, "global needs a rate_limit or token_bucket on the same node".into()));
-            }
             if self.priced {
-                return Err(at(g, "global limits on priced domains are not built yet".into()));
+                // In a priced domain the budgets are what is global; its token buckets are
+                // taken in the same step as the hold, in the region's store.
+                if d.budget.is_none() || limit.is_some() {
+                    return Err(at(
+                        g,
+                        "in a domain with prices, global marks a budget (a node with budget: and no rate_limit or token_bucket)".into(),
+                    ));
+                }
+                if let Some(f) = &d.global_fallback {
+                    return Err(at(f, "a global budget cut off from the global tier denies: global_fallback is for token buckets".into()));
+                }
+            } else if !matches!(limit, Some(Limit::Bucket(_))) {
+                return Err(at(g, "global needs a rate_limit or token_bucket on the same node".into()));
             }
         }
         let Some(limit) = limit else { return Ok(None) };

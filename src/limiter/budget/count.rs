@@ -30,7 +30,7 @@ impl Limiter {
             BudgetOutcome::Settled { had, expired, .. } | BudgetOutcome::Cancelled { had, expired, .. } => {
                 (*had == HadHold::Open, *expired)
             }
-            BudgetOutcome::Reprice { .. } | BudgetOutcome::Peeked { .. } => (false, 0),
+            BudgetOutcome::Reprice { .. } | BudgetOutcome::Peeked { .. } | BudgetOutcome::Leased { .. } => (false, 0),
         };
         let lost = match priced.on_lost_settle {
             LostSettle::Charge => "charged",
@@ -62,7 +62,7 @@ impl Limiter {
             BudgetOutcome::Settled { slots, .. } | BudgetOutcome::Cancelled { slots, .. } => {
                 (slots, SlotEvent::Other)
             }
-            BudgetOutcome::Reprice { .. } | BudgetOutcome::Peeked { .. } => {
+            BudgetOutcome::Reprice { .. } | BudgetOutcome::Peeked { .. } | BudgetOutcome::Leased { .. } => {
                 (&SetsOutcome::default(), SlotEvent::Other)
             }
         };
@@ -103,7 +103,7 @@ impl Limiter {
                 metrics::counter!("tollgate_budget_cancels_total", "domain" => name, "hold" => had_label(had))
                     .increment(1);
             }
-            BudgetOutcome::Reprice { .. } | BudgetOutcome::Peeked { .. } => {}
+            BudgetOutcome::Reprice { .. } | BudgetOutcome::Peeked { .. } | BudgetOutcome::Leased { .. } => {}
         }
     }
 

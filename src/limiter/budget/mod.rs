@@ -441,7 +441,10 @@ fn report(request: &Request, outcome: &BudgetOutcome, currency: &str) -> (Code, 
             (*now_ms, levels.as_slice(), code, *exhausted, retry)
         }
         BudgetOutcome::Settled { now_ms, levels, .. } => (*now_ms, levels.as_slice(), Code::Ok, None, None),
-        BudgetOutcome::Reprice { .. } | BudgetOutcome::Cancelled { .. } | BudgetOutcome::Peeked { .. } => {
+        BudgetOutcome::Reprice { .. }
+        | BudgetOutcome::Cancelled { .. }
+        | BudgetOutcome::Peeked { .. }
+        | BudgetOutcome::Leased { .. } => {
             (0, &[][..], Code::Ok, None, None)
         }
     };

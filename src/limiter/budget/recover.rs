@@ -20,7 +20,7 @@ impl Limiter {
             BudgetAction::Hold { .. } if domain.failure_mode == FailureMode::Allow => return,
             BudgetAction::Hold { .. } => ("cancel", BudgetOp { action: BudgetAction::Cancel, ..op.clone() }),
             BudgetAction::Settle { .. } => ("settle", op.clone()),
-            BudgetAction::Cancel | BudgetAction::Peek => return,
+            BudgetAction::Cancel | BudgetAction::Peek | BudgetAction::Lease { .. } => return,
         };
         let store = self.store.clone();
         let repair = Repair {

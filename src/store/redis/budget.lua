@@ -15,6 +15,11 @@
 --   (each hash also has x = when it expires, ms)
 --   the concurrency limits' slot sets (sets.lua), which a hold takes a slot of and a settlement
 --   or a cancel gives back to
+--   <level base>:<period start>:L  hash: per leaseholder of a global budget (at the global
+--                                   tier) '<granted> <reported> <member>': what it is granted
+--                                   and has reported spent in the period, and its member of :q
+--                                   ('<unspent>|@<holder>', '' when it holds nothing unspent),
+--                                   which expires as a hold does but is always charged
 --   KEYS[1], the request's record   hash: b = its binding (the request's path), v = price
 --                                   version, r = its price row, a = amount held,
 --                                   t = tokens held (0 once trued up), e = hold expiry (ms),
@@ -23,14 +28,16 @@
 --                                   k:<kind> = 1 per settled usage kind
 --
 -- KEYS: the request's record, then the token buckets on the path, then its slot sets.
--- ARGV: 'hold', 'settle', 'cancel' or 'peek', what an expired hold becomes ('charge' or 'release'), how long a
+-- ARGV: 'hold', 'settle', 'cancel', 'peek' or 'lease', what an expired hold becomes ('charge' or 'release'), how long a
 --       record and a period's state outlive it (ms), price version ('' for a settlement that can
 --       only be priced at its record's), price row, binding; level count, then per level: base
 --       key, amount, the periods around the caller's clock (previous start, start, end, next
 --       end), the alert count and each alert's spend (ascending); bucket count, then per bucket: key index, capacity, refill per
 --       second, max debt ('' = charged only if admitted); set count, then per set: key index, max,
 --       ttl (ms); then for 'hold': amount, tokens, hold
---       TTL (ms); for 'settle': kind count, then per kind: name, tokens, cost at this version.
+--       TTL (ms); for 'settle': kind count, then per kind: name, tokens, cost at this version;
+--       for 'lease': the leaseholder, the lease's TTL (ms), then per level: spent reported, and
+--       granted wanted (both in the period, in all).
 -- Reply: now_ms, outcome, then
 --   hold ('admitted', 'duplicate': the record is open with this binding and hold, 'reused': the
 --     record is another request's or closed, 'denied'): the exhausted level (1-based, 0: none),
@@ -45,6 +52,8 @@
 --   frees (-1: not full or not refused), given back (1/0); and for a hold the full set that
 --   refused it (1-based, 0: none);
 --   peek ('peeked'): per level its spent and held money and period end, nothing changed;
+--   lease ('leased'): per level what the holder is granted, the level's spent and held money
+--     and period end;
 --   settle ('reprice'): the hold's version and price row, at which the caller prices again;
 --   cancel ('cancelled'), then what the hold was ('open': released, its tokens given back; 'none': a
 --     closed record is left, so that the hold, should it still arrive, takes nothing; 'settled',
@@ -109,7 +118,7 @@ local function level(key, finish, alerts)
   local v = redis.call('HMGET', key, 's', 'h', 'x', 'w')
   local q = key .. ':q'
   if v[3] and tonumber(v[3]) < now then
-    redis.call('DEL', key, q)
+    redis.call('DEL', key, q, key .. ':L')
     v = {}
   end
   local w = tonumber(v[4]) or 0
@@ -119,7 +128,8 @@ local function level(key, finish, alerts)
     for _, m in ipairs(due) do
       local amount = money(string.match(m, '^(%d+)|'))
       l[2] = minus(l[2], amount)
-      if lost == 'charge' then l[1] = plus(l[1], amount) end
+      -- A lease's holder may have spent all of it: charged whatever 'lost' says.
+      if lost == 'charge' or string.find(m, '|@', 1, true) then l[1] = plus(l[1], amount) end
     end
     redis.call('ZREMRANGEBYSCORE', q, '-inf', now)
     l[4] = true
@@ -213,6 +223,65 @@ if op == 'peek' then
     if v[3] and tonumber(v[3]) < now then v = {} end
     out[#out + 1] = v[1] or '0'
     out[#out + 1] = v[2] or '0'
+    out[#out + 1] = lv[3]
+  end
+  return out
+end
+
+if op == 'lease' then
+  local holder, ttl = arg(), tonumber(arg())
+  local granted = {}
+  for i, lv in ipairs(levels) do
+    local reported, wanted = money(arg()), money(arg())
+    local l = level(lv[1], lv[3], lv[5])
+    lv[4] = l
+    local q, leases = lv[1] .. ':q', lv[1] .. ':L'
+    local g, r, m = {0, 0}, {0, 0}, ''
+    local rec = redis.call('HGET', leases, holder)
+    if rec then
+      local gt, rt, mt = string.match(rec, '^(%d+) (%d+) (.*)$')
+      g, r, m = money(gt), money(rt), mt
+    end
+    if m ~= '' then
+      if redis.call('ZSCORE', q, m) then
+        redis.call('ZREM', q, m)
+        l[2] = minus(l[2], minus(g, r))
+      else
+        -- It expired unrenewed, and loading the level charged it whole.
+        r = g
+      end
+    end
+    if less(r, reported) then
+      l[1] = plus(l[1], minus(reported, r))
+      r = reported
+    end
+    -- Never below what it was granted unless it asks for less: it may have committed that much.
+    local floor = wanted
+    if less(g, wanted) then floor = g end
+    local unspent = minus(floor, r)
+    local grow = minus(wanted, r)
+    local room = minus(lv[2], plus(l[1], l[2]))
+    if less(room, grow) then grow = room end
+    if less(unspent, grow) then unspent = grow end
+    g = plus(r, unspent)
+    m = ''
+    if unspent[1] > 0 or unspent[2] > 0 then
+      m = money_text(unspent) .. '|@' .. holder
+      redis.call('ZADD', q, string.format('%d', now + ttl), m)
+      l[2] = plus(l[2], unspent)
+    end
+    redis.call('HSET', leases, holder, money_text(g) .. ' ' .. money_text(r) .. ' ' .. m)
+    redis.call('PEXPIREAT', leases, string.format('%d', lv[3] + life))
+    l[4] = true
+    granted[i] = g
+  end
+  alert()
+  write_levels()
+  out[#out + 1] = 'leased'
+  for i, lv in ipairs(levels) do
+    out[#out + 1] = money_text(granted[i])
+    out[#out + 1] = money_text(lv[4][1])
+    out[#out + 1] = money_text(lv[4][2])
     out[#out + 1] = lv[3]
   end
   return out

@@ -6,7 +6,7 @@ use redis::Value;
 use super::wire;
 use super::RedisStore;
 use crate::budget::{
-    BudgetAction, BudgetOp, BudgetOutcome, HadHold, HoldVerdict, LevelReading, Money, PriceRow,
+    BudgetAction, BudgetOp, BudgetOutcome, HadHold, HoldVerdict, LeaseReading, LevelReading, Money, PriceRow,
 };
 use crate::slot::SetsOutcome;
 use crate::store::StoreError;
@@ -22,6 +22,7 @@ impl RedisStore {
             BudgetAction::Settle { .. } => ("settle", true),
             BudgetAction::Cancel => ("cancel", false),
             BudgetAction::Peek => ("peek", false),
+            BudgetAction::Lease { .. } => ("lease", false),
         };
         let mut args = vec![
             name.to_owned(),
@@ -62,6 +63,12 @@ impl RedisStore {
                 args.extend([amount.nanos(), tokens.to_string(), ttl_ms.to_string()]);
             }
             BudgetAction::Cancel | BudgetAction::Peek => {}
+            BudgetAction::Lease { holder, ttl_ms, reports } => {
+                args.extend([holder.clone(), ttl_ms.to_string()]);
+                for report in reports {
+                    args.extend([report.spent.nanos(), report.wanted.nanos()]);
+                }
+            }
             BudgetAction::Settle { usage } => {
                 args.push(usage.len().to_string());
                 for (kind, tokens, cost) in usage {
@@ -99,6 +106,18 @@ fn parse(reply: Value) -> Result<BudgetOutcome, StoreError> {
                 levels.push((r.money()?, r.money()?, r.int()?));
             }
             return Ok(BudgetOutcome::Peeked { now_ms, levels });
+        }
+        "leased" => {
+            let mut levels = Vec::new();
+            while r.0.len() > 0 {
+                levels.push(LeaseReading {
+                    granted: r.money()?,
+                    spent: r.money()?,
+                    held: r.money()?,
+                    end_ms: r.int()?,
+                });
+            }
+            return Ok(BudgetOutcome::Leased { now_ms, levels });
         }
         "cancelled" => {
             let had = r.had()?;
