@@ -24,7 +24,7 @@ use crate::edge::client_tls::ClientTlsFiles;
 use crate::edge::rlqs::RlqsLimits;
 use crate::edge::rls::AnswerExtras;
 use crate::edge::xds::{XdsError, XdsSettings};
-use crate::limiter::{GlobalShares, Limiter, ServiceModes};
+use crate::limiter::{GlobalBudgets, GlobalShares, Limiter, ServiceModes};
 use crate::quota::cache::CachedQuotas;
 use crate::quota::postgres::{PostgresQuotas, QuotaError};
 use crate::quota::{EmbeddedQuotas, QuotaSource};
@@ -302,6 +302,7 @@ impl App {
         };
         let rules = Arc::new(ArcSwap::from_pointee(rules));
         let mut limiter = Limiter::new(rules.clone(), store, quotas, telemetry.clone(), settings.modes);
+        let mut money_leases = None;
         if let Some(global) = &settings.global {
             let endpoints = global
                 .urls
@@ -315,12 +316,26 @@ impl App {
             let clock: Arc<dyn crate::clock::Clock> = Arc::new(crate::clock::SystemClock);
             tasks.push(AbortOnDropHandle::new(tokio::spawn(crate::edge::region::client::renew_forever(
                 shares.clone(),
-                endpoints,
-                clock,
+                endpoints.clone(),
+                clock.clone(),
             ))));
-            limiter = limiter.with_global_shares(shares);
+            let budgets =
+                Arc::new(GlobalBudgets::new(shares.leaseholder().to_owned(), global.first_lease_wait));
+            limiter = limiter.with_global_shares(shares).with_global_budgets(budgets.clone());
+            money_leases = Some((budgets, endpoints, clock));
         }
         let limiter = Arc::new(limiter);
+        // Global budgets' money leases are read and sized through the limiter.
+        if let Some((budgets, endpoints, clock)) = money_leases {
+            tasks.push(AbortOnDropHandle::new(tokio::spawn(
+                crate::edge::region::client::renew_budgets_forever(
+                    limiter.clone(),
+                    budgets,
+                    endpoints,
+                    clock,
+                ),
+            )));
+        }
         let tls = match &settings.tls {
             Some(files) => {
                 let tls = ReloadingTls::load(files.clone()).map_err(StartError::Tls)?;

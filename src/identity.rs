@@ -186,6 +186,12 @@ pub fn budget_level(domain: &Domain, entries: &[(&str, &str)]) -> String {
     node_key(domain, entries, ":budget")
 }
 
+/// The key of leaseholder `holder`'s own ledger of the global budget level keyed `level`
+/// ([`budget_level`]) in a region's store, in the level's slot: `<level>:lease:<holder>`.
+pub fn budget_lease(level: &str, holder: &str) -> String {
+    format!("{level}:lease:{holder}")
+}
+
 /// The key of the record pairing request `request_id`'s hold with its settlement, in the slot
 /// of the tenant on `entries`: `rl:{<tenant>}:<domain>:hold:<request id>`.
 pub fn budget_record(domain: &Domain, entries: &[(&str, &str)], request_id: &str) -> String {

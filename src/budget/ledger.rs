@@ -9,8 +9,8 @@
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 
 use super::{
-    BudgetAction, BudgetOp, BudgetOutcome, HadHold, HoldVerdict, LeaseReading, LevelReading, LostSettle, Money,
-    PriceRow,
+    BudgetAction, BudgetOp, BudgetOutcome, HadHold, HoldVerdict, LeaseReading, LevelReading, LostSettle,
+    Money, PriceRow,
 };
 use crate::bucket::{BucketOp, Charge, Group, GroupOutcome, Role};
 use crate::slot::{SetsOutcome, Slots};
@@ -147,7 +147,8 @@ impl Ledger {
                     let w = self.load(&mut work, key, *end, now_ms, op.lost, &l.alerts);
                     let level = &mut work[w];
                     let state = &mut level.state;
-                    let (mut granted, mut reported, member) = state.leases.get(holder).cloned().unwrap_or_default();
+                    let (mut granted, mut reported, member) =
+                        state.leases.get(holder).cloned().unwrap_or_default();
                     if !member.is_empty() {
                         match state.holds.iter().find(|(_, m)| *m == member).cloned() {
                             Some(live) => {

@@ -29,8 +29,9 @@ mod repair;
 mod slots;
 
 pub use self::budget::{
-    BudgetExplained, BudgetReport, LevelStanding, Standing, StandingError, REFUSED_REQUEST,
-    REFUSED_REQUEST_ID, SERVED_MODEL_KEY, USAGE_KEY,
+    BudgetExplained, BudgetGrant, BudgetRenewal, BudgetReport, GlobalBudgets, LevelStanding, Standing,
+    StandingError, BUDGET_LEASE_TTL, MAX_BUDGET_LEASES, REFUSED_REQUEST, REFUSED_REQUEST_ID,
+    SERVED_MODEL_KEY, USAGE_KEY,
 };
 pub use self::decision::{
     BucketReport, Code, DecideError, Decision, DescriptorVerdict, LimitInfo, Outcome, Query, QueryDescriptor,
@@ -91,6 +92,8 @@ pub struct Limiter {
     clock: Arc<dyn Clock>,
     // This replica's shares of global buckets, in a region (`--global-url`).
     shares: Option<Arc<GlobalShares>>,
+    // This replica's money leases of global budgets, in a region.
+    budgets: Option<Arc<GlobalBudgets>>,
 }
 
 // A descriptor's plan before the store is asked.
@@ -120,7 +123,16 @@ impl Limiter {
         telemetry: Arc<Telemetry>,
         modes: ServiceModes,
     ) -> Self {
-        Limiter { rules, store, quotas, telemetry, modes, clock: Arc::new(SystemClock), shares: None }
+        Limiter {
+            rules,
+            store,
+            quotas,
+            telemetry,
+            modes,
+            clock: Arc::new(SystemClock),
+            shares: None,
+            budgets: None,
+        }
     }
 
     /// The same limiter on `clock` (the system's by default), for deterministic tests.

@@ -4,7 +4,8 @@
 //! [`MAX_BUCKETS_PER_CALL`], and hands the answers back ([`GlobalShares::answered`]). One round
 //! runs at a time, so one renewal per bucket is in flight. A round that gets no answer within
 //! [`RENEW_TIMEOUT`] is dropped: the shares keep the life they have, and the next round asks
-//! again.
+//! again. Money leases of global budgets are renewed the same way on a loop of their own
+//! ([`renew_budgets_forever`]).
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -12,11 +13,15 @@ use std::time::Duration;
 use tonic::transport::{Channel, Endpoint};
 
 use super::proto::region_leases_client::RegionLeasesClient;
-use super::proto::{BucketRenewal, Entry, RenewRequest};
+use super::proto::{BucketRenewal, BudgetLevelRenewal, BudgetRenewRequest, Entry, RenewRequest};
 use super::MAX_BUCKETS_PER_CALL;
+use crate::budget::{LeaseReading, Money};
 use crate::clock::Clock;
 use crate::edge::client_tls::ClientTlsFiles;
-use crate::limiter::{GlobalShares, Granted, Renewal, RENEW_EVERY};
+use crate::limiter::{
+    BudgetGrant, BudgetRenewal, GlobalBudgets, GlobalShares, Granted, Limiter, Renewal, MAX_BUDGET_LEASES,
+    RENEW_EVERY,
+};
 use crate::telemetry::logs;
 
 /// How long a round waits for the global tier's answer.
@@ -137,6 +142,101 @@ async fn renew(
                 );
             }
             None
+        }
+    }
+}
+
+/// Renews this replica's money leases of global budgets (`budgets`, read and sized through
+/// `limiter`) on the global tier at `endpoints` until dropped, every [`RENEW_EVERY`] or at once
+/// when a level wants its first lease; a failed round moves to the next endpoint, as
+/// [`renew_forever`] does (a renewal reports a total and asks for an absolute grant, so sending
+/// it to another global replica counts nothing twice).
+pub async fn renew_budgets_forever(
+    limiter: Arc<Limiter>,
+    budgets: Arc<GlobalBudgets>,
+    endpoints: Vec<Endpoint>,
+    clock: Arc<dyn Clock>,
+) {
+    let mut at = 0;
+    let mut client = RegionLeasesClient::new(endpoints[at].connect_lazy());
+    loop {
+        tokio::select! {
+            () = tokio::time::sleep(RENEW_EVERY) => {}
+            () = budgets.wanted.notified() => {}
+        }
+        let renewals = limiter.budget_renewals().await;
+        for round in renewals.chunks(MAX_BUDGET_LEASES) {
+            if !renew_budgets(&budgets, &mut client, round, clock.as_ref()).await {
+                at = (at + 1) % endpoints.len();
+                client = RegionLeasesClient::new(endpoints[at].connect_lazy());
+            }
+        }
+        if renewals.is_empty() {
+            budgets.answered(Vec::new(), clock.now_ms());
+        }
+    }
+}
+
+// One call; false when it failed.
+async fn renew_budgets(
+    budgets: &GlobalBudgets,
+    client: &mut RegionLeasesClient<Channel>,
+    round: &[BudgetRenewal],
+    clock: &dyn Clock,
+) -> bool {
+    let nanos = |m: Money| u64::try_from(m.0).unwrap_or(u64::MAX);
+    let levels = round
+        .iter()
+        .map(|r| BudgetLevelRenewal {
+            domain: r.domain.clone(),
+            entries: r.entries.iter().map(|(k, v)| Entry { key: k.clone(), value: v.clone() }).collect(),
+            period_end_ms: r.period_end_ms,
+            spent_nanos: nanos(r.report.spent),
+            wanted_nanos: nanos(r.report.wanted),
+        })
+        .collect();
+    let sent_ms = clock.now_ms();
+    let request = BudgetRenewRequest { region: budgets.leaseholder().to_owned(), levels };
+    match tokio::time::timeout(RENEW_TIMEOUT, client.renew_budgets(request)).await {
+        Ok(Ok(answer)) => {
+            let answer = answer.into_inner();
+            let leases = answer.levels.into_iter().map(Some).chain(std::iter::repeat(None));
+            let answers = round
+                .iter()
+                .cloned()
+                .zip(leases)
+                .map(|(r, lease)| {
+                    let grant = lease.filter(|l| l.known).map(|l| BudgetGrant {
+                        reading: LeaseReading {
+                            granted: Money(l.granted_nanos.into()),
+                            spent: Money(l.spent_nanos.into()),
+                            held: Money(l.held_nanos.into()),
+                            end_ms: l.period_end_ms,
+                        },
+                        amount: Money(l.amount_nanos.into()),
+                        ttl_ms: l.ttl_ms,
+                    });
+                    (r, grant)
+                })
+                .collect();
+            metrics::counter!("tollgate_global_rounds_total", "outcome" => "ok").increment(1);
+            budgets.answered(answers, sent_ms);
+            true
+        }
+        failed => {
+            metrics::counter!("tollgate_global_rounds_total", "outcome" => "failed").increment(1);
+            if let Some(held_back) = logs::throttled("global_budget_renewal_failed") {
+                let why = match failed {
+                    Ok(Err(status)) => format!("{}: {}", status.code(), status.message()),
+                    _ => format!("no answer within {RENEW_TIMEOUT:?}"),
+                };
+                tracing::warn!(
+                    why,
+                    held_back,
+                    "could not renew this region's money leases of global budgets; they keep their life, then deny"
+                );
+            }
+            false
         }
     }
 }

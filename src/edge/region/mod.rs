@@ -20,7 +20,8 @@ use std::time::Duration;
 use tonic::{Request, Response, Status};
 
 use crate::bucket::{is_parked, LeaseOp, LeaseOutcome};
-use crate::limiter::{LeasedBucket, Limiter};
+use crate::budget::{LeaseReport, Money};
+use crate::limiter::{LeasedBucket, Limiter, MAX_BUDGET_LEASES};
 
 pub mod client;
 
@@ -31,7 +32,9 @@ pub mod proto {
 }
 
 use self::proto::region_leases_server::RegionLeases;
-use self::proto::{BucketLease, RenewRequest, RenewResponse};
+use self::proto::{
+    BucketLease, BudgetLevelLease, BudgetRenewRequest, BudgetRenewResponse, RenewRequest, RenewResponse,
+};
 
 /// How long a region's lease lives at the global tier after the renewal that set it arrived; the
 /// region's share lives as long after the renewal was sent, so it ends first.
@@ -64,9 +67,7 @@ impl RegionLeases for RegionLeasesGrpc {
     async fn renew(&self, request: Request<RenewRequest>) -> Result<Response<RenewResponse>, Status> {
         let renew = request.into_inner();
         let region = &renew.region;
-        if region.is_empty() || region.len() > MAX_REGION_LEN || region.chars().any(char::is_whitespace) {
-            return Err(Status::invalid_argument("region: 1-256 characters, no whitespace"));
-        }
+        check_region(region)?;
         if renew.buckets.len() > MAX_BUCKETS_PER_CALL {
             return Err(Status::invalid_argument(format!(
                 "{} buckets in one call; at most {MAX_BUCKETS_PER_CALL}",
@@ -79,15 +80,7 @@ impl RegionLeases for RegionLeasesGrpc {
             if sizes.iter().any(|x| !x.is_finite() || *x < 0.0) {
                 return Err(Status::invalid_argument("capacity, rate and demand: finite, not negative"));
             }
-            if b.entries.len() > MAX_ENTRIES
-                || b.entries.iter().any(|e| e.key.len() > MAX_ENTRY_LEN || e.value.len() > MAX_ENTRY_LEN)
-            {
-                return Err(Status::invalid_argument(format!(
-                    "a bucket is named by at most {MAX_ENTRIES} entries of at most {MAX_ENTRY_LEN} bytes"
-                )));
-            }
-            let entries: Vec<(&str, &str)> =
-                b.entries.iter().map(|e| (e.key.as_str(), e.value.as_str())).collect();
+            let entries = entries(&b.entries)?;
             found.push(self.limiter.global_bucket(&b.domain, &entries).await.map(|bucket| {
                 // Capacity 0 with no rate is a release, not a parking.
                 let parked = b.capacity > 0.0 && is_parked(b.capacity, b.refill_per_second, bucket.cost);
@@ -134,6 +127,80 @@ impl RegionLeases for RegionLeasesGrpc {
         }
         Ok(Response::new(RenewResponse { leases, ttl_ms: GLOBAL_LEASE_TTL.as_millis() as u64 }))
     }
+
+    async fn renew_budgets(
+        &self,
+        request: Request<BudgetRenewRequest>,
+    ) -> Result<Response<BudgetRenewResponse>, Status> {
+        let renew = request.into_inner();
+        let region = &renew.region;
+        check_region(region)?;
+        if renew.levels.len() > MAX_BUDGET_LEASES {
+            return Err(Status::invalid_argument(format!(
+                "{} levels in one call; at most {MAX_BUDGET_LEASES}",
+                renew.levels.len()
+            )));
+        }
+        let mut levels = Vec::with_capacity(renew.levels.len());
+        for level in &renew.levels {
+            let entries = entries(&level.entries)?;
+            let report = LeaseReport {
+                spent: Money(level.spent_nanos.into()),
+                wanted: Money(level.wanted_nanos.into()),
+            };
+            let holder = format!("region:{region}");
+            let leased = self
+                .limiter
+                .lease_budget(&level.domain, &entries, &holder, level.period_end_ms, report)
+                .await;
+            levels.push(match leased {
+                None => {
+                    metrics::counter!("tollgate_global_renewals_total", "outcome" => "unknown").increment(1);
+                    BudgetLevelLease::default()
+                }
+                Some(Ok(grant)) => {
+                    metrics::counter!("tollgate_global_renewals_total", "outcome" => "ok").increment(1);
+                    let nanos = |m: Money| u64::try_from(m.0).unwrap_or(u64::MAX);
+                    BudgetLevelLease {
+                        known: true,
+                        period_end_ms: grant.reading.end_ms,
+                        granted_nanos: nanos(grant.reading.granted),
+                        amount_nanos: nanos(grant.amount),
+                        spent_nanos: nanos(grant.reading.spent),
+                        held_nanos: nanos(grant.reading.held),
+                        ttl_ms: grant.ttl_ms,
+                    }
+                }
+                Some(Err(error)) => {
+                    metrics::counter!("tollgate_global_renewals_total", "outcome" => "store_failed")
+                        .increment(1);
+                    tracing::warn!(error = %crate::telemetry::logs::ErrorChain(&error), region = %region, "could not set a region's money lease in the store");
+                    return Err(Status::unavailable("the store did not answer"));
+                }
+            });
+        }
+        Ok(Response::new(BudgetRenewResponse { levels }))
+    }
+}
+
+// A leaseholder's name: the store's lease fields separate by whitespace.
+fn check_region(region: &str) -> Result<(), Status> {
+    if region.is_empty() || region.len() > MAX_REGION_LEN || region.chars().any(char::is_whitespace) {
+        return Err(Status::invalid_argument("region: 1-256 characters, no whitespace"));
+    }
+    Ok(())
+}
+
+// Descriptor entries naming a bucket or a budget level, bounded.
+fn entries(entries: &[proto::Entry]) -> Result<Vec<(&str, &str)>, Status> {
+    if entries.len() > MAX_ENTRIES
+        || entries.iter().any(|e| e.key.len() > MAX_ENTRY_LEN || e.value.len() > MAX_ENTRY_LEN)
+    {
+        return Err(Status::invalid_argument(format!(
+            "a bucket or budget is named by at most {MAX_ENTRIES} entries of at most {MAX_ENTRY_LEN} bytes"
+        )));
+    }
+    Ok(entries.iter().map(|e| (e.key.as_str(), e.value.as_str())).collect())
 }
 
 fn lease(bucket: &LeasedBucket, op: &LeaseOp, outcome: &LeaseOutcome) -> BucketLease {

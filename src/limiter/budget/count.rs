@@ -30,7 +30,9 @@ impl Limiter {
             BudgetOutcome::Settled { had, expired, .. } | BudgetOutcome::Cancelled { had, expired, .. } => {
                 (*had == HadHold::Open, *expired)
             }
-            BudgetOutcome::Reprice { .. } | BudgetOutcome::Peeked { .. } | BudgetOutcome::Leased { .. } => (false, 0),
+            BudgetOutcome::Reprice { .. } | BudgetOutcome::Peeked { .. } | BudgetOutcome::Leased { .. } => {
+                (false, 0)
+            }
         };
         let lost = match priced.on_lost_settle {
             LostSettle::Charge => "charged",

@@ -24,10 +24,12 @@
 //! keeps.
 
 mod count;
+mod global;
 mod parse;
 mod recover;
 mod standing;
 
+pub use self::global::{BudgetGrant, BudgetRenewal, GlobalBudgets, BUDGET_LEASE_TTL, MAX_BUDGET_LEASES};
 pub use self::standing::{LevelStanding, Standing, StandingError};
 
 use std::sync::Arc;
@@ -35,6 +37,7 @@ use std::sync::Arc;
 use futures::future::join_all;
 
 use self::count::{budget_store_failed, count_refusal};
+use self::global::LeasedLevel;
 use self::parse::{capped_usage, parse, settlement_price, Parsed, Refusal};
 use self::recover::call;
 
@@ -127,6 +130,8 @@ struct Request {
     set_nodes: Vec<String>,
     // The request's tenant (for logs).
     tenant: Option<String>,
+    // Its levels whose budget is global, decided on this replica's money leases (in a region).
+    leased: Vec<LeasedLevel>,
     descriptors: Vec<usize>,
 }
 
@@ -212,11 +217,18 @@ impl Limiter {
             }
         }
         let mut failure = None;
-        for request in &requests {
+        for request in &mut requests {
+            let _flight = match request.op.action {
+                BudgetAction::Hold { amount, .. } => {
+                    self.lease_amounts(&mut request.op, &request.leased, amount).await
+                }
+                _ => None,
+            };
+            let request = &*request;
             let (code, outcome) = match call(self.store.as_ref(), &request.op).await {
                 Ok(outcome) => {
                     self.count_budget(domain, priced, request, &outcome);
-                    let (code, report) = report(request, &outcome, &currency);
+                    let (code, report) = self.report(request, &outcome, &currency);
                     (code, Outcome::Budget(report))
                 }
                 Err(error) => {
@@ -333,6 +345,7 @@ impl Limiter {
         let mut level_subjects = Vec::new();
         let mut buckets = Vec::new();
         let (mut sets, mut set_nodes) = (Vec::new(), Vec::new());
+        let mut level_entries = Vec::new();
         for (depth, node) in nodes.iter().enumerate() {
             let entries = &path[..=depth];
             if let Some(limit) = node.concurrency {
@@ -344,6 +357,8 @@ impl Limiter {
                 set_nodes.push(node_path(entries));
             }
             if let Some(budget) = &node.budget {
+                let owned = entries.iter().map(|(k, v)| ((*k).to_owned(), (*v).to_owned())).collect();
+                level_entries.push((owned, budget.global));
                 let (amount, calendar) = amount_and_calendar(budget, overrides, entries);
                 levels.push(LevelOp {
                     base: identity::budget_level(domain, entries),
@@ -388,6 +403,7 @@ impl Limiter {
             }
         };
         let tenant = path.iter().find(|(k, _)| *k == domain.tenant_key).map(|(_, v)| (*v).to_owned());
+        let leased = self.leased_levels(&domain.name, &mut levels, &level_entries);
         let op = BudgetOp {
             record: identity::budget_record(domain, path, request_id),
             binding: identity::path_text(levels_path),
@@ -400,7 +416,16 @@ impl Limiter {
             life_ms: priced.hold_ttl.as_millis() as u64 + RECORD_GRACE_MS,
             action,
         };
-        Ok(Request { op, level_names, alert_at, level_subjects, set_nodes, tenant, descriptors: Vec::new() })
+        Ok(Request {
+            op,
+            level_names,
+            alert_at,
+            level_subjects,
+            set_nodes,
+            tenant,
+            leased,
+            descriptors: Vec::new(),
+        })
     }
 }
 
@@ -420,6 +445,40 @@ fn amount_and_calendar(
             (o.amount, o.per.map_or_else(|| budget.calendar.clone(), |per| budget.calendar.with_per(per)))
         }
         None => (budget.amount, budget.calendar.clone()),
+    }
+}
+
+impl Limiter {
+    // The verdict and report of a request's answer. A global level's money left is its lease's
+    // room here plus what nobody holds at the global tier; one exhausted here may be granted
+    // more within a round, so its wait is a second, not its period.
+    fn report(&self, request: &Request, outcome: &BudgetOutcome, currency: &str) -> (Code, BudgetReport) {
+        let (code, mut report) = report(request, outcome, currency);
+        if request.leased.is_empty() {
+            return (code, report);
+        }
+        if let BudgetOutcome::Held { levels, now_ms, .. } | BudgetOutcome::Settled { levels, now_ms, .. } =
+            outcome
+        {
+            report.least = levels
+                .iter()
+                .zip(&request.op.levels)
+                .enumerate()
+                .map(|(i, (r, level))| {
+                    let unleased = match request.leased.iter().find(|l| l.index == i) {
+                        Some(l) => self.unleased(&l.key),
+                        None => Money::ZERO,
+                    };
+                    (level.amount.saturating_sub(r.used) + unleased, seconds_until(r.end_ms, *now_ms))
+                })
+                .min_by_key(|(left, _)| *left);
+        }
+        let exhausted_here =
+            report.exhausted.as_ref().and_then(|e| request.level_names.iter().position(|n| n == e));
+        if exhausted_here.is_some_and(|i| request.leased.iter().any(|l| l.index == i)) {
+            report.retry_after_s = Some(1);
+        }
+        (code, report)
     }
 }
 
@@ -444,9 +503,7 @@ fn report(request: &Request, outcome: &BudgetOutcome, currency: &str) -> (Code, 
         BudgetOutcome::Reprice { .. }
         | BudgetOutcome::Cancelled { .. }
         | BudgetOutcome::Peeked { .. }
-        | BudgetOutcome::Leased { .. } => {
-            (0, &[][..], Code::Ok, None, None)
-        }
+        | BudgetOutcome::Leased { .. } => (0, &[][..], Code::Ok, None, None),
     };
     let amounts = request.op.levels.iter().map(|l| l.amount);
     let least = levels

@@ -1,0 +1,574 @@
+//! Global money budgets (`global: true` on a node with `budget:` in a priced domain): one budget
+//! for every region, which each region spends from money leases of it, deciding its requests
+//! with no cross-region round trip (`docs/src/design/global-limits.md`).
+//!
+//! **In a region** (`--global-url`) each replica leases, as `<region>/<replica>`, every global
+//! budget level its requests reach. A priced request is held and settled as anywhere, every
+//! level in one store step, but a global level's ledger is this replica's own in the region's
+//! store (`<level>:lease:<holder>`, [`identity::budget_lease`]), with the amount the global tier
+//! granted it: a hold is admitted only while this replica's spent and held money leave it room
+//! under its grant. A settlement that reaches another replica of the region charges the ledger
+//! the hold was taken from (the request's record names it). Every round the replica reads its
+//! ledgers and renews: it reports each one's spend (a total, so a renewal sent twice charges
+//! once) and asks for what it has committed plus a few seconds of its demand.
+//!
+//! **At the global tier** a renewal is a lease op on the budget's own ledger
+//! ([`BudgetAction::Lease`]): the unspent part of every lease is held there beside the global
+//! tier's own requests' holds, so that grants and spend together stay within the amount; a lease
+//! not renewed within its life is charged whole (its holder may have spent it all).
+//!
+//! **The bound**: a replica never commits (spends or holds) more than it is granted, and the
+//! global tier never grants more than the amount leaves, so the world's spend in a period exceeds
+//! the amount by no more than the per-request overshoot a budget has anyway. What keeps it:
+//! * one renewal per ledger in flight (one round at a time per replica);
+//! * a growth is used only once granted, and never lowered by the global tier;
+//! * a shrink is applied here first: the lower cap is set while no hold of this replica is on
+//!   its way to the store, the committed money read after that, and only then the smaller grant
+//!   asked for, never below what is committed;
+//! * a lease lives here its life from the renewal's sending, at the global tier from its
+//!   arrival, so it ends here first; cut off past it, a global level denies.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use super::{amount_and_calendar, Limiter};
+use crate::budget::{
+    BudgetAction, BudgetOp, BudgetOutcome, LeaseReading, LeaseReport, LevelOp, Money, PriceRow,
+    RECORD_GRACE_MS,
+};
+use crate::identity;
+use crate::store::StoreError;
+
+/// How long a money lease lives at the global tier after its renewal arrived (here, after it was
+/// sent); not renewed by then, the global tier charges its unspent part whole.
+pub const BUDGET_LEASE_TTL: Duration = Duration::from_secs(10);
+/// Most levels one renewal call may carry, and most leases a replica holds.
+pub const MAX_BUDGET_LEASES: usize = 10_000;
+/// A lease is renewed, when nothing else calls for it, once it has this little left to live.
+const RENEW_BEFORE_MS: u64 = 6_000;
+/// The window demand is counted in (over the last one and the current one).
+const DEMAND_WINDOW_MS: u64 = 2_000;
+/// How many seconds of demand a lease is granted beyond what is committed.
+const AHEAD_S: u128 = 5;
+/// A lease not asked for this long is given back (its unspent part released at the global
+/// tier), and forgotten after [`FORGET_MS`].
+const IDLE_MS: u64 = 60_000;
+const FORGET_MS: u64 = 300_000;
+
+/// One level's renewal of a round.
+#[derive(Debug, Clone)]
+pub struct BudgetRenewal {
+    /// The budget level's key at the global tier (the table's key here).
+    pub key: String,
+    /// The priced domain.
+    pub domain: String,
+    /// The descriptor entries down to the level.
+    pub entries: Vec<(String, String)>,
+    /// The period's end (ms), this replica's clock.
+    pub period_end_ms: i64,
+    /// What this replica spent in the period, and wants granted in all.
+    pub report: LeaseReport,
+    /// A shrink: the cap set before it is lifted once it is answered.
+    pub shrink: bool,
+}
+
+/// The global tier's answer for one level.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BudgetGrant {
+    /// The lease and the level after it.
+    pub reading: LeaseReading,
+    /// The budget's amount.
+    pub amount: Money,
+    /// How long the lease lives after the renewal, in milliseconds.
+    pub ttl_ms: u64,
+}
+
+/// This replica's money leases of global budgets.
+pub struct GlobalBudgets {
+    leaseholder: String,
+    first_lease_wait: Duration,
+    table: Mutex<HashMap<String, MoneyLease>>,
+    /// Woken when a level wants its first lease now.
+    pub wanted: tokio::sync::Notify,
+    /// Sent after every round (its time, ms).
+    pub renewed: tokio::sync::watch::Sender<u64>,
+}
+
+#[derive(Debug)]
+struct MoneyLease {
+    domain: String,
+    entries: Vec<(String, String)>,
+    // This replica's ledger of the level (its amount unused: a peek reads it).
+    local: LevelOp,
+    end_ms: i64,
+    // From the last answer: the grant, and the budget's money nobody holds or spent.
+    granted: Option<Money>,
+    unleased: Money,
+    expires_ms: u64,
+    // A shrink under way: holds are admitted under it until the smaller grant is answered.
+    cap: Option<Money>,
+    // Holds of this replica on their way to the store under the current amount.
+    in_flight: u32,
+    // Money asked for (holds tried) in the current and the last window, and the largest hold.
+    asked: [Money; 2],
+    window_ms: u64,
+    largest: Money,
+    used_ms: u64,
+}
+
+impl MoneyLease {
+    // What a hold may be admitted under now: the grant (or the cap below it), while it lives.
+    fn amount(&self, now_ms: u64) -> Option<Money> {
+        let granted = self.granted.filter(|_| now_ms < self.expires_ms)?;
+        Some(self.cap.map_or(granted, |cap| cap.min(granted)))
+    }
+
+    fn ask(&mut self, amount: Money, now_ms: u64) {
+        let window = now_ms / DEMAND_WINDOW_MS;
+        if window != self.window_ms {
+            let last = if window == self.window_ms + 1 { self.asked[0] } else { Money::ZERO };
+            self.asked = [Money::ZERO, last];
+            self.window_ms = window;
+        }
+        self.asked[0] = self.asked[0] + amount;
+        self.largest = self.largest.max(amount);
+        self.used_ms = now_ms;
+    }
+
+    // What to grant beyond the committed money: a few seconds of demand, at least two of the
+    // largest hold; nothing once idle.
+    fn ahead(&self, now_ms: u64) -> Money {
+        if now_ms.saturating_sub(self.used_ms) > IDLE_MS {
+            return Money::ZERO;
+        }
+        let per_window = self.asked[0] + self.asked[1];
+        let demand = Money(per_window.0 * AHEAD_S * 1000 / (2 * u128::from(DEMAND_WINDOW_MS)));
+        demand.max(self.largest + self.largest)
+    }
+}
+
+/// A global level of a request: its index in the op's levels, and its lease's key.
+#[derive(Debug, Clone)]
+pub(super) struct LeasedLevel {
+    pub index: usize,
+    pub key: String,
+    pub domain: String,
+    pub entries: Vec<(String, String)>,
+}
+
+/// Holds of this replica on their way to the store, counted down when dropped.
+pub(super) struct InFlight {
+    budgets: Arc<GlobalBudgets>,
+    keys: Vec<String>,
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        let mut table = self.budgets.table();
+        for key in &self.keys {
+            if let Some(lease) = table.get_mut(key) {
+                lease.in_flight = lease.in_flight.saturating_sub(1);
+            }
+        }
+    }
+}
+
+impl GlobalBudgets {
+    /// Money leases held as `leaseholder` (`<region>/<replica>`), a hold on a level without a
+    /// live lease waiting up to `first_lease_wait` for its first.
+    pub fn new(leaseholder: String, first_lease_wait: Duration) -> Self {
+        GlobalBudgets {
+            leaseholder,
+            first_lease_wait,
+            table: Mutex::default(),
+            wanted: tokio::sync::Notify::new(),
+            renewed: tokio::sync::watch::Sender::new(0),
+        }
+    }
+
+    /// The name this replica leases under.
+    pub fn leaseholder(&self) -> &str {
+        &self.leaseholder
+    }
+
+    fn table(&self) -> std::sync::MutexGuard<'_, HashMap<String, MoneyLease>> {
+        // A panic elsewhere while holding the lock leaves the table as it was.
+        self.table.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    // The amounts a hold of `amount` may be admitted under at `levels` (`None`: no live lease),
+    // its demand counted and, when every level has one, its flight begun.
+    fn take(
+        self: &Arc<Self>,
+        levels: &[(LeasedLevel, LevelOp)],
+        amount: Money,
+        now_ms: u64,
+    ) -> (Vec<Option<Money>>, Option<InFlight>) {
+        let mut table = self.table();
+        let mut amounts = Vec::with_capacity(levels.len());
+        for (level, local) in levels {
+            let end_ms = local.around[2];
+            let fresh = |local: &LevelOp| MoneyLease {
+                domain: level.domain.clone(),
+                entries: level.entries.clone(),
+                local: local.clone(),
+                end_ms,
+                granted: None,
+                unleased: Money::ZERO,
+                expires_ms: 0,
+                cap: None,
+                in_flight: 0,
+                asked: [Money::ZERO; 2],
+                window_ms: 0,
+                largest: Money::ZERO,
+                used_ms: now_ms,
+            };
+            if table.len() >= MAX_BUDGET_LEASES && !table.contains_key(&level.key) {
+                amounts.push(None);
+                continue;
+            }
+            let lease = table.entry(level.key.clone()).or_insert_with(|| fresh(local));
+            // A new period is a new ledger here and at the global tier.
+            if lease.end_ms != end_ms {
+                *lease = fresh(local);
+            }
+            lease.ask(amount, now_ms);
+            amounts.push(lease.amount(now_ms));
+        }
+        if amounts.iter().any(Option::is_none) {
+            return (amounts, None);
+        }
+        let keys: Vec<String> = levels.iter().map(|(l, _)| l.key.clone()).collect();
+        for key in &keys {
+            table.get_mut(key).expect("just taken").in_flight += 1;
+        }
+        (amounts, Some(InFlight { budgets: self.clone(), keys }))
+    }
+
+    // The money nobody holds or spent at the global tier, as the last answer for `key` said.
+    fn unleased(&self, key: &str) -> Money {
+        self.table().get(key).map_or(Money::ZERO, |l| l.unleased)
+    }
+
+    // The leases due a look this round: their keys and ledgers here. Leases of a period that
+    // ended, or long idle, are forgotten (at the global tier, what they left unspent is charged
+    // when they lapse).
+    fn due(&self, now_ms: u64) -> Vec<(String, LevelOp)> {
+        let mut table = self.table();
+        table.retain(|_, l| {
+            l.end_ms > now_ms as i64 && (now_ms.saturating_sub(l.used_ms) < FORGET_MS || l.in_flight > 0)
+        });
+        table.iter().map(|(k, l)| (k.clone(), l.local.clone())).collect()
+    }
+
+    // The renewal of `key` given its ledger's `spent` and `held` money here, read after the
+    // last change of its cap; `None` when it needs none this round.
+    fn plan(&self, key: &str, spent: Money, held: Money, now_ms: u64) -> Option<BudgetRenewal> {
+        let mut table = self.table();
+        let lease = table.get_mut(key)?;
+        let committed = spent + held;
+        let ahead = lease.ahead(now_ms);
+        let target = committed + ahead;
+        let (wanted, shrink) = match (lease.granted, lease.cap) {
+            (None, _) => (target, false),
+            // Everything committed since the cap was set was admitted under it.
+            (Some(_), Some(cap)) => (cap.max(committed), true),
+            (Some(granted), None) if target > granted => (target, false),
+            (Some(granted), None) if granted.saturating_sub(target) > ahead && lease.in_flight == 0 => {
+                // More than twice what demand wants: shrink, the cap first. With nothing in
+                // flight, every hold admitted before it is in the next round's reading.
+                lease.cap = Some(target);
+                return None;
+            }
+            (Some(granted), None) => {
+                let nothing_held_there = granted <= committed && ahead == Money::ZERO;
+                let ending = lease.expires_ms.saturating_sub(now_ms) < RENEW_BEFORE_MS;
+                if !ending || nothing_held_there {
+                    return None;
+                }
+                (granted, false)
+            }
+        };
+        Some(BudgetRenewal {
+            key: key.to_owned(),
+            domain: lease.domain.clone(),
+            entries: lease.entries.clone(),
+            period_end_ms: lease.end_ms,
+            report: LeaseReport { spent, wanted },
+            shrink,
+        })
+    }
+
+    /// Takes the global tier's answers to a round sent at `sent_ms` (`None`: no global budget
+    /// there, or the call failed, in which case the leases keep the life they have).
+    pub fn answered(&self, answers: Vec<(BudgetRenewal, Option<BudgetGrant>)>, sent_ms: u64) {
+        let mut table = self.table();
+        for (renewal, grant) in answers {
+            let Some(lease) = table.get_mut(&renewal.key) else { continue };
+            let Some(grant) = grant else {
+                lease.granted = None;
+                continue;
+            };
+            if renewal.shrink {
+                lease.cap = None;
+            }
+            if grant.reading.end_ms == lease.end_ms {
+                lease.granted = Some(grant.reading.granted);
+                lease.expires_ms = sent_ms + grant.ttl_ms;
+                lease.unleased = grant.amount.saturating_sub(grant.reading.spent + grant.reading.held);
+            } else {
+                // The global tier is in another period (clocks apart at its turn): no lease.
+                lease.granted = None;
+            }
+        }
+        drop(table);
+        self.renewed.send_replace(sent_ms);
+    }
+}
+
+impl Limiter {
+    /// The same limiter deciding global budgets on `budgets` (a region's money leases).
+    pub fn with_global_budgets(self, budgets: Arc<GlobalBudgets>) -> Self {
+        Limiter { budgets: Some(budgets), ..self }
+    }
+
+    // The amounts a hold's global levels may be admitted under, set in `op`: this replica's
+    // grants, waiting briefly for a first lease; a level without one gets nothing (the store
+    // denies there). The flight ends when the returned guard drops, after the store answered.
+    pub(super) async fn lease_amounts(
+        &self,
+        op: &mut BudgetOp,
+        leased: &[LeasedLevel],
+        amount: Money,
+    ) -> Option<InFlight> {
+        let budgets = self.budgets.as_ref()?;
+        if leased.is_empty() {
+            return None;
+        }
+        let levels: Vec<(LeasedLevel, LevelOp)> =
+            leased.iter().map(|l| (l.clone(), op.levels[l.index].clone())).collect();
+        let (mut amounts, mut flight) = budgets.take(&levels, amount, self.clock.now_ms());
+        if flight.is_none() {
+            let mut renewed = budgets.renewed.subscribe();
+            renewed.mark_unchanged();
+            budgets.wanted.notify_one();
+            let _ = tokio::time::timeout(budgets.first_lease_wait, renewed.changed()).await;
+            (amounts, flight) = budgets.take(&levels, Money::ZERO, self.clock.now_ms());
+        }
+        for (level, amount) in leased.iter().zip(amounts) {
+            op.levels[level.index].amount = amount.unwrap_or(Money::ZERO);
+        }
+        flight
+    }
+
+    // The global levels of a request whose levels are `levels` (its level paths `entries`,
+    // flags `global`): their ledgers here replace the global ones in the op.
+    pub(super) fn leased_levels(
+        &self,
+        domain: &str,
+        levels: &mut [LevelOp],
+        level_entries: &[(Vec<(String, String)>, bool)],
+    ) -> Vec<LeasedLevel> {
+        let Some(budgets) = &self.budgets else { return Vec::new() };
+        let mut leased = Vec::new();
+        for (index, (level, (entries, global))) in levels.iter_mut().zip(level_entries).enumerate() {
+            if !global {
+                continue;
+            }
+            let key = std::mem::take(&mut level.base);
+            level.base = identity::budget_lease(&key, budgets.leaseholder());
+            leased.push(LeasedLevel { index, key, domain: domain.to_owned(), entries: entries.clone() });
+        }
+        leased
+    }
+
+    /// The money the global tier's last answer left unheld and unspent at the level `key`.
+    pub(super) fn unleased(&self, key: &str) -> Money {
+        self.budgets.as_ref().map_or(Money::ZERO, |b| b.unleased(key))
+    }
+
+    /// This round's renewals of the replica's money leases: each due ledger read here, its
+    /// renewal sized by what it committed and its demand.
+    pub async fn budget_renewals(&self) -> Vec<BudgetRenewal> {
+        let Some(budgets) = &self.budgets else { return Vec::new() };
+        let mut renewals = Vec::new();
+        for (key, local) in budgets.due(self.clock.now_ms()) {
+            let op = BudgetOp {
+                record: local.base.clone(),
+                binding: String::new(),
+                levels: vec![local],
+                buckets: Vec::new(),
+                sets: Vec::new(),
+                version: String::new(),
+                row: PriceRow([Money::ZERO; 4]),
+                lost: crate::budget::LostSettle::Charge,
+                life_ms: RECORD_GRACE_MS,
+                action: BudgetAction::Peek,
+            };
+            match self.store.budget(&op).await {
+                Ok(BudgetOutcome::Peeked { now_ms, levels }) => {
+                    let Some(&(spent, held, _)) = levels.first() else { continue };
+                    renewals.extend(budgets.plan(&key, spent, held, now_ms));
+                }
+                Ok(_) => {}
+                Err(error) => {
+                    // Not renewed this round: the lease keeps the life it has.
+                    tracing::warn!(error = %crate::telemetry::logs::ErrorChain(&error), "could not read this replica's ledger of a global budget");
+                }
+            }
+        }
+        renewals
+    }
+
+    /// At the global tier: sets `holder`'s money lease of the global budget that `entries` of
+    /// `domain` reach, in the period ending at `period_end_ms` (the region's clock), to
+    /// `report`. `None` when no global budget is there; a grant of nothing, in the global tier's
+    /// period, when the periods differ (clocks apart at the period's turn).
+    pub async fn lease_budget(
+        &self,
+        domain: &str,
+        entries: &[(&str, &str)],
+        holder: &str,
+        period_end_ms: i64,
+        report: LeaseReport,
+    ) -> Option<Result<BudgetGrant, StoreError>> {
+        let rules = self.rules.load_full();
+        let domain = rules.domain(domain)?;
+        let priced = domain.priced.as_ref()?;
+        let budget = domain.root.path(entries)?.last()?.budget.as_ref().filter(|b| b.global)?;
+        let overrides = self.budget_overrides(domain, std::iter::once(entries)).await;
+        let (amount, calendar) = amount_and_calendar(budget, &overrides, entries);
+        let around = calendar.around(self.clock.now_ms() as i64);
+        let ttl_ms = BUDGET_LEASE_TTL.as_millis() as u64;
+        if around[2] != period_end_ms {
+            let reading = LeaseReading {
+                granted: Money::ZERO,
+                spent: Money::ZERO,
+                held: Money::ZERO,
+                end_ms: around[2],
+            };
+            return Some(Ok(BudgetGrant { reading, amount, ttl_ms }));
+        }
+        let level = LevelOp {
+            base: identity::budget_level(domain, entries),
+            amount,
+            around,
+            alerts: budget.alerts(amount),
+        };
+        let op = BudgetOp {
+            record: level.base.clone(),
+            binding: String::new(),
+            levels: vec![level],
+            buckets: Vec::new(),
+            sets: Vec::new(),
+            version: String::new(),
+            row: PriceRow([Money::ZERO; 4]),
+            lost: priced.on_lost_settle,
+            life_ms: priced.hold_ttl.as_millis() as u64 + RECORD_GRACE_MS,
+            action: BudgetAction::Lease { holder: holder.to_owned(), ttl_ms, reports: vec![report] },
+        };
+        Some(match self.store.budget(&op).await {
+            Ok(BudgetOutcome::Leased { levels, .. }) => match levels.first() {
+                Some(reading) => Ok(BudgetGrant { reading: *reading, amount, ttl_ms }),
+                None => Err(StoreError::Protocol("a lease op answered no level".into())),
+            },
+            Ok(_) => Err(StoreError::Protocol("a lease op answered something else".into())),
+            Err(error) => Err(error),
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn lease(granted: Option<Money>) -> MoneyLease {
+        MoneyLease {
+            domain: "llm".into(),
+            entries: vec![("org".into(), "acme".into())],
+            local: LevelOp {
+                base: "b".into(),
+                amount: Money::ZERO,
+                around: [0, 0, i64::MAX, i64::MAX],
+                alerts: vec![],
+            },
+            end_ms: i64::MAX,
+            granted,
+            unleased: Money::ZERO,
+            expires_ms: 10_000,
+            cap: None,
+            in_flight: 0,
+            asked: [Money(1_000), Money::ZERO],
+            window_ms: 0,
+            largest: Money(100),
+            used_ms: 0,
+        }
+    }
+
+    fn budgets_with(lease: MoneyLease) -> GlobalBudgets {
+        let budgets = GlobalBudgets::new("eu/a".into(), Duration::ZERO);
+        budgets.table().insert("k".into(), lease);
+        budgets
+    }
+
+    #[test]
+    fn a_lease_grows_by_demand_and_shrinks_only_through_a_cap_set_with_nothing_in_flight() {
+        // 1,000 asked over two 2 s windows: 1,250 over 5 s ahead of what is committed.
+        let budgets = budgets_with(lease(Some(Money(1_000))));
+        let r = budgets.plan("k", Money(400), Money(100), 0).expect("a growth");
+        assert_eq!((r.report.spent, r.report.wanted, r.shrink), (Money(400), Money(1_750), false));
+
+        // Granted far more than wanted, a hold in flight: no shrink yet, and not due.
+        let mut big = lease(Some(Money(100_000)));
+        big.in_flight = 1;
+        let budgets = budgets_with(big);
+        assert!(budgets.plan("k", Money(400), Money(100), 0).is_none());
+        assert_eq!(budgets.table()["k"].cap, None);
+        // Nothing in flight: the cap first (holds admitted under it), the renewal the next round,
+        // never below what is committed then.
+        budgets.table().get_mut("k").unwrap().in_flight = 0;
+        assert!(budgets.plan("k", Money(400), Money(100), 0).is_none());
+        assert_eq!(budgets.table()["k"].cap, Some(Money(1_750)));
+        assert_eq!(budgets.table()["k"].amount(0), Some(Money(1_750)));
+        let r = budgets.plan("k", Money(900), Money(1_000), 1_000).expect("the shrink");
+        assert_eq!((r.report.wanted, r.shrink), (Money(1_900), true));
+        let grant = BudgetGrant {
+            reading: LeaseReading {
+                granted: Money(1_900),
+                spent: Money(5_000),
+                held: Money(2_000),
+                end_ms: i64::MAX,
+            },
+            amount: Money(10_000),
+            ttl_ms: 10_000,
+        };
+        budgets.answered(vec![(r, Some(grant))], 1_000);
+        let after = &budgets.table()["k"];
+        assert_eq!((after.cap, after.granted, after.unleased), (None, Some(Money(1_900)), Money(3_000)));
+    }
+
+    #[test]
+    fn an_idle_lease_is_given_back_and_then_left_alone() {
+        let mut idle = lease(Some(Money(5_000)));
+        idle.expires_ms = 0;
+        let budgets = budgets_with(idle);
+        let now = IDLE_MS + 1;
+        assert!(budgets.plan("k", Money(300), Money(0), now).is_none(), "the cap first");
+        let r = budgets.plan("k", Money(300), Money(0), now).expect("given back");
+        assert_eq!((r.report.wanted, r.shrink), (Money(300), true));
+        let grant = BudgetGrant {
+            reading: LeaseReading {
+                granted: Money(300),
+                spent: Money(300),
+                held: Money(0),
+                end_ms: i64::MAX,
+            },
+            amount: Money(10_000),
+            ttl_ms: 10_000,
+        };
+        budgets.answered(vec![(r, Some(grant))], now);
+        budgets.table().get_mut("k").unwrap().expires_ms = 0;
+        assert!(budgets.plan("k", Money(300), Money(0), now + 1).is_none(), "nothing held there to renew");
+    }
+}
