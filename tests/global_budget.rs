@@ -89,6 +89,12 @@ fn global_ledger(redis: &Redis) -> (u128, u128) {
 #[tokio::test(flavor = "multi_thread")]
 async fn a_global_budget_is_spent_across_regions_and_read_back_exactly() {
     let (_dir, config) = config_file(CONFIG);
+    let validate = std::process::Command::new(tollgate_bin()).arg("validate").arg(&config).output().unwrap();
+    let said = String::from_utf8_lossy(&validate.stdout);
+    assert!(
+        said.contains("global: org budget (one budget for every region"),
+        "validate says which budget is global: {said}"
+    );
     let global_redis = Redis::start();
     let global = Tollgate::start(&config, &Backend::Redis(global_redis.url()), &["--global-tier"]);
     let global_port: u16 = global.addr().rsplit(':').next().unwrap().parse().unwrap();

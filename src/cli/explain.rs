@@ -297,6 +297,11 @@ async fn print_budget(budget: &BudgetExplained, hits: u64, store: Option<&RedisS
             instant(end),
             level.base
         );
+        if budget.global[i] {
+            println!(
+                "            global: one budget for every region (regions spend from money leases of it)"
+            );
+        }
         match read.as_ref().and_then(|r| r.get(i)) {
             Some((spent, held, end)) => println!(
                 "            spent {spent}, held {held}, left {} (period ends {})",

@@ -42,10 +42,24 @@ pub(super) fn run(args: ValidateArgs) -> Outcome {
             let fallback = super::explain::fallback(rule.global_fallback);
             println!("  global: {} (one bucket for every region; {fallback})", rule.path);
         }
+        global_budgets(domain.root.nodes(), "");
     }
     if !any {
         bail!("{}: no domains", path.display());
     }
     println!("ok");
     Ok(ExitCode::SUCCESS)
+}
+
+// The budgets marked `global: true` under `nodes` (their path so far `above`).
+fn global_budgets(nodes: &[tollgate::matcher::Node], above: &str) {
+    for node in nodes {
+        let path = format!("{above}{}{}", if above.is_empty() { "" } else { "." }, node.key);
+        if node.budget.as_ref().is_some_and(|b| b.global) {
+            println!(
+                "  global: {path} budget (one budget for every region, spent from money leases; cut off past a lease's life, a region denies)"
+            );
+        }
+        global_budgets(node.children.nodes(), &path);
+    }
 }

@@ -110,6 +110,8 @@ pub struct BudgetExplained {
     pub level_names: Vec<String>,
     /// Each concurrency limit's node path, as `op.sets`.
     pub set_nodes: Vec<String>,
+    /// Per budget level, whether it is global (`global: true`).
+    pub global: Vec<bool>,
     /// The model, and the price table's currency.
     pub model: String,
     /// The currency.
@@ -130,7 +132,9 @@ struct Request {
     set_nodes: Vec<String>,
     // The request's tenant (for logs).
     tenant: Option<String>,
-    // Its levels whose budget is global, decided on this replica's money leases (in a region).
+    // Per level, whether its budget is global; those decided on this replica's money leases (in
+    // a region).
+    global: Vec<bool>,
     leased: Vec<LeasedLevel>,
     descriptors: Vec<usize>,
 }
@@ -288,6 +292,7 @@ impl Limiter {
                     op: request.op,
                     level_names: request.level_names,
                     set_nodes: request.set_nodes,
+                    global: request.global,
                     model: model.unwrap_or_default(),
                     currency: priced.prices.currency.clone(),
                 }))
@@ -403,6 +408,7 @@ impl Limiter {
             }
         };
         let tenant = path.iter().find(|(k, _)| *k == domain.tenant_key).map(|(_, v)| (*v).to_owned());
+        let global = level_entries.iter().map(|(_, g)| *g).collect();
         let leased = self.leased_levels(&domain.name, &mut levels, &level_entries);
         let op = BudgetOp {
             record: identity::budget_record(domain, path, request_id),
@@ -423,6 +429,7 @@ impl Limiter {
             level_subjects,
             set_nodes,
             tenant,
+            global,
             leased,
             descriptors: Vec::new(),
         })
