@@ -294,6 +294,31 @@ pub struct BudgetOp {
 /// one that never had a hold.
 pub const RECORD_GRACE_MS: u64 = 3_600_000;
 
+impl BudgetOp {
+    /// An op on `levels` alone, for no request (a peek of standing money, or a lease), in the
+    /// slot of `slot_key`.
+    pub fn on_levels(
+        slot_key: String,
+        levels: Vec<LevelOp>,
+        lost: LostSettle,
+        life_ms: u64,
+        action: BudgetAction,
+    ) -> BudgetOp {
+        BudgetOp {
+            record: slot_key,
+            binding: String::new(),
+            levels,
+            buckets: Vec::new(),
+            sets: Vec::new(),
+            version: String::new(),
+            row: PriceRow([Money::ZERO; 4]),
+            lost,
+            life_ms,
+            action,
+        }
+    }
+}
+
 /// What a budget op does.
 #[derive(Debug, Clone, PartialEq)]
 pub enum BudgetAction {

@@ -127,20 +127,14 @@ async fn renew(
             metrics::counter!("tollgate_global_rounds_total", "outcome" => "ok").increment(1);
             Some(shares.answered(answers, clock.now_ms()))
         }
-        failed => {
+        Ok(Err(status)) => {
             shares.failed(round, clock.now_ms());
-            metrics::counter!("tollgate_global_rounds_total", "outcome" => "failed").increment(1);
-            if let Some(held_back) = logs::throttled("global_renewal_failed") {
-                let why = match failed {
-                    Ok(Err(status)) => format!("{}: {}", status.code(), status.message()),
-                    _ => format!("no answer within {RENEW_TIMEOUT:?}"),
-                };
-                tracing::warn!(
-                    why,
-                    held_back,
-                    "could not renew this region's shares of global buckets; they keep their life, then deny"
-                );
-            }
+            round_failed(Some(&status), "shares of global buckets");
+            None
+        }
+        Err(_) => {
+            shares.failed(round, clock.now_ms());
+            round_failed(None, "shares of global buckets");
             None
         }
     }
@@ -223,20 +217,30 @@ async fn renew_budgets(
             budgets.answered(answers, sent_ms);
             true
         }
-        failed => {
-            metrics::counter!("tollgate_global_rounds_total", "outcome" => "failed").increment(1);
-            if let Some(held_back) = logs::throttled("global_budget_renewal_failed") {
-                let why = match failed {
-                    Ok(Err(status)) => format!("{}: {}", status.code(), status.message()),
-                    _ => format!("no answer within {RENEW_TIMEOUT:?}"),
-                };
-                tracing::warn!(
-                    why,
-                    held_back,
-                    "could not renew this region's money leases of global budgets; they keep their life, then deny"
-                );
-            }
+        Ok(Err(status)) => {
+            round_failed(Some(&status), "money leases of global budgets");
             false
         }
+        Err(_) => {
+            round_failed(None, "money leases of global budgets");
+            false
+        }
+    }
+}
+
+// A round of `what` that failed (`status`: the global tier's answer; `None`: none in time):
+// counted, and logged once in a while.
+fn round_failed(status: Option<&tonic::Status>, what: &'static str) {
+    metrics::counter!("tollgate_global_rounds_total", "outcome" => "failed").increment(1);
+    if let Some(held_back) = logs::throttled(what) {
+        let why = match status {
+            Some(status) => format!("{}: {}", status.code(), status.message()),
+            None => format!("no answer within {RENEW_TIMEOUT:?}"),
+        };
+        tracing::warn!(
+            why,
+            held_back,
+            "could not renew this region's {what}; they keep their life, then deny"
+        );
     }
 }

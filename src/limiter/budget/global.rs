@@ -34,7 +34,7 @@ use std::time::Duration;
 
 use super::{amount_and_calendar, Limiter};
 use crate::budget::{
-    BudgetAction, BudgetOp, BudgetOutcome, LeaseReading, LeaseReport, LevelOp, Money, PriceRow,
+    BudgetAction, BudgetOp, BudgetOutcome, LeaseReading, LeaseReport, LevelOp, LostSettle, Money,
     RECORD_GRACE_MS,
 };
 use crate::identity;
@@ -394,18 +394,13 @@ impl Limiter {
         let Some(budgets) = &self.budgets else { return Vec::new() };
         let mut renewals = Vec::new();
         for (key, local) in budgets.due(self.clock.now_ms()) {
-            let op = BudgetOp {
-                record: local.base.clone(),
-                binding: String::new(),
-                levels: vec![local],
-                buckets: Vec::new(),
-                sets: Vec::new(),
-                version: String::new(),
-                row: PriceRow([Money::ZERO; 4]),
-                lost: crate::budget::LostSettle::Charge,
-                life_ms: RECORD_GRACE_MS,
-                action: BudgetAction::Peek,
-            };
+            let op = BudgetOp::on_levels(
+                local.base.clone(),
+                vec![local],
+                LostSettle::Charge,
+                0,
+                BudgetAction::Peek,
+            );
             match self.store.budget(&op).await {
                 Ok(BudgetOutcome::Peeked { now_ms, levels }) => {
                     let Some(&(spent, held, _)) = levels.first() else { continue };
@@ -456,18 +451,9 @@ impl Limiter {
             around,
             alerts: budget.alerts(amount),
         };
-        let op = BudgetOp {
-            record: level.base.clone(),
-            binding: String::new(),
-            levels: vec![level],
-            buckets: Vec::new(),
-            sets: Vec::new(),
-            version: String::new(),
-            row: PriceRow([Money::ZERO; 4]),
-            lost: priced.on_lost_settle,
-            life_ms: priced.hold_ttl.as_millis() as u64 + RECORD_GRACE_MS,
-            action: BudgetAction::Lease { holder: holder.to_owned(), ttl_ms, reports: vec![report] },
-        };
+        let life_ms = priced.hold_ttl.as_millis() as u64 + RECORD_GRACE_MS;
+        let lease = BudgetAction::Lease { holder: holder.to_owned(), ttl_ms, reports: vec![report] };
+        let op = BudgetOp::on_levels(level.base.clone(), vec![level], priced.on_lost_settle, life_ms, lease);
         Some(match self.store.budget(&op).await {
             Ok(BudgetOutcome::Leased { levels, .. }) => match levels.first() {
                 Some(reading) => Ok(BudgetGrant { reading: *reading, amount, ttl_ms }),

@@ -5,7 +5,7 @@
 use serde::Serialize;
 
 use super::Limiter;
-use crate::budget::{BudgetAction, BudgetOp, BudgetOutcome, LevelOp, LostSettle, Money, PriceRow};
+use crate::budget::{BudgetAction, BudgetOp, BudgetOutcome, LevelOp, LostSettle};
 use crate::identity;
 use crate::store::StoreError;
 
@@ -104,18 +104,9 @@ impl Limiter {
             ));
             names.push(entries[depth]);
         }
-        let op = BudgetOp {
-            record: identity::budget_record(domain, &path, ""),
-            binding: String::new(),
-            levels: ops.iter().map(|(l, _)| l.clone()).collect(),
-            buckets: Vec::new(),
-            sets: Vec::new(),
-            version: priced.prices.version.clone(),
-            row: PriceRow([Money::ZERO; 4]),
-            lost: LostSettle::Charge,
-            life_ms: 0,
-            action: BudgetAction::Peek,
-        };
+        let levels = ops.iter().map(|(l, _)| l.clone()).collect();
+        let record = identity::budget_record(domain, &path, "");
+        let op = BudgetOp::on_levels(record, levels, LostSettle::Charge, 0, BudgetAction::Peek);
         let BudgetOutcome::Peeked { levels: read, .. } = self.store.budget(&op).await? else {
             return Err(StandingError::Store(StoreError::Protocol(
                 "a peek answered with another outcome".into(),
