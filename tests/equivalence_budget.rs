@@ -85,14 +85,19 @@ fn op(rng: &mut StdRng, now: i64, lost: LostSettle) -> BudgetOp {
         BudgetAction::Cancel
     } else if rng.random_bool(0.05) {
         BudgetAction::Peek
-    } else if rng.random_bool(0.12) {
+    } else if rng.random_bool(0.06) {
         // A region's money lease of the levels (as at the global tier): spend reported, more or
         // less wanted, beside the holds of the global tier's own requests.
         let holder = if rng.random_bool(0.5) { "eu/a" } else { "us/b" };
         let reports = (0..3)
             .map(|_| {
-                let spent = Money(rng.random_range(0..8_000_000));
-                LeaseReport { spent, wanted: spent + Money(rng.random_range(0..9_000_000)) }
+                let spent = Money(rng.random_range(0..2_000_000));
+                // Rounds out of order now and then: a stray's spend counts, its grant does not.
+                LeaseReport {
+                    spent,
+                    wanted: spent + Money(rng.random_range(0..4_000_000)),
+                    round: rng.random_range(0..4),
+                }
             })
             .collect();
         BudgetAction::Lease { holder: holder.into(), ttl_ms: rng.random_range(20..400), reports }
@@ -273,7 +278,7 @@ async fn replay(seed: u64, redis: &common::Redis) -> HashMap<&'static str, usize
 async fn memory_ledger_and_lua_script_agree() {
     let redis = common::Redis::start();
     let mut seen: HashMap<&str, usize> = HashMap::new();
-    for seed in [1, 2, 3, 4] {
+    for seed in [1, 2, 3, 4, 5] {
         for (what, n) in replay(seed, &redis).await {
             *seen.entry(what).or_default() += n;
         }

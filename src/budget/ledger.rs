@@ -35,9 +35,9 @@ struct Level {
     holds: BTreeSet<(u64, String)>,
     // How many of its alerts the spend has crossed, as counted so far.
     alerted: u32,
-    // Per leaseholder of a global budget: (granted, reported spent, its member of `holds`, or
-    // '' with nothing unspent): `<base>:<start>:L` in Redis.
-    leases: BTreeMap<String, (Money, Money, String)>,
+    // Per leaseholder of a global budget: (granted, reported spent, last round, its member of
+    // `holds`, or '' with nothing unspent): `<base>:<start>:L` in Redis.
+    leases: BTreeMap<String, (Money, Money, u64, String)>,
     expires_at_ms: u64,
 }
 
@@ -147,8 +147,12 @@ impl Ledger {
                     let w = self.load(&mut work, key, *end, now_ms, op.lost, &l.alerts);
                     let level = &mut work[w];
                     let state = &mut level.state;
-                    let (mut granted, mut reported, member) =
+                    let (mut granted, mut reported, mut round, member) =
                         state.leases.get(holder).cloned().unwrap_or_default();
+                    // A stray older than the last renewal applied: its spend counts, the grant
+                    // stays.
+                    let wanted = if report.round < round { granted } else { report.wanted };
+                    round = round.max(report.round);
                     if !member.is_empty() {
                         match state.holds.iter().find(|(_, m)| *m == member).cloned() {
                             Some(live) => {
@@ -164,9 +168,9 @@ impl Ledger {
                         reported = report.spent;
                     }
                     // Never below what it was granted unless it asks for less.
-                    let floor = report.wanted.min(granted).saturating_sub(reported);
+                    let floor = wanted.min(granted).saturating_sub(reported);
                     let room = amount.saturating_sub(state.spent + state.held);
-                    let unspent = floor.max(report.wanted.saturating_sub(reported).min(room));
+                    let unspent = floor.max(wanted.saturating_sub(reported).min(room));
                     granted = reported + unspent;
                     let mut member = String::new();
                     if unspent > Money::ZERO {
@@ -174,7 +178,7 @@ impl Ledger {
                         state.holds.insert((now_ms + ttl_ms, member.clone()));
                         state.held = state.held + unspent;
                     }
-                    state.leases.insert(holder.clone(), (granted, reported, member));
+                    state.leases.insert(holder.clone(), (granted, reported, round, member));
                     level.written = true;
                     leased.push((w, granted));
                 }

@@ -367,6 +367,10 @@ pub struct LeaseReport {
     /// What it wants granted in all, spent included: below what it was granted, a shrink (the
     /// holder has committed no more than this); above, a growth, as far as the level's room goes.
     pub wanted: Money,
+    /// The holder's count of its renewals: one older than the last applied (a stray that
+    /// arrives late, by another global replica) has its spend charged but leaves the grant as
+    /// it is, so that a stale shrink cannot undo a newer grant the holder already spends from.
+    pub round: u64,
 }
 
 /// A level after a lease op.

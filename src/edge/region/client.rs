@@ -187,6 +187,7 @@ async fn renew_budgets(
             period_end_ms: r.period_end_ms,
             spent_nanos: nanos(r.report.spent),
             wanted_nanos: nanos(r.report.wanted),
+            round: r.report.round,
         })
         .collect();
     let sent_ms = clock.now_ms();

@@ -147,6 +147,7 @@ impl RegionLeases for RegionLeasesGrpc {
             let report = LeaseReport {
                 spent: Money(level.spent_nanos.into()),
                 wanted: Money(level.wanted_nanos.into()),
+                round: level.round,
             };
             let holder = format!("region:{region}");
             let leased = self

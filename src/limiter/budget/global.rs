@@ -29,6 +29,7 @@
 //!   arrival, so it ends here first; cut off past it, a global level denies.
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -93,6 +94,8 @@ pub struct GlobalBudgets {
     pub wanted: tokio::sync::Notify,
     /// Sent after every round (its time, ms).
     pub renewed: tokio::sync::watch::Sender<u64>,
+    // Rounds made so far.
+    rounds: AtomicU64,
 }
 
 #[derive(Debug)]
@@ -184,6 +187,7 @@ impl GlobalBudgets {
             table: Mutex::default(),
             wanted: tokio::sync::Notify::new(),
             renewed: tokio::sync::watch::Sender::new(0),
+            rounds: AtomicU64::new(0),
         }
     }
 
@@ -264,7 +268,7 @@ impl GlobalBudgets {
 
     // The renewal of `key` given its ledger's `spent` and `held` money here, read after the
     // last change of its cap; `None` when it needs none this round.
-    fn plan(&self, key: &str, spent: Money, held: Money, now_ms: u64) -> Option<BudgetRenewal> {
+    fn plan(&self, key: &str, spent: Money, held: Money, round: u64, now_ms: u64) -> Option<BudgetRenewal> {
         let mut table = self.table();
         let lease = table.get_mut(key)?;
         let committed = spent + held;
@@ -295,7 +299,7 @@ impl GlobalBudgets {
             domain: lease.domain.clone(),
             entries: lease.entries.clone(),
             period_end_ms: lease.end_ms,
-            report: LeaseReport { spent, wanted },
+            report: LeaseReport { spent, wanted, round },
             shrink,
         })
     }
@@ -393,6 +397,7 @@ impl Limiter {
     pub async fn budget_renewals(&self) -> Vec<BudgetRenewal> {
         let Some(budgets) = &self.budgets else { return Vec::new() };
         let mut renewals = Vec::new();
+        let round = budgets.rounds.fetch_add(1, Ordering::Relaxed) + 1;
         for (key, local) in budgets.due(self.clock.now_ms()) {
             let op = BudgetOp::on_levels(
                 local.base.clone(),
@@ -404,7 +409,7 @@ impl Limiter {
             match self.store.budget(&op).await {
                 Ok(BudgetOutcome::Peeked { now_ms, levels }) => {
                     let Some(&(spent, held, _)) = levels.first() else { continue };
-                    renewals.extend(budgets.plan(&key, spent, held, now_ms));
+                    renewals.extend(budgets.plan(&key, spent, held, round, now_ms));
                 }
                 Ok(_) => {}
                 Err(error) => {
@@ -502,22 +507,22 @@ mod tests {
     fn a_lease_grows_by_demand_and_shrinks_only_through_a_cap_set_with_nothing_in_flight() {
         // 1,000 asked over two 2 s windows: 1,250 over 5 s ahead of what is committed.
         let budgets = budgets_with(lease(Some(Money(1_000))));
-        let r = budgets.plan("k", Money(400), Money(100), 0).expect("a growth");
+        let r = budgets.plan("k", Money(400), Money(100), 1, 0).expect("a growth");
         assert_eq!((r.report.spent, r.report.wanted, r.shrink), (Money(400), Money(1_750), false));
 
         // Granted far more than wanted, a hold in flight: no shrink yet, and not due.
         let mut big = lease(Some(Money(100_000)));
         big.in_flight = 1;
         let budgets = budgets_with(big);
-        assert!(budgets.plan("k", Money(400), Money(100), 0).is_none());
+        assert!(budgets.plan("k", Money(400), Money(100), 1, 0).is_none());
         assert_eq!(budgets.table()["k"].cap, None);
         // Nothing in flight: the cap first (holds admitted under it), the renewal the next round,
         // never below what is committed then.
         budgets.table().get_mut("k").unwrap().in_flight = 0;
-        assert!(budgets.plan("k", Money(400), Money(100), 0).is_none());
+        assert!(budgets.plan("k", Money(400), Money(100), 1, 0).is_none());
         assert_eq!(budgets.table()["k"].cap, Some(Money(1_750)));
         assert_eq!(budgets.table()["k"].amount(0), Some(Money(1_750)));
-        let r = budgets.plan("k", Money(900), Money(1_000), 1_000).expect("the shrink");
+        let r = budgets.plan("k", Money(900), Money(1_000), 2, 1_000).expect("the shrink");
         assert_eq!((r.report.wanted, r.shrink), (Money(1_900), true));
         let grant = BudgetGrant {
             reading: LeaseReading {
@@ -540,8 +545,8 @@ mod tests {
         idle.expires_ms = 0;
         let budgets = budgets_with(idle);
         let now = IDLE_MS + 1;
-        assert!(budgets.plan("k", Money(300), Money(0), now).is_none(), "the cap first");
-        let r = budgets.plan("k", Money(300), Money(0), now).expect("given back");
+        assert!(budgets.plan("k", Money(300), Money(0), 1, now).is_none(), "the cap first");
+        let r = budgets.plan("k", Money(300), Money(0), 1, now).expect("given back");
         assert_eq!((r.report.wanted, r.shrink), (Money(300), true));
         let grant = BudgetGrant {
             reading: LeaseReading {
@@ -555,6 +560,6 @@ mod tests {
         };
         budgets.answered(vec![(r, Some(grant))], now);
         budgets.table().get_mut("k").unwrap().expires_ms = 0;
-        assert!(budgets.plan("k", Money(300), Money(0), now + 1).is_none(), "nothing held there to renew");
+        assert!(budgets.plan("k", Money(300), Money(0), 1, now + 1).is_none(), "nothing held there to renew");
     }
 }

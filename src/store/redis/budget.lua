@@ -16,8 +16,9 @@
 --   the concurrency limits' slot sets (sets.lua), which a hold takes a slot of and a settlement
 --   or a cancel gives back to
 --   <level base>:<period start>:L  hash: per leaseholder of a global budget (at the global
---                                   tier) '<granted> <reported> <member>': what it is granted
---                                   and has reported spent in the period, and its member of :q
+--                                   tier) '<granted> <reported> <round> <member>': what it is
+--                                   granted and has reported spent in the period, its last
+--                                   renewal's round, and its member of :q
 --                                   ('<unspent>|@<holder>', '' when it holds nothing unspent),
 --                                   which expires as a hold does but is always charged
 --   KEYS[1], the request's record   hash: b = its binding (the request's path), v = price
@@ -36,8 +37,8 @@
 --       second, max debt ('' = charged only if admitted); set count, then per set: key index, max,
 --       ttl (ms); then for 'hold': amount, tokens, hold
 --       TTL (ms); for 'settle': kind count, then per kind: name, tokens, cost at this version;
---       for 'lease': the leaseholder, the lease's TTL (ms), then per level: spent reported, and
---       granted wanted (both in the period, in all).
+--       for 'lease': the leaseholder, the lease's TTL (ms), then per level: spent reported,
+--       granted wanted (both in the period, in all), and the renewal's round.
 -- Reply: now_ms, outcome, then
 --   hold ('admitted', 'duplicate': the record is open with this binding and hold, 'reused': the
 --     record is another request's or closed, 'denied'): the exhausted level (1-based, 0: none),
@@ -232,16 +233,18 @@ if op == 'lease' then
   local holder, ttl = arg(), tonumber(arg())
   local granted = {}
   for i, lv in ipairs(levels) do
-    local reported, wanted = money(arg()), money(arg())
+    local reported, wanted, round = money(arg()), money(arg()), tonumber(arg())
     local l = level(lv[1], lv[3], lv[5])
     lv[4] = l
     local q, leases = lv[1] .. ':q', lv[1] .. ':L'
-    local g, r, m = {0, 0}, {0, 0}, ''
+    local g, r, n, m = {0, 0}, {0, 0}, 0, ''
     local rec = redis.call('HGET', leases, holder)
     if rec then
-      local gt, rt, mt = string.match(rec, '^(%d+) (%d+) (.*)$')
-      g, r, m = money(gt), money(rt), mt
+      local gt, rt, nt, mt = string.match(rec, '^(%d+) (%d+) (%d+) (.*)$')
+      g, r, n, m = money(gt), money(rt), tonumber(nt), mt
     end
+    -- A stray older than the last renewal applied: its spend counts, the grant stays.
+    if round < n then wanted = g else n = round end
     if m ~= '' then
       if redis.call('ZSCORE', q, m) then
         redis.call('ZREM', q, m)
@@ -270,7 +273,8 @@ if op == 'lease' then
       redis.call('ZADD', q, string.format('%d', now + ttl), m)
       l[2] = plus(l[2], unspent)
     end
-    redis.call('HSET', leases, holder, money_text(g) .. ' ' .. money_text(r) .. ' ' .. m)
+    redis.call('HSET', leases, holder,
+      money_text(g) .. ' ' .. money_text(r) .. ' ' .. string.format('%d', n) .. ' ' .. m)
     redis.call('PEXPIREAT', leases, string.format('%d', lv[3] + life))
     l[4] = true
     granted[i] = g

@@ -66,7 +66,7 @@ impl RedisStore {
             BudgetAction::Lease { holder, ttl_ms, reports } => {
                 args.extend([holder.clone(), ttl_ms.to_string()]);
                 for report in reports {
-                    args.extend([report.spent.nanos(), report.wanted.nanos()]);
+                    args.extend([report.spent.nanos(), report.wanted.nanos(), report.round.to_string()]);
                 }
             }
             BudgetAction::Settle { usage } => {
