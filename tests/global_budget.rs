@@ -6,6 +6,11 @@
 //! Redis: the spend is exactly what the admitted calls cost, and within the amount; every
 //! region's ledger is reported in full. The regions then deny, with a wait of a second (a lease
 //! may grow), not the period's end.
+//!
+//! A region cut off from the global tier for 20 s spends its lease until the lease's life ends,
+//! then denies the budget's calls while the other region spends on; healed, it is granted again
+//! within seconds. The global tier charged the lapsed lease whole: its spend is at least what the
+//! calls cost, and within the amount.
 
 mod common;
 
@@ -75,6 +80,22 @@ async fn spend(region: &str, holds: String, settles: String, until: Instant) -> 
     admitted
 }
 
+// Sends `addr` a call every 50 ms (held, then settled) until `until`; when each was admitted.
+async fn paced(region: &str, addr: String, until: Instant) -> Vec<Instant> {
+    let mut admitted = Vec::new();
+    let mut n = 0;
+    while Instant::now() < until {
+        n += 1;
+        let id = format!("{region}-p{n}");
+        if ask(&addr, hold(&id)).await.expect("answer").overall_code == OK {
+            assert_eq!(ask(&addr, settle(&id)).await.expect("answer").overall_code, OK);
+            admitted.push(Instant::now());
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    admitted
+}
+
 // The global budget's spent and held money at the global tier's Redis.
 fn global_ledger(redis: &Redis) -> (u128, u128) {
     let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_millis() as i64;
@@ -125,8 +146,9 @@ async fn a_global_budget_is_spent_across_regions_and_read_back_exactly() {
     // The regions' leases end near the amount: what is left is less than a few calls' holds.
     assert!(cost >= AMOUNT * 9 / 10, "the world spent {cost} of {AMOUNT}: the leases are used");
 
-    // Every replica reports its ledger within a round or two: the spend read back exactly.
-    let deadline = Instant::now() + Duration::from_secs(5);
+    // Every replica reports its ledger with its next renewal, at most a lease's life less 6 s
+    // away: the spend read back exactly.
+    let deadline = Instant::now() + Duration::from_secs(8);
     let mut ledger = global_ledger(&global_redis);
     while ledger.0 != cost && Instant::now() < deadline {
         tokio::time::sleep(Duration::from_millis(100)).await;
@@ -141,4 +163,67 @@ async fn a_global_budget_is_spent_across_regions_and_read_back_exactly() {
     assert_eq!(r.overall_code, OVER_LIMIT);
     assert_eq!(header(&r, "X-Budget-Exhausted"), Some("org"));
     assert_eq!(header(&r, "Retry-After"), Some("1"));
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_region_cut_off_spends_its_lease_then_denies_and_comes_back() {
+    let (_dir, config) = config_file(&CONFIG.replace("amount: 0.20", "amount: 5.00"));
+    let global_redis = Redis::start();
+    let global = Tollgate::start(&config, &Backend::Redis(global_redis.url()), &["--global-tier"]);
+    let global_port: u16 = global.addr().rsplit(':').next().unwrap().parse().unwrap();
+    let proxies: Vec<FaultProxy> = (0..2).map(|_| FaultProxy::start(global_port)).collect();
+    let regions: Vec<Tollgate> = ["eu", "us"]
+        .iter()
+        .zip(&proxies)
+        .map(|(name, proxy)| {
+            proxy.set(Fault::DelayReplies(Duration::from_millis(80)));
+            let url = format!("http://127.0.0.1:{}", proxy.port);
+            Tollgate::start(&config, &Backend::Memory, &["--global-url", &url, "--region", name])
+        })
+        .collect();
+
+    // Both spend for 3 s; then us is cut off for 20 s, and healed.
+    let start = Instant::now();
+    let cut_at = start + Duration::from_secs(3);
+    let heal_at = cut_at + Duration::from_secs(20);
+    let end = heal_at + Duration::from_secs(6);
+    let eu = tokio::spawn(paced("eu", regions[0].addr(), end));
+    let us = tokio::spawn(paced("us", regions[1].addr(), end));
+    tokio::time::sleep_until(cut_at.into()).await;
+    proxies[1].set(Fault::Blackhole);
+    tokio::time::sleep_until(heal_at.into()).await;
+    proxies[1].set(Fault::DelayReplies(Duration::from_millis(80)));
+    let (eu, us) = (eu.await.unwrap(), us.await.unwrap());
+
+    let secs = |t: &Instant| t.duration_since(cut_at).as_secs_f64();
+    let us_cut: Vec<f64> = us.iter().map(secs).filter(|s| (0.0..20.0).contains(s)).collect();
+    let last_on_lease = us_cut.iter().copied().fold(0.0, f64::max);
+    let back = us.iter().map(secs).find(|s| *s >= 20.0);
+    let eu_cut = eu.iter().map(secs).filter(|s| (0.0..20.0).contains(s)).count();
+    println!(
+        "us, cut off: {} admitted, the last {last_on_lease:.1} s after the cut; back {back:?} s after it; eu admitted {eu_cut} meanwhile",
+        us_cut.len()
+    );
+    assert!(!us_cut.is_empty() && us_cut[0] < 1.0, "cut off, us spends its lease at first: {us_cut:?}");
+    assert!(
+        last_on_lease <= 11.0,
+        "us denies once its lease's life (10 s) is over: the last at {last_on_lease:.1} s"
+    );
+    assert!(eu_cut >= 300, "eu spends on through the cut: {eu_cut} calls in 20 s");
+    let back = back.expect("us is granted again after the heal");
+    assert!(back <= 25.0, "us is back within 5 s of the heal: {back:.1} s after the cut");
+
+    // The lapsed lease was charged whole: the global tier's spend is at least what the calls
+    // cost (exactly that plus us's lease's unspent part) and within the amount.
+    // A replica reports with its next renewal, at most a lease's life less 6 s away.
+    let cost = (eu.len() + us.len()) as u128 * COST;
+    let deadline = Instant::now() + Duration::from_secs(8);
+    let (mut spent, mut held) = global_ledger(&global_redis);
+    while spent < cost && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        (spent, held) = global_ledger(&global_redis);
+    }
+    println!("calls cost {cost}; the global tier: spent {spent}, held {held}");
+    assert!(spent >= cost, "the world's calls cost {cost}, the global tier counts {spent}");
+    assert!(spent + held <= 5 * 1_000_000_000, "spent and held within the amount");
 }
