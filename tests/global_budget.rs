@@ -158,6 +158,20 @@ async fn a_global_budget_is_spent_across_regions_and_read_back_exactly() {
     assert_eq!(ledger.0, cost, "the global tier's spend is what the admitted calls cost");
     assert!(ledger.0 + ledger.1 <= AMOUNT, "spent and held within the amount: {ledger:?}");
 
+    // `tollgate explain` on the global tier's Redis shows each region replica's money lease.
+    let explained = std::process::Command::new(tollgate_bin())
+        .args(["explain", "--config", config.to_str().unwrap(), "--domain", "llm"])
+        .args(["--descriptor", "org=acme,model=m,request_id=x", "--redis-url", &global_redis.url()])
+        .env("RUST_LOG", "off")
+        .output()
+        .unwrap();
+    let explained = String::from_utf8_lossy(&explained.stdout);
+    println!("{explained}");
+    assert!(explained.contains("global: one budget for every region"), "{explained}");
+    for region in ["eu", "us"] {
+        assert!(explained.contains(&format!("USD granted to region:{region}/")), "{explained}");
+    }
+
     // Spent out: a region denies, and says to come back in a second.
     let r = ask(&us.addr(), hold("us-after")).await.unwrap();
     assert_eq!(r.overall_code, OVER_LIMIT);

@@ -277,14 +277,26 @@ impl Ledger {
                 }
             }
             BudgetAction::Peek => {
-                let levels = levels
+                let alive: Vec<Option<&Level>> = levels
                     .iter()
-                    .map(|(key, _, end)| {
-                        let alive = self.levels.get(key).filter(|l| l.expires_at_ms >= now_ms);
-                        alive.map_or((Money::ZERO, Money::ZERO, *end), |l| (l.spent, l.held, *end))
+                    .map(|(key, _, _)| self.levels.get(key).filter(|l| l.expires_at_ms >= now_ms))
+                    .collect();
+                let leases = alive
+                    .iter()
+                    .map(|l| {
+                        l.map_or_else(Vec::new, |l| {
+                            l.leases.iter().map(|(holder, (g, r, _, _))| (holder.clone(), *g, *r)).collect()
+                        })
                     })
                     .collect();
-                return BudgetOutcome::Peeked { now_ms, levels };
+                let levels = levels
+                    .iter()
+                    .zip(&alive)
+                    .map(|((_, _, end), l)| {
+                        l.map_or((Money::ZERO, Money::ZERO, *end), |l| (l.spent, l.held, *end))
+                    })
+                    .collect();
+                return BudgetOutcome::Peeked { now_ms, levels, leases };
             }
             BudgetAction::Cancel => {
                 let had = match &record {

@@ -478,6 +478,9 @@ pub enum BudgetOutcome {
         now_ms: u64,
         /// `(spent, held, period end ms)` per level, top first.
         levels: Vec<(Money, Money, i64)>,
+        /// Per level, its money leases (a global budget's, at the global tier): each
+        /// leaseholder's grant and reported spend, by leaseholder.
+        leases: Vec<Vec<(String, Money, Money)>>,
     },
     /// A cancel's answer: what it found of the hold (`Open`: released; `None`: closed before it
     /// could be taken).

@@ -281,7 +281,7 @@ async fn print_budget(budget: &BudgetExplained, hits: u64, store: Option<&RedisS
                 .await
                 .with_context(|| format!("reading the budgets of {}", op.record))?
             {
-                BudgetOutcome::Peeked { levels, .. } => Some(levels),
+                BudgetOutcome::Peeked { levels, leases, .. } => Some((levels, leases)),
                 other => anyhow::bail!("the store answered a peek with {other:?}"),
             }
         }
@@ -302,7 +302,7 @@ async fn print_budget(budget: &BudgetExplained, hits: u64, store: Option<&RedisS
                 "            global: one budget for every region (regions spend from money leases of it)"
             );
         }
-        match read.as_ref().and_then(|r| r.get(i)) {
+        match read.as_ref().and_then(|(levels, _)| levels.get(i)) {
             Some((spent, held, end)) => println!(
                 "            spent {spent}, held {held}, left {} (period ends {})",
                 level.amount.saturating_sub(*spent + *held),
@@ -311,6 +311,15 @@ async fn print_budget(budget: &BudgetExplained, hits: u64, store: Option<&RedisS
             None => println!(
                 "            spent: not read (give --redis-url, --redis-cluster or --redis-sentinel)"
             ),
+        }
+        // At the global tier, each region replica's money lease: its share of the budget.
+        for (holder, granted, reported) in
+            read.as_ref().and_then(|(_, leases)| leases.get(i)).into_iter().flatten()
+        {
+            println!(
+                "            leased: {} {} granted to {holder}, {reported} of it reported spent",
+                granted, budget.currency
+            );
         }
     }
     for bucket in &op.buckets {

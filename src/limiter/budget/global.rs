@@ -140,14 +140,22 @@ impl MoneyLease {
     }
 
     // What to grant beyond the committed money: a few seconds of demand, at least two of the
-    // largest hold; nothing once idle.
+    // largest hold; nothing once idle. Once the budget is scarce, no more than half of what
+    // nobody holds (as the last answer said), so that the last of a budget is split between
+    // the regions that want it rather than taken whole by the first to ask (a lease above what
+    // it may ask is shrunk to it).
     fn ahead(&self, now_ms: u64) -> Money {
         if now_ms.saturating_sub(self.used_ms) > IDLE_MS {
             return Money::ZERO;
         }
         let per_window = self.asked[0] + self.asked[1];
         let demand = Money(per_window.0 * AHEAD_S * 1000 / (2 * u128::from(DEMAND_WINDOW_MS)));
-        demand.max(self.largest + self.largest)
+        let least = self.largest + self.largest;
+        let wanted = demand.max(least);
+        match self.granted {
+            Some(_) => wanted.min(Money(self.unleased.0 / 2).max(least)),
+            None => wanted,
+        }
     }
 }
 
@@ -407,7 +415,7 @@ impl Limiter {
                 BudgetAction::Peek,
             );
             match self.store.budget(&op).await {
-                Ok(BudgetOutcome::Peeked { now_ms, levels }) => {
+                Ok(BudgetOutcome::Peeked { now_ms, levels, .. }) => {
                     let Some(&(spent, held, _)) = levels.first() else { continue };
                     renewals.extend(budgets.plan(&key, spent, held, round, now_ms));
                 }
@@ -486,7 +494,7 @@ mod tests {
             },
             end_ms: i64::MAX,
             granted,
-            unleased: Money::ZERO,
+            unleased: Money(100_000),
             expires_ms: 10_000,
             cap: None,
             in_flight: 0,

@@ -52,7 +52,8 @@
 --   the op's first level), then the count of sets read and per set: open, expired, ms until it
 --   frees (-1: not full or not refused), given back (1/0); and for a hold the full set that
 --   refused it (1-based, 0: none);
---   peek ('peeked'): per level its spent and held money and period end, nothing changed;
+--   peek ('peeked'): per level its spent and held money, period end, and the count of its
+--     leaseholders and per leaseholder its name, grant and reported spend, nothing changed;
 --   lease ('leased'): per level what the holder is granted, the level's spent and held money
 --     and period end;
 --   settle ('reprice'): the hold's version and price row, at which the caller prices again;
@@ -221,10 +222,22 @@ if op == 'peek' then
   out[#out + 1] = 'peeked'
   for _, lv in ipairs(levels) do
     local v = redis.call('HMGET', lv[1], 's', 'h', 'x')
-    if v[3] and tonumber(v[3]) < now then v = {} end
+    local leases = {}
+    if v[3] and tonumber(v[3]) < now then
+      v = {}
+    else
+      leases = redis.call('HGETALL', lv[1] .. ':L')
+    end
     out[#out + 1] = v[1] or '0'
     out[#out + 1] = v[2] or '0'
     out[#out + 1] = lv[3]
+    out[#out + 1] = #leases / 2
+    for i = 1, #leases, 2 do
+      local g, r = string.match(leases[i + 1], '^(%d+) (%d+) ')
+      out[#out + 1] = leases[i]
+      out[#out + 1] = g
+      out[#out + 1] = r
+    end
   end
   return out
 end

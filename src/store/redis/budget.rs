@@ -101,11 +101,17 @@ fn parse(reply: Value) -> Result<BudgetOutcome, StoreError> {
             return Ok(BudgetOutcome::Settled { now_ms, charged, had, levels, expired, slots });
         }
         "peeked" => {
-            let mut levels = Vec::new();
+            let (mut levels, mut leases) = (Vec::new(), Vec::new());
             while r.0.len() > 0 {
                 levels.push((r.money()?, r.money()?, r.int()?));
+                let mut of_level = (0..r.count()?)
+                    .map(|_| Ok((r.text()?, r.money()?, r.money()?)))
+                    .collect::<Result<Vec<_>, StoreError>>()?;
+                // Redis keeps a hash in no order; the memory store's is by leaseholder.
+                of_level.sort_by(|a, b| a.0.cmp(&b.0));
+                leases.push(of_level);
             }
-            return Ok(BudgetOutcome::Peeked { now_ms, levels });
+            return Ok(BudgetOutcome::Peeked { now_ms, levels, leases });
         }
         "leased" => {
             let mut levels = Vec::new();
