@@ -266,12 +266,18 @@ impl GlobalBudgets {
     // The leases due a look this round: their keys and ledgers here. Leases of a period that
     // ended, or long idle, are forgotten (at the global tier, what they left unspent is charged
     // when they lapse).
-    fn due(&self, now_ms: u64) -> Vec<(String, LevelOp)> {
+    // An idle lease is looked at every fifth round only: it has been given back or soon will
+    // be, and what is left to report is settlements of its last holds.
+    fn due(&self, round: u64, now_ms: u64) -> Vec<(String, LevelOp)> {
         let mut table = self.table();
         table.retain(|_, l| {
             l.end_ms > now_ms as i64 && (now_ms.saturating_sub(l.used_ms) < FORGET_MS || l.in_flight > 0)
         });
-        table.iter().map(|(k, l)| (k.clone(), l.local.clone())).collect()
+        table
+            .iter()
+            .filter(|(_, l)| round % 5 == 0 || now_ms.saturating_sub(l.used_ms) <= IDLE_MS)
+            .map(|(k, l)| (k.clone(), l.local.clone()))
+            .collect()
     }
 
     // The renewal of `key` given its ledger's `spent` and `held` money here, read after the
@@ -406,7 +412,7 @@ impl Limiter {
         let Some(budgets) = &self.budgets else { return Vec::new() };
         let mut renewals = Vec::new();
         let round = budgets.rounds.fetch_add(1, Ordering::Relaxed) + 1;
-        for (key, local) in budgets.due(self.clock.now_ms()) {
+        for (key, local) in budgets.due(round, self.clock.now_ms()) {
             let op = BudgetOp::on_levels(
                 local.base.clone(),
                 vec![local],

@@ -6,7 +6,8 @@
 //!
 //! * **latency**: open-loop RLS load on eu's replicas, the same rate over the same tenants, for a
 //!   rule marked `global: true` and the same rule without it (decided in eu's Redis), in turn,
-//!   twice each;
+//!   twice each; and the same for LLM calls' holds on a budget marked `global: true` (decided on
+//!   the replica's money lease, in its own ledger in eu's Redis) and one without it;
 //! * **cost**: the global Redis's commands (`INFO commandstats`, the scripts' own included) and
 //!   CPU per bucket per region per second while those buckets are asked for, in the 5 s in which
 //!   they are parked once the asking stops, and over the next minute, parked;
@@ -37,7 +38,9 @@ const RATE: f64 = 50.0;
 
 /// The config directory's files: the world's bucket, and a rule with room for every request,
 /// global and not, for the latency rows.
-const CONFIG: [(&str, &str); 3] = [
+const CONFIG: [(&str, &str); 5] = [
+    ("budget_global.yaml", "domain: budget_global\ntenant_key: org\nhold_ttl: 60s\nprices: {version: v1, currency: USD, models: {m: {input: 1.00, output: 10.00, reserve_input_tokens: 100}}}\ndescriptors:\n  - key: org\n    budget: {amount: 1000000, per: month}\n    global: true\n    descriptors:\n      - key: model\n        descriptors:\n          - key: request_id\n"),
+    ("budget_regional.yaml", "domain: budget_regional\ntenant_key: org\nhold_ttl: 60s\nprices: {version: v1, currency: USD, models: {m: {input: 1.00, output: 10.00, reserve_input_tokens: 100}}}\ndescriptors:\n  - key: org\n    budget: {amount: 1000000, per: month}\n    descriptors:\n      - key: model\n        descriptors:\n          - key: request_id\n"),
     ("world.yaml", "domain: world\ndescriptors:\n  - key: tenant\n    token_bucket: {capacity: 50, refill_per_second: 50}\n    global: true\n"),
     ("global.yaml", "domain: global\ndescriptors:\n  - key: tenant\n    token_bucket: {capacity: 1000000000, refill_per_second: 1000000000}\n    global: true\n"),
     ("regional.yaml", "domain: regional\ndescriptors:\n  - key: tenant\n    token_bucket: {capacity: 1000000000, refill_per_second: 1000000000}\n"),
@@ -120,14 +123,19 @@ fn ready(http: u16) -> bool {
     answer.starts_with("HTTP/1.0 200") || answer.starts_with("HTTP/1.1 200")
 }
 
-fn request(domain: &str, tenant: &str) -> RateLimitRequest {
+// A request of `domain` for tenant `tenant`: in a budget's domain, an LLM call's hold of 100
+// output tokens, its id `id`.
+fn request(domain: &str, tenant: &str, id: &str) -> RateLimitRequest {
+    let entry = |key: &str, value: &str| Entry { key: key.into(), value: value.to_owned() };
+    let (entries, hits_addend) = if domain.starts_with("budget_") {
+        (vec![entry("org", tenant), entry("model", "m"), entry("request_id", id)], 100)
+    } else {
+        (vec![entry("tenant", tenant)], 1)
+    };
     RateLimitRequest {
         domain: domain.to_owned(),
-        descriptors: vec![RateLimitDescriptor {
-            entries: vec![Entry { key: "tenant".into(), value: tenant.to_owned() }],
-            ..Default::default()
-        }],
-        hits_addend: 1,
+        descriptors: vec![RateLimitDescriptor { entries, ..Default::default() }],
+        hits_addend,
     }
 }
 
@@ -151,7 +159,7 @@ async fn open_loop(addrs: &[String], domain: &str, a: &Args, warmup: Duration) -
     while due < until {
         tokio::time::sleep_until(due.into()).await;
         let mut client = clients[i % clients.len()].clone();
-        let request = request(domain, &format!("t{}", i % a.buckets));
+        let request = request(domain, &format!("t{}", i % a.buckets), &format!("{start:?}-{i}"));
         let histogram = histogram.clone();
         tasks.push(tokio::spawn(async move {
             client.should_rate_limit(request).await.expect("answer");
@@ -227,6 +235,15 @@ async fn main() {
     let run = a.latency_seconds + warmup.as_secs_f64();
     let hot = per((after.0 - before.0) as f64, run);
     let hot_cpu_us = per((after.1 - before.1) * 1e6, run);
+    // The same for LLM calls' holds on a global budget and a regional one; the global Redis's
+    // commands per budget (a money lease) per region per second while held from.
+    let mut budget_regional = open_loop(&regions[0], "budget_regional", &a, warmup).await;
+    let before = redis_work(&global_redis);
+    let mut budget_global = open_loop(&regions[0], "budget_global", &a, warmup).await;
+    let after = redis_work(&global_redis);
+    budget_regional.add(open_loop(&regions[0], "budget_regional", &a, warmup).await).unwrap();
+    budget_global.add(open_loop(&regions[0], "budget_global", &a, warmup).await).unwrap();
+    let budget_cmds = per((after.0 - before.0) as f64, run);
     // Idle: the same buckets asked for nothing: the 5 s in which they are parked, then a minute
     // of parked leases (each renewed once in it).
     let parking = redis_work(&global_redis);
@@ -259,11 +276,15 @@ async fn main() {
     let per_region: Vec<String> =
         (0..3).map(|r| count(&all, start, Some(r), 0.0, a.world_seconds).to_string()).collect();
     println!(
-        "regional_p50_us={} regional_p99_us={} global_p50_us={} global_p99_us={} hot_cmds={hot:.3} hot_cpu_us={hot_cpu_us:.2} parking_cmds={parking_cmds:.3} idle_cmds={idle_cmds:.3} idle_cpu_us={idle_cpu_us:.3} admitted={} bound={:.0} ratio={:.3} first_ratio={:.3} worst_over={:.2} per_region={}",
+        "regional_p50_us={} regional_p99_us={} global_p50_us={} global_p99_us={} budget_regional_p50_us={} budget_regional_p99_us={} budget_global_p50_us={} budget_global_p99_us={} budget_cmds={budget_cmds:.3} hot_cmds={hot:.3} hot_cpu_us={hot_cpu_us:.2} parking_cmds={parking_cmds:.3} idle_cmds={idle_cmds:.3} idle_cpu_us={idle_cpu_us:.3} admitted={} bound={:.0} ratio={:.3} first_ratio={:.3} worst_over={:.2} per_region={}",
         percentile(&regional, 0.5),
         percentile(&regional, 0.99),
         percentile(&global, 0.5),
         percentile(&global, 0.99),
+        percentile(&budget_regional, 0.5),
+        percentile(&budget_regional, 0.99),
+        percentile(&budget_global, 0.5),
+        percentile(&budget_global, 0.99),
         all.len(),
         bound(a.world_seconds),
         all.len() as f64 / bound(a.world_seconds),
