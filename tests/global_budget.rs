@@ -226,6 +226,10 @@ async fn a_region_cut_off_spends_its_lease_then_denies_and_comes_back() {
     assert!(eu_cut >= 300, "eu spends on through the cut: {eu_cut} calls in 20 s");
     let back = back.expect("us is granted again after the heal");
     assert!(back <= 25.0, "us is back within 5 s of the heal: {back:.1} s after the cut");
+    let scrape = regions[1].metrics();
+    let denied = sample(&scrape, "tollgate_global_fallbacks_total", &[("fallback", "deny")]);
+    assert!(denied > 0.0, "us counts the calls its lapsed lease denied");
+    assert_eq!(sample(&scrape, "tollgate_global_budget_leases", &[]), 1.0, "us holds one money lease");
 
     // The lapsed lease was charged whole: the global tier's spend is at least what the calls
     // cost (exactly that plus us's lease's unspent part) and within the amount.

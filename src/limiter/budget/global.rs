@@ -237,6 +237,7 @@ impl GlobalBudgets {
                 used_ms: now_ms,
             };
             if table.len() >= MAX_BUDGET_LEASES && !table.contains_key(&level.key) {
+                metrics::counter!("tollgate_global_shares_refused_total").increment(1);
                 amounts.push(None);
                 continue;
             }
@@ -292,7 +293,9 @@ impl GlobalBudgets {
             (None, _) => (target, false),
             // Everything committed since the cap was set was admitted under it.
             (Some(_), Some(cap)) => (cap.max(committed), true),
-            (Some(granted), None) if target > granted => (target, false),
+            // Grown once less than half of what demand wants ahead is left, so that a lease
+            // spent from steadily is renewed every few seconds, not every round.
+            (Some(granted), None) if committed + Money(ahead.0 / 2) > granted => (target, false),
             (Some(granted), None) if granted.saturating_sub(target) > ahead && lease.in_flight == 0 => {
                 // More than twice what demand wants: shrink, the cap first. With nothing in
                 // flight, every hold admitted before it is in the next round's reading.
@@ -340,6 +343,7 @@ impl GlobalBudgets {
                 lease.granted = None;
             }
         }
+        metrics::gauge!("tollgate_global_budget_leases").set(table.len() as f64);
         drop(table);
         self.renewed.send_replace(sent_ms);
     }
@@ -375,6 +379,10 @@ impl Limiter {
             (amounts, flight) = budgets.take(&levels, Money::ZERO, self.clock.now_ms());
         }
         for (level, amount) in leased.iter().zip(amounts) {
+            if amount.is_none() {
+                // No lease: the level denies (a budget's only fallback).
+                metrics::counter!("tollgate_global_fallbacks_total", "fallback" => "deny").increment(1);
+            }
             op.levels[level.index].amount = amount.unwrap_or(Money::ZERO);
         }
         flight

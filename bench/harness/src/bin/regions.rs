@@ -235,15 +235,6 @@ async fn main() {
     let run = a.latency_seconds + warmup.as_secs_f64();
     let hot = per((after.0 - before.0) as f64, run);
     let hot_cpu_us = per((after.1 - before.1) * 1e6, run);
-    // The same for LLM calls' holds on a global budget and a regional one; the global Redis's
-    // commands per budget (a money lease) per region per second while held from.
-    let mut budget_regional = open_loop(&regions[0], "budget_regional", &a, warmup).await;
-    let before = redis_work(&global_redis);
-    let mut budget_global = open_loop(&regions[0], "budget_global", &a, warmup).await;
-    let after = redis_work(&global_redis);
-    budget_regional.add(open_loop(&regions[0], "budget_regional", &a, warmup).await).unwrap();
-    budget_global.add(open_loop(&regions[0], "budget_global", &a, warmup).await).unwrap();
-    let budget_cmds = per((after.0 - before.0) as f64, run);
     // Idle: the same buckets asked for nothing: the 5 s in which they are parked, then a minute
     // of parked leases (each renewed once in it).
     let parking = redis_work(&global_redis);
@@ -255,6 +246,16 @@ async fn main() {
     let idle_cmds = per((idle.0 - parked.0) as f64, 60.0);
     let idle_cpu_us = per((idle.1 - parked.1) * 1e6, 60.0);
 
+    // The same for LLM calls' holds on a global budget and a regional one (after the idle
+    // buckets' minute, which the leases' renewals would otherwise add to); the global Redis's
+    // commands per budget (a money lease) per region per second while held from.
+    let mut budget_regional = open_loop(&regions[0], "budget_regional", &a, warmup).await;
+    let before = redis_work(&global_redis);
+    let mut budget_global = open_loop(&regions[0], "budget_global", &a, warmup).await;
+    let after = redis_work(&global_redis);
+    budget_regional.add(open_loop(&regions[0], "budget_regional", &a, warmup).await).unwrap();
+    budget_global.add(open_loop(&regions[0], "budget_global", &a, warmup).await).unwrap();
+    let budget_cmds = per((after.0 - before.0) as f64, run);
     // The world: three times the rate, split 80/15/5.
     let admitted = Admitted::default();
     let start = Instant::now();
