@@ -210,6 +210,24 @@ async fn fifty_concurrent_requests_spend_exactly_their_priced_usage() {
         level(&mut con, "org=acme:team=search:api_key=k2", &day),
         (priced(streamed, 400), Money::ZERO)
     );
+
+    // The provider fails a call (503, an error and no usage): it bills nothing, and the hold
+    // settles at zero at stream end rather than expiring into a charge of all of it.
+    let org_month = Calendar::new(Per::Month, "Europe/Berlin").unwrap();
+    let (k3, before) = ("org=acme:team=search:api_key=k3", level(&mut con, "org=acme", &org_month));
+    let settled_open = || -> f64 {
+        let hold = [("hold", "open")];
+        replicas.iter().map(|r| sample(&r.metrics(), "tollgate_budget_settlements_total", &hold)).sum()
+    };
+    let settled_before = settled_open();
+    let failed = r#"{"model": "gpt-4o", "max_tokens": 400, "fail": 503, "messages": []}"#;
+    let (status, answer) = post(listener, "k3", failed).await;
+    assert_eq!(status, 503, "{answer}");
+    wait_until("the failed call's settlement of its open hold", 200, Duration::from_millis(50), || {
+        settled_open() > settled_before
+    });
+    assert_eq!(level(&mut con, k3, &day), (Money::ZERO, Money::ZERO), "nothing spent, nothing held");
+    assert_eq!(level(&mut con, "org=acme", &org_month), before, "the org's spend is unchanged");
     llm.kill();
 }
 

@@ -11,6 +11,8 @@ Every request gets a small OpenAI-style chat completion, with no model behind it
   (prompt_tokens_details.cached_tokens), completion_tokens = half of max_completion_tokens or
   max_tokens (100 without either). With "stream": true the answer is server-sent events, the
   usage in the last one before [DONE], as OpenAI streams it with stream_options.include_usage.
+  With "fail": <status> it answers that status and an error, with no usage (as a provider's
+  error answer, which it does not bill).
 
     python3 envoy/demo/fake-llm.py 8000
 """
@@ -40,6 +42,14 @@ class FakeLlm(http.server.BaseHTTPRequestHandler):
         except ValueError:
             request = {}
         used = usage(body, request)
+        if isinstance(request.get("fail"), int):
+            data = json.dumps({"error": {"message": "the stand-in failed as asked"}}).encode()
+            self.send_response(request["fail"])
+            self.send_header("content-type", "application/json")
+            self.send_header("content-length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+            return
         if request.get("stream"):
             model = request.get("model")
             events = [

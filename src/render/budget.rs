@@ -17,9 +17,11 @@
 //! * The ratelimit filter's own `rate_limits`: one entry with the path down to the request id,
 //!   the body size (`input_bytes_key`) right before it and `hits_addend` = the held output
 //!   tokens; four entries at stream end, one per usage kind, the same path, the served model if
-//!   the answer named one, and a `usage` entry, `hits_addend` = that kind's count. Envoy sends no
-//!   descriptor whose count it cannot read (a response without usage, Envoy's own 429): nothing
-//!   is settled, and the hold expires as `on_lost_settle` says.
+//!   the answer named one, and a `usage` entry, `hits_addend` = that kind's count. An error
+//!   answer without usage (not 2xx: the provider bills nothing for it) sets every kind to 0, so
+//!   that its hold settles at zero; Envoy sends no descriptor whose count it cannot read, so a
+//!   2xx without usage (a stream cut short), a request refused here or Envoy's own 429 settles
+//!   nothing, and a hold expires as `on_lost_settle` says.
 //! * The request id is `x-request-id` unless the node names a source. The connection manager
 //!   must make it Envoy's own ([`connection_manager`]: `use_remote_address`, the client's header
 //!   not preserved), since a client that chooses its id could pair its requests with one hold.
@@ -161,6 +163,7 @@ function envoy_on_request(handle)
   local body = handle:body()
   local text = body and body:getBytes(0, body:length()) or ""
   local function refuse(why)
+    handle:streamInfo():dynamicMetadata():set("tollgate", "refused", "1")
     handle:respond({ [":status"] = "400", ["content-type"] = "text/plain" }, why .. "\n")
   end
   local found, why = members(text)
@@ -196,7 +199,19 @@ function envoy_on_response(handle)
   if served and served ~= "" then meta:set("tollgate", "served_model", served) end
   local usage
   for u in string.gmatch(tail, '"usage"%s*:%s*(%b{})') do usage = u end
-  if not usage then return end
+  if not usage then
+    -- An error answer without usage (the provider's 4xx or 5xx, Envoy's own 503 for an
+    -- upstream it could not reach) is billed nothing: the hold settles at zero rather than
+    -- expiring into a charge of all of it. Not for a request that holds nothing (refused
+    -- here, or Envoy's own 429), nor a 2xx without usage (a stream cut short): that one
+    -- expires as on_lost_settle says.
+    local status = tonumber(handle:headers():get(":status")) or 0
+    local refused = meta:get("tollgate") and meta:get("tollgate")["refused"]
+    if (status >= 200 and status < 300) or refused or handle:headers():get("x-envoy-ratelimited") then
+      return
+    end
+    usage = ""
+  end
   local function count(name)
     return tonumber(string.match(usage, '"' .. name .. '"%s*:%s*(%d+)'))
   end
