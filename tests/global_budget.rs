@@ -16,31 +16,13 @@ mod common;
 
 use std::time::{Duration, Instant};
 
-use common::proxy::{Fault, FaultProxy};
+use common::proxy::Fault;
+use common::regions::{eu_and_us, global_budget_config, region};
 use common::*;
 use envoy_types::pb::envoy::service::ratelimit::v3::RateLimitRequest;
 use envoy_types::pb::google::protobuf::UInt64Value;
 use tollgate::budget::{Calendar, Money, Per};
 
-const CONFIG: &str = r#"
-domain: llm
-tenant_key: org
-hold_ttl: 60s
-on_lost_settle: charge
-prices:
-  version: "v1"
-  currency: USD
-  models:
-    m: {input: 1.00, output: 10.00, reserve_input_tokens: 100}
-descriptors:
-  - key: org
-    budget: {amount: 0.20, per: month}
-    global: true
-    descriptors:
-      - key: model
-        descriptors:
-          - key: request_id
-"#;
 // What a call costs: 20 input tokens at 1.00 and 50 output tokens at 10.00 per million, in
 // nano-units.
 const COST: u128 = 20 * 1_000 + 50 * 10_000;
@@ -109,7 +91,7 @@ fn global_ledger(redis: &Redis) -> (u128, u128) {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn a_global_budget_is_spent_across_regions_and_read_back_exactly() {
-    let (_dir, config) = config_file(CONFIG);
+    let (_dir, config) = config_file(&global_budget_config("0.20", "60s"));
     let validate = std::process::Command::new(tollgate_bin()).arg("validate").arg(&config).output().unwrap();
     let said = String::from_utf8_lossy(&validate.stdout);
     assert!(
@@ -118,20 +100,16 @@ async fn a_global_budget_is_spent_across_regions_and_read_back_exactly() {
     );
     let global_redis = Redis::start();
     let global = Tollgate::start(&config, &Backend::Redis(global_redis.url()), &["--global-tier"]);
-    let global_port: u16 = global.addr().rsplit(':').next().unwrap().parse().unwrap();
     let (eu_redis, us_redis) = (Redis::start(), Redis::start());
-    let proxies: Vec<FaultProxy> = (0..3).map(|_| FaultProxy::start(global_port)).collect();
-    let region = |name: &str, redis: &Redis, proxy: &FaultProxy| {
-        proxy.set(Fault::DelayReplies(Duration::from_millis(80)));
-        let url = format!("http://127.0.0.1:{}", proxy.port);
-        Tollgate::start(&config, &Backend::Redis(redis.url()), &["--global-url", &url, "--region", name])
+    let at = |name: &str, redis: &Redis| {
+        region(&config, &Backend::Redis(redis.url()), &global, (name, Duration::from_millis(80)), &[])
     };
-    let eu = [region("eu", &eu_redis, &proxies[0]), region("eu", &eu_redis, &proxies[1])];
-    let us = region("us", &us_redis, &proxies[2]);
+    let eu = [at("eu", &eu_redis), at("eu", &eu_redis)];
+    let (us, _us_proxy) = at("us", &us_redis);
 
     let until = Instant::now() + Duration::from_secs(40);
     let loads = [
-        tokio::spawn(spend("eu", eu[0].addr(), eu[1].addr(), until)),
+        tokio::spawn(spend("eu", eu[0].0.addr(), eu[1].0.addr(), until)),
         tokio::spawn(spend("us", us.addr(), us.addr(), until)),
     ];
     let mut admitted = Vec::new();
@@ -181,20 +159,10 @@ async fn a_global_budget_is_spent_across_regions_and_read_back_exactly() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn a_region_cut_off_spends_its_lease_then_denies_and_comes_back() {
-    let (_dir, config) = config_file(&CONFIG.replace("amount: 0.20", "amount: 5.00"));
+    let (_dir, config) = config_file(&global_budget_config("5.00", "60s"));
     let global_redis = Redis::start();
     let global = Tollgate::start(&config, &Backend::Redis(global_redis.url()), &["--global-tier"]);
-    let global_port: u16 = global.addr().rsplit(':').next().unwrap().parse().unwrap();
-    let proxies: Vec<FaultProxy> = (0..2).map(|_| FaultProxy::start(global_port)).collect();
-    let regions: Vec<Tollgate> = ["eu", "us"]
-        .iter()
-        .zip(&proxies)
-        .map(|(name, proxy)| {
-            proxy.set(Fault::DelayReplies(Duration::from_millis(80)));
-            let url = format!("http://127.0.0.1:{}", proxy.port);
-            Tollgate::start(&config, &Backend::Memory, &["--global-url", &url, "--region", name])
-        })
-        .collect();
+    let (regions, proxies) = eu_and_us(&config, &global, Duration::from_millis(80));
 
     // Both spend for 3 s; then us is cut off for 20 s, and healed.
     let start = Instant::now();

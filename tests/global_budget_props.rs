@@ -29,25 +29,6 @@ use tollgate::limiter::{
 use tollgate::store::MemoryStore;
 use tollgate::telemetry::{Telemetry, TelemetryConfig};
 
-const CONFIG: &str = r#"
-domain: llm
-tenant_key: org
-hold_ttl: 20s
-on_lost_settle: charge
-prices:
-  version: "v1"
-  currency: USD
-  models:
-    m: {input: 1.00, output: 10.00, reserve_input_tokens: 100}
-descriptors:
-  - key: org
-    budget: {amount: 0.30, per: month}
-    global: true
-    descriptors:
-      - key: model
-        descriptors:
-          - key: request_id
-"#;
 const AMOUNT: u128 = 300_000_000;
 const REGIONS: usize = 3;
 const STEP_MS: u64 = 50;
@@ -259,7 +240,7 @@ async fn run(seed: u64, rules: &Path) -> u128 {
 
 #[tokio::test(flavor = "current_thread")]
 async fn the_world_spends_a_global_budget_within_its_amount() {
-    let (_dir, path) = common::config_file(CONFIG);
+    let (_dir, path) = common::config_file(&common::regions::global_budget_config("0.30", "20s"));
     let mut spent_most = 0;
     for seed in 0..RUNS {
         let cost = run(seed, &path).await;

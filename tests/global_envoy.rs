@@ -11,7 +11,7 @@ use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
 use common::paced::{excess, paced, Admitted, GLOBAL_TENANT_RULE};
-use common::proxy::{Fault, FaultProxy};
+use common::regions::eu_and_us;
 use common::*;
 use serde_json::json;
 
@@ -24,16 +24,7 @@ async fn through_envoy_a_new_global_bucket_is_denied_not_let_through_while_its_l
     let redis = Redis::start();
     let (_dir, config) = config_file(CONFIG);
     let global = Tollgate::start(&config, &Backend::Redis(redis.url()), &["--global-tier"]);
-    let proxies = [FaultProxy::start(global.grpc.port()), FaultProxy::start(global.grpc.port())];
-    let regions: Vec<Tollgate> = ["eu", "us"]
-        .iter()
-        .zip(&proxies)
-        .map(|(name, proxy)| {
-            proxy.set(Fault::DelayReplies(Duration::from_millis(150)));
-            let url = format!("http://127.0.0.1:{}", proxy.port);
-            Tollgate::start(&config, &Backend::Memory, &["--global-url", &url, "--region", name])
-        })
-        .collect();
+    let (regions, _proxies) = eu_and_us(&config, &global, Duration::from_millis(150));
     let filter = json!({
         "name": "envoy.filters.http.ratelimit",
         "typed_config": {

@@ -13,6 +13,7 @@ use std::time::{Duration, Instant};
 
 use common::paced::{excess, Admitted, GLOBAL_TENANT_RULE};
 use common::proxy::{Fault, FaultProxy};
+use common::regions::{eu_and_us, region};
 use common::*;
 
 const CONFIG: &str = GLOBAL_TENANT_RULE;
@@ -40,17 +41,7 @@ async fn two_regions_keep_one_global_limit_and_a_partition_falls_back_to_deny() 
     let redis = Redis::start();
     let (_dir, config) = config_file(CONFIG);
     let global = Tollgate::start(&config, &Backend::Redis(redis.url()), &["--global-tier"]);
-    let global_port: u16 = global.addr().rsplit(':').next().unwrap().parse().unwrap();
-    let proxies = [FaultProxy::start(global_port), FaultProxy::start(global_port)];
-    let regions: Vec<Tollgate> = ["eu", "us"]
-        .iter()
-        .zip(&proxies)
-        .map(|(name, proxy)| {
-            proxy.set(Fault::DelayReplies(Duration::from_millis(100)));
-            let url = format!("http://127.0.0.1:{}", proxy.port);
-            Tollgate::start(&config, &Backend::Memory, &["--global-url", &url, "--region", name])
-        })
-        .collect();
+    let (regions, proxies) = eu_and_us(&config, &global, Duration::from_millis(100));
 
     // Six seconds of both regions asking 50 a second each, against 10 a second in all.
     let admitted = Admitted::default();
@@ -136,12 +127,10 @@ async fn a_quiet_bucket_is_parked_renewed_seldom_and_still_answers_at_once() {
     let redis = Redis::start();
     let (_dir, config) = config_file(CONFIG);
     let global = Tollgate::start(&config, &Backend::Redis(redis.url()), &["--global-tier"]);
-    let proxy = FaultProxy::start(global.grpc.port());
-    proxy.set(Fault::DelayReplies(Duration::from_millis(100)));
-    let url = format!("http://127.0.0.1:{}", proxy.port);
     // Each first request waits for its first lease (100 ms away), rather than being denied.
-    let flags = ["--global-url", &url, "--region", "eu", "--global-first-lease-wait", "1s"];
-    let region = Tollgate::start(&config, &Backend::Memory, &flags);
+    let wait = ["--global-first-lease-wait", "1s"];
+    let (region, _proxy) =
+        region(&config, &Backend::Memory, &global, ("eu", Duration::from_millis(100)), &wait);
 
     // Twenty tenants asked for, then quiet.
     let tenants: Vec<String> = (0..20).map(|i| format!("tenant=t{i}")).collect();

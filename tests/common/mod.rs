@@ -12,6 +12,7 @@
 pub mod load;
 pub mod paced;
 pub mod proxy;
+pub mod regions;
 
 mod configmap;
 mod envoy;
