@@ -25,11 +25,12 @@
 
 mod count;
 mod global;
+mod money_lease;
 mod parse;
 mod recover;
 mod standing;
 
-pub use self::global::{BudgetGrant, BudgetRenewal, GlobalBudgets, BUDGET_LEASE_TTL, MAX_BUDGET_LEASES};
+pub use self::money_lease::{BudgetGrant, BudgetRenewal, GlobalBudgets, BUDGET_LEASE_TTL, MAX_BUDGET_LEASES};
 pub use self::standing::{LevelStanding, Standing, StandingError};
 
 use std::sync::Arc;
@@ -37,7 +38,7 @@ use std::sync::Arc;
 use futures::future::join_all;
 
 use self::count::{budget_store_failed, count_refusal};
-use self::global::LeasedLevel;
+use self::money_lease::LeasedLevel;
 use self::parse::{capped_usage, parse, settlement_price, Parsed, Refusal};
 use self::recover::call;
 
