@@ -86,6 +86,8 @@ struct MoneyLease {
     window_ms: u64,
     largest: Money,
     used_ms: u64,
+    // Money held here at the last look: holds still open, which the lease must outlive.
+    held: Money,
 }
 
 impl MoneyLease {
@@ -208,6 +210,7 @@ impl GlobalBudgets {
                 window_ms: 0,
                 largest: Money::ZERO,
                 used_ms: now_ms,
+                held: Money::ZERO,
             };
             if table.len() >= MAX_BUDGET_LEASES && !table.contains_key(&level.key) {
                 metrics::counter!("tollgate_global_shares_refused_total").increment(1);
@@ -245,7 +248,8 @@ impl GlobalBudgets {
     pub(super) fn due(&self, round: u64, now_ms: u64) -> Vec<(String, LevelOp)> {
         let mut table = self.table();
         table.retain(|_, l| {
-            l.end_ms > now_ms as i64 && (now_ms.saturating_sub(l.used_ms) < FORGET_MS || l.in_flight > 0)
+            let busy = l.in_flight > 0 || l.held > Money::ZERO;
+            l.end_ms > now_ms as i64 && (now_ms.saturating_sub(l.used_ms) < FORGET_MS || busy)
         });
         table
             .iter()
@@ -266,6 +270,7 @@ impl GlobalBudgets {
     ) -> Option<BudgetRenewal> {
         let mut table = self.table();
         let lease = table.get_mut(key)?;
+        lease.held = held;
         let committed = spent + held;
         let ahead = lease.ahead(now_ms);
         let target = committed + ahead;
@@ -283,7 +288,9 @@ impl GlobalBudgets {
                 return None;
             }
             (Some(granted), None) => {
-                let nothing_held_there = granted <= committed && ahead == Money::ZERO;
+                // Kept alive while the global tier holds any of it unspent (open holds here
+                // included: it would lapse and be charged whole before they settle).
+                let nothing_held_there = granted <= spent && ahead == Money::ZERO;
                 let ending = lease.expires_ms.saturating_sub(now_ms) < RENEW_BEFORE_MS;
                 if !ending || nothing_held_there {
                     return None;
@@ -353,6 +360,7 @@ mod tests {
             window_ms: 0,
             largest: Money(100),
             used_ms: 0,
+            held: Money::ZERO,
         }
     }
 
@@ -420,5 +428,10 @@ mod tests {
         budgets.answered(vec![(r, Some(grant))], now);
         budgets.table().get_mut("k").unwrap().expires_ms = 0;
         assert!(budgets.plan("k", Money(300), Money(0), 1, now + 1).is_none(), "nothing held there to renew");
+        // A hold still open when it was given back: renewed as it ends, and not forgotten, so
+        // that the global tier does not charge it whole before it settles.
+        let r = budgets.plan("k", Money(200), Money(100), 2, now + 2).expect("kept alive");
+        assert_eq!((r.report.spent, r.report.wanted), (Money(200), Money(300)));
+        assert_eq!(budgets.due(5, now + FORGET_MS + 1).len(), 1, "not forgotten while a hold is open");
     }
 }
