@@ -457,41 +457,26 @@ fn amount_and_calendar(
 }
 
 impl Limiter {
-    // The verdict and report of a request's answer. A global level's money left is its lease's
-    // room here plus what nobody holds at the global tier; one exhausted here may be granted
-    // more within a round, so its wait is a second, not its period.
+    // The verdict and report of a request's answer, with what the global tier's last answer left
+    // unheld at each of its global levels.
     fn report(&self, request: &Request, outcome: &BudgetOutcome, currency: &str) -> (Code, BudgetReport) {
-        let (code, mut report) = report(request, outcome, currency);
-        if request.leased.is_empty() {
-            return (code, report);
+        let mut unleased = vec![Money::ZERO; request.op.levels.len()];
+        for level in &request.leased {
+            unleased[level.index] = self.unleased(&level.key);
         }
-        if let BudgetOutcome::Held { levels, now_ms, .. } | BudgetOutcome::Settled { levels, now_ms, .. } =
-            outcome
-        {
-            report.least = levels
-                .iter()
-                .zip(&request.op.levels)
-                .enumerate()
-                .map(|(i, (r, level))| {
-                    let unleased = match request.leased.iter().find(|l| l.index == i) {
-                        Some(l) => self.unleased(&l.key),
-                        None => Money::ZERO,
-                    };
-                    (level.amount.saturating_sub(r.used) + unleased, seconds_until(r.end_ms, *now_ms))
-                })
-                .min_by_key(|(left, _)| *left);
-        }
-        let exhausted_here =
-            report.exhausted.as_ref().and_then(|e| request.level_names.iter().position(|n| n == e));
-        if exhausted_here.is_some_and(|i| request.leased.iter().any(|l| l.index == i)) {
-            report.retry_after_s = Some(1);
-        }
-        (code, report)
+        report(request, outcome, currency, &unleased)
     }
 }
 
-// The verdict and report of a request's answer.
-fn report(request: &Request, outcome: &BudgetOutcome, currency: &str) -> (Code, BudgetReport) {
+// The verdict and report of a request's answer. A global level's money left is its lease's room
+// here plus `unleased` (what nobody holds at the global tier); one exhausted here may be granted
+// more within a round, so its wait is a second, not its period.
+fn report(
+    request: &Request,
+    outcome: &BudgetOutcome,
+    currency: &str,
+    unleased: &[Money],
+) -> (Code, BudgetReport) {
     let (now_ms, levels, code, exhausted, retry) = match outcome {
         BudgetOutcome::Held { verdict: HoldVerdict::Reused, .. } => {
             return (Code::OverLimit, BudgetReport::refused(REFUSED_REQUEST_ID, currency));
@@ -500,6 +485,7 @@ fn report(request: &Request, outcome: &BudgetOutcome, currency: &str) -> (Code, 
             let code = if *verdict == HoldVerdict::Denied { Code::OverLimit } else { Code::Ok };
             let whole = |ms: u64| ms.div_ceil(1000).max(1);
             let retry = match (exhausted, slots.full, short) {
+                (Some(l), _, _) if request.leased.iter().any(|g| g.index == *l) => Some(1),
                 (Some(l), _, _) => levels.get(*l).map(|r| seconds_until(r.end_ms, *now_ms)),
                 (None, Some(set), _) => slots.readings.get(set).and_then(|r| r.frees_in_ms).map(whole),
                 (None, None, Some(b)) => buckets.get(*b).and_then(|(_, wait)| wait.map(whole)),
@@ -513,12 +499,12 @@ fn report(request: &Request, outcome: &BudgetOutcome, currency: &str) -> (Code, 
         | BudgetOutcome::Peeked { .. }
         | BudgetOutcome::Leased { .. } => (0, &[][..], Code::Ok, None, None),
     };
-    let amounts = request.op.levels.iter().map(|l| l.amount);
     let least = levels
         .iter()
-        .zip(amounts)
-        .map(|(r, amount): (&LevelReading, Money)| {
-            (amount.saturating_sub(r.used), seconds_until(r.end_ms, now_ms))
+        .zip(&request.op.levels)
+        .zip(unleased)
+        .map(|((r, level), unleased): ((&LevelReading, &LevelOp), &Money)| {
+            (level.amount.saturating_sub(r.used) + *unleased, seconds_until(r.end_ms, now_ms))
         })
         .min_by_key(|(left, _)| *left);
     // Per level, the highest soft limit its spend is at or above.
