@@ -182,7 +182,7 @@ impl World {
             capacity,
             unit: 1.0,
             refill_per_second: rate,
-            of_unleased: if fresh { 0.5 } else { 1.0 },
+            of_unleased: if fresh { tollgate::limiter::YOUNG_OF_UNLEASED } else { 1.0 },
             ttl_ms: TTL_MS,
             demand: 0.0,
             fresh,

@@ -56,24 +56,25 @@ async fn regions_lease_a_global_bucket_and_rls_spends_the_rest() {
     let addr = server.addr();
     let acme = [("tenant", "acme")];
 
-    // A first lease gets what it asks of the capacity, half of the rate the others leave.
+    // A first lease gets what it asks of the capacity, at most three quarters of the rate the
+    // others leave (all of the 6 asked).
     let eu = renew(&addr, "eu", vec![renewal(&acme, 60.0, 6.0, true)]).await.unwrap();
     assert!(eu[0].known);
     assert_eq!((eu[0].bucket_capacity, eu[0].bucket_refill_per_second, eu[0].cost), (100.0, 10.0, 1));
-    assert_eq!((eu[0].capacity, eu[0].refill_per_second), (60.0, 5.0));
-    // The second region finds 40 tokens left, and half of the 5 a second eu leaves.
+    assert_eq!((eu[0].capacity, eu[0].refill_per_second), (60.0, 6.0));
+    // The second region finds 40 tokens left, and three quarters of the 4 a second eu leaves.
     let us = renew(&addr, "us", vec![renewal(&acme, 60.0, 6.0, true)]).await.unwrap();
-    assert_eq!((us[0].capacity, us[0].refill_per_second), (40.0, 2.5));
-    assert_eq!((us[0].others_capacity, us[0].others_refill_per_second), (60.0, 5.0));
+    assert_eq!((us[0].capacity, us[0].refill_per_second), (40.0, 3.0));
+    assert_eq!((us[0].others_capacity, us[0].others_refill_per_second), (60.0, 6.0));
     // A renewal of what the region holds, sent twice (a retry after a lost answer): the same
     // lease, nothing more taken.
     for _ in 0..2 {
-        let again = renew(&addr, "us", vec![renewal(&acme, 40.0, 2.5, false)]).await.unwrap();
-        assert_eq!((again[0].capacity, again[0].refill_per_second), (40.0, 2.5));
+        let again = renew(&addr, "us", vec![renewal(&acme, 40.0, 3.0, false)]).await.unwrap();
+        assert_eq!((again[0].capacity, again[0].refill_per_second), (40.0, 3.0));
     }
 
     // Both leases are in the bucket, and its balance is what they left: nothing, so the global
-    // tier's own RLS request is denied (2.5 tokens a second are unleased: none refilled yet).
+    // tier's own RLS request is denied (1 token a second is unleased: none refilled yet).
     let mut con = redis.connection();
     let leases: String = redis::cmd("HGET").arg(BUCKET).arg("h").query(&mut con).unwrap();
     assert!(leases.contains("region:eu ") && leases.contains("region:us "), "{leases}");
@@ -88,8 +89,8 @@ async fn regions_lease_a_global_bucket_and_rls_spends_the_rest() {
         .unwrap();
     let explained = String::from_utf8_lossy(&explained.stdout);
     assert!(explained.contains("global: one bucket for every region"), "{explained}");
-    assert!(explained.contains("leased:   60.000 tokens, 5.000/s to region:eu"), "{explained}");
-    assert!(explained.contains("leased:   40.000 tokens, 2.500/s to region:us"), "{explained}");
+    assert!(explained.contains("leased:   60.000 tokens, 6.000/s to region:eu"), "{explained}");
+    assert!(explained.contains("leased:   40.000 tokens, 3.000/s to region:us"), "{explained}");
     let rls = ask(&addr, req("api", &["tenant=acme"], 1)).await.unwrap();
     assert_eq!(rls.overall_code, OVER_LIMIT);
 

@@ -367,7 +367,7 @@ async fn an_assignment_is_a_refilling_share_of_the_bucket() {
     let mut stream = Stream::open(&server.addr()).await;
     let slow = bucket(&[("slow", "s")]);
     stream.send("quota", vec![report(&slow, 0, 1, 0)]).await;
-    // The floor first (one request, a sixteenth of the rate: 112 an hour), for a second (set
+    // Young first (one request, three quarters of the rate: 1,350 an hour), for a second (set
     // again once, unchanged, to learn the others), then all of it.
     let mut fills = Vec::new();
     let (q, b) = loop {
@@ -392,7 +392,7 @@ async fn an_assignment_is_a_refilling_share_of_the_bucket() {
             break (*q, b);
         }
     };
-    assert_eq!(fills, [900, 1_800], "half the rate (a young lease, alone), then all of it");
+    assert_eq!(fills, [1_350, 1_800], "three quarters of the rate (a young lease, alone), then all of it");
     let lives = q.assignment_time_to_live.unwrap().seconds;
     println!(
         "assignment: {} requests, {} per {} s, for {lives} s",
@@ -436,8 +436,9 @@ async fn replicas_lease_in_proportion_to_demand() {
         let RlqsBucket::Leased(target) = limiter.rlqs_bucket("quota", &id).await else { panic!("leased") };
         // Capacity 100 refilling 100/s; replica a's Envoys ask 95 requests a second, b's 5.
         // A leaseholder learns the others' demand from its own ops' outcomes. Each starts young: the
-        // floor's capacity (a sixteenth), which leaves room for the others starting beside it, and
-        // half the rate the others leave (a 50, then b 25), and its next op (its second look, 10 s
+        // floor's capacity (a sixteenth, in whole requests: 6), which leaves room for the others
+        // starting beside it, and three quarters of the rate the others leave (a 75, then b
+        // 18.75), and its next op (its second look, 10 s
         // later here) is young again. After that, a knows b's demand and takes its part, 95 %,
         // of what is free; b's 5 % is under the floor, so b keeps the floor, and a has the rest.
         let (mut a, mut b) = (LocalLease::default(), LocalLease::default());
@@ -451,12 +452,12 @@ async fn replicas_lease_in_proportion_to_demand() {
         println!("{which}: first a {first_a:?} and b {first_b:?}; then b {then_b:?} and a {then_a:?}");
         assert_eq!(
             (first_a, first_b),
-            ((6.0, 50.0), (6.0, 25.0)),
-            "{which}: young: the floor, half the rate left"
+            ((6.0, 75.0), (6.0, 19.0)),
+            "{which}: young: the floor, three quarters of the rate left"
         );
         assert_eq!(then_b, (6.0, 6.0), "{which}: b keeps the floor");
         // a's growth from the floor was fresh (its Envoy's bucket restarts full): it took its whole
-        // capacity again, from what the balance leased, 100 - 2 x 6.25.
+        // capacity again, from what the balance leased, 100 - 2 x 6.
         assert_eq!(then_a, (88.0, 94.0), "{which}: a has the rate b leaves, 93.75, and the balance");
     }
 }

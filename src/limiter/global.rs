@@ -115,6 +115,9 @@ struct Entry {
     domain: String,
     entries: Vec<(String, String)>,
     share: Option<Share>,
+    // The bucket as this region's rule states it, and the first request's tokens: what its
+    // first lease is sized by, before the global tier has told the bucket.
+    first: (BucketSpec, f64),
     asked: Asked<DEMAND_WINDOW_MS>,
     pending: Option<Ask>,
     // From the last answer: the bucket and the others' demand.
@@ -146,9 +149,16 @@ impl GlobalShares {
         self.table.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    // Takes `need` tokens of bucket `key` (named `entries` in `domain` at the global tier) at
-    // `now_ms`, counting them as demand.
-    fn take(&self, key: &str, domain: &str, entries: &[(&str, &str)], need: f64, now_ms: u64) -> Taken {
+    // Takes `need` tokens of bucket `key` (named `entries` in `domain` at the global tier, `spec`
+    // as this region's rule states it) at `now_ms`, counting them as demand.
+    fn take(
+        &self,
+        key: &str,
+        (domain, entries): (&str, &[(&str, &str)]),
+        spec: BucketSpec,
+        need: f64,
+        now_ms: u64,
+    ) -> Taken {
         let mut table = self.table();
         if !table.contains_key(key) {
             if table.len() >= MAX_SHARES {
@@ -162,6 +172,7 @@ impl GlobalShares {
                     domain: domain.to_owned(),
                     entries: owned,
                     share: None,
+                    first: (spec, need),
                     asked: Asked::default(),
                     pending: None,
                     bucket: None,
@@ -208,8 +219,19 @@ impl GlobalShares {
             let live = e.share.filter(|s| s.alive(now_ms));
             let (capacity, rate) = match e.bucket {
                 _ if idle => (0.0, 0.0),
-                // Not known yet: all of it; the global tier cuts it to what the others leave.
-                None => (f64::MAX, f64::MAX),
+                // Not answered yet: a young share, as an RLQS replica's first lease: a sixteenth of
+                // the bucket (at least the first request's tokens) beside its whole rate, of which
+                // the global tier gives a fresh lease most of what the others leave. Every
+                // region's replicas ask for a new bucket at once, and the first to arrive took the
+                // whole capacity when it asked for all of it, whatever its demand: a quiet
+                // region's share then lost it when it shrank to its part (measured: a bucket of
+                // 50 asked 80/15/5 by three regions at 3x its rate admitted 11 in its first
+                // second, 0.943 of its bound over 30 s, when ap's replica took it, 65 and 0.987
+                // when eu's did). Its answer is followed by a round at once, sized by demand.
+                None => {
+                    let (spec, need) = e.first;
+                    ((spec.capacity() * FLOOR).max(need).min(spec.capacity()), spec.refill_per_second())
+                }
                 // Quiet: parked, until its next request; nothing to park without a live share.
                 Some((_, _, cost)) if demand <= 0.0 => match live {
                     None => continue,
@@ -266,6 +288,8 @@ impl GlobalShares {
             let Some(ask) = e.pending.take() else { continue };
             match granted {
                 Some(g) => {
+                    // A young share's answer: sized by demand at the next round, soon.
+                    short |= e.bucket.is_none();
                     e.bucket = Some(g.bucket);
                     e.others_demand = g.others_demand;
                     short |= g.capacity < ask.capacity * SHORT || g.rate < ask.refill_per_second * SHORT;
@@ -340,7 +364,8 @@ impl Limiter {
         }
         let take = |op: usize, d: usize| {
             let entries = &query.descriptors[d].entries;
-            shares.take(&group[op].key, &domain.name, entries, group[op].need, self.clock.now_ms())
+            let (bucket, now_ms) = (&group[op], self.clock.now_ms());
+            shares.take(&bucket.key, (&domain.name, entries), bucket.spec, bucket.need, now_ms)
         };
         let mut taken: Vec<Option<Taken>> =
             global.iter().enumerate().map(|(op, d)| d.map(|d| take(op, d))).collect();
@@ -454,11 +479,15 @@ fn share_verdict(taken: Taken, need: f64) -> Verdict {
 mod tests {
     use super::*;
 
+    fn spec() -> BucketSpec {
+        BucketSpec::new(10.0, 1.0).unwrap()
+    }
+
     // Every bucket taken once at 0 and granted a share of (1 token, 0.1/s) of a (10, 1) bucket.
     fn shares_with(buckets: usize) -> GlobalShares {
         let shares = GlobalShares::new("eu/r".into(), Duration::ZERO);
         for i in 0..buckets {
-            shares.take(&format!("k{i}"), "api", &[("tenant", "t")], 1.0, 0);
+            shares.take(&format!("k{i}"), ("api", &[("tenant", "t")]), spec(), 1.0, 0);
         }
         let granted =
             Granted { bucket: (10.0, 1.0, 1), capacity: 1.0, rate: 0.1, others_demand: 0.0, ttl_ms: 60_000 };
@@ -485,7 +514,7 @@ mod tests {
     fn a_settled_share_is_renewed_only_near_its_end() {
         // One bucket, asked steadily, holding all of it: what its demand wants.
         let shares = GlobalShares::new("eu/r".into(), Duration::ZERO);
-        let ask = |at: u64| shares.take("k", "api", &[("tenant", "t")], 1.0, at);
+        let ask = |at: u64| shares.take("k", ("api", &[("tenant", "t")]), spec(), 1.0, at);
         ask(0);
         let whole =
             Granted { bucket: (10.0, 1.0, 1), capacity: 10.0, rate: 1.0, others_demand: 0.0, ttl_ms: 10_000 };

@@ -70,14 +70,19 @@ pub const BACKGROUND_DEADLINE: Duration = Duration::from_secs(2);
 /// nothing lately: an idle client wakes up to a request or more at once, and its next report
 /// moves the lease.
 const FLOOR: f64 = 1.0 / 16.0;
-/// The most of the rate the other leases leave that a young lease takes: half, so that replicas
-/// starting on a bucket together each get some (halves, quarters, ...), and together leave
-/// little of its refill unleased.
-const YOUNG_OF_UNLEASED: f64 = 0.5;
+/// The most of the rate the other leases leave that a young lease takes: three quarters, so that
+/// replicas starting on a bucket together each get some (3/4, 3/16, 3/64, ...) and together leave
+/// little of its refill unleased: the bucket is full then, so what they leave is lost (with half,
+/// a hot bucket on 3 replicas lost an eighth of its rate for its first second or two, 2 of the
+/// 350 tokens a perfect first 30 s admits).
+pub const YOUNG_OF_UNLEASED: f64 = 0.75;
 /// How far a wanted size may move before it is set again: less is noise between reports.
 const SLACK: f64 = 0.2;
 /// A lease is hot when its clients ask for more than this part of its rate.
 const HOT: f64 = 0.5;
+/// How much earlier than it was set a lease's age counts from (see [`LocalLease::due`]): half of
+/// the edge's tick, which looks at a bucket once a second.
+const OFF_PHASE_MS: u64 = 500;
 /// How long a lease stays at the floor after its first op, and then until an op after that has
 /// told it the others: every replica's streams report a new bucket at about the same time, but
 /// not at once (a replica resolving a first report of thousands of buckets answers a few hundred
@@ -128,7 +133,12 @@ impl LocalLease {
         let young = self.young();
         let grown = self.first_ms.is_some_and(|first| now_ms.saturating_sub(first) >= GROW_AFTER_MS);
         let want = self.want(&target.spec, tokens, target.cost as f64, young);
-        let age = now_ms.saturating_sub(self.at_ms);
+        // An op set off the bucket's phase of the tick (at once, after the lease's first second)
+        // is looked at next at that phase, up to a tick less than a whole one later: so its ages
+        // count from up to half a tick earlier, or a cut lease would wait two seconds to be set
+        // again rather than one (measured: the first lease to grow after its first second, cut
+        // by the others' young rates, left 0.9 tokens a second unleased for 2 s).
+        let age = now_ms.saturating_sub(self.at_ms) + OFF_PHASE_MS;
         let due = match self.leased {
             _ if force || fresh || self.failed => true,
             None => true,
@@ -202,16 +212,20 @@ impl LocalLease {
     // knows no one else's demand yet: it starts at the floor, which leaves room for the leases
     // starting beside it (every replica's stream reports a new bucket at once), and stays there
     // while `young` ([`GROW_AFTER_MS`]), until its ops have told it theirs; its rate meanwhile
-    // is half of what the others leave ([`YOUNG_OF_UNLEASED`]). At least one
-    // request's capacity (`unit`), which is what a local bucket needs.
+    // is most of what the others leave ([`YOUNG_OF_UNLEASED`]). In whole requests' capacity
+    // (`unit`), at least one, which is what a local bucket needs.
     fn want(&self, spec: &BucketSpec, tokens: f64, unit: f64, young: bool) -> (f64, f64) {
         let total = tokens + self.others.demand;
         let part = if young || total <= 0.0 { FLOOR } else { (tokens / total).max(FLOOR) };
-        // A young lease's rate is half of what the others leave (the op's `of_unleased`): the
+        // A young lease's rate is most of what the others leave (the op's `of_unleased`): the
         // bucket's refill beyond its capacity is lost while leases leave it unleased, and the floor
         // left 15 of 16 parts of it unleased for the lease's first second.
         let rate = if young { YOUNG_OF_UNLEASED } else { part };
-        ((spec.capacity() * part).max(unit).min(spec.capacity()), spec.refill_per_second() * rate)
+        // Whole requests: an Envoy's local bucket holds whole requests, so a lease's fraction of
+        // one would be tokens taken from the balance that no one spends (a third of 50 leased as
+        // 16.7 to three Envoys of 16 left the last one's growth a token short).
+        let whole = |tokens: f64| (tokens / unit).floor() * unit;
+        (whole(spec.capacity() * part).max(unit).min(spec.capacity()), spec.refill_per_second() * rate)
     }
 }
 

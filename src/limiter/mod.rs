@@ -39,7 +39,9 @@ pub use self::decision::{
 };
 pub use self::explain::{Effect, Explained, Explanation, SpecOrigin};
 pub use self::global::{GlobalShares, Granted, Renewal, RENEW_EVERY};
-pub use self::lease::{LeasedBucket, LocalLease, RlqsBucket, ASSIGNMENT_TTL, LEASE_TTL, RENEW_AFTER};
+pub use self::lease::{
+    LeasedBucket, LocalLease, RlqsBucket, ASSIGNMENT_TTL, LEASE_TTL, RENEW_AFTER, YOUNG_OF_UNLEASED,
+};
 
 use std::sync::Arc;
 

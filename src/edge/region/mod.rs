@@ -21,7 +21,7 @@ use tonic::{Request, Response, Status};
 
 use crate::bucket::{is_parked, LeaseOp, LeaseOutcome};
 use crate::budget::{LeaseReport, Money};
-use crate::limiter::{LeasedBucket, Limiter, MAX_BUDGET_LEASES};
+use crate::limiter::{LeasedBucket, Limiter, MAX_BUDGET_LEASES, YOUNG_OF_UNLEASED};
 
 pub mod client;
 
@@ -92,9 +92,9 @@ impl RegionLeases for RegionLeasesGrpc {
                     capacity: b.capacity.min(bucket.spec.capacity()),
                     unit: bucket.cost as f64,
                     refill_per_second: b.refill_per_second.min(bucket.spec.refill_per_second()),
-                    // A first lease cannot know how many regions start beside it: half of what
+                    // A first lease cannot know how many regions start beside it: most of what
                     // the others leave (as an RLQS replica's first lease).
-                    of_unleased: if b.fresh { 0.5 } else { 1.0 },
+                    of_unleased: if b.fresh { YOUNG_OF_UNLEASED } else { 1.0 },
                     ttl_ms: ttl.as_millis() as u64,
                     demand: b.demand,
                     fresh: b.fresh,
