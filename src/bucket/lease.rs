@@ -146,8 +146,9 @@ pub struct LeaseOp {
     /// The rate wanted, in tokens per second.
     pub refill_per_second: f64,
     /// The most of the rate the other leases leave that this op takes (1: all of it). A first
-    /// lease, which cannot know how many replicas start beside it, takes half: any number of them
-    /// starting at once each get some, and together they leave little of the rate unleased.
+    /// lease, which cannot know how many replicas start beside it, takes part of it
+    /// (`crate::limiter::YOUNG_OF_UNLEASED`): any number of them starting at once each get some,
+    /// and together they leave little of the rate unleased.
     pub of_unleased: f64,
     /// How long the lease lives from now, in milliseconds.
     pub ttl_ms: u64,
