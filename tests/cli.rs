@@ -39,6 +39,25 @@ fn validate_summarises_the_example_config() {
     assert!(stdout.contains("domain api-gateway: 5 rules"), "{stdout}");
 }
 
+/// A reader that goes away (`tollgate validate ... | head -1`) ends a command quietly, with
+/// success, as it ends `cat`: no panic about a broken pipe. The pipe's reading end is closed before
+/// the command starts, so its first write meets the broken pipe whatever the timing.
+#[test]
+fn output_to_a_closed_pipe_ends_the_command_quietly() {
+    let example = concat!(env!("CARGO_MANIFEST_DIR"), "/examples/tollgate.yaml");
+    for args in
+        [&["validate", example][..], &["render", "envoy", "--config", example, "--domain", "api-gateway"]]
+    {
+        let (reader, writer) = std::io::pipe().unwrap();
+        drop(reader);
+        let out =
+            Command::new(tollgate_bin()).args(args).env("RUST_LOG", "off").stdout(writer).output().unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success(), "{args:?}: {:?} {stderr}", out.status);
+        assert!(stderr.is_empty(), "{args:?}: {stderr}");
+    }
+}
+
 #[test]
 fn validate_and_serve_reject_a_bad_config_precisely() {
     let (_dir, path) = config_file(

@@ -55,6 +55,6 @@ pub(super) fn run(args: AskArgs) -> Outcome {
         None => None,
     };
     let response = runtime()?.block_on(client::ask_with(&args.addr, request.clone(), tls.as_ref()))?;
-    print!("{}", client::render(&request, &response));
+    out!("{}", client::render(&request, &response));
     Ok(if client::over_limit(&response) { ExitCode::from(EXIT_OVER_LIMIT) } else { ExitCode::SUCCESS })
 }

@@ -72,17 +72,17 @@ pub(super) fn run(args: BudgetArgs) -> Outcome {
             BudgetAction::Get { domain, level } => {
                 let path = path(&level)?;
                 if !print(&db, Some(&domain), Some(&path)).await? {
-                    println!("{domain} {path}: no override (the domain file's budget applies)");
+                    outln!("{domain} {path}: no override (the domain file's budget applies)");
                 }
             }
             BudgetAction::List { domain } => {
                 if !print(&db, domain.as_deref(), None).await? {
-                    println!("no budget overrides (every level has its domain file's budget)");
+                    outln!("no budget overrides (every level has its domain file's budget)");
                 }
             }
             BudgetAction::Delete { domain, level } => {
                 let deleted = db.delete_budget(&domain, &path(&level)?).await?;
-                println!("deleted {deleted} row(s)");
+                outln!("deleted {deleted} row(s)");
             }
         }
         Ok(ExitCode::SUCCESS)
@@ -100,7 +100,7 @@ fn path(level: &str) -> anyhow::Result<String> {
 async fn print(db: &PostgresQuotas, domain: Option<&str>, path: Option<&str>) -> anyhow::Result<bool> {
     let rows = db.list_budgets(domain, path).await?;
     for BudgetRow { domain, path, amount, per } in &rows {
-        println!("{domain} {path}: {amount} a {}", per.as_deref().unwrap_or("period (the file's)"));
+        outln!("{domain} {path}: {amount} a {}", per.as_deref().unwrap_or("period (the file's)"));
     }
     Ok(!rows.is_empty())
 }

@@ -96,20 +96,19 @@ pub(super) fn run(args: ExplainArgs) -> Outcome {
         };
         let explanation = limiter.explain(&query).await;
         match &explanation.domain {
-            Some(domain) => println!(
+            Some(domain) => outln!(
                 "domain {} ({}), failure_mode {}",
                 domain.name,
                 domain.file.display(),
                 domain.failure_mode
             ),
-            None => println!(
-                "domain {}: not configured, every descriptor is OK and nothing is stored",
-                args.domain
-            ),
+            None => {
+                outln!("domain {}: not configured, every descriptor is OK and nothing is stored", args.domain)
+            }
         }
         for ((i, explained), entries) in explanation.descriptors.iter().enumerate().zip(&args.descriptors) {
             let entries: Vec<String> = entries.iter().map(|(k, v)| format!("{k}={v}")).collect();
-            println!("\ndescriptor {i} [{}]", entries.join(","));
+            outln!("\ndescriptor {i} [{}]", entries.join(","));
             print_descriptor(explained, args.hits, store.as_ref()).await?;
         }
         if explanation.domain.is_none() {
@@ -139,38 +138,38 @@ async fn print_descriptor(
         }
         let also = if also.is_empty() { String::new() } else { format!(" ({})", also.join(", ")) };
         let (line, column) = rule.position;
-        println!("  rule:     {} at {}:{line}:{column}{also}", rule.path, rule.file.display());
+        outln!("  rule:     {} at {}:{line}:{column}{also}", rule.path, rule.file.display());
     }
     for s in &explained.slots {
         let what = match s.action {
             SlotAction::Take => "takes a slot",
             SlotAction::GiveBack => "gives back its slot",
         };
-        println!(
+        outln!(
             "  slots:    {what} of {} (at most {} in flight, a slot not given back freed after {:?})",
             s.node,
             s.max,
             Duration::from_millis(s.ttl_ms)
         );
-        println!("            set {} in Cluster slot {}", s.key, s.slot);
+        outln!("            set {} in Cluster slot {}", s.key, s.slot);
         if let Some(store) = store {
             let open = store.open_slots(&s.key).await.with_context(|| format!("reading {}", s.key))?;
-            println!("            {open} of {} slots open now", s.max);
+            outln!("            {open} of {} slots open now", s.max);
         }
     }
     let (limit, origin, role, need, tenant, slot) = match &explained.effect {
         Effect::UnknownDomain => return Ok(()),
         Effect::NoRule if !explained.slots.is_empty() => return Ok(()),
         Effect::NoRule => {
-            println!("  no rule with a limit matches: OK, nothing is stored");
+            outln!("  no rule with a limit matches: OK, nothing is stored");
             return Ok(());
         }
         Effect::Unlimited => {
-            println!("  unlimited: always OK, the store is never asked");
+            outln!("  unlimited: always OK, the store is never asked");
             return Ok(());
         }
         Effect::Replaced { by } => {
-            println!(
+            outln!(
                 "  replaced by {} (name {}): no limit for this request",
                 by.path,
                 by.name.as_deref().unwrap_or("")
@@ -178,7 +177,7 @@ async fn print_descriptor(
             return Ok(());
         }
         Effect::UnknownModel => {
-            println!("  the model has no price in the table: OVER_LIMIT (X-Budget-Exhausted: model)");
+            outln!("  the model has no price in the table: OVER_LIMIT (X-Budget-Exhausted: model)");
             return Ok(());
         }
         Effect::Budget(budget) => return print_budget(budget, hits, store).await,
@@ -187,14 +186,14 @@ async fn print_descriptor(
         }
     };
     let tenant = tenant.as_ref().map(|t| format!("   tenant {t}")).unwrap_or_default();
-    println!("  bucket:   {}   slot {slot}{tenant}", limit.key);
+    outln!("  bucket:   {}   slot {slot}{tenant}", limit.key);
     let origin = match origin {
         SpecOrigin::Rule => "the rule".to_owned(),
         SpecOrigin::RequestOverride => "the request's limit override (the rule is ignored)".to_owned(),
         SpecOrigin::TenantOverride { class } => format!("the tenant's override for class '{class}'"),
         SpecOrigin::Tier { tier, class } => format!("tier '{tier}', class '{class}'"),
     };
-    println!(
+    outln!(
         "  limit:    capacity {}, refill {}/s ({}/{})   from {origin}",
         limit.spec.capacity(),
         limit.spec.refill_per_second(),
@@ -202,7 +201,7 @@ async fn print_descriptor(
         limit.current_limit.unit.name()
     );
     let cost = explained.rule.as_ref().map_or(1, |r| r.cost);
-    println!("  takes:    {need} tokens ({hits} hits x cost {cost})");
+    outln!("  takes:    {need} tokens ({hits} hits x cost {cost})");
     let mut effects = vec![match role {
         Role::Enforced => "enforced: a shortage denies the request".to_owned(),
         Role::Shadow => "shadow mode: counted, never denies".to_owned(),
@@ -212,14 +211,14 @@ async fn print_descriptor(
         let floor = rule.charge.for_bucket(&limit.spec).floor();
         effects.push(format!("charge: always (debited even when denied, down to {floor})"));
     }
-    println!("  effects:  {}", effects.join("; "));
+    outln!("  effects:  {}", effects.join("; "));
     let Some(store) = store else {
-        println!("  balance:  not read (give --redis-url, --redis-cluster or --redis-sentinel)");
+        outln!("  balance:  not read (give --redis-url, --redis-cluster or --redis-sentinel)");
         return Ok(());
     };
     let peek = store.peek(&limit.key).await.with_context(|| format!("reading {}", limit.key))?;
     match peek.state {
-        None => println!(
+        None => outln!(
             "  balance:  {} of {} (no bucket stored: full)",
             limit.spec.capacity(),
             limit.spec.capacity()
@@ -231,7 +230,7 @@ async fn print_descriptor(
                 .ttl_ms
                 .map(|t| format!("; key expires in {:.1} s", t as f64 / 1000.0))
                 .unwrap_or_default();
-            println!(
+            outln!(
                 "  balance:  {:.3} of {} now (Redis clock), full in {full_in:.1} s{expires}",
                 now.tokens,
                 limit.spec.capacity()
@@ -239,7 +238,7 @@ async fn print_descriptor(
             // Leases: an RLQS replica's for its Envoys, or at the global tier a region
             // replica's share (`region:<region>/<replica>`).
             for lease in state.leases.iter().filter(|l| l.expires_at_ms > peek.now_ms) {
-                println!(
+                outln!(
                     "  leased:   {:.3} tokens, {:.3}/s to {} (its demand {:.3}/s), for {:.1} s more",
                     lease.capacity,
                     lease.refill_per_second,
@@ -259,7 +258,7 @@ async fn print_budget(budget: &BudgetExplained, hits: u64, store: Option<&RedisS
     let op = &budget.op;
     let prices: Vec<String> =
         Kind::ALL.iter().map(|k| format!("{} {}", k.name(), op.row.price(*k))).collect();
-    println!(
+    outln!(
         "  prices:   {} at version {} ({} per 1,000,000 tokens: {})",
         budget.model,
         op.version,
@@ -267,12 +266,12 @@ async fn print_budget(budget: &BudgetExplained, hits: u64, store: Option<&RedisS
         prices.join(", ")
     );
     if let BudgetAction::Hold { amount, tokens, .. } = op.action {
-        println!(
+        outln!(
             "  holds:    {amount} {} and {tokens} tokens for {hits} output tokens (0: the model's default)",
             budget.currency
         );
     }
-    println!("  record:   {}   slot {}", op.record, cluster_slot(&op.record));
+    outln!("  record:   {}   slot {}", op.record, cluster_slot(&op.record));
     let read = match store {
         Some(store) => {
             let peek = BudgetOp { action: BudgetAction::Peek, ..op.clone() };
@@ -289,7 +288,7 @@ async fn print_budget(budget: &BudgetExplained, hits: u64, store: Option<&RedisS
     };
     for (i, (level, name)) in op.levels.iter().zip(&budget.level_names).enumerate() {
         let [_, start, end, _] = level.around;
-        println!(
+        outln!(
             "  budget:   {name}: {} {} a period, {} .. {}   key {}:{start}",
             level.amount,
             budget.currency,
@@ -298,32 +297,31 @@ async fn print_budget(budget: &BudgetExplained, hits: u64, store: Option<&RedisS
             level.base
         );
         if budget.global[i] {
-            println!(
-                "            global: one budget for every region (regions spend from money leases of it)"
-            );
+            outln!("            global: one budget for every region (regions spend from money leases of it)");
         }
         match read.as_ref().and_then(|(levels, _)| levels.get(i)) {
-            Some((spent, held, end)) => println!(
+            Some((spent, held, end)) => outln!(
                 "            spent {spent}, held {held}, left {} (period ends {})",
                 level.amount.saturating_sub(*spent + *held),
                 instant(*end)
             ),
-            None => println!(
-                "            spent: not read (give --redis-url, --redis-cluster or --redis-sentinel)"
-            ),
+            None => {
+                outln!("            spent: not read (give --redis-url, --redis-cluster or --redis-sentinel)")
+            }
         }
         // At the global tier, each region replica's money lease: its share of the budget.
         for (holder, granted, reported) in
             read.as_ref().and_then(|(_, leases)| leases.get(i)).into_iter().flatten()
         {
-            println!(
+            outln!(
                 "            leased: {} {} granted to {holder}, {reported} of it reported spent",
-                granted, budget.currency
+                granted,
+                budget.currency
             );
         }
     }
     for bucket in &op.buckets {
-        println!(
+        outln!(
             "  bucket:   {}   capacity {}, refill {}/s (tokens)",
             bucket.key,
             bucket.spec.capacity(),

@@ -2,6 +2,21 @@
 //! handler; this one parses, sets up logging, dispatches, and turns the outcome into an exit
 //! code. Errors are printed once, each cause once ([`ErrorChain`]).
 
+/// `print!` for a command's output: a reader that went away (`tollgate explain ... | head`) ends
+/// the command quietly, as it ends `cat`, where `print!` panics on the broken pipe.
+macro_rules! out {
+    ($($arg:tt)*) => {
+        $crate::cli::write_out(format_args!($($arg)*))
+    };
+}
+
+/// `println!` for a command's output (see `out!`).
+macro_rules! outln {
+    ($($arg:tt)*) => {
+        $crate::cli::write_out(format_args!("{}\n", format_args!($($arg)*)))
+    };
+}
+
 mod ask;
 mod budget;
 mod explain;
@@ -53,6 +68,16 @@ enum Command {
     Budget(budget::BudgetArgs),
     /// Print the Envoy or Istio configuration that sends the descriptors a config expects.
     Render(render::RenderArgs),
+}
+
+/// Writes `args` to stdout; exits with success when the reader has gone away.
+fn write_out(args: std::fmt::Arguments<'_>) {
+    use std::io::Write as _;
+    match std::io::stdout().lock().write_fmt(args) {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => std::process::exit(0),
+        Err(e) => panic!("failed printing to stdout: {e}"),
+    }
 }
 
 /// What a subcommand's handler returns: its exit code, or an error (exit code 1; `ask` uses 2).

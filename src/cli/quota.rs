@@ -83,7 +83,7 @@ pub(super) fn run(args: QuotaArgs) -> Outcome {
                 // Silent when there was nothing to do, so that it can run on every deploy.
                 let created = db.migrate().await?;
                 if created > 0 {
-                    println!("created {created} tollgate table(s) in {}", db.describe());
+                    outln!("created {created} tollgate table(s) in {}", db.describe());
                 }
             }
             QuotaAction::Set { tenant, tier, class, capacity, refill_per_second, expires_in } => {
@@ -103,7 +103,7 @@ pub(super) fn run(args: QuotaArgs) -> Outcome {
             QuotaAction::Get { tenant } => {
                 let listings = db.list(Some(&tenant)).await?;
                 if listings.is_empty() {
-                    println!(
+                    outln!(
                         "tenant {tenant}: no rows in the quota database (it gets its inline record in a domain file, if it has one, else each domain's default tier)"
                     );
                 }
@@ -112,13 +112,13 @@ pub(super) fn run(args: QuotaArgs) -> Outcome {
             QuotaAction::List => {
                 let listings = db.list(None).await?;
                 if listings.is_empty() {
-                    println!("no tenants in the quota database (every tenant gets its inline record or its domain's default tier)");
+                    outln!("no tenants in the quota database (every tenant gets its inline record or its domain's default tier)");
                 }
                 print_listings(&listings);
             }
             QuotaAction::Delete { tenant, class } => {
                 let deleted = db.delete(&tenant, class.as_deref()).await?;
-                println!("deleted {deleted} row(s)");
+                outln!("deleted {deleted} row(s)");
             }
         }
         Ok(ExitCode::SUCCESS)
@@ -127,13 +127,13 @@ pub(super) fn run(args: QuotaArgs) -> Outcome {
 
 fn print_listings(listings: &[Listing]) {
     for l in listings {
-        println!("tenant {}: tier {}", l.tenant, l.tier.as_deref().unwrap_or("(default tier)"));
+        outln!("tenant {}: tier {}", l.tenant, l.tier.as_deref().unwrap_or("(default tier)"));
         for o in &l.overrides {
             let expiry = o
                 .expires_at
                 .map(|at| format!(" until {}", humantime::format_rfc3339_seconds(at)))
                 .unwrap_or_default();
-            println!("  {}: capacity {}, refill {}/s{expiry}", o.class, o.capacity, o.refill_per_second);
+            outln!("  {}: capacity {}, refill {}/s{expiry}", o.class, o.capacity, o.refill_per_second);
         }
     }
 }

@@ -30,7 +30,7 @@ pub(super) fn run(args: ValidateArgs) -> Outcome {
     for domain in rules.domains() {
         any = true;
         let n = domain.rules.len();
-        println!(
+        outln!(
             "domain {}: {n} rule{} ({})",
             domain.name,
             if n == 1 { "" } else { "s" },
@@ -40,14 +40,14 @@ pub(super) fn run(args: ValidateArgs) -> Outcome {
         // mistake (or not marked) shows.
         for rule in domain.rules.iter().filter(|r| r.global) {
             let fallback = super::explain::fallback(rule.global_fallback);
-            println!("  global: {} (one bucket for every region; {fallback})", rule.path);
+            outln!("  global: {} (one bucket for every region; {fallback})", rule.path);
         }
         global_budgets(domain.root.nodes(), "");
     }
     if !any {
         bail!("{}: no domains", path.display());
     }
-    println!("ok");
+    outln!("ok");
     Ok(ExitCode::SUCCESS)
 }
 
@@ -56,7 +56,7 @@ fn global_budgets(nodes: &[tollgate::matcher::Node], above: &str) {
     for node in nodes {
         let path = format!("{above}{}{}", if above.is_empty() { "" } else { "." }, node.key);
         if node.budget.as_ref().is_some_and(|b| b.global) {
-            println!(
+            outln!(
                 "  global: {path} budget (one budget for every region, spent from money leases; cut off past a lease's life, a region denies)"
             );
         }
