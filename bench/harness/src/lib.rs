@@ -18,6 +18,12 @@ pub mod paced;
 #[path = "../../../tests/common/proxy.rs"]
 pub mod proxy;
 
+/// A flag's seconds (fractions allowed) as a duration: clap's parser for the binaries' times.
+pub fn seconds(s: &str) -> Result<Duration, String> {
+    let seconds: f64 = s.parse().map_err(|e| format!("{s}: {e}"))?;
+    Duration::try_from_secs_f64(seconds).map_err(|e| format!("{s}: {e}"))
+}
+
 /// A free loopback port.
 pub fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()

@@ -17,6 +17,8 @@
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
+use clap::Parser;
+
 use envoy_types::pb::envoy::service::rate_limit_quota::v3::rate_limit_quota_response::bucket_action::BucketAction as Action;
 use envoy_types::pb::envoy::service::rate_limit_quota::v3::rate_limit_quota_service_client::RateLimitQuotaServiceClient;
 use envoy_types::pb::envoy::service::rate_limit_quota::v3::rate_limit_quota_usage_reports::BucketQuotaUsage;
@@ -25,38 +27,28 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
+use tollgate_bench::seconds;
 
+/// The attack's flags.
+#[derive(Parser)]
 struct Args {
+    /// tollgate's gRPC address.
+    #[arg(long, default_value = "127.0.0.1:8081")]
     addr: String,
+    #[arg(long, default_value = "rlqs")]
     domain: String,
+    /// `ids`: bucket ids reported.
+    #[arg(long, default_value_t = 1_000_000)]
     ids: usize,
+    /// `ids`, `mute`: streams opened.
+    #[arg(long, default_value_t = 20)]
     streams: usize,
+    /// `slow-http`, `idle-h2`: connections opened.
+    #[arg(long, default_value_t = 1_000)]
     conns: usize,
+    /// How long the connections are held, in seconds.
+    #[arg(long, default_value = "30", value_parser = seconds)]
     hold: Duration,
-}
-
-fn parse(mut argv: impl Iterator<Item = String>) -> Args {
-    let mut a = Args {
-        addr: "127.0.0.1:8081".into(),
-        domain: "rlqs".into(),
-        ids: 1_000_000,
-        streams: 20,
-        conns: 1_000,
-        hold: Duration::from_secs(30),
-    };
-    while let Some(flag) = argv.next() {
-        let mut value = || argv.next().unwrap_or_else(|| panic!("{flag} needs a value"));
-        match flag.as_str() {
-            "--addr" => a.addr = value(),
-            "--domain" => a.domain = value(),
-            "--ids" => a.ids = value().parse().unwrap(),
-            "--streams" => a.streams = value().parse().unwrap(),
-            "--conns" => a.conns = value().parse().unwrap(),
-            "--hold" => a.hold = Duration::from_secs_f64(value().parse().unwrap()),
-            other => panic!("unknown flag {other}"),
-        }
-    }
-    a
 }
 
 fn usage(prefix: &str, i: usize) -> BucketQuotaUsage {
@@ -212,7 +204,7 @@ async fn main() {
         eprintln!("usage: hostile ids|mute|slow-http|idle-h2 [flags]");
         std::process::exit(2);
     };
-    let a = parse(argv);
+    let a = Args::parse_from(std::iter::once(attack.clone()).chain(argv));
     match attack.as_str() {
         "ids" => ids(&a).await,
         "mute" => mute(&a).await,

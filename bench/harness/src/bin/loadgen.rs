@@ -17,6 +17,8 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use clap::Parser;
+
 use bytes::Bytes;
 use envoy_types::pb::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::Entry;
 use envoy_types::pb::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor;
@@ -25,62 +27,51 @@ use hdrhistogram::Histogram;
 use prost::Message;
 use rand::distr::Distribution;
 use rand::SeedableRng;
+use tollgate_bench::seconds;
 
+/// The load's flags.
+#[derive(Parser)]
 struct Args {
+    /// tollgate's gRPC address.
+    #[arg(long, default_value = "127.0.0.1:8081")]
     addr: String,
+    #[arg(long, default_value = "bench")]
     domain: String,
+    /// Tenants asked about.
+    #[arg(long, default_value_t = 10_000)]
     tenants: u64,
+    /// The Zipf exponent of the tenants' popularity (0: uniform).
+    #[arg(long, default_value_t = 0.0)]
     zipf: f64,
+    /// The tenants' names' prefix.
+    #[arg(long, default_value = "t")]
     prefix: String,
+    /// A `class` entry after the tenant's, if given.
+    #[arg(long)]
     class: Option<String>,
+    /// Descriptors per request.
+    #[arg(long, default_value_t = 1)]
     per_request: usize,
+    #[arg(long, default_value_t = 4)]
     connections: usize,
+    /// Requests in flight (closed loop).
+    #[arg(long, default_value_t = 64)]
     concurrency: usize,
+    /// Seconds measured.
+    #[arg(long, default_value = "10", value_parser = seconds)]
     duration: Duration,
+    /// Seconds before the measurement.
+    #[arg(long, default_value = "2", value_parser = seconds)]
     warmup: Duration,
+    /// Open loop at this many requests a second.
+    #[arg(long)]
     rate: Option<f64>,
+    /// Tenants in order rather than drawn.
+    #[arg(long)]
     sequential: bool,
+    /// Stop after this many requests.
+    #[arg(long)]
     count: Option<u64>,
-}
-
-fn parse(mut argv: impl Iterator<Item = String>) -> Args {
-    let mut a = Args {
-        addr: "127.0.0.1:8081".into(),
-        domain: "bench".into(),
-        tenants: 10_000,
-        zipf: 0.0,
-        prefix: "t".into(),
-        class: None,
-        per_request: 1,
-        connections: 4,
-        concurrency: 64,
-        duration: Duration::from_secs(10),
-        warmup: Duration::from_secs(2),
-        rate: None,
-        sequential: false,
-        count: None,
-    };
-    while let Some(flag) = argv.next() {
-        let mut value = || argv.next().unwrap_or_else(|| panic!("{flag} needs a value"));
-        match flag.as_str() {
-            "--addr" => a.addr = value(),
-            "--domain" => a.domain = value(),
-            "--tenants" => a.tenants = value().parse().unwrap(),
-            "--zipf" => a.zipf = value().parse().unwrap(),
-            "--prefix" => a.prefix = value(),
-            "--class" => a.class = Some(value()),
-            "--per-request" => a.per_request = value().parse().unwrap(),
-            "--connections" => a.connections = value().parse().unwrap(),
-            "--concurrency" => a.concurrency = value().parse().unwrap(),
-            "--duration" => a.duration = Duration::from_secs_f64(value().parse().unwrap()),
-            "--warmup" => a.warmup = Duration::from_secs_f64(value().parse().unwrap()),
-            "--rate" => a.rate = Some(value().parse().unwrap()),
-            "--sequential" => a.sequential = true,
-            "--count" => a.count = Some(value().parse().unwrap()),
-            other => panic!("unknown flag {other}"),
-        }
-    }
-    a
 }
 
 fn request(args: &Args, tenants: impl Iterator<Item = u64>) -> RateLimitRequest {
@@ -104,11 +95,11 @@ async fn main() {
     let mut argv = std::env::args().skip(1);
     match argv.next().as_deref() {
         Some("body") => {
-            let args = parse(argv);
+            let args = Args::parse_from(std::iter::once("body".to_owned()).chain(argv));
             use std::io::Write;
             std::io::stdout().write_all(&framed(&request(&args, 0..args.per_request as u64))).unwrap();
         }
-        Some("run") => run(parse(argv)).await,
+        Some("run") => run(Args::parse_from(std::iter::once("run".to_owned()).chain(argv))).await,
         _ => {
             eprintln!("usage: loadgen run [flags] | loadgen body [flags] > body.bin");
             std::process::exit(2);

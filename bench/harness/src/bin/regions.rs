@@ -22,6 +22,8 @@ use std::process::Command;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use clap::Parser;
+
 use envoy_types::pb::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::Entry;
 use envoy_types::pb::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor;
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_client::RateLimitServiceClient;
@@ -46,37 +48,27 @@ const CONFIG: [(&str, &str); 5] = [
     ("regional.yaml", "domain: regional\ndescriptors:\n  - key: tenant\n    token_bucket: {capacity: 1000000000, refill_per_second: 1000000000}\n"),
 ];
 
+/// The run's flags.
+#[derive(Parser)]
 struct Args {
+    /// The tollgate binary.
+    #[arg(long, default_value = "target/release/tollgate")]
     tollgate: PathBuf,
+    /// Where configs and logs go.
+    #[arg(long, default_value_os_t = std::env::temp_dir())]
     dir: PathBuf,
+    /// Seconds of the 80/15/5 world.
+    #[arg(long, default_value_t = 60.0)]
     world_seconds: f64,
+    /// Seconds of each latency measurement.
+    #[arg(long, default_value_t = 10.0)]
     latency_seconds: f64,
+    /// Requests a second of the latency load.
+    #[arg(long, default_value_t = 1000.0)]
     rate: f64,
+    /// Tenants of the latency load.
+    #[arg(long, default_value_t = 1000)]
     buckets: usize,
-}
-
-fn parse(mut argv: impl Iterator<Item = String>) -> Args {
-    let mut a = Args {
-        tollgate: "target/release/tollgate".into(),
-        dir: std::env::temp_dir(),
-        world_seconds: 60.0,
-        latency_seconds: 10.0,
-        rate: 1000.0,
-        buckets: 1000,
-    };
-    while let Some(flag) = argv.next() {
-        let mut value = || argv.next().unwrap_or_else(|| panic!("{flag} needs a value"));
-        match flag.as_str() {
-            "--tollgate" => a.tollgate = value().into(),
-            "--dir" => a.dir = value().into(),
-            "--world-seconds" => a.world_seconds = value().parse().unwrap(),
-            "--latency-seconds" => a.latency_seconds = value().parse().unwrap(),
-            "--rate" => a.rate = value().parse().unwrap(),
-            "--buckets" => a.buckets = value().parse().unwrap(),
-            other => panic!("unknown flag {other}"),
-        }
-    }
-    a
 }
 
 /// A redis-server on a free loopback port: its guard and address.
@@ -178,7 +170,7 @@ async fn open_loop(addrs: &[String], domain: &str, a: &Args, warmup: Duration) -
 
 #[tokio::main]
 async fn main() {
-    let a = parse(std::env::args().skip(1));
+    let a = Args::parse();
     let config = a.dir.join("regions");
     std::fs::create_dir_all(&config).unwrap();
     for (file, yaml) in CONFIG {

@@ -21,6 +21,8 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use clap::Parser;
+
 use envoy_types::pb::envoy::r#type::v3::rate_limit_strategy::{BlanketRule, Strategy};
 use envoy_types::pb::envoy::service::rate_limit_quota::v3::rate_limit_quota_response::bucket_action::BucketAction as Action;
 use envoy_types::pb::envoy::service::rate_limit_quota::v3::rate_limit_quota_service_client::RateLimitQuotaServiceClient;
@@ -32,52 +34,38 @@ use envoy_types::pb::google::protobuf::Duration as ProtoDuration;
 use hdrhistogram::Histogram;
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
-use tollgate_bench::{percentile, redis_work};
+use tollgate_bench::{percentile, redis_work, seconds};
 
+/// The run's flags.
+#[derive(Parser)]
 struct Args {
+    /// The tollgate replicas' gRPC addresses, one stream each.
+    #[arg(long, value_delimiter = ',', default_value = "127.0.0.1:8081")]
     addrs: Vec<String>,
+    /// One address, or a Cluster's primaries comma-separated: their work is summed.
+    #[arg(long, default_value = "127.0.0.1:6379")]
     redis: String,
+    #[arg(long, default_value = "rlqs")]
     domain: String,
+    #[arg(long, default_value_t = 1000)]
     buckets: usize,
+    /// Buckets asked for (the first ones); the rest are idle.
+    #[arg(long, default_value_t = 0)]
     hot: usize,
+    /// Requests a second each hot bucket wants, per stream.
+    #[arg(long, default_value_t = 30.0)]
     demand: f64,
+    /// The bucket's capacity and rate, as the config states them (for the bound).
+    #[arg(long, default_value_t = 50.0)]
     capacity: f64,
+    #[arg(long, default_value_t = 10.0)]
     rate: f64,
+    /// Seconds measured.
+    #[arg(long, default_value = "30", value_parser = seconds)]
     duration: Duration,
+    /// Seconds before the measurement.
+    #[arg(long, default_value = "10", value_parser = seconds)]
     warmup: Duration,
-}
-
-fn parse(mut argv: impl Iterator<Item = String>) -> Args {
-    let mut a = Args {
-        addrs: vec!["127.0.0.1:8081".into()],
-        redis: "127.0.0.1:6379".into(),
-        domain: "rlqs".into(),
-        buckets: 1000,
-        hot: 0,
-        demand: 30.0,
-        capacity: 50.0,
-        rate: 10.0,
-        duration: Duration::from_secs(30),
-        warmup: Duration::from_secs(10),
-    };
-    while let Some(flag) = argv.next() {
-        let mut value = || argv.next().unwrap_or_else(|| panic!("{flag} needs a value"));
-        match flag.as_str() {
-            "--addrs" => a.addrs = value().split(',').map(str::to_owned).collect(),
-            // One address, or a Cluster's primaries comma-separated: their work is summed.
-            "--redis" => a.redis = value(),
-            "--domain" => a.domain = value(),
-            "--buckets" => a.buckets = value().parse().unwrap(),
-            "--hot" => a.hot = value().parse().unwrap(),
-            "--demand" => a.demand = value().parse().unwrap(),
-            "--capacity" => a.capacity = value().parse().unwrap(),
-            "--rate" => a.rate = value().parse().unwrap(),
-            "--duration" => a.duration = Duration::from_secs_f64(value().parse().unwrap()),
-            "--warmup" => a.warmup = Duration::from_secs_f64(value().parse().unwrap()),
-            other => panic!("unknown flag {other}"),
-        }
-    }
-    a
 }
 
 /// What one Envoy holds for one bucket.
@@ -293,7 +281,7 @@ async fn stream(
 
 #[tokio::main]
 async fn main() {
-    let args = Arc::new(parse(std::env::args().skip(1)));
+    let args = Arc::new(Args::parse());
     let start = Instant::now();
     let totals = Arc::new(Mutex::new(Totals::default()));
     let streams: Vec<_> = args
