@@ -222,7 +222,11 @@ fn the_walkthrough_works_as_printed() {
     assert_eq!(loop_codes.len(), 25);
     let admitted = leading(&loop_codes, 200);
     assert!((20..=22).contains(&admitted), "twenty 200s, a refill or two more: {rls}");
-    assert!(loop_codes[admitted..].iter().all(|c| *c == 429), "then 429s: {rls}");
+    // Then 429s, with a refill's 200 among them when the loop is slow (a token every 0.5 s).
+    let after = &loop_codes[admitted..];
+    let refills = after.iter().filter(|c| **c == 200).count();
+    assert!(after.iter().all(|c| *c == 200 || *c == 429) && refills <= 2, "then 429s: {rls}");
+    assert!(after.first() == Some(&429), "then 429s: {rls}");
     let headers = lines[1..].join("\n").to_lowercase();
     for expected in ["http/1.1 429", "retry-after: 1", "x-ratelimit-limit: 20", "x-ratelimit-remaining: 0"] {
         assert!(headers.contains(expected), "{expected}: {rls}");
