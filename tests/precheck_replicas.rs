@@ -28,8 +28,12 @@ async fn hit(server: &Tollgate, hits: u32, credit: bool) -> bool {
     ask(&server.addr(), r).await.expect("answer").overall_code == OK
 }
 
-// Drains the bucket through `y` until its pre-check answers a denial itself.
+// Drains the bucket through `y` until its pre-check answers a denial itself (which it does only
+// once it hears the raise channel, subscribed shortly after the replica is ready).
 async fn held_empty_by(y: &Tollgate) {
+    wait_until("the pre-check to hear raises", 400, Duration::from_millis(10), || {
+        sample(&y.metrics(), "tollgate_precheck_hearing_raises", &[]) == 1.0
+    });
     while hit(y, 1, false).await {}
     let before = sample(&y.metrics(), "tollgate_precheck_answers_total", &[]);
     assert!(!hit(y, 1, false).await);
@@ -78,29 +82,43 @@ async fn a_credit_through_one_replica_reaches_the_others_precheck() {
 
 // The case: replica X's reply is held back past its 50 ms deadline (X answers with the
 // failure mode) and given back when it comes; meanwhile Y emptied the bucket and remembers it.
-#[tokio::test(flavor = "multi_thread")]
-async fn a_late_refund_through_one_replica_reaches_the_others_precheck() {
-    let redis = Redis::start();
-    let proxy = FaultProxy::start(redis.port);
+// `proxy` stands in front of the store's node holding the tenant, for X alone on standalone Redis
+// and for both on a Cluster (whose nodes announce their proxies): it holds back only the reply
+// read while X waits, so Y's own calls and the published raise pass at once.
+async fn a_late_refund_reaches_the_other_replica(x: Backend, y: Backend, proxy: &FaultProxy, what: &str) {
     let (_dir, config) = config_file(CONFIG);
-    let x = Tollgate::start(
-        &config,
-        &Backend::Redis(format!("redis://127.0.0.1:{}", proxy.port)),
-        &["--redis-timeout", "50ms"],
-    );
-    let y = Tollgate::start(&config, &Backend::Redis(redis.url()), &[]);
+    let x = Tollgate::start(&config, &x, &["--redis-timeout", "50ms"]);
+    let y = Tollgate::start(&config, &y, &[]);
     // Warmed up: the script is loaded, so the held-back reply is the script's own.
     assert!(hit(&x, 1, false).await);
     let delay = Duration::from_millis(300);
     proxy.set(Fault::DelayReplies(delay));
     let sent = Instant::now();
     assert!(!hit(&x, 1, false).await, "the failure mode (deny) answers");
+    proxy.set(Fault::Pass);
     held_empty_by(&y).await;
     let took = admits_after(&y, sent).await;
-    proxy.set(Fault::Pass);
-    println!("late refund: the other replica admitted {} ms after the held-back request (its reply came after {} ms)", took.as_millis(), delay.as_millis());
+    println!(
+        "{what}: after a late refund the other replica admitted {} ms after the held-back request (its reply came after {} ms)",
+        took.as_millis(),
+        delay.as_millis()
+    );
     assert!(took >= delay, "not before the refund: {took:?}");
     assert!(took < delay + Duration::from_millis(500), "{took:?}");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_late_refund_through_one_replica_reaches_the_others_precheck() {
+    let redis = Redis::start();
+    let proxy = FaultProxy::start(redis.port);
+    let through = Backend::Redis(format!("redis://127.0.0.1:{}", proxy.port));
+    a_late_refund_reaches_the_other_replica(through, Backend::Redis(redis.url()), &proxy, "standalone").await;
+    let mut cluster = RedisCluster::start();
+    let proxies = cluster.behind_proxies();
+    let node = cluster.primary_for_slot(tenant_slot("acme"));
+    let proxy = proxies.iter().find(|p| p.port == node).expect("the tenant's node is proxied");
+    let seeds = Backend::Cluster(cluster.seeds());
+    a_late_refund_reaches_the_other_replica(seeds.clone(), seeds, proxy, "cluster").await;
 }
 
 // While the subscription is missing the pre-check answers nothing (every request reaches the
