@@ -337,7 +337,6 @@ fn errors_name_file_position_path_and_problem() {
         ("domain: d\ndescriptors:\n  - key: route\n    concurrency: {max: 2}\n", "a concurrency limit sits under the 'tenant' entry"),
         ("domain: d\ndescriptors:\n  - key: tenant\n    concurrency: {max: 0}\n", "concurrency max must be at least 1"),
         ("domain: d\ndescriptors:\n  - key: a\n    global: true\n", "global needs a rate_limit or token_bucket"),
-        ("domain: d\ndescriptors:\n  - key: tenant\n    global: true\n    token_bucket: {capacity: 1, refill_per_second: 1}\n    concurrency: {max: 1}\n", "global limits in a domain with concurrency limits are not built yet"),
         ("domain: d\ndescriptors:\n  - key: a\n    global: true\n    rate_limit: {unlimited: true}\n", "global needs a rate_limit or token_bucket"),
         ("domain: d\ndescriptors:\n  - key: a\n    global_fallback: {split: 2}\n    token_bucket: {capacity: 1, refill_per_second: 1}\n", "global_fallback needs global: true"),
         ("domain: d\ndescriptors:\n  - key: a\n    global: true\n    global_fallback: {split: 1}\n    token_bucket: {capacity: 1, refill_per_second: 1}\n", "split: the number of regions sharing the bucket, 2 to 1000"),

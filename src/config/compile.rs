@@ -82,13 +82,6 @@ pub(super) fn domain(file: &Path, text_: &str) -> Result<Domain, ConfigError> {
     };
     let root = tree.level(raw.descriptors.as_deref().unwrap_or_default(), &Place::root())?;
     let (rules, classes, concurrent) = (tree.rules, tree.classes, tree.concurrent);
-    if concurrent && rules.iter().any(|r| r.global) {
-        return Err(invalid(Problem::new(
-            "descriptors",
-            None,
-            "global limits in a domain with concurrency limits are not built yet",
-        )));
-    }
     let (request_id_key, at) = text(raw.request_id_key);
     if request_id_key.is_some() && priced.is_none() && !concurrent {
         return Err(invalid(Problem::new(

@@ -160,7 +160,8 @@ impl Limiter {
     /// Decides a request some of whose descriptors take or give back slots: its first take with
     /// every token bucket of the request, all or nothing in one store op (the takes of one
     /// tenant merged into it); a take at another tenant on its own, a refused take undoing the
-    /// others.
+    /// others. In a region, global buckets are taken from this replica's shares first and given
+    /// back unless the request is admitted with its slots.
     pub(super) async fn decide_with_slots(
         &self,
         domain: &Arc<Domain>,
@@ -172,30 +173,50 @@ impl Limiter {
         let slot_plans = merge(slot_plans);
         drop_replaced(&mut plans);
         self.resolve_quotas(domain, &mut plans).await;
-        let (group, op_of) = group(&plans);
-        let first_take = slot_plans.iter().position(|s| s.as_ref().is_some_and(SlotPlan::take));
+        let (mut group, op_of) = group(&plans);
+        // In a region the request's global buckets are taken from this replica's shares first, as
+        // limits outside the take's Cluster slot are: the take decides with the rest, and asks for
+        // no slot if a share refused.
+        let shared = match &self.shares {
+            Some(shares) => self.take_shares(domain, shares, query, &plans, &mut group, &op_of).await,
+            None => None,
+        };
+        let rest = shared.as_ref().map_or_else(|| group.clone(), |taken| taken.rest(&group));
+        let shares_refused = shared.as_ref().is_some_and(|taken| !taken.all());
+        let takes = |i: usize| slot_plans[i].as_ref().is_some_and(SlotPlan::take) && !shares_refused;
+        let first_take = (0..slot_plans.len()).find(|&i| takes(i));
         let mut answers: Vec<Option<Result<SlotOutcome, StoreError>>> = vec![None; slot_plans.len()];
         let outcome = match first_take {
             Some(i) => {
                 let plan = slot_plans[i].as_ref().expect("a take");
-                let (outcome, answer) = self.take_with(domain, plan, group.clone()).await;
+                let (outcome, answer) = self.take_with(domain, plan, rest.clone()).await;
                 answers[i] = answer;
                 outcome
             }
-            None => self.evaluate(domain, group.clone()).await,
+            None => self.evaluate(domain, rest.clone()).await,
         };
         for (i, plan) in slot_plans.iter().enumerate() {
             // The first take was decided with the buckets (and not asked at all if they denied).
-            if let (Some(plan), None, false) = (plan, &answers[i], Some(i) == first_take) {
+            let asked = plan.as_ref().is_some_and(|p| !p.take()) || takes(i);
+            if let (Some(plan), None, false, true) = (plan, &answers[i], Some(i) == first_take, asked) {
                 answers[i] = Some(self.slot_call(domain, &plan.op).await);
             }
         }
-        self.undo_if_refused(domain, &slot_plans, &answers, &group, &outcome).await;
+        self.undo_if_refused(domain, &slot_plans, &answers, &rest, &outcome).await;
         for (plan, answer) in slot_plans.iter().zip(&answers) {
             if let (Some(plan), Some(Err(_))) = (plan, answer) {
                 self.repair_slots(domain, plan);
             }
         }
+        // A take answered without taking (a retry's recorded answer, a reused id, a full set) took
+        // nothing, so neither do the request's shares.
+        let took_nothing = first_take
+            .and_then(|i| answers[i].as_ref())
+            .is_some_and(|a| a.as_ref().is_ok_and(|a| a.verdict != SlotVerdict::Taken));
+        let outcome = match &shared {
+            Some(taken) => taken.merged(&group, outcome, self.clock.now_ms()),
+            None => outcome,
+        };
         let mut decision = self.verdicts(domain, query, &plans, &op_of, &outcome);
         // A retried or refused take whose buckets were not evaluated gets its recorded answer.
         let recorded = answers.iter().flatten().find_map(|a| match a {
@@ -239,6 +260,11 @@ impl Limiter {
             }
         }
         decision.overall = overall(&decision.descriptors);
+        if let (Some(shares), Some(taken)) = (&self.shares, &shared) {
+            if decision.overall != Code::Ok || took_nothing {
+                taken.give_back(shares, &group, self.clock.now_ms());
+            }
+        }
         self.count_decision(query, &decision);
         trace_decision(&domain.name, &plans, &decision);
         let failed = answers.iter().flatten().find_map(|a| a.as_ref().err().cloned()).or(outcome.err());

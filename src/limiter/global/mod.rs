@@ -17,18 +17,16 @@
 //! holds with no slack).
 //!
 //! The renewal loop and its protocol live in the edge (`crate::edge::region::client`); this is
-//! what it renews and what decisions take.
+//! what it renews and what decisions take (`decide`: how a request takes from it).
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
 use std::time::Duration;
 
-use super::{Limiter, Plan, Query};
-use crate::bucket::{is_parked, Ask, Asked, BucketOp, BucketSpec, Group, GroupOutcome, Role, Share, Verdict};
-use crate::config::{Domain, FailureMode};
-use crate::rule::ChargeRule;
-use crate::store::StoreError;
+mod decide;
+
+use crate::bucket::{is_parked, Ask, Asked, BucketSpec, Share};
 
 /// How often shares are renewed.
 pub const RENEW_EVERY: Duration = Duration::from_secs(1);
@@ -327,151 +325,6 @@ impl GlobalShares {
                 e.pending = None;
             }
         }
-    }
-}
-
-impl Limiter {
-    /// The request's group evaluated with its global buckets taken from this replica's shares,
-    /// all or nothing with the rest (taken first; given back if the store then denies). A global
-    /// op is an enforced debit of a rule marked `global: true`; others stay with the store. A
-    /// global op with no live share here after the first-lease wait falls back: to its part of
-    /// the bucket in the store (`global_fallback: {split: N}`), else to a denial.
-    pub(super) async fn evaluate_with_shares(
-        &self,
-        domain: &Domain,
-        shares: &GlobalShares,
-        query: &Query<'_>,
-        plans: &[Plan<'_>],
-        mut group: Group,
-        op_of: &[Option<usize>],
-    ) -> Result<Option<GroupOutcome>, StoreError> {
-        // Per op: the descriptor of a global op, and its rule's fallback split.
-        let (mut global, split): (Vec<Option<usize>>, Vec<Option<u32>>) = (0..group.len())
-            .map(|op| {
-                let Some(d) = op_of.iter().position(|o| *o == Some(op)) else { return (None, None) };
-                let Plan::Bucket(p) = &plans[d] else { return (None, None) };
-                let rule = p.rule.filter(|r| r.global && matches!(r.charge, ChargeRule::Admitted));
-                match rule {
-                    Some(r) if p.role == Role::Enforced && group[op].need >= 0.0 => {
-                        (Some(d), r.global_fallback)
-                    }
-                    _ => (None, None),
-                }
-            })
-            .unzip();
-        if global.iter().all(Option::is_none) {
-            return self.evaluate(domain, group).await;
-        }
-        let take = |op: usize, d: usize| {
-            let entries = &query.descriptors[d].entries;
-            let (bucket, now_ms) = (&group[op], self.clock.now_ms());
-            shares.take(&bucket.key, (&domain.name, entries), bucket.spec, bucket.need, now_ms)
-        };
-        let mut taken: Vec<Option<Taken>> =
-            global.iter().enumerate().map(|(op, d)| d.map(|d| take(op, d))).collect();
-        // A bucket without a share here yet: its first lease, briefly awaited, unless the rounds
-        // are failing (cut off: no lease is coming, so the fallback answers at once).
-        let cut_off = shares.cut_off_for_ms(self.clock.now_ms()).is_some();
-        if taken.contains(&Some(Taken::NoShare)) && !cut_off {
-            let mut renewed = shares.renewed.subscribe();
-            renewed.mark_unchanged();
-            shares.wanted.notify_one();
-            let _ = tokio::time::timeout(shares.first_lease_wait, renewed.changed()).await;
-            for (op, d) in global.iter().enumerate() {
-                if let (Some(d), Some(Taken::NoShare)) = (d, taken[op]) {
-                    taken[op] = Some(take(op, *d));
-                }
-            }
-        }
-        // Still without a share: the fallback. A split is decided in the store with the rest.
-        for op in 0..group.len() {
-            if taken[op] != Some(Taken::NoShare) {
-                continue;
-            }
-            let spec = group[op].spec;
-            let part = split[op].and_then(|n| {
-                BucketSpec::new(spec.capacity() / f64::from(n), spec.refill_per_second() / f64::from(n)).ok()
-            });
-            let Some(part) = part else {
-                metrics::counter!("tollgate_global_fallbacks_total", "fallback" => "deny").increment(1);
-                continue;
-            };
-            metrics::counter!("tollgate_global_fallbacks_total", "fallback" => "split").increment(1);
-            group[op].key = crate::identity::fallback_bucket(&group[op].key);
-            group[op].spec = part;
-            (global[op], taken[op]) = (None, None);
-        }
-        let all_taken = taken.iter().flatten().all(|t| matches!(t, Taken::Yes { .. }));
-        // The rest goes to the store: debited if every share had its tokens, else only checked.
-        let rest: Vec<usize> = (0..group.len()).filter(|op| global[*op].is_none()).collect();
-        let store_group: Group = rest
-            .iter()
-            .map(|&op| BucketOp { need: if all_taken { group[op].need } else { 0.0 }, ..group[op].clone() })
-            .collect();
-        let stored = if store_group.is_empty() { Ok(None) } else { self.evaluate(domain, store_group).await };
-        let admitted = all_taken
-            && match &stored {
-                Ok(Some(o)) => o.admitted,
-                Ok(None) => true,
-                Err(_) => domain.failure_mode == FailureMode::Allow,
-            };
-        let now_ms = self.clock.now_ms();
-        if !admitted {
-            for (op, t) in taken.iter().enumerate() {
-                if let Some(Taken::Yes { .. }) = t {
-                    shares.give_back(&group[op].key, group[op].need, now_ms);
-                }
-            }
-        }
-        let stored = stored?;
-        let mut verdicts = Vec::with_capacity(group.len());
-        let mut next_rest = 0;
-        for (op, t) in taken.iter().enumerate() {
-            match t {
-                Some(t) => verdicts.push(share_verdict(*t, group[op].need)),
-                None => {
-                    let v =
-                        stored.as_ref().map(|o| o.verdicts[next_rest]).expect("the store answered the rest");
-                    next_rest += 1;
-                    verdicts.push(v);
-                }
-            }
-        }
-        let unanswered =
-            stored.as_ref().map(|o| o.unanswered.iter().map(|&i| rest[i]).collect()).unwrap_or_default();
-        Ok(Some(GroupOutcome {
-            admitted,
-            now_ms: stored.as_ref().map_or(now_ms, |o| o.now_ms),
-            verdicts,
-            refunded: false,
-            unanswered,
-        }))
-    }
-}
-
-// A share's answer as a bucket verdict (for headers and metrics).
-fn share_verdict(taken: Taken, need: f64) -> Verdict {
-    let (allowed, tokens, capacity, rate) = match taken {
-        Taken::Yes { tokens, capacity, rate } => (true, tokens, capacity, rate),
-        Taken::No { tokens, capacity, rate } => (false, tokens, capacity, rate),
-        Taken::NoShare => (false, 0.0, 0.0, 0.0),
-    };
-    let ms = |tokens: f64| if rate > 0.0 { (tokens.max(0.0) / rate * 1000.0).ceil() as u64 } else { 0 };
-    let retry_after_ms = match taken {
-        Taken::Yes { .. } => Some(0),
-        // Waiting helps only if the share can ever hold `need`; without one, at the next round.
-        Taken::No { .. } if need <= capacity && rate > 0.0 => Some(ms(need - tokens)),
-        Taken::No { .. } => None,
-        Taken::NoShare => Some(RENEW_EVERY.as_millis() as u64),
-    };
-    Verdict {
-        allowed,
-        tokens,
-        retry_after_ms,
-        reset_ms: ms(capacity - tokens),
-        forgiven: 0.0,
-        fastest_refill: rate,
-        kept_ms: 0,
     }
 }
 
