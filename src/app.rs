@@ -21,6 +21,7 @@ use crate::clock::MonotonicClock;
 use crate::config::{ConfigError, RuleSet, Sources};
 use crate::connections::ConnLimits;
 use crate::edge::client_tls::ClientTlsFiles;
+use crate::edge::region::client::GlobalLeases;
 use crate::edge::rlqs::RlqsLimits;
 use crate::edge::rls::AnswerExtras;
 use crate::edge::xds::{XdsError, XdsSettings};
@@ -230,6 +231,7 @@ pub struct App {
     connections: ConnLimits,
     http_unauthenticated: bool,
     global_tier: bool,
+    global_leases: Option<Arc<GlobalLeases>>,
     config_loaded: watch::Receiver<bool>,
     _watches: Vec<Watch>,
     _tasks: Vec<AbortOnDropHandle<()>>,
@@ -303,6 +305,7 @@ impl App {
         let rules = Arc::new(ArcSwap::from_pointee(rules));
         let mut limiter = Limiter::new(rules.clone(), store, quotas, telemetry.clone(), settings.modes);
         let mut money_leases = None;
+        let mut global_leases = None;
         if let Some(global) = &settings.global {
             let endpoints = global
                 .urls
@@ -322,6 +325,8 @@ impl App {
             let budgets =
                 Arc::new(GlobalBudgets::new(shares.leaseholder().to_owned(), global.first_lease_wait));
             limiter = limiter.with_global_shares(shares).with_global_budgets(budgets.clone());
+            // RLQS streams' leases of global buckets, each stream a leaseholder beneath the region.
+            global_leases = Some(Arc::new(GlobalLeases::new(global.region.clone(), endpoints.clone())));
             money_leases = Some((budgets, endpoints, clock));
         }
         let limiter = Arc::new(limiter);
@@ -379,6 +384,7 @@ impl App {
             connections: settings.connections,
             http_unauthenticated: settings.http_unauthenticated,
             global_tier: settings.global_tier,
+            global_leases,
             config_loaded,
             _watches: watches,
             _tasks: tasks,
@@ -397,6 +403,7 @@ impl App {
             connections: self.connections,
             http_unauthenticated: self.http_unauthenticated,
             global_tier: self.global_tier,
+            global_leases: self.global_leases.clone(),
             config_loaded: self.config_loaded.clone(),
         }
     }

@@ -29,6 +29,7 @@ use tonic::service::Routes;
 use crate::clock::MonotonicClock;
 use crate::config::RuleSet;
 use crate::connections::{Admitted, ConnLimits, Gate};
+use crate::edge::region::client::GlobalLeases;
 use crate::edge::rlqs::{RateLimitQuotaGrpc, RlqsLimits};
 use crate::edge::rls::{AnswerExtras, RateLimitGrpc};
 use crate::http::{self, Access, HttpState};
@@ -126,6 +127,8 @@ pub struct Service {
     pub http_unauthenticated: bool,
     /// Serve `tollgate.region.v1.RegionLeases` (the global tier of global limits).
     pub global_tier: bool,
+    /// In a region, where RLQS leases of global rules' buckets are set.
+    pub global_leases: Option<Arc<GlobalLeases>>,
     /// Whether a config is in force yet: until then, unready (pushed configs only).
     pub config_loaded: watch::Receiver<bool>,
 }
@@ -202,6 +205,7 @@ pub async fn run(
         connections,
         http_unauthenticated,
         global_tier,
+        global_leases,
         config_loaded,
     } = service;
     // gRPC health says SERVING once a config is in force (at once for files), and not after
@@ -257,6 +261,7 @@ pub async fn run(
         .map_err(ServeError::Runtime)?;
     let rlqs = RateLimitQuotaGrpc::new(
         limiter.clone(),
+        global_leases,
         replica_name(),
         Arc::new(MonotonicClock::new()),
         rlqs_limits,

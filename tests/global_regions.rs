@@ -166,12 +166,6 @@ async fn a_quiet_bucket_is_parked_renewed_seldom_and_still_answers_at_once() {
     assert!(leases[0].expires_at_ms > now_ms + 40_000, "a parked lease lives a minute: {leases:?}");
 }
 
-// Redis's clock, in milliseconds.
-fn redis_ms(con: &mut redis::Connection) -> u64 {
-    let (s, us): (u64, u64) = redis::cmd("TIME").query(con).unwrap();
-    s * 1000 + us / 1000
-}
-
 #[tokio::test(flavor = "multi_thread")]
 async fn a_region_cut_off_decides_on_its_split_of_the_bucket_in_its_own_store() {
     let (global_redis, regional) = (Redis::start(), Redis::start());

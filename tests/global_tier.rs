@@ -34,6 +34,7 @@ fn renewal(entries: &[(&str, &str)], capacity: f64, rate: f64, fresh: bool) -> B
         refill_per_second: rate,
         demand: rate,
         fresh,
+        ..BucketRenewal::default()
     }
 }
 
@@ -135,6 +136,17 @@ async fn bad_renewals_are_refused_whole_and_the_service_is_off_by_default() {
         let r = renew(&addr, "eu", vec![renewal(&acme, capacity, rate, true)]).await;
         assert_eq!(refused(r), tonic::Code::InvalidArgument, "{capacity} {rate}");
     }
+    let bad: [(&str, BucketRenewal); 6] = [
+        ("holder with a space", BucketRenewal { holder: "s 1".into(), ..renewal(&acme, 1.0, 1.0, true) }),
+        ("holder too long", BucketRenewal { holder: "h".repeat(257), ..renewal(&acme, 1.0, 1.0, true) }),
+        ("a life under a second", BucketRenewal { ttl_ms: 999, ..renewal(&acme, 1.0, 1.0, true) }),
+        ("a life over a minute", BucketRenewal { ttl_ms: 60_001, ..renewal(&acme, 1.0, 1.0, true) }),
+        ("a part over all", BucketRenewal { of_unleased: 1.5, ..renewal(&acme, 1.0, 1.0, true) }),
+        ("a part not a number", BucketRenewal { of_unleased: f64::NAN, ..renewal(&acme, 1.0, 1.0, true) }),
+    ];
+    for (what, b) in bad {
+        assert_eq!(refused(renew(&addr, "eu", vec![b]).await), tonic::Code::InvalidArgument, "{what}");
+    }
     let many = vec![renewal(&acme, 1.0, 1.0, true); 10_001];
     assert_eq!(refused(renew(&addr, "eu", many).await), tonic::Code::InvalidArgument);
     // Nothing was leased by the refused calls: a whole-bucket lease still finds all of it.
@@ -145,6 +157,41 @@ async fn bad_renewals_are_refused_whole_and_the_service_is_off_by_default() {
     let regional = Tollgate::start(&config2, &Backend::Memory, &[]);
     let off = renew(&regional.addr(), "eu", vec![renewal(&acme, 1.0, 1.0, true)]).await;
     assert_eq!(refused(off), tonic::Code::Unimplemented);
+}
+
+// A leaseholder beneath a region (an RLQS stream of one of its replicas) holds a lease of its own,
+// living as long as it asks, taking the part of the unleased rate it asks.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_leaseholder_beneath_a_region_holds_its_own_lease_for_the_life_it_asks() {
+    let redis = Redis::start();
+    let (_dir, config) = config_file(CONFIG);
+    let server = Tollgate::start(&config, &Backend::Redis(redis.url()), &["--global-tier"]);
+    let addr = server.addr();
+    let acme = [("tenant", "acme")];
+    let region = renew(&addr, "eu", vec![renewal(&acme, 20.0, 2.0, true)]).await.unwrap();
+    assert_eq!((region[0].capacity, region[0].refill_per_second, region[0].ttl_ms), (20.0, 2.0, 10_000));
+    let stream = BucketRenewal {
+        holder: "r1#7".into(),
+        ttl_ms: 60_000,
+        of_unleased: 0.5,
+        ..renewal(&acme, 30.0, 8.0, true)
+    };
+    let leased = renew(&addr, "eu", vec![stream]).await.unwrap();
+    // Half of the 8 a second the region's lease leaves; the capacity asked.
+    assert_eq!((leased[0].capacity, leased[0].refill_per_second, leased[0].ttl_ms), (30.0, 4.0, 60_000));
+    assert_eq!((leased[0].others_capacity, leased[0].others_refill_per_second), (20.0, 2.0));
+
+    let mut con = redis.connection();
+    let field: String = redis::cmd("HGET").arg(BUCKET).arg("h").query(&mut con).unwrap();
+    let leases = tollgate::store::parse_leases(&field).unwrap();
+    let now_ms = redis_ms(&mut con);
+    let life = |holder: &str| {
+        let lease =
+            leases.iter().find(|l| l.replica == holder).unwrap_or_else(|| panic!("{holder}: {leases:?}"));
+        lease.expires_at_ms.saturating_sub(now_ms)
+    };
+    assert!((9_000..=10_000).contains(&life("region:eu")), "{leases:?}");
+    assert!((59_000..=60_000).contains(&life("region:eu/r1#7")), "{leases:?}");
 }
 
 /// `validate` and `explain` say which rules are global.

@@ -9,8 +9,9 @@ mod common;
 use std::collections::{BTreeMap, HashMap};
 use std::time::{Duration, Instant};
 
+use common::rlqs::*;
 use common::*;
-use envoy_types::pb::envoy::r#type::v3::rate_limit_strategy::{BlanketRule, Strategy};
+use envoy_types::pb::envoy::r#type::v3::rate_limit_strategy::Strategy;
 use envoy_types::pb::envoy::service::rate_limit_quota::v3::rate_limit_quota_response::bucket_action::BucketAction as Action;
 use envoy_types::pb::envoy::service::rate_limit_quota::v3::rate_limit_quota_service_client::RateLimitQuotaServiceClient;
 use envoy_types::pb::envoy::service::rate_limit_quota::v3::rate_limit_quota_usage_reports::BucketQuotaUsage;
@@ -18,7 +19,6 @@ use envoy_types::pb::envoy::service::rate_limit_quota::v3::{
     BucketId, RateLimitQuotaResponse, RateLimitQuotaUsageReports,
 };
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_client::RateLimitServiceClient;
-use envoy_types::pb::google::protobuf::Duration as ProtoDuration;
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 
@@ -44,118 +44,6 @@ descriptors:
 /// time: on two cores, one's load is another's noise (a latency bound missed beside a 10,000-bucket
 /// test).
 static HEAVY: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
-
-fn bucket(entries: &[(&str, &str)]) -> BucketId {
-    BucketId { bucket: entries.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect() }
-}
-
-fn key(id: &BucketId) -> BTreeMap<String, String> {
-    id.bucket.iter().map(|(k, v)| (k.clone(), v.clone())).collect()
-}
-
-fn report(id: &BucketId, allowed: u64, denied: u64, elapsed_ms: u64) -> BucketQuotaUsage {
-    BucketQuotaUsage {
-        bucket_id: Some(id.clone()),
-        time_elapsed: Some(ProtoDuration {
-            seconds: (elapsed_ms / 1000) as i64,
-            nanos: ((elapsed_ms % 1000) * 1_000_000) as i32,
-        }),
-        num_requests_allowed: allowed,
-        num_requests_denied: denied,
-    }
-}
-
-/// What an assignment says, in short.
-#[derive(Debug, Clone, PartialEq)]
-enum Said {
-    AllowAll,
-    DenyAll,
-    Tokens(u32),
-}
-
-fn said(response: &RateLimitQuotaResponse) -> Vec<(BTreeMap<String, String>, Said)> {
-    response
-        .bucket_action
-        .iter()
-        .filter_map(|a| {
-            let Some(Action::QuotaAssignmentAction(q)) = &a.bucket_action else { return None };
-            let said = match q.rate_limit_strategy.as_ref()?.strategy.as_ref()? {
-                Strategy::BlanketRule(r) if *r == BlanketRule::AllowAll as i32 => Said::AllowAll,
-                Strategy::BlanketRule(_) => Said::DenyAll,
-                Strategy::TokenBucket(b) => Said::Tokens(b.max_tokens),
-                Strategy::RequestsPerTimeUnit(_) => return None,
-            };
-            Some((key(a.bucket_id.as_ref()?), said))
-        })
-        .collect()
-}
-
-/// A stream to a tollgate, as one Envoy.
-struct Stream {
-    reports: mpsc::Sender<RateLimitQuotaUsageReports>,
-    answers: tonic::Streaming<RateLimitQuotaResponse>,
-}
-
-impl Stream {
-    async fn open(addr: &str) -> Stream {
-        Self::open_as(addr, None).await
-    }
-
-    /// A stream whose Envoy names itself `name` in the stream's metadata.
-    async fn open_as(addr: &str, name: Option<&str>) -> Stream {
-        let mut client = RateLimitQuotaServiceClient::connect(format!("http://{addr}")).await.unwrap();
-        let (reports, rx) = mpsc::channel(16);
-        let mut request = tonic::Request::new(ReceiverStream::new(rx));
-        if let Some(name) = name {
-            request.metadata_mut().insert("x-tollgate-envoy", name.parse().unwrap());
-        }
-        let answers = client.stream_rate_limit_quotas(request).await.unwrap().into_inner();
-        Stream { reports, answers }
-    }
-
-    /// Closes the Envoy's side and reads every answer the server still sends until it ends the
-    /// stream: the requests of every token bucket among them.
-    async fn close(self) -> u64 {
-        let Stream { reports, mut answers } = self;
-        drop(reports);
-        let mut granted = 0;
-        loop {
-            match tokio::time::timeout(Duration::from_secs(5), answers.message()).await {
-                Ok(Ok(Some(answer))) => granted += tokens(&said(&answer)),
-                Ok(_) => return granted,
-                Err(_) => panic!("the stream stayed open 5 s after the Envoy closed its side"),
-            }
-        }
-    }
-
-    async fn send(&self, domain: &str, usages: Vec<BucketQuotaUsage>) {
-        self.reports
-            .send(RateLimitQuotaUsageReports { domain: domain.into(), bucket_quota_usages: usages })
-            .await
-            .unwrap();
-    }
-
-    async fn next(&mut self) -> Vec<(BTreeMap<String, String>, Said)> {
-        let answer = tokio::time::timeout(Duration::from_secs(5), self.answers.message()).await;
-        said(&answer.expect("an answer within 5 s").expect("the stream stands").expect("a message"))
-    }
-}
-
-/// Requests in the token buckets of `said`.
-fn tokens(said: &[(BTreeMap<String, String>, Said)]) -> u64 {
-    said.iter().map(|(_, s)| if let Said::Tokens(n) = s { u64::from(*n) } else { 0 }).sum()
-}
-
-/// The grant (or denial) for `id`, skipping other buckets' messages.
-async fn grant_for(stream: &mut Stream, id: &BucketId) -> Said {
-    loop {
-        for (bucket, said) in stream.next().await.into_iter().rev() {
-            if bucket == key(id) {
-                return said;
-            }
-        }
-    }
-}
 
 #[tokio::test(flavor = "multi_thread")]
 async fn bucket_ids_map_to_rules_and_spend_the_rls_budget() {

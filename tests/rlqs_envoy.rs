@@ -8,7 +8,8 @@
 //! * one Envoy on the RLS filter and two on RLQS spend one budget together;
 //! * a tollgate replica killed mid-run, or drained: Envoy moves its stream and assignments go on;
 //!   Redis stopped: `failure_mode: deny` denies, and assignments resume when it is back;
-//! * one Envoy with 10,000 new buckets keeps its one connection and stream to tollgate.
+//! * one Envoy with 10,000 new buckets keeps its one connection and stream to tollgate;
+//! * two regions of a global limit, an Envoy in front of each, spend the one global bucket.
 
 mod common;
 
@@ -247,6 +248,10 @@ const EVEN_FLOOR: f64 = 0.88;
 /// (measured 224-230).
 const SHARES_FLOOR: f64 = 0.85;
 
+/// Two regions' Envoys on one global bucket (measured 239-240 of 250): each stream's first lease
+/// crosses to the global tier and back (50 ms each way) before its Envoy admits anything.
+const GLOBAL_FLOOR: f64 = 0.85;
+
 /// Each test runs three Envoys, two tollgates and their load: one at a time, so that they
 /// measure tollgate rather than each other on a two-core machine.
 static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
@@ -317,6 +322,45 @@ async fn rls_and_rlqs_spend_one_budget() {
     assert!(total >= low && total <= high, "{total} outside [{low}, {high}]");
     let (demand, got) = (share(&sent), share(&tail));
     assert!((got - demand).abs() <= 0.15, "RLS's share of the admitted {got:.2}, of the demand {demand:.2}");
+}
+
+/// Two regions of a global limit (`tests/global_regions.rs`), each with one replica 50 ms from the
+/// global tier and a real Envoy on RLQS in front of it: the two Envoys spend the one global
+/// bucket together, each stream holding its lease at the global tier.
+#[tokio::test(flavor = "multi_thread")]
+async fn envoys_in_two_regions_share_one_global_bucket() {
+    let _serial = SERIAL.lock().await;
+    let redis = Redis::start();
+    let upstream = upstream().await;
+    let global_rule = CONFIG
+        .replace("domain: quota", "domain: quota\ntenant_key: tenant")
+        .replace("refill_per_second: 10}", "refill_per_second: 10}\n    global: true");
+    let (_dir, config) = config_file(&global_rule);
+    let global = Tollgate::start(&config, &Backend::Redis(redis.url()), &["--global-tier"]);
+    let (regions, _proxies) = regions::eu_and_us(&config, &global, Duration::from_millis(50));
+    let (mut envoys, mut listeners) = (Vec::new(), Vec::new());
+    for region in &regions {
+        let (listener, admin) = (loopback(), loopback());
+        let envoy = tenant_envoy(listener, admin, rlqs_filter(), &[region.grpc], upstream);
+        envoys.push(Envoy::start(&envoy, admin));
+        listeners.push(listener);
+    }
+    let rig = Rig { replicas: Vec::new(), envoys, listeners };
+    let (admitted, _) = run(&rig, &[0, 0], 20, 5).await;
+    let (total, low, high) = within(admitted.iter().sum(), 20.0, GLOBAL_FLOOR);
+    println!("2 regions x RLQS on one global bucket: admitted {admitted:?} = {total} in 20 s (bounds [{low}, {high}])");
+    assert!(total >= low && total <= high, "{total} outside [{low}, {high}]");
+    assert!(admitted.iter().all(|a| *a > 0), "both regions admit: {admitted:?}");
+    let mut con = redis.connection();
+    let field: String =
+        redis::cmd("HGET").arg("rl:{acme}:quota:tenant=acme").arg("h").query(&mut con).unwrap();
+    let leases = tollgate::store::parse_leases(&field).unwrap();
+    for region in ["region:eu/", "region:us/"] {
+        assert!(
+            leases.iter().any(|l| l.replica.starts_with(region) && l.replica.contains('#')),
+            "no stream's lease from {region}: {leases:?}"
+        );
+    }
 }
 
 #[tokio::test(flavor = "multi_thread")]

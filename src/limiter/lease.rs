@@ -46,6 +46,9 @@ pub struct LeasedBucket {
     pub cost: u64,
     /// Its domain (failure mode, metrics).
     pub domain: Arc<Domain>,
+    /// In a region, a rule marked `global: true`: the entries naming the bucket at the global
+    /// tier, where leases of it are set (not in this region's store, which does not hold it).
+    pub global: Option<Arc<[(String, String)]>>,
 }
 
 /// How long a lease lives unless set again.
@@ -246,18 +249,20 @@ impl Limiter {
         let mut plans = vec![self.plan(domain, &descriptor)];
         self.resolve_quotas(domain, &mut plans).await;
         match plans.pop() {
-            // In a region a global rule's bucket is the global tier's, leased to this replica as
-            // shares RLQS does not hand out yet: no assignment (Envoy's no-assignment behavior)
-            // rather than the regional store's bucket, which would limit this region alone.
-            Some(Plan::Bucket(p)) if self.shares.is_some() && p.rule.is_some_and(|r| r.global) => {
-                RlqsBucket::Unknown(Some(domain.clone()))
+            // In a region a global rule's bucket is the global tier's: its leases are set there
+            // (named by the entries), not on the regional store's bucket, which would limit this
+            // region alone.
+            Some(Plan::Bucket(p)) if p.role != Role::Shadow => {
+                let global = self.shares.is_some() && p.rule.is_some_and(|r| r.global);
+                let entries = descriptor.entries.iter().map(|(k, v)| ((*k).to_owned(), (*v).to_owned()));
+                RlqsBucket::Leased(LeasedBucket {
+                    key: p.bucket.key,
+                    spec: p.spec.expect("tenant quotas resolved"),
+                    cost: p.rule.map_or(1, |r| r.cost.max(1)),
+                    domain: domain.clone(),
+                    global: global.then(|| entries.collect()),
+                })
             }
-            Some(Plan::Bucket(p)) if p.role != Role::Shadow => RlqsBucket::Leased(LeasedBucket {
-                key: p.bucket.key,
-                spec: p.spec.expect("tenant quotas resolved"),
-                cost: p.rule.map_or(1, |r| r.cost.max(1)),
-                domain: domain.clone(),
-            }),
             Some(Plan::Bucket(_) | Plan::Unlimited(_)) => RlqsBucket::Unlimited(domain.clone()),
             Some(Plan::Free) | None => RlqsBucket::Unknown(Some(domain.clone())),
         }
@@ -277,6 +282,7 @@ impl Limiter {
                     spec: p.spec?,
                     cost: p.rule.map_or(1, |r| r.cost.max(1)),
                     domain: domain.clone(),
+                    global: None,
                 })
             }
             _ => None,

@@ -13,6 +13,7 @@ pub mod load;
 pub mod paced;
 pub mod proxy;
 pub mod regions;
+pub mod rlqs;
 
 mod configmap;
 mod envoy;

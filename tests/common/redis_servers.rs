@@ -315,3 +315,9 @@ pub fn tenant_slot(tenant: &str) -> u16 {
 pub fn stored_tokens(con: &mut impl redis::ConnectionLike, key: &str) -> f64 {
     redis::cmd("HGET").arg(key).arg("t").query(con).unwrap_or_else(|e| panic!("bucket {key}: {e}"))
 }
+
+/// Redis's clock, in milliseconds since the epoch (what leases and slots expire by).
+pub fn redis_ms(con: &mut redis::Connection) -> u64 {
+    let (s, us): (u64, u64) = redis::cmd("TIME").query(con).unwrap();
+    s * 1000 + us / 1000
+}

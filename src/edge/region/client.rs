@@ -7,7 +7,7 @@
 //! again. Money leases of global budgets are renewed the same way on a loop of their own
 //! ([`renew_budgets_forever`]).
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use tonic::transport::{Channel, Endpoint};
@@ -15,6 +15,7 @@ use tonic::transport::{Channel, Endpoint};
 use super::proto::region_leases_client::RegionLeasesClient;
 use super::proto::{BucketRenewal, BudgetLevelRenewal, BudgetRenewRequest, Entry, RenewRequest};
 use super::MAX_BUCKETS_PER_CALL;
+use crate::bucket::{LeaseOp, LeaseOutcome, Others};
 use crate::budget::{LeaseReading, Money};
 use crate::clock::Clock;
 use crate::edge::client_tls::ClientTlsFiles;
@@ -104,6 +105,7 @@ async fn renew(
             refill_per_second: r.ask.refill_per_second,
             demand: r.demand,
             fresh: r.ask.fresh,
+            ..BucketRenewal::default()
         })
         .collect();
     let request = RenewRequest { region: shares.leaseholder().to_owned(), buckets };
@@ -226,6 +228,105 @@ async fn renew_budgets(
             round_failed(None, "money leases of global budgets");
             false
         }
+    }
+}
+
+/// RLQS leases of global buckets, in a region: each stream of this replica's RLQS service holds a
+/// lease of its own at the global tier (a leaseholder beneath the region, named by the replica and
+/// the stream's number), which its
+/// Envoy enforces as a local bucket, as a stream's lease of a regional bucket is set in the
+/// region's store. Set in calls of their own, beside the shares' rounds; a failed call moves to
+/// the next endpoint, as the rounds do.
+pub struct GlobalLeases {
+    region: String,
+    endpoints: Vec<Endpoint>,
+    client: Mutex<(usize, RegionLeasesClient<Channel>)>,
+}
+
+/// A global bucket as the global tier names it: its domain and descriptor entries.
+#[derive(Debug, Clone)]
+pub struct GlobalName {
+    /// The domain.
+    pub domain: String,
+    /// The descriptor entries, as an RLS request names the bucket.
+    pub entries: Arc<[(String, String)]>,
+}
+
+/// Why a stream's lease could not be set at the global tier.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum GlobalLeaseError {
+    /// No answer in time.
+    #[error("no answer from the global tier within {0:?}")]
+    Timeout(Duration),
+    /// The global tier refused the call, or could not set it.
+    #[error("the global tier answered {0}")]
+    Refused(String),
+    /// No rule marked `global: true` limits the bucket at the global tier.
+    #[error("no rule marked global: true limits the bucket at the global tier")]
+    Unknown,
+}
+
+impl GlobalLeases {
+    /// Leases set beneath `region` on the global tier at `endpoints`.
+    pub fn new(region: String, endpoints: Vec<Endpoint>) -> Self {
+        let client = RegionLeasesClient::new(endpoints[0].connect_lazy());
+        GlobalLeases { region, endpoints, client: Mutex::new((0, client)) }
+    }
+
+    /// Sets `ops`, each with the name of its bucket at the global tier, in one call, each op's
+    /// leaseholder (a stream's, which names its replica) beneath the region: one result per op.
+    pub async fn lease(&self, ops: &[(LeaseOp, &GlobalName)]) -> Vec<Result<LeaseOutcome, GlobalLeaseError>> {
+        let buckets = ops
+            .iter()
+            .map(|(op, name)| BucketRenewal {
+                domain: name.domain.clone(),
+                entries: name
+                    .entries
+                    .iter()
+                    .map(|(k, v)| Entry { key: k.clone(), value: v.clone() })
+                    .collect(),
+                capacity: op.capacity,
+                refill_per_second: op.refill_per_second,
+                demand: op.demand,
+                fresh: op.fresh,
+                holder: op.replica.clone(),
+                ttl_ms: op.ttl_ms,
+                of_unleased: op.of_unleased,
+            })
+            .collect();
+        let request = RenewRequest { region: self.region.clone(), buckets };
+        let mut client = self.client.lock().unwrap_or_else(|e| e.into_inner()).1.clone();
+        let failed = |error: GlobalLeaseError| {
+            let mut current = self.client.lock().unwrap_or_else(|e| e.into_inner());
+            let next = (current.0 + 1) % self.endpoints.len();
+            *current = (next, RegionLeasesClient::new(self.endpoints[next].connect_lazy()));
+            ops.iter().map(|_| Err(error.clone())).collect()
+        };
+        let answer = match tokio::time::timeout(RENEW_TIMEOUT, client.renew(request)).await {
+            Ok(Ok(answer)) => answer.into_inner(),
+            Ok(Err(status)) => {
+                return failed(GlobalLeaseError::Refused(format!("{}: {}", status.code(), status.message())))
+            }
+            Err(_) => return failed(GlobalLeaseError::Timeout(RENEW_TIMEOUT)),
+        };
+        let leases = answer.leases.into_iter().map(Some).chain(std::iter::repeat(None));
+        ops.iter()
+            .zip(leases)
+            .map(|(_, lease)| match lease {
+                Some(l) if l.known => Ok(LeaseOutcome {
+                    // The answer carries no clock: a stream's lease is timed on this replica's.
+                    now_ms: 0,
+                    capacity: l.capacity,
+                    refill_per_second: l.refill_per_second,
+                    others: Others {
+                        capacity: l.others_capacity,
+                        refill_per_second: l.others_refill_per_second,
+                        demand: l.others_demand,
+                    },
+                }),
+                _ => Err(GlobalLeaseError::Unknown),
+            })
+            .collect()
     }
 }
 

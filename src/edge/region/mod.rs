@@ -2,8 +2,9 @@
 //! (`proto/tollgate/region/v1/region.proto`), served with `--global-tier`.
 //!
 //! A region renews its leases of the buckets of rules marked `global: true`, many per call. Each
-//! renewal is a lease op ([`crate::bucket::lease`]) whose leaseholder is the region, setting its
-//! lease to an absolute size, so a renewal sent twice (a retry after a lost answer, or to another
+//! renewal is a lease op ([`crate::bucket::lease`]) whose leaseholder is the region (or one
+//! beneath it: an RLQS stream of one of its replicas, asking its own life and part of the
+//! unleased rate), setting its lease to an absolute size, so a renewal sent twice (a retry after a lost answer, or to another
 //! global replica) takes nothing more; the global tier's own RLS requests spend what the leases
 //! leave. The region keeps its spending inside its lease by the discipline of
 //! [`crate::bucket::Share`]; `tests/global_props.rs` checks the bound of both together.
@@ -42,6 +43,9 @@ pub const GLOBAL_LEASE_TTL: Duration = Duration::from_secs(10);
 /// How long a parked lease lives (no rate, at most one request's tokens): a region renews it
 /// seldom, and one that is gone keeps no more than a request's tokens from the others this long.
 pub const PARKED_LEASE_TTL: Duration = Duration::from_secs(60);
+/// The shortest life a renewal may ask for its lease: a lease that ends before its answer could
+/// come back serves nothing.
+const MIN_ASKED_TTL: Duration = Duration::from_secs(1);
 /// Most buckets one renewal call may carry.
 pub const MAX_BUCKETS_PER_CALL: usize = 10_000;
 /// Most entries a bucket may be named by, and the longest key or value.
@@ -80,21 +84,42 @@ impl RegionLeases for RegionLeasesGrpc {
             if sizes.iter().any(|x| !x.is_finite() || *x < 0.0) {
                 return Err(Status::invalid_argument("capacity, rate and demand: finite, not negative"));
             }
+            if b.ttl_ms != 0 && !(MIN_ASKED_TTL..=PARKED_LEASE_TTL).contains(&Duration::from_millis(b.ttl_ms))
+            {
+                return Err(Status::invalid_argument("ttl_ms: 0, or 1,000 to 60,000"));
+            }
+            if !(b.of_unleased.is_finite() && (0.0..=1.0).contains(&b.of_unleased)) {
+                return Err(Status::invalid_argument("of_unleased: 0, or above 0 and at most 1"));
+            }
+            let holder = if b.holder.is_empty() {
+                format!("region:{region}")
+            } else {
+                check_region(&b.holder)?;
+                format!("region:{region}/{}", b.holder)
+            };
             let entries = entries(&b.entries)?;
             found.push(self.limiter.global_bucket(&b.domain, &entries).await.map(|bucket| {
                 // Capacity 0 with no rate is a release, not a parking.
                 let parked = b.capacity > 0.0 && is_parked(b.capacity, b.refill_per_second, bucket.cost);
-                let ttl = if parked { PARKED_LEASE_TTL } else { GLOBAL_LEASE_TTL };
+                let ttl = match b.ttl_ms {
+                    0 if parked => PARKED_LEASE_TTL,
+                    0 => GLOBAL_LEASE_TTL,
+                    asked => Duration::from_millis(asked),
+                };
                 let op = LeaseOp {
                     key: bucket.key.clone(),
                     spec: bucket.spec,
-                    replica: format!("region:{region}"),
+                    replica: holder,
                     capacity: b.capacity.min(bucket.spec.capacity()),
                     unit: bucket.cost as f64,
                     refill_per_second: b.refill_per_second.min(bucket.spec.refill_per_second()),
                     // A first lease cannot know how many regions start beside it: most of what
                     // the others leave (as an RLQS replica's first lease).
-                    of_unleased: if b.fresh { YOUNG_OF_UNLEASED } else { 1.0 },
+                    of_unleased: match b.of_unleased {
+                        0.0 if b.fresh => YOUNG_OF_UNLEASED,
+                        0.0 => 1.0,
+                        asked => asked,
+                    },
                     ttl_ms: ttl.as_millis() as u64,
                     demand: b.demand,
                     fresh: b.fresh,

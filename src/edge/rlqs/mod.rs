@@ -42,6 +42,7 @@ use tonic::{Request, Response, Status, Streaming};
 
 use self::pool::Pool;
 use crate::clock::Clock;
+use crate::edge::region::client::GlobalLeases;
 use crate::limiter::Limiter;
 
 /// The RLQS edge's bounds.
@@ -93,16 +94,18 @@ pub struct RateLimitQuotaGrpc {
 impl RateLimitQuotaGrpc {
     /// A service leasing parts of buckets through `limiter` as `replica` (its name in the buckets' leases,
     /// unique among replicas, without whitespace), within `limits`; every stream ends when
-    /// `closing` turns true. Its streams and their leases are worked on `runtime`.
+    /// `closing` turns true. Its streams and their leases are worked on `runtime`. In a region,
+    /// the leases of global rules' buckets are set at the global tier through `global`.
     pub fn new(
         limiter: Arc<Limiter>,
+        global: Option<Arc<GlobalLeases>>,
         replica: String,
         clock: Arc<dyn Clock>,
         limits: RlqsLimits,
         closing: watch::Receiver<bool>,
         runtime: Handle,
     ) -> Self {
-        let pool = Arc::new(Pool::new(limiter.clone(), replica, &runtime));
+        let pool = Arc::new(Pool::new(limiter.clone(), global, replica, &runtime));
         RateLimitQuotaGrpc {
             limiter,
             pool,

@@ -1,6 +1,7 @@
 //! This replica's leases: every bucket some stream of this replica reports, and for each
 //! stream the lease it keeps on that bucket in the shared store ([`crate::bucket::lease`]), which
-//! its Envoy enforces as a refilling local bucket ([`LocalBucket`]).
+//! its Envoy enforces as a refilling local bucket ([`LocalBucket`]). In a region, a global rule's
+//! bucket is the global tier's, and its leases are set there ([`GlobalLeases`]) in the same way.
 //!
 //! A lease belongs to one stream (its leaseholder name is this replica's and a number of the stream's
 //! membership), not to the replica: an Envoy spends a local bucket it was given whatever the
@@ -35,6 +36,7 @@ use tokio::sync::mpsc;
 use super::assign::LocalBucket;
 use crate::bucket::{LeaseOp, LeaseOutcome};
 use crate::config::FailureMode;
+use crate::edge::region::client::{GlobalLeaseError, GlobalLeases, GlobalName};
 use crate::limiter::{LeasedBucket, Limiter, LocalLease, ASSIGNMENT_TTL};
 use crate::store::StoreError;
 use crate::telemetry;
@@ -132,6 +134,8 @@ pub struct Pool {
 
 struct Inner {
     limiter: Arc<Limiter>,
+    // In a region, where the leases of global rules' buckets are set.
+    global: Option<Arc<GlobalLeases>>,
     // This replica's name in the buckets' leases.
     replica: String,
     started: Instant,
@@ -155,11 +159,17 @@ impl Drop for Pool {
 }
 
 impl Pool {
-    /// A pool leasing through `limiter` as `replica`; starts its tick task on `runtime`, where
-    /// its rounds run too.
-    pub fn new(limiter: Arc<Limiter>, replica: String, runtime: &tokio::runtime::Handle) -> Pool {
+    /// A pool leasing through `limiter` as `replica` (and, in a region, global rules' buckets
+    /// through `global`); starts its tick task on `runtime`, where its rounds run too.
+    pub fn new(
+        limiter: Arc<Limiter>,
+        global: Option<Arc<GlobalLeases>>,
+        replica: String,
+        runtime: &tokio::runtime::Handle,
+    ) -> Pool {
         let inner = Arc::new(Inner {
             limiter,
+            global,
             replica,
             started: Instant::now(),
             joined: Default::default(),
@@ -276,8 +286,20 @@ struct Batch {
     members: Vec<(String, MemberId)>,
 }
 
-// A store call's ops and their outcomes.
-type Answered = (Vec<Planned>, Vec<Result<LeaseOutcome, StoreError>>);
+// A call's ops and their outcomes.
+type Answered = (Vec<Planned>, Vec<Result<LeaseOutcome, LeaseFailure>>);
+
+// Why an op's lease was not set: the region's store failed (the stream answers with the failure
+// mode), or, for a global rule's bucket, the global tier could not be reached or refused (the
+// Envoy keeps its assignment, which ends inside the lease it was made from, and the next round
+// tries again: a region cut off from the global tier past that denies, as its RLS shares do).
+#[derive(Debug, thiserror::Error)]
+enum LeaseFailure {
+    #[error(transparent)]
+    Store(StoreError),
+    #[error(transparent)]
+    Global(GlobalLeaseError),
+}
 
 // Which members a round looks at.
 enum Round {
@@ -287,10 +309,11 @@ enum Round {
     Now(Vec<(String, MemberId)>),
 }
 
-// An op and whose it is.
+// An op and whose it is; for a global rule's bucket, its domain and entries at the global tier.
 struct Planned {
     op: LeaseOp,
     member: MemberId,
+    global: Option<GlobalName>,
 }
 
 impl Inner {
@@ -318,20 +341,22 @@ impl Inner {
         if first {
             self.first_ops.fetch_add(planned.len(), Ordering::Relaxed);
         }
+        // Calls of the region's store's buckets, then of global rules' buckets (at the global tier).
+        let (global, local): (Vec<Planned>, Vec<Planned>) =
+            planned.into_iter().partition(|p| p.global.is_some());
         let calls: Vec<Vec<Planned>> = {
             let mut calls = Vec::new();
-            let mut planned = planned.into_iter().peekable();
-            while planned.peek().is_some() {
-                calls.push(planned.by_ref().take(HOLDS_PER_CALL).collect());
+            for planned in [local, global] {
+                let mut planned = planned.into_iter().peekable();
+                while planned.peek().is_some() {
+                    calls.push(planned.by_ref().take(HOLDS_PER_CALL).collect());
+                }
             }
             calls
         };
         let mut answered = futures::stream::iter(calls)
             .map(|call| async move {
-                let ops: Vec<LeaseOp> = call.iter().map(|p| p.op.clone()).collect();
-                // The semaphore is never closed.
-                let _permit = self.calls.acquire().await;
-                let results = self.limiter.lease(&ops).await;
+                let results = self.lease(&call).await;
                 (call, results)
             })
             .buffer_unordered(CALLS_IN_FLIGHT);
@@ -342,6 +367,26 @@ impl Inner {
                 self.first_ops.fetch_sub(ops, Ordering::Relaxed);
             }
         }
+    }
+
+    // Sets a call's leases, one result per op: in the region's store, or, for a call of global
+    // rules' buckets (a call is one or the other), at the global tier.
+    async fn lease(&self, call: &[Planned]) -> Vec<Result<LeaseOutcome, LeaseFailure>> {
+        if call.first().is_some_and(|p| p.global.is_some()) {
+            // A bucket is leased at the global tier only in a region, which has the client.
+            let client = self.global.as_ref().expect("global buckets only in a region");
+            let ops: Vec<(LeaseOp, &GlobalName)> = call
+                .iter()
+                .map(|p| (p.op.clone(), p.global.as_ref().expect("a call of global buckets")))
+                .collect();
+            return client.lease(&ops).await.into_iter().map(|r| r.map_err(LeaseFailure::Global)).collect();
+        }
+        let ops: Vec<LeaseOp> = call.iter().map(|p| p.op.clone()).collect();
+        // Only store calls take a permit: they are what queues in Redis. A global tier that does
+        // not answer (each call waits its timeout) holds up no regional lease.
+        // The semaphore is never closed.
+        let _permit = self.calls.acquire().await;
+        self.limiter.lease(&ops).await.into_iter().map(|r| r.map_err(LeaseFailure::Store)).collect()
     }
 
     // Books a call's outcomes (under one lock and one clock reading) and sends each stream its
@@ -401,7 +446,9 @@ impl Inner {
                 member.leasing.due(&bucket.target, &member.leaseholder, member.demand, now_ms, force, fresh);
             if let Some(op) = due {
                 member.busy = true;
-                planned.push(Planned { op, member: id.clone() });
+                let global = (bucket.target.global.clone())
+                    .map(|entries| GlobalName { domain: bucket.target.domain.name.clone(), entries });
+                planned.push(Planned { op, member: id.clone(), global });
             }
         };
         match round {
@@ -431,7 +478,7 @@ impl Inner {
 fn settle(
     buckets: &mut HashMap<String, Bucket>,
     planned: &Planned,
-    result: Result<LeaseOutcome, StoreError>,
+    result: Result<LeaseOutcome, LeaseFailure>,
     now_ms: u64,
     grown: &mut Vec<(String, MemberId)>,
 ) -> Option<(mpsc::Sender<Events>, Event)> {
@@ -460,7 +507,7 @@ fn settle(
             let event = Event::Assign { bucket: name, assignment, fresh };
             Some((member.events.clone(), event))
         }
-        Err(error) => {
+        Err(LeaseFailure::Store(error)) => {
             telemetry::count_rlqs_lease("failed");
             if let Some(held_back) = logs::throttled("rlqs_lease_failed") {
                 tracing::warn!(error = %ErrorChain(&error), held_back, "could not set a lease in the store; applying the failure mode");
@@ -468,6 +515,14 @@ fn settle(
             member.leasing.failed();
             member.sent_at = None;
             Some((member.events.clone(), Event::StoreFailed { bucket: name, mode }))
+        }
+        Err(LeaseFailure::Global(error)) => {
+            telemetry::count_rlqs_lease("failed");
+            if let Some(held_back) = logs::throttled("rlqs_global_lease_failed") {
+                tracing::warn!(error = %ErrorChain(&error), held_back, "could not set a lease of a global bucket at the global tier; its Envoys keep their assignments until they end");
+            }
+            member.leasing.failed();
+            None
         }
     }
 }
