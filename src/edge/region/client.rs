@@ -13,7 +13,7 @@ use std::time::Duration;
 use tonic::transport::{Channel, Endpoint};
 
 use super::proto::region_leases_client::RegionLeasesClient;
-use super::proto::{BucketRenewal, BudgetLevelRenewal, BudgetRenewRequest, Entry, RenewRequest};
+use super::proto::{BucketLease, BucketRenewal, BudgetLevelRenewal, BudgetRenewRequest, Entry, RenewRequest};
 use super::MAX_BUCKETS_PER_CALL;
 use crate::bucket::{LeaseOp, LeaseOutcome, Others};
 use crate::budget::{LeaseReading, Money};
@@ -264,6 +264,12 @@ pub enum GlobalLeaseError {
     /// No rule marked `global: true` limits the bucket at the global tier.
     #[error("no rule marked global: true limits the bucket at the global tier")]
     Unknown,
+    /// The lease lives shorter than asked: a global tier that does not know a renewal's own life
+    /// (older than this region). Assignments made from it could outlive it, so none are.
+    #[error(
+        "the global tier gave the lease {0} ms of life, not the {1} ms asked (is it older than this region?)"
+    )]
+    ShortLife(u64, u64),
 }
 
 impl GlobalLeases {
@@ -309,10 +315,14 @@ impl GlobalLeases {
             }
             Err(_) => return failed(GlobalLeaseError::Timeout(RENEW_TIMEOUT)),
         };
-        let leases = answer.leases.into_iter().map(Some).chain(std::iter::repeat(None));
+        let leases = answer.leases.iter().map(Some).chain(std::iter::repeat(None));
+        let life = |l: &BucketLease| if l.ttl_ms > 0 { l.ttl_ms } else { answer.ttl_ms };
         ops.iter()
             .zip(leases)
-            .map(|(_, lease)| match lease {
+            .map(|((op, _), lease)| match lease {
+                Some(l) if l.known && life(l) < op.ttl_ms => {
+                    Err(GlobalLeaseError::ShortLife(life(l), op.ttl_ms))
+                }
                 Some(l) if l.known => Ok(LeaseOutcome {
                     // The answer carries no clock: a stream's lease is timed on this replica's.
                     now_ms: 0,
