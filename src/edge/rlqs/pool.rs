@@ -292,12 +292,11 @@ type Answered = (Vec<Planned>, Vec<Result<LeaseOutcome, LeaseFailure>>);
 // Why an op's lease was not set: the region's store failed (the stream answers with the failure
 // mode), or, for a global rule's bucket, the global tier could not be reached or refused (the
 // Envoy keeps its assignment, which ends inside the lease it was made from, and the next round
-// tries again: a region cut off from the global tier past that denies, as its RLS shares do).
-#[derive(Debug, thiserror::Error)]
+// tries again; cut off past the assignment's end, the Envoy applies its filter's
+// expired-assignment behavior).
+#[derive(Debug)]
 enum LeaseFailure {
-    #[error(transparent)]
     Store(StoreError),
-    #[error(transparent)]
     Global(GlobalLeaseError),
 }
 
