@@ -29,9 +29,20 @@ use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tollgate_bench::seconds;
 
-/// The attack's flags.
+/// The attacks.
+#[derive(Clone, Copy, clap::ValueEnum)]
+enum Attack {
+    Ids,
+    Mute,
+    SlowHttp,
+    IdleH2,
+}
+
+/// The attack and its flags.
 #[derive(Parser)]
 struct Args {
+    #[arg(value_enum)]
+    attack: Attack,
     /// tollgate's gRPC address.
     #[arg(long, default_value = "127.0.0.1:8081")]
     addr: String,
@@ -199,17 +210,11 @@ async fn idle_h2(a: &Args) {
 
 #[tokio::main]
 async fn main() {
-    let mut argv = std::env::args().skip(1);
-    let Some(attack) = argv.next() else {
-        eprintln!("usage: hostile ids|mute|slow-http|idle-h2 [flags]");
-        std::process::exit(2);
-    };
-    let a = Args::parse_from(std::iter::once(attack.clone()).chain(argv));
-    match attack.as_str() {
-        "ids" => ids(&a).await,
-        "mute" => mute(&a).await,
-        "slow-http" => slow_http(&a).await,
-        "idle-h2" => idle_h2(&a).await,
-        other => panic!("unknown attack {other}"),
+    let a = Args::parse();
+    match a.attack {
+        Attack::Ids => ids(&a).await,
+        Attack::Mute => mute(&a).await,
+        Attack::SlowHttp => slow_http(&a).await,
+        Attack::IdleH2 => idle_h2(&a).await,
     }
 }

@@ -29,9 +29,18 @@ use rand::distr::Distribution;
 use rand::SeedableRng;
 use tollgate_bench::seconds;
 
-/// The load's flags.
+/// What to do: send load (`run`), or write the request body (`body`).
+#[derive(Clone, Copy, PartialEq, clap::ValueEnum)]
+enum Mode {
+    Run,
+    Body,
+}
+
+/// What to do and the load's flags.
 #[derive(Parser)]
 struct Args {
+    #[arg(value_enum)]
+    mode: Mode,
     /// tollgate's gRPC address.
     #[arg(long, default_value = "127.0.0.1:8081")]
     addr: String,
@@ -92,18 +101,13 @@ fn request(args: &Args, tenants: impl Iterator<Item = u64>) -> RateLimitRequest 
 
 #[tokio::main]
 async fn main() {
-    let mut argv = std::env::args().skip(1);
-    match argv.next().as_deref() {
-        Some("body") => {
-            let args = Args::parse_from(std::iter::once("body".to_owned()).chain(argv));
+    let args = Args::parse();
+    match args.mode {
+        Mode::Body => {
             use std::io::Write;
             std::io::stdout().write_all(&framed(&request(&args, 0..args.per_request as u64))).unwrap();
         }
-        Some("run") => run(Args::parse_from(std::iter::once("run".to_owned()).chain(argv))).await,
-        _ => {
-            eprintln!("usage: loadgen run [flags] | loadgen body [flags] > body.bin");
-            std::process::exit(2);
-        }
+        Mode::Run => run(args).await,
     }
 }
 

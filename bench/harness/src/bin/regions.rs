@@ -248,6 +248,7 @@ async fn main() {
     budget_regional.add(open_loop(&regions[0], "budget_regional", &a, warmup).await).unwrap();
     budget_global.add(open_loop(&regions[0], "budget_global", &a, warmup).await).unwrap();
     let budget_cmds = per((after.0 - before.0) as f64, run);
+    let budget_cpu_us = per((after.1 - before.1) * 1e6, run);
     // The world: three times the rate, split 80/15/5.
     let admitted = Admitted::default();
     let start = Instant::now();
@@ -269,7 +270,7 @@ async fn main() {
     let per_region: Vec<String> =
         (0..3).map(|r| count(&all, start, Some(r), 0.0, a.world_seconds).to_string()).collect();
     println!(
-        "regional_p50_us={} regional_p99_us={} global_p50_us={} global_p99_us={} budget_regional_p50_us={} budget_regional_p99_us={} budget_global_p50_us={} budget_global_p99_us={} budget_cmds={budget_cmds:.3} hot_cmds={hot:.3} hot_cpu_us={hot_cpu_us:.2} parking_cmds={parking_cmds:.3} idle_cmds={idle_cmds:.3} idle_cpu_us={idle_cpu_us:.3} admitted={} bound={:.0} ratio={:.3} first_ratio={:.3} worst_over={:.2} per_region={}",
+        "regional_p50_us={} regional_p99_us={} global_p50_us={} global_p99_us={} budget_regional_p50_us={} budget_regional_p99_us={} budget_global_p50_us={} budget_global_p99_us={} budget_cmds={budget_cmds:.3} budget_cpu_us={budget_cpu_us:.2} hot_cmds={hot:.3} hot_cpu_us={hot_cpu_us:.2} parking_cmds={parking_cmds:.3} idle_cmds={idle_cmds:.3} idle_cpu_us={idle_cpu_us:.3} admitted={} bound={:.0} ratio={:.3} first_ratio={:.3} worst_over={:.2} per_region={}",
         percentile(&regional, 0.5),
         percentile(&regional, 0.99),
         percentile(&global, 0.5),
