@@ -5,7 +5,8 @@
 //! tier's Redis; the global tier's own RLS requests and the region's RLS requests spend only what
 //! the leases leave (one bucket, whatever the protocol and the region). Cut off from the global
 //! tier, the Envoy keeps its assignment rather than getting the failure mode's answer, and is
-//! assigned again once the region reaches the global tier.
+//! assigned again once the region reaches the global tier. A lease that a global tier older than
+//! the region gives less life than asked is not assigned from.
 
 mod common;
 
@@ -15,6 +16,14 @@ use common::proxy::Fault;
 use common::regions::region;
 use common::rlqs::*;
 use common::*;
+use tollgate::bucket::{BucketSpec, LeaseOp};
+use tollgate::edge::client_tls::ClientTlsFiles;
+use tollgate::edge::region::client::{endpoint, GlobalLeaseError, GlobalLeases, GlobalName};
+use tollgate::edge::region::proto::region_leases_server::{RegionLeases, RegionLeasesServer};
+use tollgate::edge::region::proto::{
+    BucketLease, BudgetRenewRequest, BudgetRenewResponse, RenewRequest, RenewResponse,
+};
+use tonic::{Request, Response, Status};
 
 const CONFIG: &str = r#"
 domain: api
@@ -86,4 +95,64 @@ async fn an_envoy_in_a_region_is_assigned_a_lease_of_the_global_bucket() {
     proxy.set(delay);
     stream.send("api", vec![report(&acme, 20, 200, 1_000)]).await;
     assert!(matches!(grant_for(&mut stream, &acme).await, Said::Tokens(_)));
+}
+
+// A global tier from before leases asked their own life: every lease it sets lives its 10 s.
+struct OlderGlobalTier;
+
+#[tonic::async_trait]
+impl RegionLeases for OlderGlobalTier {
+    async fn renew(&self, request: Request<RenewRequest>) -> Result<Response<RenewResponse>, Status> {
+        let leases = (request.into_inner().buckets.iter())
+            .map(|b| BucketLease {
+                known: true,
+                bucket_capacity: 20.0,
+                bucket_refill_per_second: 2.0,
+                cost: 1,
+                capacity: b.capacity,
+                refill_per_second: b.refill_per_second,
+                ..BucketLease::default()
+            })
+            .collect();
+        Ok(Response::new(RenewResponse { leases, ttl_ms: 10_000 }))
+    }
+
+    async fn renew_budgets(
+        &self,
+        _: Request<BudgetRenewRequest>,
+    ) -> Result<Response<BudgetRenewResponse>, Status> {
+        Err(Status::unimplemented("not in this test"))
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_lease_given_less_life_than_asked_is_not_assigned_from() {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let server = tokio::spawn(
+        tonic::transport::Server::builder()
+            .add_service(RegionLeasesServer::new(OlderGlobalTier))
+            .serve_with_incoming(tonic::transport::server::TcpIncoming::from(listener)),
+    );
+    let global = endpoint(&format!("http://{addr}"), &ClientTlsFiles::default()).unwrap();
+    let leases = GlobalLeases::new("eu".into(), vec![global]);
+    let name = GlobalName { domain: "api".into(), entries: vec![("tenant".into(), "acme".into())].into() };
+    let stream_lease = LeaseOp {
+        key: BUCKET.into(),
+        spec: BucketSpec::new(20.0, 2.0).unwrap(),
+        replica: "r#0".into(),
+        capacity: 5.0,
+        unit: 1.0,
+        refill_per_second: 1.0,
+        of_unleased: 1.0,
+        ttl_ms: 60_000,
+        demand: 1.0,
+        fresh: true,
+    };
+    let refused = leases.lease(&[(stream_lease.clone(), &name)]).await;
+    assert!(matches!(refused[0], Err(GlobalLeaseError::ShortLife(10_000, 60_000))), "{refused:?}");
+    // Asking no more than it gives, the same lease is used.
+    let used = leases.lease(&[(LeaseOp { ttl_ms: 10_000, ..stream_lease }, &name)]).await;
+    assert!(used[0].as_ref().is_ok_and(|l| l.capacity == 5.0), "{used:?}");
+    server.abort();
 }
