@@ -254,9 +254,11 @@ local function life(st, fl)
 end
 
 -- When key k expires (ms since the epoch): nil when it is missing, false when it has no expiry.
--- PEXPIRETIME is Redis 7; on older servers PTTL counts from a clock reading up to a millisecond
--- past a fresh TIME, and `late` picks the later end of that millisecond (a write must never move
--- an expiry earlier), else the earlier one (how long a key is certainly kept).
+-- PEXPIRETIME is Redis 7; on older servers PTTL counts from a clock reading between the script's
+-- start (`now`) and a fresh TIME, in whole milliseconds: `late` adds it to the fresh TIME, plus a
+-- millisecond (a write must never move an expiry earlier), else to `now` less a millisecond (how
+-- long a key is certainly kept; from a fresh TIME it overstated that by up to the script's
+-- running time, which a test on a Redis whose PTTL counts from the script's start caught).
 local function expiry(k, late)
   local known = expiries[k]
   if known == 0 then return nil end
@@ -264,10 +266,11 @@ local function expiry(k, late)
   local ok, at = pcall(redis.call, 'PEXPIRETIME', KEYS[k])
   if not ok then
     local ttl = redis.call('PTTL', KEYS[k])
-    if ttl < 0 then at = ttl else
+    if ttl < 0 then at = ttl elseif late then
       local t = redis.call('TIME')
-      at = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000) + ttl
-      if late then at = at + 1 end
+      at = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000) + ttl + 1
+    else
+      at = now + ttl - 1
     end
   end
   if at == -1 then return false end
