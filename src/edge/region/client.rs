@@ -100,7 +100,7 @@ async fn renew(
         .iter()
         .map(|r| BucketRenewal {
             domain: r.domain.clone(),
-            entries: r.entries.iter().map(|(k, v)| Entry { key: k.clone(), value: v.clone() }).collect(),
+            entries: entries(&r.entries),
             capacity: r.ask.capacity,
             refill_per_second: r.ask.refill_per_second,
             demand: r.demand,
@@ -185,7 +185,7 @@ async fn renew_budgets(
         .iter()
         .map(|r| BudgetLevelRenewal {
             domain: r.domain.clone(),
-            entries: r.entries.iter().map(|(k, v)| Entry { key: k.clone(), value: v.clone() }).collect(),
+            entries: entries(&r.entries),
             period_end_ms: r.period_end_ms,
             spent_nanos: nanos(r.report.spent),
             wanted_nanos: nanos(r.report.wanted),
@@ -286,11 +286,7 @@ impl GlobalLeases {
             .iter()
             .map(|(op, name)| BucketRenewal {
                 domain: name.domain.clone(),
-                entries: name
-                    .entries
-                    .iter()
-                    .map(|(k, v)| Entry { key: k.clone(), value: v.clone() })
-                    .collect(),
+                entries: entries(&name.entries),
                 capacity: op.capacity,
                 refill_per_second: op.refill_per_second,
                 demand: op.demand,
@@ -338,6 +334,11 @@ impl GlobalLeases {
             })
             .collect()
     }
+}
+
+// Descriptor entries as the region protocol names a bucket or a budget level.
+fn entries(entries: &[(String, String)]) -> Vec<Entry> {
+    entries.iter().map(|(k, v)| Entry { key: k.clone(), value: v.clone() }).collect()
 }
 
 // A round of `what` that failed (`status`: the global tier's answer; `None`: none in time):
