@@ -276,6 +276,14 @@ async fn a_hostile_client_cannot_bend_the_budget_through_envoy() {
     let (status, answer) = post_with(listener, &org("k2"), decoy).await;
     assert_eq!(status, 429, "{answer}");
     assert!(answer.to_lowercase().contains("x-budget-exhausted: request\r\n"), "{answer}");
+    // Token maxima Envoy would drop as a hits_addend (above 10^9, or too long for a number) are
+    // clamped and held at the model's most: still above k2's $0.05, so refused, never skipped.
+    for max in ["1000000001", "4294967296", "99999999999999999999999999"] {
+        let huge = format!(r#"{{"model": "gpt-4o", "max_tokens": {max}, "messages": []}}"#);
+        let (status, answer) = post_with(listener, &org("k2"), &huge).await;
+        assert_eq!(status, 429, "max_tokens {max}: {answer}");
+        assert!(answer.to_lowercase().contains("x-budget-exhausted: request\r\n"), "{answer}");
+    }
     // A top-level key given twice (the upstream's parser would take the last): 400, no hold.
     let twice = r#"{"model": "gpt-4o-mini", "model": "gpt-4o", "max_tokens": 10, "messages": []}"#;
     let (status, answer) = post_with(listener, &org("k2"), twice).await;

@@ -6,7 +6,9 @@
 //!   400 and a reason a body that is not a JSON object, whose top-level `model` is missing, not a
 //!   string or given twice, or whose `max_tokens` / `max_completion_tokens` is not a whole number
 //!   or given twice: a decoy `"model"` inside `metadata` is never what is priced. It puts the
-//!   model, the larger of the two token maxima (0 when neither: the model's default) and the
+//!   model, the larger of the two token maxima (0 when neither: the model's default; clamped at
+//!   10^9, above which Envoy would drop the descriptor and make no call, so the hold still asks
+//!   and the service caps it at the model's `max_output_tokens`) and the
 //!   body's size in bytes into dynamic metadata (`tollgate:model`, `tollgate:max_tokens`,
 //!   `tollgate:input_bytes`). On the response it passes the body through chunk by chunk, keeping
 //!   its head and tail: the model the answer names (`tollgate:served_model`) and the last `usage`
@@ -181,6 +183,10 @@ function envoy_on_request(handle)
       if given[1][2] > max then max = given[1][2] end
     end
   end
+  -- Envoy drops a descriptor whose hits_addend is above 1e9 and then makes no call at all
+  -- (failure_mode_deny never applies): clamp, so that the hold is asked and the service caps
+  -- it at the model's max_output_tokens. A run of digits too long for a number is one too.
+  if max > 1000000000 then max = 1000000000 end
   local meta = handle:streamInfo():dynamicMetadata()
   meta:set("tollgate", "model", model[1][2])
   meta:set("tollgate", "max_tokens", string.format("%d", max))
