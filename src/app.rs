@@ -287,6 +287,10 @@ impl App {
             tasks.extend(start_ratelimit_stats(stats, telemetry.clone(), settings.connections)?);
         }
         crate::telemetry::register_domains(&rules);
+        if settings.config.is_some() {
+            // The startup load counts as one, as envoyproxy/ratelimit counts it.
+            crate::telemetry::count_config_load(true);
+        }
         let store = store(settings.redis.as_ref(), &mut tasks).map_err(StartError::Redis)?;
         tracing::info!(store = %store.describe(), shadow_mode = settings.modes.shadow, quota_mode = settings.modes.quota, "store configured");
         // Says at once, and on every change, whether the store answers and why not.
@@ -303,6 +307,10 @@ impl App {
             None => Arc::new(EmbeddedQuotas),
         };
         let rules = Arc::new(ArcSwap::from_pointee(rules));
+        if settings.exporter {
+            // Series of domains and rules a reload or push dropped are forgotten (series.rs).
+            tasks.push(telemetry.keep_series(rules.clone()));
+        }
         let mut limiter = Limiter::new(rules.clone(), store, quotas, telemetry.clone(), settings.modes);
         let mut money_leases = None;
         let mut global_leases = None;
@@ -357,7 +365,8 @@ impl App {
                 settings.allow_domain_removal,
                 awaits_push,
             )
-            .merging_domains(settings.merge_domains),
+            .merging_domains(settings.merge_domains)
+            .forgetting_series_after(settings.telemetry.series_idle),
         );
         let config_loaded = reloader.loaded();
         if let Some(xds) = &settings.xds {

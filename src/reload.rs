@@ -33,6 +33,7 @@ use tokio_util::task::AbortOnDropHandle;
 
 use crate::config::{ConfigError, RuleSet, Sources};
 use crate::telemetry::logs::ErrorChain;
+use crate::telemetry::series::Churn;
 
 /// How long the files must be quiet before a reload, so that one update is loaded once.
 pub const DEBOUNCE: Duration = Duration::from_millis(200);
@@ -164,6 +165,8 @@ pub struct Reloader {
     allow_domain_removal: bool,
     // The last accepted push, if the service takes pushes; `None` inside until the first.
     pushed: Mutex<Option<Sources>>,
+    // The series pushes retired, so that churn is paced (telemetry::series).
+    churn: Mutex<Churn>,
     loaded: watch::Sender<bool>,
     merge_domains: bool,
 }
@@ -195,6 +198,7 @@ impl Reloader {
             rules,
             allow_domain_removal,
             pushed: Mutex::new(None),
+            churn: Mutex::new(Churn::new(crate::telemetry::series::DEFAULT_IDLE)),
             loaded: watch::Sender::new(!awaits_push),
             merge_domains: false,
         }
@@ -203,6 +207,11 @@ impl Reloader {
     /// The same reloader reading documents of one domain as one ([`Sources::merging_domains`]).
     pub fn merging_domains(self, merge: bool) -> Self {
         Reloader { merge_domains: merge, ..self }
+    }
+
+    /// The same reloader pacing pushes for a recorder that forgets series idle for `idle`.
+    pub fn forgetting_series_after(self, idle: Duration) -> Self {
+        Reloader { churn: Mutex::new(Churn::new(idle)), ..self }
     }
 
     /// Whether a config is in force (files loaded, or a first push accepted), and changes to it.
@@ -241,19 +250,25 @@ impl Reloader {
         Ok(if kept.is_empty() { Reloaded::Swapped } else { Reloaded::Kept(kept) })
     }
 
-    /// Compiles `pushed` (with the files, if the service has any) and swaps it in; on error the
-    /// rules in force, and the last accepted push, stay.
-    pub fn push(&self, pushed: Sources) -> Result<(), ConfigError> {
+    /// Compiles `pushed` (with the files, if the service has any), checks it against `limits`
+    /// and swaps it in, answering the domains it dropped; on error the rules in force, and the
+    /// last accepted push, stay. [`PushError::Churn`] says when to try the same push again.
+    pub fn push(&self, pushed: Sources, limits: &PushLimits) -> Result<Vec<String>, PushError> {
         let mut last = self.pushed.lock().unwrap_or_else(|p| p.into_inner());
         let sources = match &self.path {
             Some(path) => Sources::read(path)?.and(&pushed),
             None => pushed.clone(),
         };
-        let result = RuleSet::compile(sources.merging_domains(self.merge_domains));
-        crate::telemetry::count_config_load(result.is_ok());
-        self.swap(result?);
+        let rules = RuleSet::compile(sources.merging_domains(self.merge_domains))?;
+        let current = self.rules.load();
+        let dropped = limits.check(&current, &rules)?;
+        let now = std::time::Instant::now();
+        let mut churn = self.churn.lock().unwrap_or_else(|p| p.into_inner());
+        let retiring = churn.room(&current, &rules, limits.series_budget(), now).map_err(PushError::Churn)?;
+        churn.retire(retiring, now);
+        self.swap(rules);
         *last = Some(pushed);
-        Ok(())
+        Ok(dropped)
     }
 
     fn swap(&self, rules: RuleSet) {
@@ -307,4 +322,75 @@ impl Reloader {
         let this = self.clone();
         Watch::start("config", &dirs, true, move |trigger| this.reload_and_report(trigger)).map(Some)
     }
+}
+
+/// What one control plane may make a replica serve, whatever it pushes (`--max-domains`,
+/// `--max-rules`, `--xds-allow-empty`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PushLimits {
+    /// Most domains in force (the files' included).
+    pub max_domains: usize,
+    /// Most rules in force, over all domains.
+    pub max_rules: usize,
+    /// Take a push that leaves no domain at all (otherwise refused while domains are served).
+    pub allow_empty: bool,
+}
+
+impl PushLimits {
+    /// The defaults: room for an Envoy Gateway with thousands of routes.
+    pub const DEFAULT: PushLimits = PushLimits { max_domains: 1_000, max_rules: 10_000, allow_empty: false };
+
+    /// Most (domain, rule) pairs with series at once: a config at the caps, plus one such
+    /// config's worth retired and not yet forgotten.
+    pub fn series_budget(&self) -> usize {
+        2 * (self.max_domains + self.max_rules)
+    }
+
+    // The domains `next` drops from `current`, or why it is refused.
+    fn check(&self, current: &RuleSet, next: &RuleSet) -> Result<Vec<String>, PushError> {
+        let domains = next.domains().count();
+        let rules: usize = next.domains().map(|d| d.rules.len()).sum();
+        if domains > self.max_domains {
+            return Err(PushError::TooMany { what: "domains", count: domains, max: self.max_domains, flag: "--max-domains" });
+        }
+        if rules > self.max_rules {
+            return Err(PushError::TooMany { what: "rules", count: rules, max: self.max_rules, flag: "--max-rules" });
+        }
+        let dropped: Vec<String> =
+            current.domains().filter(|d| next.domain(&d.name).is_none()).map(|d| d.name.clone()).collect();
+        if domains == 0 && !dropped.is_empty() && !self.allow_empty {
+            return Err(PushError::Empty { dropped: dropped.len() });
+        }
+        Ok(dropped)
+    }
+}
+
+/// Why a push was not swapped in.
+#[derive(Debug, thiserror::Error)]
+pub enum PushError {
+    /// It does not compile (or the files beside it do not).
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    /// Over a cap.
+    #[error("the pushed config has {count} {what}, over the limit of {max} ({flag})")]
+    TooMany {
+        /// Domains or rules.
+        what: &'static str,
+        /// How many it has.
+        count: usize,
+        /// The cap.
+        max: usize,
+        /// The flag that sets it.
+        flag: &'static str,
+    },
+    /// It would leave every domain unlimited.
+    #[error("the pushed config has no domain: it would unlimit the {dropped} served now (refused; --xds-allow-empty takes such pushes)")]
+    Empty {
+        /// How many domains are served now.
+        dropped: usize,
+    },
+    /// The series of configs pushed lately still fill the metrics budget: the same push may be
+    /// taken after this long.
+    #[error("pushes are replacing domains and rules faster than their metrics are forgotten; taken in {0:?}")]
+    Churn(Duration),
 }

@@ -259,3 +259,76 @@ async fn two_replicas_on_a_cluster_share_pushed_limits_exactly() {
     let refill = (started.elapsed().as_secs_f64() / 3.0).ceil() as u32;
     assert!((20..=20 + refill).contains(&ok), "two replicas admitted {ok} of a shared 20");
 }
+
+// A one-rule domain named `name`.
+fn named(name: &str) -> envoy_types::pb::ratelimit::config::ratelimit::v3::RateLimitConfig {
+    rate_limit_config(
+        name,
+        &format!("domain: {name}\ndescriptors:\n  - key: k\n    rate_limit: {{unit: HOUR, requests_per_unit: 1}}\n"),
+    )
+}
+
+// Whether any series of the scrape is labelled with `domain`.
+fn has_domain(scrape: &prometheus_parse::Scrape, domain: &str) -> bool {
+    scrape.samples.iter().any(|s| s.labels.get("domain") == Some(domain))
+}
+
+// The NACKs the server has had, oldest first; waits for the `n`th.
+fn nacks(xds: &XdsServer, n: usize) -> Vec<String> {
+    let found = || -> Vec<String> {
+        xds.requests().into_iter().filter_map(|r| r.error_detail.map(|d| d.message)).collect()
+    };
+    wait_until("a NACK", 500, Duration::from_millis(20), || found().len() >= n);
+    found()
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_control_plane_gets_a_bounded_share_of_the_replica() {
+    let redis = Redis::start();
+    let xds = XdsServer::start(None);
+    xds.push("v1", &[api(5), other()]);
+    let (addr, redis_at) = (xds.addr.to_string(), redis.addr());
+    let limits = [("TOLLGATE_MAX_DOMAINS", "3"), ("TOLLGATE_MAX_RULES", "4"), ("TOLLGATE_METRICS_IDLE", "2s")];
+    let server = Tollgate::start_as_ratelimit(&env(&addr, &redis_at, &limits)).wait_ready();
+    xds.wait_for_ack("v1");
+    let reloaded = |server: &Tollgate| sample(&server.metrics(), "tollgate_config_last_reload_successful", &[]);
+    assert_eq!(reloaded(&server), 1.0, "an accepted push is a successful reload");
+
+    // Over a cap: NACKed with the reason and the flag, the config in force serving.
+    xds.push("v2", &[api(5), other(), named("d3"), named("d4")]);
+    let why = nacks(&xds, 1);
+    assert!(why[0].contains("4 domains") && why[0].contains("--max-domains"), "{why:?}");
+    assert_eq!(reloaded(&server), 0.0);
+    // A push with no domain would unlimit both: NACKed, both still limited.
+    xds.push("v3", &[]);
+    let why = nacks(&xds, 2);
+    assert!(why[1].contains("no domain") && why[1].contains("--xds-allow-empty"), "{why:?}");
+    assert_eq!(admitted(&server, "other", "k=x", 3).await, 1, "still limited after an empty push");
+
+    // Series follow the config: a domain dropped loses its series within the idle window.
+    xds.push("v4", &[api(5)]);
+    xds.wait_for_ack("v4");
+    assert_eq!(reloaded(&server), 1.0);
+    let scrape = server.metrics();
+    assert_eq!(sample(&scrape, "tollgate_xds_domains_removed_total", &[]), 1.0, "other was dropped");
+    assert!(has_domain(&scrape, "other"), "kept until idle");
+    wait_until("the dropped domain's series to go", 100, Duration::from_millis(100), || {
+        !has_domain(&server.metrics(), "other")
+    });
+    assert!(has_domain(&server.metrics(), "api"), "the config in force keeps its series");
+
+    // Churn is paced: three swaps of two new domains each fit the budget (2 x (3 + 4) pairs);
+    // the fourth would hold more series than that and waits for the first's to be forgotten.
+    for (version, a, b) in [("v5", "x1", "x2"), ("v6", "y1", "y2"), ("v7", "z1", "z2")] {
+        xds.push(version, &[api(5), named(a), named(b)]);
+        xds.wait_for_ack(version);
+    }
+    let started = Instant::now();
+    xds.push("v8", &[api(5), named("w1"), named("w2")]);
+    wait_until("the push to be paced", 100, Duration::from_millis(20), || {
+        sample(&server.metrics(), "tollgate_xds_pushes_paced_total", &[]) >= 1.0
+    });
+    xds.wait_for_ack("v8");
+    assert!(started.elapsed() >= Duration::from_millis(500), "taken after {:?}", started.elapsed());
+    assert_eq!(admitted(&server, "w1", "k=x", 2).await, 1, "the paced push is in force");
+}

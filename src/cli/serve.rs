@@ -199,6 +199,11 @@ pub(super) struct ServeArgs {
     /// Most per-tenant series for rules with detailed_metric: true; later tenants count as (other).
     #[arg(long, env = "TOLLGATE_DETAILED_METRIC_SERIES", default_value_t = 10_000)]
     detailed_metric_series: usize,
+    /// How long a counter or gauge of /metrics may stay untouched before it is forgotten: the
+    /// series of domains and rules a reload or push dropped go after about this long (those of
+    /// the config in force never do).
+    #[arg(long, env = "TOLLGATE_METRICS_IDLE", default_value = "120s", value_parser = humantime::parse_duration)]
+    metrics_idle: Duration,
 }
 
 impl ServeArgs {
@@ -287,6 +292,7 @@ impl ServeArgs {
                 top_denied: self.top_denied_tenants,
                 top_denied_window: self.top_denied_window,
                 detailed_series: self.detailed_metric_series,
+                series_idle: self.metrics_idle.max(Duration::from_secs(1)),
             },
             exporter: true,
             watch: true,

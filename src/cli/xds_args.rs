@@ -10,6 +10,7 @@ use clap::Args;
 use tollgate::app::RatelimitStatsSettings;
 use tollgate::edge::client_tls::ClientTlsFiles;
 use tollgate::edge::xds::{Backoff, XdsSettings};
+use tollgate::reload::PushLimits;
 use tollgate::telemetry::ratelimit_stats::StatsSettings;
 
 /// Where pushed rules come from.
@@ -62,6 +63,17 @@ pub(super) struct XdsArgs {
     /// is an error: the pushed set is the whole config, as in envoyproxy/ratelimit).
     #[arg(long, env = "TOLLGATE_XDS_WITH_FILES", requires = "xds_server")]
     pub(super) xds_with_files: bool,
+    /// Most domains a pushed config may bring (the files' included); a push with more is
+    /// NACKed with the reason.
+    #[arg(long, env = "TOLLGATE_MAX_DOMAINS", default_value_t = PushLimits::DEFAULT.max_domains)]
+    max_domains: usize,
+    /// Most rules, over all domains, a pushed config may bring; a push with more is NACKed.
+    #[arg(long, env = "TOLLGATE_MAX_RULES", default_value_t = PushLimits::DEFAULT.max_rules)]
+    max_rules: usize,
+    /// Take a push with no domain at all while domains are served (it unlimits them all);
+    /// without it such a push is NACKed.
+    #[arg(long, env = "TOLLGATE_XDS_ALLOW_EMPTY", requires = "xds_server")]
+    xds_allow_empty: bool,
     /// Be ready before the first pushed config arrives, limiting nothing until it does.
     #[arg(long, env = "TOLLGATE_START_WITHOUT_CONFIG")]
     pub(super) start_without_config: bool,
@@ -89,6 +101,11 @@ impl XdsArgs {
                 jitter: !self.xds_backoff_no_jitter,
             },
             max_message_bytes: self.xds_max_message_bytes,
+            limits: PushLimits {
+                max_domains: self.max_domains,
+                max_rules: self.max_rules,
+                allow_empty: self.xds_allow_empty,
+            },
         })
     }
 }

@@ -16,6 +16,7 @@ use std::time::Duration;
 
 use metrics::{counter, describe_counter, describe_gauge, describe_histogram, gauge, Unit};
 use metrics_exporter_prometheus::{BuildError, PrometheusBuilder, PrometheusHandle};
+use metrics_util::MetricKindMask;
 use tokio_util::task::AbortOnDropHandle;
 
 use super::records::RecordsKept;
@@ -42,6 +43,9 @@ pub struct TelemetryConfig {
     pub top_denied_window: Duration,
     /// Most distinct (domain, rule, tenant) series for `detailed_metric` rules.
     pub detailed_series: usize,
+    /// How long a counter or gauge may go untouched before the recorder forgets it
+    /// ([`super::series`]).
+    pub series_idle: Duration,
 }
 
 impl Default for TelemetryConfig {
@@ -50,6 +54,7 @@ impl Default for TelemetryConfig {
             top_denied: 10,
             top_denied_window: Duration::from_secs(60),
             detailed_series: 10_000,
+            series_idle: super::series::DEFAULT_IDLE,
         }
     }
 }
@@ -66,13 +71,19 @@ pub struct Telemetry {
     records: RecordsKept,
     detailed_series: usize,
     detailed_seen: Mutex<HashSet<String>>,
+    series_idle: Duration,
 }
 
 impl Telemetry {
     /// Installs the process-wide Prometheus recorder and describes every metric. Call once, from
     /// inside the Tokio runtime (it starts the exporter's upkeep task).
     pub fn install(config: TelemetryConfig) -> Result<Telemetry, BuildError> {
-        let handle = PrometheusBuilder::new().set_buckets(&LATENCY_BUCKETS)?.install_recorder()?;
+        // Counters and gauges untouched for `--metrics-idle` are forgotten; those of the config in
+        // force are touched by keep_series (see series.rs). Histograms have no domain label.
+        let handle = PrometheusBuilder::new()
+            .set_buckets(&LATENCY_BUCKETS)?
+            .idle_timeout(MetricKindMask::COUNTER | MetricKindMask::GAUGE, Some(config.series_idle))
+            .install_recorder()?;
         let upkeep = handle.clone();
         let upkeep = AbortOnDropHandle::new(tokio::spawn(async move {
             let mut every = tokio::time::interval(Duration::from_secs(5));
@@ -83,7 +94,6 @@ impl Telemetry {
         }));
         describe();
         register_at_zero();
-        gauge!("tollgate_build_info", "version" => env!("CARGO_PKG_VERSION")).set(1.0);
         Ok(Telemetry {
             prometheus: Some(handle),
             _upkeep: Some(upkeep),
@@ -103,6 +113,26 @@ impl Telemetry {
             records: RecordsKept::new(),
             detailed_series: config.detailed_series,
             detailed_seen: Mutex::new(HashSet::new()),
+            series_idle: config.series_idle,
+        }
+    }
+
+    /// Touches every series that exists from startup and those of `rules`' domains and rules,
+    /// so that the recorder keeps them however long they stay at their value.
+    pub fn touch_series(&self, rules: &RuleSet) {
+        register_at_zero();
+        register_domains(rules);
+    }
+
+    /// How long an untouched counter or gauge is kept.
+    pub fn series_idle(&self) -> Duration {
+        self.series_idle
+    }
+
+    /// Lets the recorder forget what has been idle (it does so only as it renders).
+    pub fn prune_series(&self) {
+        if let Some(handle) = &self.prometheus {
+            drop(handle.render());
         }
     }
 
@@ -270,6 +300,8 @@ pub const METRICS: &[(&str, Kind, &str)] = &[
     ("tollgate_config_reloads_total", Kind::Counter, "Config reloads by result: success, failure (the last good config keeps serving), warning (loaded, but domains whose files are gone are kept until SIGHUP confirms)."),
     ("tollgate_rule_limit", Kind::Gauge, "Each rule's configured limit, for utilisation alerts: kind=capacity and kind=refill_per_second (tokens), and for rate_limit rules kind=requests_per_unit with its unit."),
     ("tollgate_xds_updates_total", Kind::Counter, "Configs pushed over xDS, by result: accepted (ACKed) or rejected (NACKed; the config in force stays)."),
+    ("tollgate_xds_domains_removed_total", Kind::Counter, "Domains an accepted xDS push dropped (no longer limited; each logged at WARN)."),
+    ("tollgate_xds_pushes_paced_total", Kind::Counter, "xDS pushes held back because pushes replace domains and rules faster than their series are forgotten (--max-domains, --max-rules set the budget)."),
     ("tollgate_xds_stream_failures_total", Kind::Counter, "xDS streams that broke or could not open; each is opened again after the backoff."),
     ("tollgate_config_last_reload_successful", Kind::Gauge, "1 if the last config reload succeeded (or none was needed), 0 if it was rejected."),
     ("tollgate_tls_reloads_total", Kind::Counter, "Reloads of the gRPC TLS certificates by result (success, failure)."),
@@ -371,6 +403,8 @@ const AT_ZERO: &[(&str, &[(&str, &str)])] = &[
     ("tollgate_xds_updates_total", &[("result", "accepted")]),
     ("tollgate_xds_updates_total", &[("result", "rejected")]),
     ("tollgate_xds_stream_failures_total", &[]),
+    ("tollgate_xds_domains_removed_total", &[]),
+    ("tollgate_xds_pushes_paced_total", &[]),
     ("tollgate_request_duration_seconds", &[]),
     ("tollgate_store_duration_seconds", &[]),
 ];
@@ -509,6 +543,7 @@ pub fn add_rlqs_leaseholders(delta: f64) {
 }
 
 fn register_at_zero() {
+    gauge!("tollgate_build_info", "version" => env!("CARGO_PKG_VERSION")).set(1.0);
     for (name, labels) in AT_ZERO {
         let labels: Vec<metrics::Label> = labels.iter().map(|(k, v)| metrics::Label::new(*k, *v)).collect();
         match METRICS.iter().find(|(n, _, _)| n == name).map(|(_, kind, _)| kind) {

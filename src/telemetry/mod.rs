@@ -7,6 +7,7 @@ pub mod mapper;
 mod metrics;
 pub mod ratelimit_stats;
 mod records;
+pub mod series;
 pub mod top_denied;
 pub mod traces;
 

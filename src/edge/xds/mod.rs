@@ -17,7 +17,7 @@
 pub mod resource;
 
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use envoy_types::pb::envoy::config::core::v3::Node;
 use envoy_types::pb::envoy::service::discovery::v3::aggregated_discovery_service_client::AggregatedDiscoveryServiceClient;
@@ -34,7 +34,7 @@ use tonic::transport::{Channel, Endpoint};
 
 use crate::config::Sources;
 use crate::edge::client_tls::ClientTlsFiles;
-use crate::reload::Reloader;
+use crate::reload::{PushError, PushLimits, Reloader};
 use crate::telemetry::logs::ErrorChain;
 
 /// Where the control plane is and how to talk to it.
@@ -52,9 +52,15 @@ pub struct XdsSettings {
     pub tls: Option<ClientTlsFiles>,
     /// Reconnection pacing.
     pub backoff: Backoff,
-    /// Largest response accepted, in bytes (tonic's default, 4 MiB, when `None`).
+    /// Largest response accepted, in bytes (tonic's default, 4 MiB, when `None`); one up to
+    /// twice as large is read and NACKed with the reason, a larger one breaks the stream.
     pub max_message_bytes: Option<usize>,
+    /// What a push may bring.
+    pub limits: PushLimits,
 }
+
+/// tonic's own default limit on a message.
+const DEFAULT_MAX_MESSAGE_BYTES: usize = 4 << 20;
 
 /// Delays between attempts to open the stream.
 #[derive(Debug, Clone, Copy)]
@@ -154,10 +160,10 @@ async fn stream(
         Ok(channel) => channel,
         Err(source) => return XdsError::Connect { server: settings.server.clone(), source },
     };
-    let mut client = AggregatedDiscoveryServiceClient::new(channel);
-    if let Some(max) = settings.max_message_bytes {
-        client = client.max_decoding_message_size(max);
-    }
+    // Read up to twice the limit, so that a response over it is NACKed with the reason rather
+    // than breaking the stream where the control plane never learns why.
+    let max = settings.max_message_bytes.unwrap_or(DEFAULT_MAX_MESSAGE_BYTES);
+    let mut client = AggregatedDiscoveryServiceClient::new(channel).max_decoding_message_size(max.saturating_mul(2));
     let (requests, outgoing) = mpsc::channel(4);
     let node = node(settings);
     let first = DiscoveryRequest {
@@ -180,6 +186,7 @@ async fn stream(
         Ok(response) => response.into_inner(),
         Err(status) => return XdsError::Stream(status),
     };
+    let mut nacks = NackLog::default();
     loop {
         let response = match responses.message().await {
             Ok(Some(response)) => response,
@@ -187,7 +194,7 @@ async fn stream(
             Err(status) => return XdsError::Stream(status),
         };
         *answered = true;
-        let reply = answer(reloader, &response, accepted).await;
+        let reply = answer(settings, reloader, &response, accepted, &mut nacks).await;
         if requests.send(DiscoveryRequest { node: Some(node.clone()), ..reply }).await.is_err() {
             return XdsError::Closed;
         }
@@ -197,9 +204,11 @@ async fn stream(
 // Applies one response and says what to answer: an ACK of its version, or a NACK of it that
 // keeps the version in force.
 async fn answer(
+    settings: &XdsSettings,
     reloader: &Arc<Reloader>,
     response: &DiscoveryResponse,
     accepted: &mut String,
+    nacks: &mut NackLog,
 ) -> DiscoveryRequest {
     let ack = |version: &str, error_detail| DiscoveryRequest {
         version_info: version.to_owned(),
@@ -208,31 +217,84 @@ async fn answer(
         error_detail,
         ..Default::default()
     };
-    let applied = match decode(response) {
-        Ok(pushed) => {
-            let reloader = reloader.clone();
-            match tokio::task::spawn_blocking(move || reloader.push(pushed)).await {
-                Ok(result) => result.map_err(|e| ErrorChain(&e).to_string()),
-                Err(e) => Err(format!("compiling the pushed config: {e}")),
-            }
-        }
-        Err(problem) => {
-            crate::telemetry::count_config_load(false);
-            Err(problem)
+    let max = settings.max_message_bytes.unwrap_or(DEFAULT_MAX_MESSAGE_BYTES);
+    let size = response.encoded_len();
+    let applied = if size > max {
+        Err(format!("the response is {size} bytes, over the limit of {max} (--xds-max-message-bytes)"))
+    } else {
+        match decode(response) {
+            Ok(pushed) => apply(reloader, pushed, settings.limits).await,
+            Err(problem) => Err(problem),
         }
     };
+    crate::telemetry::count_config_load(applied.is_ok());
+    metrics::gauge!("tollgate_config_last_reload_successful").set(if applied.is_ok() { 1.0 } else { 0.0 });
     match applied {
-        Ok(()) => {
+        Ok(dropped) => {
             metrics::counter!("tollgate_xds_updates_total", "result" => "accepted").increment(1);
+            if !dropped.is_empty() {
+                metrics::counter!("tollgate_xds_domains_removed_total").increment(dropped.len() as u64);
+                tracing::warn!(version = %response.version_info, domains = ?dropped, "xDS config accepted; it drops these domains, no longer limited");
+            }
             tracing::info!(version = %response.version_info, resources = response.resources.len(), "xDS config accepted");
             accepted.clone_from(&response.version_info);
             ack(accepted, None)
         }
         Err(problem) => {
             metrics::counter!("tollgate_xds_updates_total", "result" => "rejected").increment(1);
-            tracing::error!(version = %response.version_info, error = %problem, in_force = %accepted, "xDS config rejected (NACK); the config in force keeps serving");
+            // A control plane may push the same bad config in a loop: each version once, its
+            // repeats once every NACK_LOG_EVERY with how many went unlogged.
+            if let Some(held_back) = nacks.log(&response.version_info, Instant::now()) {
+                tracing::error!(version = %response.version_info, error = %problem, in_force = %accepted, nacks_not_logged = held_back, "xDS config rejected (NACK); the config in force keeps serving");
+            }
             // INVALID_ARGUMENT, as Envoy NACKs.
             ack(accepted, Some(Status { code: 3, message: problem, details: Vec::new() }))
+        }
+    }
+}
+
+/// Least time between two log lines for NACKs of one version.
+const NACK_LOG_EVERY: Duration = Duration::from_secs(10);
+
+// Which NACKs are logged: the first of each version, then one every NACK_LOG_EVERY.
+#[derive(Default)]
+struct NackLog {
+    last: Option<(String, Instant)>,
+    held_back: u64,
+}
+
+impl NackLog {
+    // Whether to log a NACK of `version` now: with how many were not logged since the last line.
+    fn log(&mut self, version: &str, now: Instant) -> Option<u64> {
+        match &self.last {
+            Some((v, at)) if v == version && now.duration_since(*at) < NACK_LOG_EVERY => {
+                self.held_back += 1;
+                None
+            }
+            _ => {
+                self.last = Some((version.to_owned(), now));
+                Some(std::mem::take(&mut self.held_back))
+            }
+        }
+    }
+}
+
+// Compiles and swaps in a push, waiting (paced) while the series of earlier pushes fill the
+// metrics budget: the control plane sees a late ACK rather than a NACK of a good config. The
+// wait ends: the ledger empties within telemetry::series' window and a swap then always fits.
+async fn apply(reloader: &Arc<Reloader>, pushed: Sources, limits: PushLimits) -> Result<Vec<String>, String> {
+    loop {
+        let (reloader, pushed) = (reloader.clone(), pushed.clone());
+        match tokio::task::spawn_blocking(move || reloader.push(pushed, &limits)).await {
+            Ok(Err(PushError::Churn(wait))) => {
+                metrics::counter!("tollgate_xds_pushes_paced_total").increment(1);
+                if let Some(held_back) = crate::telemetry::logs::throttled("xds_paced") {
+                    tracing::warn!(wait = ?wait, paced_not_logged = held_back, "xDS pushes replace domains and rules faster than their metrics are forgotten: this push waits");
+                }
+                tokio::time::sleep(wait).await;
+            }
+            Ok(result) => return result.map_err(|e| ErrorChain(&e).to_string()),
+            Err(e) => return Err(format!("compiling the pushed config: {e}")),
         }
     }
 }
@@ -303,6 +365,17 @@ fn endpoint(settings: &XdsSettings) -> Result<Endpoint, XdsError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_nack_loop_logs_each_version_once_then_rarely() {
+        let (mut log, t0) = (NackLog::default(), Instant::now());
+        assert_eq!(log.log("v2", t0), Some(0));
+        assert_eq!(log.log("v2", t0 + Duration::from_millis(1)), None);
+        assert_eq!(log.log("v2", t0 + Duration::from_millis(2)), None);
+        assert_eq!(log.log("v3", t0 + Duration::from_millis(3)), Some(2), "a new version is logged");
+        assert_eq!(log.log("v3", t0 + Duration::from_millis(4)), None);
+        assert_eq!(log.log("v3", t0 + NACK_LOG_EVERY + Duration::from_millis(3)), Some(1));
+    }
 
     #[test]
     fn backoff_grows_to_its_ceiling_and_spreads_within_its_factor() {
