@@ -417,15 +417,17 @@ impl App {
         }
     }
 
-    /// Serves on `grpc` and `http` (with the app's TLS on gRPC) until `shutdown`, then drains.
-    /// The app, and every task it owns, stops when this returns.
+    /// Serves on `grpc` and `http` (with the app's TLS on gRPC), and the probes on `probe` if
+    /// given, until `shutdown`, then drains. The app, and every task it owns, stops when this
+    /// returns.
     pub async fn serve(
         self,
         grpc: tokio::net::TcpListener,
         http: tokio::net::TcpListener,
+        probe: Option<tokio::net::TcpListener>,
         shutdown: impl Future<Output = Shutdown>,
     ) -> Result<(), ServeError> {
-        let listeners = Listeners { grpc, tls: self.tls.clone(), http };
+        let listeners = Listeners { grpc, tls: self.tls.clone(), http, probe };
         server::run(listeners, self.service(), shutdown).await
     }
 }
@@ -461,8 +463,7 @@ fn start_ratelimit_stats(
                 async move { format!("{}{}", stats.render(), telemetry.render()) }
             }),
         );
-        let gate =
-            crate::connections::Gate::new("prometheus", crate::connections::max_connections(&connections));
+        let gate = crate::connections::gate("prometheus", &connections);
         // Stops when the app drops the task.
         let serving =
             crate::connections::serve_http(listener, router, gate, connections, std::future::pending());

@@ -80,6 +80,11 @@ pub fn router(state: HttpState) -> Router {
         .with_state(state)
 }
 
+/// The probes alone (`/healthz`, `/readyz`), for the port of `--probe-addr`.
+pub fn probe_router(state: HttpState) -> Router {
+    Router::new().route("/healthz", get(|| async { "ok\n" })).route("/readyz", get(readyz)).with_state(state)
+}
+
 /// `POST /json`, `GET /budgets` and `GET /config`, unguarded: for the HTTP port behind
 /// [`guard`], and for the gRPC port when it requires client certificates (its TLS is the guard).
 pub fn budget_router<S>(state: HttpState) -> Router<S> {

@@ -351,10 +351,20 @@ impl PushLimits {
         let domains = next.domains().count();
         let rules: usize = next.domains().map(|d| d.rules.len()).sum();
         if domains > self.max_domains {
-            return Err(PushError::TooMany { what: "domains", count: domains, max: self.max_domains, flag: "--max-domains" });
+            return Err(PushError::TooMany {
+                what: "domains",
+                count: domains,
+                max: self.max_domains,
+                flag: "--max-domains",
+            });
         }
         if rules > self.max_rules {
-            return Err(PushError::TooMany { what: "rules", count: rules, max: self.max_rules, flag: "--max-rules" });
+            return Err(PushError::TooMany {
+                what: "rules",
+                count: rules,
+                max: self.max_rules,
+                flag: "--max-rules",
+            });
         }
         let dropped: Vec<String> =
             current.domains().filter(|d| next.domain(&d.name).is_none()).map(|d| d.name.clone()).collect();
@@ -391,6 +401,8 @@ pub enum PushError {
     },
     /// The series of configs pushed lately still fill the metrics budget: the same push may be
     /// taken after this long.
-    #[error("pushes are replacing domains and rules faster than their metrics are forgotten; taken in {0:?}")]
+    #[error(
+        "pushes are replacing domains and rules faster than their metrics are forgotten; taken in {0:?}"
+    )]
     Churn(Duration),
 }

@@ -28,7 +28,7 @@ use tonic::service::Routes;
 
 use crate::clock::MonotonicClock;
 use crate::config::RuleSet;
-use crate::connections::{Admitted, ConnLimits, Gate};
+use crate::connections::{Admitted, ConnLimits};
 use crate::edge::region::client::GlobalLeases;
 use crate::edge::rlqs::{RateLimitQuotaGrpc, RlqsLimits};
 use crate::edge::rls::{AnswerExtras, RateLimitGrpc};
@@ -55,6 +55,9 @@ pub struct Listeners {
     pub tls: Option<Arc<ReloadingTls>>,
     /// The HTTP side endpoints.
     pub http: TcpListener,
+    /// `/healthz` and `/readyz` alone, for kubelet: a port no client flood of the HTTP port
+    /// reaches (`--probe-addr`).
+    pub probe: Option<TcpListener>,
 }
 
 impl Listeners {
@@ -186,7 +189,7 @@ pub async fn run(
 ) -> Result<(), ServeError> {
     let grpc_addr = listeners.grpc_addr().map_err(ServeError::Http)?;
     let http_addr = listeners.http_addr().map_err(ServeError::Http)?;
-    let Listeners { grpc: grpc_listener, tls, http: http_listener } = listeners;
+    let Listeners { grpc: grpc_listener, tls, http: http_listener, probe: probe_listener } = listeners;
 
     let (health, health_service) = tonic_health::server::health_reporter();
     let draining = Arc::new(AtomicBool::new(false));
@@ -223,8 +226,7 @@ pub async fn run(
             }
         })
     };
-    let max_connections = crate::connections::max_connections(&connections);
-    let grpc_gate = Gate::new("grpc", max_connections);
+    let grpc_gate = crate::connections::gate("grpc", &connections);
     let rls = Arc::new(RateLimitGrpc::new(limiter.clone(), max_inflight, answer_extras));
     // With mutual TLS on gRPC, what spends or reveals tenants' budgets is served there, and the
     // plaintext HTTP port refuses it unless the operator opted in.
@@ -239,10 +241,19 @@ pub async fn run(
         config_loaded,
     };
     let budget = mutual.then(|| http::budget_router(HttpState { access: Access::Open, ..state.clone() }));
+    let probe_server = probe_listener.map(|listener| {
+        crate::connections::serve_http(
+            listener,
+            http::probe_router(state.clone()),
+            crate::connections::gate("probe", &connections),
+            connections,
+            stopped(stop_rx.clone()),
+        )
+    });
     let http_server = crate::connections::serve_http(
         http_listener,
         http::router(state),
-        Gate::new("http", max_connections),
+        crate::connections::gate("http", &connections),
         connections,
         stopped(stop_rx.clone()),
     );
@@ -315,7 +326,10 @@ pub async fn run(
     tracing::info!(grpc = %grpc_addr, http = %http_addr, "listening");
     let servers = async {
         tokio::try_join!(async { grpc_server.await.map_err(ServeError::Grpc) }, async {
-            http_server.await;
+            match probe_server {
+                Some(probe) => drop(tokio::join!(http_server, probe)),
+                None => http_server.await,
+            }
             Ok(())
         })
     };

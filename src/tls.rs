@@ -10,14 +10,14 @@
 //! name too, a certificate valid for that name (a DNS or IP subject alternative name), as
 //! envoyproxy/ratelimit's `GRPC_CLIENT_TLS_SAN` pins it.
 //!
-//! Handshakes run on their own tasks with a deadline, so a slow or silent client cannot stall
-//! the accept loop.
+//! Handshakes run on their own tasks within the opening deadline and budget of the port's gate
+//! (`src/connections/gate.rs`), so a slow or silent client can stall neither the accept loop nor
+//! other clients' connections.
 
 use std::collections::hash_map::DefaultHasher;
 use std::hash::{Hash, Hasher};
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
 
 use arc_swap::ArcSwap;
 use rustls::client::danger::HandshakeSignatureValid;
@@ -32,12 +32,9 @@ use tokio_rustls::server::TlsStream;
 use tokio_rustls::TlsAcceptor;
 use tokio_stream::wrappers::ReceiverStream;
 
-use crate::connections::{self, Admitted, Conn};
+use crate::connections::{self, Admitted, Conn, Refusal, OPENING_DEADLINE};
 use crate::reload::{parent, Trigger, Watch};
 use crate::telemetry::logs::{self, ErrorChain};
-
-/// Longest a client may take to complete its handshake.
-const HANDSHAKE_DEADLINE: Duration = Duration::from_secs(10);
 
 /// The PEM files of the server's identity and, for mTLS, of the CA its clients must use.
 #[derive(Debug, Clone)]
@@ -176,14 +173,12 @@ impl ReloadingTls {
                     }
                     return None;
                 }
-                match tokio::time::timeout(HANDSHAKE_DEADLINE, acceptor.accept(tcp)).await {
-                    Ok(Ok(stream)) => Some(stream),
-                    failed => {
+                // Within the opening deadline of accept_each (a timeout there is counted as a
+                // slow opening and as a failed handshake).
+                match acceptor.accept(tcp).await {
+                    Ok(stream) => Some(stream),
+                    Err(error) => {
                         metrics::counter!("tollgate_tls_handshake_failures_total").increment(1);
-                        let error = match failed {
-                            Ok(Err(e)) => e.to_string(),
-                            _ => "handshake timed out".into(),
-                        };
                         if let Some(held_back) = logs::throttled("tls_handshake_failed") {
                             tracing::warn!(%peer, %error, held_back, "TLS handshake failed");
                         }
@@ -240,12 +235,21 @@ where
                     continue;
                 }
             };
-            let Some(permit) = admitted.gate.admit() else { continue };
+            // Opening (the handshake, or the first byte in plaintext) holds only the opening
+            // budget, for at most the opening deadline; then the connection takes its place.
+            let Some(opening) = admitted.gate.open(peer.ip()) else { continue };
             let _ = tcp.set_nodelay(true);
-            let (tx, idle, handshake) = (tx.clone(), admitted.idle, admit(tcp, peer));
+            let (tx, idle, gate, handshake) =
+                (tx.clone(), admitted.idle, admitted.gate.clone(), admit(tcp, peer));
             tokio::spawn(async move {
-                if let Some(conn) = handshake.await {
-                    let _ = tx.send(Ok(Conn::new(conn, permit, idle))).await;
+                match tokio::time::timeout(OPENING_DEADLINE, handshake).await {
+                    Ok(Some(conn)) => {
+                        if let Some(admission) = opening.establish() {
+                            let _ = tx.send(Ok(Conn::new(conn, admission, idle))).await;
+                        }
+                    }
+                    Ok(None) => {}
+                    Err(_) => gate.refused(Refusal::SlowOpening),
                 }
             });
         }
@@ -254,8 +258,8 @@ where
 }
 
 // How a connection opens: a TLS handshake record starts with 0x16; an HTTP/2 client starts with
-// its preface ("PRI ..."). Decided from the first byte, waiting for it at most the handshake
-// deadline (then it is left to the server).
+// its preface ("PRI ..."). Decided from the first byte (accept_each bounds the wait); a peer that
+// closes first is Unknown.
 #[derive(Debug, PartialEq, Eq)]
 enum Opening {
     Tls,
@@ -265,9 +269,9 @@ enum Opening {
 
 async fn opens_with(tcp: &TcpStream) -> Opening {
     let mut first = [0u8; 1];
-    match tokio::time::timeout(HANDSHAKE_DEADLINE, tcp.peek(&mut first)).await {
-        Ok(Ok(1)) if first[0] == 0x16 => Opening::Tls,
-        Ok(Ok(1)) => Opening::Plaintext,
+    match tcp.peek(&mut first).await {
+        Ok(1) if first[0] == 0x16 => Opening::Tls,
+        Ok(1) => Opening::Plaintext,
         _ => Opening::Unknown,
     }
 }

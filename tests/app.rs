@@ -54,7 +54,7 @@ async fn a_stopped_app_leaves_no_task_running() {
     let http = server::bind("127.0.0.1:0".parse().unwrap()).await.unwrap();
     let addr = grpc.local_addr().unwrap().to_string();
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let serving = tokio::spawn(app.serve(grpc, http, async move {
+    let serving = tokio::spawn(app.serve(grpc, http, None, async move {
         let _ = stopped.await;
         Shutdown::Immediate
     }));

@@ -31,18 +31,10 @@ fn locked_minimum() -> (Vec<u64>, String) {
         .unwrap();
     assert!(out.status.success(), "cargo metadata: {}", String::from_utf8_lossy(&out.stderr));
     let meta: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
-    let packages: std::collections::HashMap<&str, &serde_json::Value> = meta["packages"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|p| (p["id"].as_str().unwrap(), p))
-        .collect();
-    let nodes: std::collections::HashMap<&str, &serde_json::Value> = meta["resolve"]["nodes"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|n| (n["id"].as_str().unwrap(), n))
-        .collect();
+    let packages: std::collections::HashMap<&str, &serde_json::Value> =
+        meta["packages"].as_array().unwrap().iter().map(|p| (p["id"].as_str().unwrap(), p)).collect();
+    let nodes: std::collections::HashMap<&str, &serde_json::Value> =
+        meta["resolve"]["nodes"].as_array().unwrap().iter().map(|n| (n["id"].as_str().unwrap(), n)).collect();
     let root = meta["resolve"]["root"].as_str().unwrap();
     let (mut seen, mut stack) = (std::collections::HashSet::new(), vec![root]);
     let mut best = (vec![0, 0, 0], String::new());
@@ -74,11 +66,7 @@ fn stated_minimum_rust_is_what_the_lock_needs() {
     let (needed, by) = locked_minimum();
     let needed = format!("{}.{}", needed[0], needed[1]);
     let manifest = read("Cargo.toml");
-    let stated = manifest
-        .lines()
-        .find_map(|l| l.strip_prefix("rust-version = "))
-        .unwrap()
-        .trim_matches('"');
+    let stated = manifest.lines().find_map(|l| l.strip_prefix("rust-version = ")).unwrap().trim_matches('"');
     assert_eq!(stated, needed, "Cargo.toml's rust-version; the lock needs {needed} ({by})");
     let readme = read("README.md");
     assert!(

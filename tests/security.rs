@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use common::*;
 use serde_json::json;
-use tollgate::client::{ask_with, ClientTls};
+use tollgate::client::ask_with;
 
 const CONFIG: &str = r#"
 domain: s
@@ -18,15 +18,6 @@ descriptors:
     rate_limit: {unit: hour, requests_per_unit: 2}
 "#;
 
-fn tls_client(pki: &TestPki, with_identity: bool) -> ClientTls {
-    let read = |f: &str| std::fs::read(pki.path(f)).unwrap();
-    ClientTls {
-        ca_pem: read("ca.pem"),
-        identity_pem: with_identity.then(|| (read("client.pem"), read("client.key"))),
-        domain: Some("localhost".into()),
-    }
-}
-
 #[tokio::test(flavor = "multi_thread")]
 async fn grpc_over_tls_and_mutual_tls() {
     let pki = TestPki::new();
@@ -34,7 +25,7 @@ async fn grpc_over_tls_and_mutual_tls() {
     let tls_args = ["--tls-cert", &pki.path_str("server.pem"), "--tls-key", &pki.path_str("server.key")];
     let server = Tollgate::start(&config, &Backend::Memory, &tls_args);
     let addr = server.addr();
-    let r = ask_with(&addr, req("s", &["k=1"], 1), Some(&tls_client(&pki, false))).await.unwrap();
+    let r = ask_with(&addr, req("s", &["k=1"], 1), Some(&pki.client_tls(false))).await.unwrap();
     assert_eq!(r.overall_code, OK);
     // Plaintext is refused, and the client says why rather than "operation was cancelled".
     let plaintext = ask_with(&addr, req("s", &["k=1"], 1), None).await.unwrap_err().to_string();
@@ -50,14 +41,14 @@ async fn grpc_over_tls_and_mutual_tls() {
         &[&tls_args[..], &["--tls-client-ca", &pki.path_str("ca.pem")]].concat(),
     );
     let addr = mtls.addr();
-    let anonymous = ask_with(&addr, req("s", &["k=1"], 1), Some(&tls_client(&pki, false))).await;
+    let anonymous = ask_with(&addr, req("s", &["k=1"], 1), Some(&pki.client_tls(false))).await;
     let anonymous = anonymous.expect_err("no client certificate").to_string();
     assert!(
         anonymous.contains("TLS handshake failed") || anonymous.contains("cannot connect"),
         "{anonymous}"
     );
     let stranger = TestPki::new();
-    let mut forged = tls_client(&pki, true);
+    let mut forged = pki.client_tls(true);
     forged.identity_pem = Some((
         std::fs::read(stranger.path("client.pem")).unwrap(),
         std::fs::read(stranger.path("client.key")).unwrap(),
@@ -66,7 +57,7 @@ async fn grpc_over_tls_and_mutual_tls() {
         ask_with(&addr, req("s", &["k=1"], 1), Some(&forged)).await.is_err(),
         "a certificate from another CA"
     );
-    let r = ask_with(&addr, req("s", &["k=1"], 1), Some(&tls_client(&pki, true))).await.unwrap();
+    let r = ask_with(&addr, req("s", &["k=1"], 1), Some(&pki.client_tls(true))).await.unwrap();
     assert_eq!(r.overall_code, OK);
     assert!(sample(&mtls.metrics(), "tollgate_tls_handshake_failures_total", &[]) >= 2.0);
 }
@@ -83,10 +74,10 @@ async fn a_client_certificate_pinned_to_a_name() {
         Tollgate::start(&config, &Backend::Memory, &args.iter().map(String::as_str).collect::<Vec<_>>())
     };
     let right = pinned("client");
-    let r = ask_with(&right.addr(), req("s", &["k=1"], 1), Some(&tls_client(&pki, true))).await.unwrap();
+    let r = ask_with(&right.addr(), req("s", &["k=1"], 1), Some(&pki.client_tls(true))).await.unwrap();
     assert_eq!(r.overall_code, OK);
     let wrong = pinned("billing.internal");
-    let refused = ask_with(&wrong.addr(), req("s", &["k=1"], 1), Some(&tls_client(&pki, true))).await;
+    let refused = ask_with(&wrong.addr(), req("s", &["k=1"], 1), Some(&pki.client_tls(true))).await;
     assert!(refused.is_err(), "a certificate the CA signed for another name");
     assert!(sample(&wrong.metrics(), "tollgate_tls_handshake_failures_total", &[]) >= 1.0);
 }
@@ -107,7 +98,7 @@ async fn certificates_are_reloaded_without_a_restart() {
         &["--tls-cert", cert.to_str().unwrap(), "--tls-key", key.to_str().unwrap()],
     );
     let addr = server.addr();
-    assert!(ask_with(&addr, req("s", &["k=1"], 1), Some(&tls_client(&old, false))).await.is_ok());
+    assert!(ask_with(&addr, req("s", &["k=1"], 1), Some(&old.client_tls(false))).await.is_ok());
     let tls_reloads = |result| sample(&server.metrics(), "tollgate_tls_reloads_total", &[("result", result)]);
     let quiet = || std::thread::sleep(tollgate::reload::DEBOUNCE * 5);
 
@@ -126,12 +117,12 @@ async fn certificates_are_reloaded_without_a_restart() {
         std::fs::rename(&staged, live.path().join(f)).unwrap();
     }
     let deadline = Instant::now() + Duration::from_secs(10);
-    while ask_with(&addr, req("s", &["k=2"], 1), Some(&tls_client(&new, false))).await.is_err() {
+    while ask_with(&addr, req("s", &["k=2"], 1), Some(&new.client_tls(false))).await.is_err() {
         assert!(Instant::now() < deadline, "the new certificate was never served");
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     assert!(
-        ask_with(&addr, req("s", &["k=2"], 1), Some(&tls_client(&old, false))).await.is_err(),
+        ask_with(&addr, req("s", &["k=2"], 1), Some(&old.client_tls(false))).await.is_err(),
         "the old one is gone"
     );
     quiet();
@@ -144,7 +135,7 @@ async fn certificates_are_reloaded_without_a_restart() {
         assert!(Instant::now() < deadline, "the broken key was never noticed");
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    assert!(ask_with(&addr, req("s", &["k=3"], 1), Some(&tls_client(&new, false))).await.is_ok());
+    assert!(ask_with(&addr, req("s", &["k=3"], 1), Some(&new.client_tls(false))).await.is_ok());
     quiet();
     assert_eq!(tls_reloads("failure"), 1.0, "a broken key is reported once, not 5 times a second");
 }
@@ -513,9 +504,7 @@ async fn a_client_on_the_wrong_side_of_tls_is_named_in_the_log() {
     let plain = Tollgate::start(&config, &Backend::Memory, &[]);
     for _ in 0..5 {
         assert!(ask_with(&tls.addr(), req("s", &["k=1"], 1), None).await.is_err());
-        assert!(ask_with(&plain.addr(), req("s", &["k=1"], 1), Some(&tls_client(&pki, false)))
-            .await
-            .is_err());
+        assert!(ask_with(&plain.addr(), req("s", &["k=1"], 1), Some(&pki.client_tls(false))).await.is_err());
     }
     // Plaintext clients still work on the plaintext port.
     assert_eq!(ask(&plain.addr(), req("s", &["k=1"], 1)).await.unwrap().overall_code, OK);

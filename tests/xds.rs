@@ -288,10 +288,12 @@ async fn a_control_plane_gets_a_bounded_share_of_the_replica() {
     let xds = XdsServer::start(None);
     xds.push("v1", &[api(5), other()]);
     let (addr, redis_at) = (xds.addr.to_string(), redis.addr());
-    let limits = [("TOLLGATE_MAX_DOMAINS", "3"), ("TOLLGATE_MAX_RULES", "4"), ("TOLLGATE_METRICS_IDLE", "2s")];
+    let limits =
+        [("TOLLGATE_MAX_DOMAINS", "3"), ("TOLLGATE_MAX_RULES", "4"), ("TOLLGATE_METRICS_IDLE", "2s")];
     let server = Tollgate::start_as_ratelimit(&env(&addr, &redis_at, &limits)).wait_ready();
     xds.wait_for_ack("v1");
-    let reloaded = |server: &Tollgate| sample(&server.metrics(), "tollgate_config_last_reload_successful", &[]);
+    let reloaded =
+        |server: &Tollgate| sample(&server.metrics(), "tollgate_config_last_reload_successful", &[]);
     assert_eq!(reloaded(&server), 1.0, "an accepted push is a successful reload");
 
     // Over a cap: NACKed with the reason and the flag, the config in force serving.

@@ -40,6 +40,10 @@ pub(super) struct ServeArgs {
     /// Address for HTTP (/healthz, /readyz, /config, /metrics, POST /json).
     #[arg(long, env = "TOLLGATE_HTTP_ADDR", default_value = "0.0.0.0:8080")]
     http_addr: SocketAddr,
+    /// Also serve /healthz and /readyz alone on this address, for kubelet's probes: a port that
+    /// no flood of the HTTP port's clients reaches (the shipped manifests probe it).
+    #[arg(long, env = "TOLLGATE_PROBE_ADDR")]
+    probe_addr: Option<SocketAddr>,
     #[command(flatten)]
     redis: RedisArgs,
     /// Export traces over OTLP/gRPC to this collector (e.g. http://127.0.0.1:4317). Off if unset.
@@ -79,6 +83,11 @@ pub(super) struct ServeArgs {
     /// and files, at most 10,000 (tollgate raises its soft limit to the hard one at start).
     #[arg(long, env = "TOLLGATE_MAX_CONNECTIONS")]
     max_connections: Option<usize>,
+    /// Most connections one source address may have open on each port (default: a quarter of
+    /// --max-connections), so that no one peer takes a port. Behind a NAT or an L4 load balancer
+    /// that hides the peers' addresses, raise it.
+    #[arg(long, env = "TOLLGATE_MAX_CONNECTIONS_PER_SOURCE")]
+    max_connections_per_source: Option<usize>,
     /// How long an HTTP client has to send a request's head, however slowly.
     #[arg(long, env = "TOLLGATE_HTTP_HEADER_TIMEOUT", default_value = "10s", value_parser = humantime::parse_duration)]
     http_header_timeout: Duration,
@@ -256,6 +265,7 @@ impl ServeArgs {
             max_inflight: self.max_inflight,
             connections: ConnLimits {
                 max_connections: self.max_connections,
+                max_per_source: self.max_connections_per_source,
                 header_read_timeout: self.http_header_timeout,
                 http_idle_timeout: self.http_idle_timeout,
                 grpc_idle_timeout: self.grpc_idle_timeout,
@@ -326,8 +336,12 @@ pub(super) fn run(args: ServeArgs, json: bool, ignored: &[String]) -> Outcome {
         // Bound first: a port in use fails before anything connects anywhere.
         let grpc = server::bind(args.grpc_addr).await?;
         let http = server::bind(args.http_addr).await?;
+        let probe = match args.probe_addr {
+            Some(addr) => Some(server::bind(addr).await?),
+            None => None,
+        };
         let app = App::start(&settings)?;
-        app.serve(grpc, http, shutdown_signal(args.drain_delay)).await?;
+        app.serve(grpc, http, probe, shutdown_signal(args.drain_delay)).await?;
         Ok(ExitCode::SUCCESS)
     });
     // Flushes the last spans while the runtime, which runs the exporter, is still up.

@@ -70,7 +70,13 @@ impl Churn {
     /// Whether swapping `current` for `next` keeps at most `budget` pairs with series, counting
     /// those earlier swaps retired that the recorder may still hold: `Ok` with the number of
     /// pairs the swap retires (to pass to [`Churn::retire`]), or how long to wait until it fits.
-    pub fn room(&mut self, current: &RuleSet, next: &RuleSet, budget: usize, now: Instant) -> Result<usize, Duration> {
+    pub fn room(
+        &mut self,
+        current: &RuleSet,
+        next: &RuleSet,
+        budget: usize,
+        now: Instant,
+    ) -> Result<usize, Duration> {
         let (before, after) = (pairs(current), pairs(next));
         let retiring = before.difference(&after).count();
         while self.retired.front().is_some_and(|(at, _)| now.duration_since(*at) >= self.gone_after) {

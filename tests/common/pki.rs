@@ -48,4 +48,15 @@ impl TestPki {
             .map(|(i, a)| if i % 2 == 0 { (*a).to_owned() } else { self.path_str(a) })
             .collect()
     }
+
+    /// The built-in client's TLS for this PKI's server: its CA, and with `identity` the client
+    /// certificate.
+    pub fn client_tls(&self, identity: bool) -> tollgate::client::ClientTls {
+        let read = |f: &str| std::fs::read(self.path(f)).unwrap();
+        tollgate::client::ClientTls {
+            ca_pem: read("ca.pem"),
+            identity_pem: identity.then(|| (read("client.pem"), read("client.key"))),
+            domain: Some("localhost".into()),
+        }
+    }
 }

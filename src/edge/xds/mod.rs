@@ -163,7 +163,8 @@ async fn stream(
     // Read up to twice the limit, so that a response over it is NACKed with the reason rather
     // than breaking the stream where the control plane never learns why.
     let max = settings.max_message_bytes.unwrap_or(DEFAULT_MAX_MESSAGE_BYTES);
-    let mut client = AggregatedDiscoveryServiceClient::new(channel).max_decoding_message_size(max.saturating_mul(2));
+    let mut client =
+        AggregatedDiscoveryServiceClient::new(channel).max_decoding_message_size(max.saturating_mul(2));
     let (requests, outgoing) = mpsc::channel(4);
     let node = node(settings);
     let first = DiscoveryRequest {

@@ -1,9 +1,12 @@
 //! Bounds on connections: what a peer's connections can take from tollgate, whichever port they
 //! reach.
 //!
-//! * **A cap per port** ([`Gate`]): at most `max_connections` open on each of the gRPC and HTTP
-//!   ports; one past it is closed at once, counted (`tollgate_connections_refused_total{port}`)
-//!   and logged at most once a second. Each port has its own, so a flood on one never takes the
+//! * **A cap per port, a share per peer** ([`Gate`], in `gate.rs`): at most `max_connections`
+//!   open on each of the gRPC and HTTP ports, at most `--max-connections-per-source` from one
+//!   address, and a small budget of its own for connections still opening (TLS handshake, first
+//!   bytes), so that neither one peer nor a flood of half-open connections takes a port; one past
+//!   a bound is closed at once, counted (`tollgate_connections_refused_total{port, reason}`) and
+//!   logged at most once a second. Each port has its own, so a flood on one never takes the
 //!   other's.
 //! * **File descriptors**: at start tollgate raises its soft limit to the hard one
 //!   ([`raise_fd_limit`]), and the default cap of each port leaves [`FD_RESERVE`] descriptors
@@ -21,7 +24,6 @@
 use std::future::Future;
 use std::io;
 use std::pin::Pin;
-use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
@@ -30,10 +32,12 @@ use hyper_util::rt::{TokioIo, TokioTimer};
 use hyper_util::service::TowerToHyperService;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::TcpListener;
-use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio::time::{Instant, Sleep};
 
+pub use self::gate::{Admission, Gate, Opening, Refusal, OPENING_DEADLINE};
 use crate::telemetry::logs;
+
+mod gate;
 
 /// Descriptors left out of the ports' default caps, for Redis, PostgreSQL, files and watchers.
 pub const FD_RESERVE: u64 = 128;
@@ -46,6 +50,9 @@ pub struct ConnLimits {
     /// Most connections open on each port; `None` for the default from the descriptor limit
     /// ([`max_connections`]).
     pub max_connections: Option<usize>,
+    /// Most connections one source address may have open on a port; `None` for a quarter of
+    /// the port's cap.
+    pub max_per_source: Option<usize>,
     /// How long an HTTP client has to send a request's head.
     pub header_read_timeout: Duration,
     /// How long an HTTP connection may move no byte.
@@ -63,6 +70,7 @@ impl Default for ConnLimits {
     fn default() -> Self {
         ConnLimits {
             max_connections: None,
+            max_per_source: None,
             header_read_timeout: Duration::from_secs(10),
             http_idle_timeout: Duration::from_secs(60),
             grpc_idle_timeout: Duration::from_secs(600),
@@ -98,36 +106,11 @@ pub fn max_connections(limits: &ConnLimits) -> usize {
     })
 }
 
-/// The connections a port may have open.
-#[derive(Clone)]
-pub struct Gate {
-    permits: Arc<Semaphore>,
-    port: &'static str,
-    max: usize,
-}
-
-impl Gate {
-    /// At most `max` connections on `port` (`grpc`, `http`).
-    pub fn new(port: &'static str, max: usize) -> Gate {
-        Gate { permits: Arc::new(Semaphore::new(max)), port, max }
-    }
-
-    /// A place for one more connection, or `None` (counted and logged) when all are taken.
-    pub fn admit(&self) -> Option<OwnedSemaphorePermit> {
-        let permit = self.permits.clone().try_acquire_owned().ok();
-        if permit.is_none() {
-            metrics::counter!("tollgate_connections_refused_total", "port" => self.port).increment(1);
-            if let Some(held_back) = logs::throttled(self.port) {
-                tracing::warn!(
-                    port = self.port,
-                    max_connections = self.max,
-                    held_back,
-                    "a connection refused: the port has --max-connections open"
-                );
-            }
-        }
-        permit
-    }
+/// A port's gate from `limits`: its cap, an eighth of it for connections still opening, and each
+/// source's share.
+pub fn gate(port: &'static str, limits: &ConnLimits) -> Gate {
+    let max = max_connections(limits);
+    Gate::new(port, max, limits.max_per_source.unwrap_or(max / 4))
 }
 
 /// How a port admits its connections: its gate, and how long one may be idle.
@@ -137,6 +120,12 @@ pub struct Admitted {
     pub gate: Gate,
     /// How long a connection may move no byte.
     pub idle: Duration,
+}
+
+/// Whether `tcp`'s peer sent a byte within [`OPENING_DEADLINE`] (false for a peer that closed).
+pub async fn first_bytes(tcp: &tokio::net::TcpStream) -> bool {
+    let mut first = [0u8; 1];
+    matches!(tokio::time::timeout(OPENING_DEADLINE, tcp.peek(&mut first)).await, Ok(Ok(1)))
 }
 
 /// Logs a failed `accept` at most once a second, and backs off a little: out of descriptors,
@@ -154,13 +143,13 @@ pub struct Conn<T> {
     io: T,
     idle: Duration,
     deadline: Pin<Box<Sleep>>,
-    _permit: OwnedSemaphorePermit,
+    _admission: Admission,
 }
 
 impl<T> Conn<T> {
-    /// `io`, holding `permit`, closed after `idle` without a byte.
-    pub fn new(io: T, permit: OwnedSemaphorePermit, idle: Duration) -> Conn<T> {
-        Conn { io, idle, deadline: Box::pin(tokio::time::sleep(idle)), _permit: permit }
+    /// `io`, holding `admission`, closed after `idle` without a byte.
+    pub fn new(io: T, admission: Admission, idle: Duration) -> Conn<T> {
+        Conn { io, idle, deadline: Box::pin(tokio::time::sleep(idle)), _admission: admission }
     }
 
     fn progress(&mut self) {
@@ -253,7 +242,7 @@ pub async fn serve_http(
     http.timer(TokioTimer::new()).header_read_timeout(limits.header_read_timeout);
     tokio::pin!(stop);
     loop {
-        let (tcp, _) = tokio::select! {
+        let (tcp, peer) = tokio::select! {
             accepted = listener.accept() => match accepted {
                 Ok(conn) => conn,
                 Err(error) => {
@@ -263,14 +252,22 @@ pub async fn serve_http(
             },
             () = &mut stop => break,
         };
-        let Some(permit) = gate.admit() else { continue };
+        let Some(opening) = gate.open(peer.ip()) else { continue };
         let _ = tcp.set_nodelay(true);
-        let io = TokioIo::new(Conn::new(tcp, permit, limits.http_idle_timeout));
-        let service = TowerToHyperService::new(router.clone());
-        let connection = graceful.watch(http.serve_connection(io, service));
+        let (gate, http, router, graceful_watch) =
+            (gate.clone(), http.clone(), router.clone(), graceful.watcher());
         tokio::spawn(async move {
+            // Open: the first bytes of a request within the deadline (the head then has the
+            // header timeout), so that silent connections hold only the opening budget.
+            if !first_bytes(&tcp).await {
+                gate.refused(Refusal::SlowOpening);
+                return;
+            }
+            let Some(admission) = opening.establish() else { return };
+            let io = TokioIo::new(Conn::new(tcp, admission, limits.http_idle_timeout));
+            let service = TowerToHyperService::new(router);
             // A connection ends with an error when its client goes or times out: nothing to say.
-            let _ = connection.await;
+            let _ = graceful_watch.watch(http.serve_connection(io, service)).await;
         });
     }
     drop(listener);
