@@ -152,7 +152,7 @@ fn now_of(outcome: &BudgetOutcome) -> u64 {
 
 async fn replay(seed: u64, redis: &common::Redis) -> HashMap<&'static str, usize> {
     let mut rng = StdRng::seed_from_u64(seed);
-    let lost = if seed % 2 == 0 { LostSettle::Charge } else { LostSettle::Release };
+    let lost = if seed.is_multiple_of(2) { LostSettle::Charge } else { LostSettle::Release };
     let store = RedisStore::connect(
         &RedisTarget::Standalone(redis.url()),
         Duration::from_secs(2),

@@ -253,7 +253,7 @@ impl GlobalBudgets {
         });
         table
             .iter()
-            .filter(|(_, l)| round % 5 == 0 || now_ms.saturating_sub(l.used_ms) <= IDLE_MS)
+            .filter(|(_, l)| round.is_multiple_of(5) || now_ms.saturating_sub(l.used_ms) <= IDLE_MS)
             .map(|(k, l)| (k.clone(), l.local.clone()))
             .collect()
     }

@@ -102,7 +102,7 @@ fn parse_outcomes(reply: Value, most: usize) -> Result<Vec<LeaseOutcome>, StoreE
 pub fn parse_leases(field: &str) -> Result<Vec<Lease>, StoreError> {
     let words: Vec<&str> = field.split_whitespace().collect();
     let bad = || StoreError::Protocol(format!("a bucket's leases: {field:?}"));
-    if words.len() % 7 != 0 {
+    if !words.len().is_multiple_of(7) {
         return Err(bad());
     }
     words
