@@ -22,6 +22,7 @@ use crate::config::{ConfigError, RuleSet, Sources};
 use crate::connections::ConnLimits;
 use crate::edge::client_tls::ClientTlsFiles;
 use crate::edge::region::client::GlobalLeases;
+use crate::edge::region::RegionAuth;
 use crate::edge::rlqs::RlqsLimits;
 use crate::edge::rls::AnswerExtras;
 use crate::edge::xds::{XdsError, XdsSettings};
@@ -73,9 +74,9 @@ pub struct Settings {
     /// Serve `POST /json` and `GET /config` on the plaintext HTTP port even with mutual TLS on
     /// gRPC.
     pub http_unauthenticated: bool,
-    /// Serve `tollgate.region.v1.RegionLeases` on the gRPC port: this is the global tier of the
-    /// limits marked `global: true`.
-    pub global_tier: bool,
+    /// Serve `tollgate.region.v1.RegionLeases` on the gRPC port to the regions this allows: this
+    /// is the global tier of the limits marked `global: true`.
+    pub global_tier: Option<RegionAuth>,
     /// This is a region: decide the limits marked `global: true` on shares leased from the global
     /// tier.
     pub global: Option<GlobalSettings>,
@@ -112,7 +113,7 @@ impl Settings {
             rlqs: RlqsLimits::default(),
             connections: ConnLimits::default(),
             http_unauthenticated: false,
-            global_tier: false,
+            global_tier: None,
             global: None,
             telemetry: TelemetryConfig::default(),
             exporter: false,
@@ -230,7 +231,7 @@ pub struct App {
     rlqs: RlqsLimits,
     connections: ConnLimits,
     http_unauthenticated: bool,
-    global_tier: bool,
+    global_tier: Option<RegionAuth>,
     global_leases: Option<Arc<GlobalLeases>>,
     config_loaded: watch::Receiver<bool>,
     _watches: Vec<Watch>,
@@ -392,7 +393,7 @@ impl App {
             rlqs: settings.rlqs,
             connections: settings.connections,
             http_unauthenticated: settings.http_unauthenticated,
-            global_tier: settings.global_tier,
+            global_tier: settings.global_tier.clone(),
             global_leases,
             config_loaded,
             _watches: watches,
@@ -411,7 +412,7 @@ impl App {
             rlqs: self.rlqs,
             connections: self.connections,
             http_unauthenticated: self.http_unauthenticated,
-            global_tier: self.global_tier,
+            global_tier: self.global_tier.clone(),
             global_leases: self.global_leases.clone(),
             config_loaded: self.config_loaded.clone(),
         }

@@ -18,7 +18,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use crate::edge::region::proto::region_leases_server::RegionLeasesServer;
-use crate::edge::region::RegionLeasesGrpc;
+use crate::edge::region::{RegionAuth, RegionLeasesGrpc};
 use arc_swap::ArcSwap;
 use envoy_types::pb::envoy::service::rate_limit_quota::v3::rate_limit_quota_service_server::RateLimitQuotaServiceServer;
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_server::RateLimitServiceServer;
@@ -128,8 +128,9 @@ pub struct Service {
     /// Serve `POST /json` and `GET /config` on the plaintext HTTP port even when gRPC requires
     /// client certificates.
     pub http_unauthenticated: bool,
-    /// Serve `tollgate.region.v1.RegionLeases` (the global tier of global limits).
-    pub global_tier: bool,
+    /// Serve `tollgate.region.v1.RegionLeases` (the global tier of global limits) to the
+    /// callers this allows.
+    pub global_tier: Option<RegionAuth>,
     /// In a region, where RLQS leases of global rules' buckets are set.
     pub global_leases: Option<Arc<GlobalLeases>>,
     /// Whether a config is in force yet: until then, unready (pushed configs only).
@@ -282,10 +283,14 @@ pub async fn run(
     let grpc_routes = Routes::new(health_service)
         .add_service(RateLimitServiceServer::from_arc(rls))
         .add_service(RateLimitQuotaServiceServer::new(rlqs));
-    let grpc_routes = if global_tier {
-        grpc_routes.add_service(RegionLeasesServer::new(RegionLeasesGrpc::new(limiter.clone())))
-    } else {
-        grpc_routes
+    let grpc_routes = match global_tier {
+        Some(auth) => {
+            if auth.insecure {
+                tracing::warn!("--global-tier-insecure: RegionLeases is served to ANY caller that reaches the gRPC port, without a certificate; anyone there can take every global bucket and budget. For a trial only");
+            }
+            grpc_routes.add_service(RegionLeasesServer::new(RegionLeasesGrpc::new(limiter.clone(), auth)))
+        }
+        None => grpc_routes,
     };
     let grpc_routes = match budget {
         Some(budget) => Routes::from(grpc_routes.into_axum_router().merge(budget)),

@@ -452,3 +452,49 @@ async fn kept_ms_falls_back_to_pttl_without_pexpiretime() {
     assert!((a - b).abs() < 1_000, "{kept:?}");
     assert!(b > 0 && (b as u64) < MAX_WAIT_MS, "a real figure from PTTL: {kept:?}");
 }
+
+/// A bucket has at most `MAX_LEASEHOLDERS` leaseholders with live leases, on both twins: the
+/// next newcomer is refused and nothing is written for it, a leaseholder already there still
+/// renews, and once one releases its lease a newcomer gets one.
+#[tokio::test(flavor = "multi_thread")]
+async fn both_twins_refuse_a_leaseholder_past_the_most() {
+    let redis = common::Redis::start();
+    let store = store_on(&redis);
+    let clock = ManualClock::new(0);
+    let memory = MemoryStore::with_clock(Arc::new(clock.clone()));
+    let spec = BucketSpec::new(1_000.0, 1_000.0).unwrap();
+    let op = |holder: usize, capacity: f64| LeaseOp {
+        key: "rl:{t}:many".into(),
+        spec,
+        replica: format!("r#{holder}"),
+        capacity,
+        unit: 1.0,
+        refill_per_second: capacity,
+        of_unleased: 1.0,
+        ttl_ms: 60_000,
+        demand: 1.0,
+        fresh: false,
+    };
+    let most = tollgate::bucket::MAX_LEASEHOLDERS;
+    // Every leaseholder there, a newcomer, a renewal by the first, a release, the newcomer again.
+    let mut steps: Vec<LeaseOp> = (0..most).map(|h| op(h, 5.0)).collect();
+    steps.extend([op(most, 5.0), op(0, 6.0), op(1, 0.0), op(most, 5.0)]);
+    let mut refused = Vec::new();
+    for (i, step) in steps.iter().enumerate() {
+        let r = store.lease(std::slice::from_ref(step)).await.remove(0).expect("redis answers");
+        clock.set(r.now_ms);
+        let m = memory.lease(std::slice::from_ref(step)).await.remove(0).unwrap();
+        assert_eq!(
+            (r.capacity, r.refill_per_second, r.others, r.refused),
+            (m.capacity, m.refill_per_second, m.others, m.refused),
+            "step {i}"
+        );
+        refused.push(r.refused);
+    }
+    let tail: Vec<bool> = refused[most..].to_vec();
+    assert_eq!(tail, [true, false, false, false], "newcomer refused; renewal, release, newcomer taken");
+    assert!(!refused[..most].contains(&true));
+    let field: Option<String> =
+        redis::cmd("HGET").arg("rl:{t}:many").arg("h").query(&mut redis.connection()).unwrap();
+    assert_eq!(leases_in(field.as_deref()).len(), most, "one released, one taken");
+}

@@ -99,7 +99,11 @@ async fn a_global_budget_is_spent_across_regions_and_read_back_exactly() {
         "validate says which budget is global: {said}"
     );
     let global_redis = Redis::start();
-    let global = Tollgate::start(&config, &Backend::Redis(global_redis.url()), &["--global-tier"]);
+    let global = Tollgate::start(
+        &config,
+        &Backend::Redis(global_redis.url()),
+        &["--global-tier", "--global-tier-insecure"],
+    );
     let (eu_redis, us_redis) = (Redis::start(), Redis::start());
     let at = |name: &str, redis: &Redis| {
         region(&config, &Backend::Redis(redis.url()), &global, (name, Duration::from_millis(80)), &[])
@@ -161,7 +165,11 @@ async fn a_global_budget_is_spent_across_regions_and_read_back_exactly() {
 async fn a_region_cut_off_spends_its_lease_then_denies_and_comes_back() {
     let (_dir, config) = config_file(&global_budget_config("5.00", "60s"));
     let global_redis = Redis::start();
-    let global = Tollgate::start(&config, &Backend::Redis(global_redis.url()), &["--global-tier"]);
+    let global = Tollgate::start(
+        &config,
+        &Backend::Redis(global_redis.url()),
+        &["--global-tier", "--global-tier-insecure"],
+    );
     let (regions, proxies) = eu_and_us(&config, &global, Duration::from_millis(80));
 
     // Both spend for 3 s; then us is cut off for 20 s, and healed.

@@ -23,7 +23,8 @@ const RATE: f64 = 10.0;
 async fn through_envoy_a_new_global_bucket_is_denied_not_let_through_while_its_lease_comes() {
     let redis = Redis::start();
     let (_dir, config) = config_file(CONFIG);
-    let global = Tollgate::start(&config, &Backend::Redis(redis.url()), &["--global-tier"]);
+    let global =
+        Tollgate::start(&config, &Backend::Redis(redis.url()), &["--global-tier", "--global-tier-insecure"]);
     let (regions, _proxies) = eu_and_us(&config, &global, Duration::from_millis(150));
     let filter = json!({
         "name": "envoy.filters.http.ratelimit",

@@ -40,7 +40,8 @@ async fn load(addr: String, until: Instant, admitted: Admitted) -> (u32, u32) {
 async fn two_regions_keep_one_global_limit_and_a_partition_falls_back_to_deny() {
     let redis = Redis::start();
     let (_dir, config) = config_file(CONFIG);
-    let global = Tollgate::start(&config, &Backend::Redis(redis.url()), &["--global-tier"]);
+    let global =
+        Tollgate::start(&config, &Backend::Redis(redis.url()), &["--global-tier", "--global-tier-insecure"]);
     let (regions, proxies) = eu_and_us(&config, &global, Duration::from_millis(100));
 
     // Six seconds of both regions asking 50 a second each, against 10 a second in all.
@@ -128,7 +129,8 @@ async fn two_regions_keep_one_global_limit_and_a_partition_falls_back_to_deny() 
 async fn a_quiet_bucket_is_parked_renewed_seldom_and_still_answers_at_once() {
     let redis = Redis::start();
     let (_dir, config) = config_file(CONFIG);
-    let global = Tollgate::start(&config, &Backend::Redis(redis.url()), &["--global-tier"]);
+    let global =
+        Tollgate::start(&config, &Backend::Redis(redis.url()), &["--global-tier", "--global-tier-insecure"]);
     // Each first request waits for its first lease (100 ms away), rather than being denied.
     let wait = ["--global-first-lease-wait", "1s"];
     let (region, _proxy) =
@@ -171,7 +173,11 @@ async fn a_region_cut_off_decides_on_its_split_of_the_bucket_in_its_own_store() 
     let (global_redis, regional) = (Redis::start(), Redis::start());
     let split = CONFIG.replace("global: true", "global: true\n    global_fallback: {split: 2}");
     let (_dir, config) = config_file(&split);
-    let global = Tollgate::start(&config, &Backend::Redis(global_redis.url()), &["--global-tier"]);
+    let global = Tollgate::start(
+        &config,
+        &Backend::Redis(global_redis.url()),
+        &["--global-tier", "--global-tier-insecure"],
+    );
     let proxy = FaultProxy::start(global.grpc.port());
     proxy.set(Fault::Blackhole);
     let url = format!("http://127.0.0.1:{}", proxy.port);

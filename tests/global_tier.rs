@@ -53,7 +53,8 @@ async fn renew(
 async fn regions_lease_a_global_bucket_and_rls_spends_the_rest() {
     let redis = Redis::start();
     let (_dir, config) = config_file(CONFIG);
-    let server = Tollgate::start(&config, &Backend::Redis(redis.url()), &["--global-tier"]);
+    let server =
+        Tollgate::start(&config, &Backend::Redis(redis.url()), &["--global-tier", "--global-tier-insecure"]);
     let addr = server.addr();
     let acme = [("tenant", "acme")];
 
@@ -124,7 +125,7 @@ async fn regions_lease_a_global_bucket_and_rls_spends_the_rest() {
 #[tokio::test(flavor = "multi_thread")]
 async fn bad_renewals_are_refused_whole_and_the_service_is_off_by_default() {
     let (_dir, config) = config_file(CONFIG);
-    let server = Tollgate::start(&config, &Backend::Memory, &["--global-tier"]);
+    let server = Tollgate::start(&config, &Backend::Memory, &["--global-tier", "--global-tier-insecure"]);
     let addr = server.addr();
     let acme = [("tenant", "acme")];
     let refused = |r: Result<Vec<BucketLease>, tonic::Status>| r.unwrap_err().code();
@@ -165,7 +166,8 @@ async fn bad_renewals_are_refused_whole_and_the_service_is_off_by_default() {
 async fn a_leaseholder_beneath_a_region_holds_its_own_lease_for_the_life_it_asks() {
     let redis = Redis::start();
     let (_dir, config) = config_file(CONFIG);
-    let server = Tollgate::start(&config, &Backend::Redis(redis.url()), &["--global-tier"]);
+    let server =
+        Tollgate::start(&config, &Backend::Redis(redis.url()), &["--global-tier", "--global-tier-insecure"]);
     let addr = server.addr();
     let acme = [("tenant", "acme")];
     let region = renew(&addr, "eu", vec![renewal(&acme, 20.0, 2.0, true)]).await.unwrap();
@@ -227,8 +229,27 @@ async fn a_region_reaches_a_global_tier_behind_mutual_tls_with_its_client_certif
     let redis = Redis::start();
     let pki = TestPki::new();
     let (_dir, config) = config_file(CONFIG);
+    // Without mutual TLS, or without the regions' names, the global tier does not start.
+    let mtls = pki.mtls_args();
+    let without_names: Vec<&str> = mtls.iter().map(String::as_str).chain(["--global-tier"]).collect();
+    for (flags, says) in [(vec!["--global-tier"], "mutual TLS only"), (without_names, "--global-region-san")]
+    {
+        let out = std::process::Command::new(tollgate_bin())
+            .args(["serve", "--config", config.to_str().unwrap(), "--grpc-addr", "127.0.0.1:0"])
+            .args(["--http-addr", "127.0.0.1:0"])
+            .args(&flags)
+            .output()
+            .unwrap();
+        let said = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success() && said.contains(says), "{flags:?}: {said}");
+    }
+    // Region eu's certificate is the PKI's client certificate, valid for the name "client".
     let mut flags: Vec<String> = pki.mtls_args();
-    flags.push("--global-tier".into());
+    flags.extend([
+        "--global-tier".into(),
+        "--global-region-san".into(),
+        "eu=client,us=us.regions.example".into(),
+    ]);
     let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
     let global = Tollgate::start(&config, &Backend::Redis(redis.url()), &flags);
     let url = format!("https://127.0.0.1:{}", global.grpc.port());
@@ -245,10 +266,19 @@ async fn a_region_reaches_a_global_tier_behind_mutual_tls_with_its_client_certif
 
     let eu = region("eu", true);
     let answer = ask(&eu.addr(), req("api", &["tenant=acme"], 1)).await.unwrap();
-    assert_eq!(answer.overall_code, OK, "eu leased its share over mutual TLS");
+    assert_eq!(answer.overall_code, OK, "eu leased its share over mutual TLS: {}", global.log());
     let mut con = redis.connection();
     let leases: String = redis::cmd("HGET").arg(BUCKET).arg("h").query(&mut con).unwrap();
     assert!(leases.contains("region:eu/"), "{leases}");
+
+    // eu's certificate does not make its holder us: refused, counted, no share.
+    let posing = region("us", true);
+    let answer = ask(&posing.addr(), req("api", &["tenant=acme"], 1)).await.unwrap();
+    assert_eq!(answer.overall_code, OVER_LIMIT, "a region cannot renew as another");
+    assert!(sample(&global.metrics(), "tollgate_global_renewals_refused_total", &[]) >= 1.0);
+    let leases: String = redis::cmd("HGET").arg(BUCKET).arg("h").query(&mut con).unwrap();
+    assert!(!leases.contains("region:us"), "{leases}");
+    drop(posing);
 
     // Without a client certificate the global tier refuses the handshake: no share, denied.
     let us = region("us", false);

@@ -67,7 +67,13 @@ async fn three_regions_share_by_demand_follow_its_shift_and_outlive_a_global_rep
     let global_redis = Redis::start();
     let (_dir, config) = config_file(CONFIG);
     let mut globals: Vec<Tollgate> = (0..2)
-        .map(|_| Tollgate::start(&config, &Backend::Redis(global_redis.url()), &["--global-tier"]))
+        .map(|_| {
+            Tollgate::start(
+                &config,
+                &Backend::Redis(global_redis.url()),
+                &["--global-tier", "--global-tier-insecure"],
+            )
+        })
         .collect();
     let global_ports: Vec<u16> = globals.iter().map(|g| g.grpc.port()).collect();
     let regions: Vec<Region> = [("eu", 80), ("us", 120), ("ap", 150)]

@@ -838,3 +838,42 @@ async fn rls_keeps_its_deadline_beside_heavy_rlqs_work() {
     let timeouts = sample(&server.metrics(), "tollgate_store_errors_total", &[("kind", "timeout")]);
     assert_eq!(timeouts, 0.0, "store calls past the deadline\n{}", server.log());
 }
+
+/// Many streams on one bucket id: at most `MAX_LEASEHOLDERS` hold leases on it (the rest are
+/// counted and get no assignment), so a lease op and an RLS request on it read a bounded number
+/// of leases, and RLS requests for other tenants are decided meanwhile, not by the failure mode.
+#[tokio::test(flavor = "multi_thread")]
+async fn many_streams_on_one_bucket_stay_within_the_most_leaseholders() {
+    let _alone = HEAVY.lock().await;
+    let redis = Redis::start();
+    let (_dir, config) = config_file(CONFIG);
+    let server = Tollgate::start(&config, &Backend::Redis(redis.url()), &[]);
+    let most = tollgate::bucket::MAX_LEASEHOLDERS;
+    let shared = bucket(&[("tenant", "shared")]);
+    let mut streams = Vec::new();
+    for _ in 0..most + 20 {
+        let stream = Stream::open(&server.addr()).await;
+        stream.send("quota", vec![report(&shared, 1, 0, 0)]).await;
+        streams.push(stream);
+    }
+    wait_until("the newcomers past the most refused", 300, Duration::from_millis(100), || {
+        sample(&server.metrics(), "tollgate_leaseholders_refused_total", &[("by", "bucket")]) >= 20.0
+    });
+    let mut con = redis.connection();
+    let keys: Vec<String> = redis::cmd("KEYS").arg("rl:{shared}*").query(&mut con).unwrap();
+    let leases: usize = keys
+        .iter()
+        .map(|k| {
+            let h: Option<String> = redis::cmd("HGET").arg(k).arg("h").query(&mut con).unwrap();
+            tollgate::store::parse_leases(h.as_deref().unwrap_or("")).unwrap().len()
+        })
+        .sum();
+    assert_eq!(leases, most, "{keys:?}");
+    // Other tenants are decided, not answered by the failure mode.
+    for i in 0..20 {
+        let r = ask(&server.addr(), req("quota", &[&format!("tenant=other-{i}")], 1)).await.unwrap();
+        assert_eq!(r.overall_code, OK);
+        assert_eq!(header(&r, "X-Tollgate-Failure-Mode"), None, "a real decision");
+    }
+    drop(streams);
+}

@@ -11,6 +11,7 @@ use clap::Args;
 use tollgate::app::{App, GlobalSettings, QuotaSettings, RedisSettings, Settings};
 use tollgate::connections::ConnLimits;
 use tollgate::edge::client_tls::ClientTlsFiles;
+use tollgate::edge::region::RegionAuth;
 use tollgate::edge::rlqs::RlqsLimits;
 use tollgate::edge::rls::headers::LimitHeaderNames;
 use tollgate::edge::rls::AnswerExtras;
@@ -21,7 +22,7 @@ use tollgate::telemetry::TelemetryConfig;
 use tollgate::tls::TlsFiles;
 
 use super::redis_args::RedisArgs;
-use super::xds_args::{StatsArgs, XdsArgs};
+use super::xds_args::{pair, StatsArgs, XdsArgs};
 use super::{runtime, Outcome};
 
 #[derive(Args)]
@@ -129,6 +130,15 @@ pub(super) struct ServeArgs {
     /// Serve it to the regional tiers only (mutual TLS).
     #[arg(long, env = "TOLLGATE_GLOBAL_TIER")]
     global_tier: bool,
+    /// With --global-tier: the regions allowed, each bound to the name (a DNS or IP subject
+    /// alternative name) its client certificate must be valid for: REGION=NAME,... A caller
+    /// renews only as the region its certificate names. Needs mutual TLS (--tls-client-ca).
+    #[arg(long, env = "TOLLGATE_GLOBAL_REGION_SAN", value_delimiter = ',', value_parser = pair, requires = "global_tier")]
+    global_region_san: Vec<(String, String)>,
+    /// With --global-tier: serve RegionLeases to any caller, without mutual TLS or region names
+    /// (a trial on one machine; anyone who reaches the port can take every global bucket).
+    #[arg(long, env = "TOLLGATE_GLOBAL_TIER_INSECURE", requires = "global_tier")]
+    global_tier_insecure: bool,
     /// Be a region of the limits marked `global: true`: decide them on shares leased from the
     /// global tier at these gRPC addresses (http://host:port, or https://; comma-separated: the
     /// next after a failed round). Needs --region.
@@ -224,6 +234,16 @@ impl ServeArgs {
             coalesce_delay: self.coalesce_delay,
             precheck_buckets: (!self.no_precheck).then_some(self.precheck_buckets),
         });
+        if self.global_tier && !self.global_tier_insecure {
+            // A renewal takes capacity and money from every other client of a global bucket:
+            // served to the regions, each by its certificate, or to anyone only when asked.
+            if self.tls_client_ca.is_none() {
+                anyhow::bail!("--global-tier serves RegionLeases over mutual TLS only: give --tls-cert, --tls-key and --tls-client-ca (and --global-region-san), or --global-tier-insecure for a trial");
+            }
+            if self.global_region_san.is_empty() {
+                anyhow::bail!("--global-tier: name the regions allowed and their certificates' names with --global-region-san REGION=NAME,... (or --global-tier-insecure for a trial)");
+            }
+        }
         let xds = self.xds.settings();
         if xds.is_some() && self.config.is_some() && !self.xds.xds_with_files {
             anyhow::bail!("--config and --xds-server: the pushed config is the whole config; add --xds-with-files to serve the files' domains beside it");
@@ -279,7 +299,10 @@ impl ServeArgs {
                 max_streams: self.rlqs_max_streams,
             },
             http_unauthenticated: self.http_unauthenticated,
-            global_tier: self.global_tier,
+            global_tier: self.global_tier.then(|| RegionAuth {
+                insecure: self.global_tier_insecure,
+                regions: self.global_region_san.clone(),
+            }),
             global: match &self.region {
                 Some(region) => {
                     if region.is_empty() || region.chars().any(char::is_whitespace) || region.contains('/') {

@@ -160,7 +160,7 @@ impl StatsArgs {
     }
 }
 
-fn pair(text: &str) -> Result<(String, String), String> {
+pub(super) fn pair(text: &str) -> Result<(String, String), String> {
     text.split_once('=')
         .map(|(k, v)| (k.trim().to_owned(), v.trim().to_owned()))
         .ok_or_else(|| format!("{text:?}: expected KEY=VALUE"))

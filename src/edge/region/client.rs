@@ -329,6 +329,9 @@ impl GlobalLeases {
                         refill_per_second: l.others_refill_per_second,
                         demand: l.others_demand,
                     },
+                    // The global tier counts a lease it refused for its leaseholders; the region
+                    // sees a lease of nothing.
+                    refused: false,
                 }),
                 _ => Err(GlobalLeaseError::Unknown),
             })

@@ -490,6 +490,11 @@ fn settle(
     match result {
         Ok(outcome) => {
             telemetry::count_rlqs_lease("set");
+            if outcome.refused {
+                // The bucket has its most leaseholders: this stream's Envoys get no assignment
+                // (their no_assignment_behavior) until one of those goes.
+                metrics::counter!("tollgate_leaseholders_refused_total", "by" => "bucket").increment(1);
+            }
             if member.leasing.set(&planned.op, &outcome, now_ms) {
                 grown.push((planned.op.key.clone(), planned.member.clone()));
             }

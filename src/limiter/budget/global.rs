@@ -153,6 +153,13 @@ impl Limiter {
         let budget = domain.root.path(entries)?.last()?.budget.as_ref().filter(|b| b.global)?;
         let overrides = self.budget_overrides(domain, std::iter::once(entries)).await;
         let (amount, calendar) = amount_and_calendar(budget, &overrides, entries);
+        // No region spends or asks more than the whole budget: a report above it (2^64-1 nanos
+        // was accepted) is cut to it, and counted.
+        if report.spent > amount || report.wanted > amount {
+            metrics::counter!("tollgate_global_reports_cut_total").increment(1);
+        }
+        let report =
+            LeaseReport { spent: report.spent.min(amount), wanted: report.wanted.min(amount), ..report };
         let around = calendar.around(self.clock.now_ms() as i64);
         let ttl_ms = BUDGET_LEASE_TTL.as_millis() as u64;
         if around[2] != period_end_ms {

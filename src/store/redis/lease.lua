@@ -6,9 +6,13 @@
 --       replica, capacity wanted, rate wanted, time to live (ms), demand per second, unit (the
 --       smallest capacity worth leasing), fresh (1: the whole capacity is taken again), the most
 --       of the unleased rate to take (1: all).
--- Reply: now_ms, then per op one string of five numbers (%.17g): capacity leased, rate leased, and
---        the other replicas' live leases' capacity, rate and demand (one string, not five: a
---        first report's leases are thousands of ops, and each format and reply element costs).
+-- Reply: now_ms, then per op one string of six numbers (%.17g): capacity leased, rate leased, the
+--        other replicas' live leases' capacity, rate and demand, and 1 if the op was refused for
+--        the bucket's MAX_LEASEHOLDERS (else 0) (one string, not six: a first report's leases are
+--        thousands of ops, and each format and reply element costs).
+-- Most leaseholders with a live lease on one bucket (src/bucket/lease.rs MAX_LEASEHOLDERS): every
+-- op and request here reads all of them.
+local MAX_LEASEHOLDERS = 100
 local out = {now}
 local a = 2
 for _ = 1, tonumber(ARGV[1]) do
@@ -21,14 +25,22 @@ for _ = 1, tonumber(ARGV[1]) do
   local of_unleased = tonumber(ARGV[a + 10])
   a = a + 11
   -- A bucket that never refills (capacity 0) has nothing to lease.
-  if rps <= 0 then
-    out[#out + 1] = '0 0 0 0 0'
-  else
-    local st = refill(load(k), cap, rps / 1000)
-    local live = {}
+  local release = want_c <= 0 and want_r <= 0
+  local st, live, holds = nil, {}, false
+  if rps > 0 then
+    st = refill(load(k), cap, rps / 1000)
     for _, h in ipairs(st[8]) do
-      if h[4] > now then live[#live + 1] = h end
+      if h[4] > now then
+        live[#live + 1] = h
+        if h[1] == replica then holds = true end
+      end
     end
+  end
+  if rps <= 0 then
+    out[#out + 1] = '0 0 0 0 0 0'
+  elseif not release and #live >= MAX_LEASEHOLDERS and not holds then
+    out[#out + 1] = '0 0 0 0 0 1'
+  else
     local before, banked, oc, orate, od = 0, 0, 0, 0, 0
     for _, h in ipairs(live) do
       if h[1] == replica then
@@ -52,7 +64,6 @@ for _ = 1, tonumber(ARGV[1]) do
     end
     note_spec(st, cap, rps)
     local mine = {replica, c, r, now + ttl, demand, banked, now}
-    local release = want_c <= 0 and want_r <= 0
     local leases, placed = {}, false
     for _, h in ipairs(live) do
       if h[1] == replica then
@@ -66,7 +77,7 @@ for _ = 1, tonumber(ARGV[1]) do
     st[8] = leases
     running[k] = st
     store(k, st, life(st, st[1]), true)
-    out[#out + 1] = string.format('%.17g %.17g %.17g %.17g %.17g', c, r, oc, orate, od)
+    out[#out + 1] = string.format('%.17g %.17g %.17g %.17g %.17g 0', c, r, oc, orate, od)
   end
 end
 return out

@@ -80,19 +80,21 @@ fn parse_outcomes(reply: Value, most: usize) -> Result<Vec<LeaseOutcome>, StoreE
     let mut outcomes = Vec::new();
     for item in items.take(most) {
         let Value::BulkString(bytes) = item else {
-            return Err(StoreError::Protocol(format!("lease script: expected five numbers, got {item:?}")));
+            return Err(StoreError::Protocol(format!("lease script: expected six numbers, got {item:?}")));
         };
         let text = String::from_utf8_lossy(&bytes);
         let numbers: Option<Vec<f64>> = text.split(' ').map(|w| w.parse().ok()).collect();
-        let Some(&[capacity, refill_per_second, others_capacity, others_rate, demand]) = numbers.as_deref()
+        let Some(&[capacity, refill_per_second, others_capacity, others_rate, demand, refused]) =
+            numbers.as_deref()
         else {
-            return Err(StoreError::Protocol(format!("lease script: expected five numbers, got {text:?}")));
+            return Err(StoreError::Protocol(format!("lease script: expected six numbers, got {text:?}")));
         };
         outcomes.push(LeaseOutcome {
             now_ms,
             capacity,
             refill_per_second,
             others: Others { capacity: others_capacity, refill_per_second: others_rate, demand },
+            refused: refused == 1.0,
         });
     }
     Ok(outcomes)
