@@ -201,3 +201,52 @@ async fn the_upstream_never_sees_more_than_the_limit_in_flight() {
     println!("Envoy killed with 5 in flight: the slots came back {back:?} later (ttl 3 s from each take)");
     assert!(back >= Duration::from_millis(2500), "not before the ttl: {back:?}");
 }
+
+/// A client that resets its request before the response began gives no slot back: the upstream
+/// may still be working on it (one that does not abort on a disconnect), so the slot stays taken
+/// until the upstream answered or the ttl passed. A request answered gives its slot back at once.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_client_reset_before_the_response_keeps_its_slot() {
+    let redis = Redis::start();
+    let (_dir, config) = config_file(CONFIG);
+    let replica = Tollgate::start(&config, &Backend::Redis(redis.url()), &[]);
+    let counts = Arc::new(Upstream::default());
+    let upstream = slow_upstream(counts.clone()).await;
+    let (listener, admin) = (loopback(), loopback());
+    let mut envoy = Envoy::start(&front(listener, admin, &[replica.grpc], upstream), admin);
+    let bearer = token("acme");
+    let mut con = redis.connection();
+    let slots = |con: &mut redis::Connection| redis::cmd("ZCARD").arg(SET).query::<i64>(con).unwrap();
+
+    // Answered: given back.
+    assert_eq!(get(&reqwest_like::Client, listener, &bearer).await, 200);
+    wait_until("the answered request's slot", 200, Duration::from_millis(10), || slots(&mut con) == 0);
+
+    // Reset while the upstream works: the slot stays, though Envoy saw the stream end.
+    let mut stream = tokio::net::TcpStream::connect(listener).await.unwrap();
+    let request = format!("GET /report HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {bearer}\r\n\r\n");
+    tokio::io::AsyncWriteExt::write_all(&mut stream, request.as_bytes()).await.unwrap();
+    wait_until("the upstream at work", 200, Duration::from_millis(5), || {
+        counts.now.load(Ordering::SeqCst) == 1
+    });
+    drop(stream);
+    // Envoy counts the stream it lost.
+    let stat = |name: &str| -> u64 {
+        let (_, body) = http_get(admin, "/stats").unwrap_or_default();
+        body.lines()
+            .find_map(|l| l.strip_prefix(name).and_then(|v| v.strip_prefix(": ")))
+            .and_then(|v| v.trim().parse().ok())
+            .unwrap_or(0)
+    };
+    wait_until("Envoy to see the reset", 200, Duration::from_millis(10), || {
+        stat("http.ingress.downstream_cx_destroy_remote_active_rq") >= 1
+    });
+    // A give-back is sent as Envoy ends the stream: one would be in well within 300 ms (this
+    // waits for something that must not come, so it can only wait a while).
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let given_back =
+        sample(&replica.metrics(), "tollgate_concurrency_slots_total", &[("event", "given_back")]);
+    assert_eq!(given_back, 1.0, "only the answered request's");
+    assert_eq!(slots(&mut con), 1, "the reset request keeps its slot until its ttl");
+    envoy.proc.kill();
+}

@@ -375,4 +375,20 @@ fn the_concurrency_front_proxy_is_what_render_prints() {
     for (key, value) in rendered["http_connection_manager"].as_object().unwrap() {
         assert_eq!(&hcm[key], value, "{key}");
     }
+    // The give-back waits for the response to begin (the Lua filter marks it), and Envoy gives up
+    // on a request, its body included, before the slot's ttl (30 s): 5 s for the request, 20 s
+    // for the route.
+    assert_eq!(rendered["http_connection_manager"]["request_timeout"], "5s");
+    let route = &hcm["route_config"]["virtual_hosts"][0]["routes"][0]["route"];
+    assert_eq!(route["timeout"], rendered["route"]["timeout"]);
+    let lua = hcm["http_filters"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|f| f["name"] == "envoy.filters.http.lua")
+        .unwrap();
+    assert_eq!(lua["typed_config"], rendered["lua_filter"]["typed_config"]);
+    let give_back =
+        ours["rate_limits"].as_array().unwrap().iter().find(|e| e["apply_on_stream_done"] == true).unwrap();
+    assert_eq!(give_back["hits_addend"]["format"], "%DYNAMIC_METADATA(tollgate:responded)%");
 }

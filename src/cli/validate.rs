@@ -43,12 +43,30 @@ pub(super) fn run(args: ValidateArgs) -> Outcome {
             outln!("  global: {} (one bucket for every region; {fallback})", rule.path);
         }
         global_budgets(domain.root.nodes(), "");
+        slot_timeouts(domain);
     }
     if !any {
         bail!("{}: no domains", path.display());
     }
     outln!("ok");
     Ok(ExitCode::SUCCESS)
+}
+
+// What Envoy must do for a concurrency limit to bound the upstream: give up on a request (its
+// body included) before the slot's ttl. Envoy's defaults do not (no request timeout, a 15 s
+// route timeout that starts after the body), so this is said, and warned of when the ttl is under
+// the route timeout's default.
+fn slot_timeouts(domain: &tollgate::config::Domain) {
+    let Some((request, route)) = tollgate::render::slot_timeouts(domain) else { return };
+    let ttl = request * 6;
+    outln!(
+        "  concurrency: a slot bounds the upstream only while Envoy gives up within its ttl ({ttl:?}): the connection manager's request_timeout at most {request:?}, each route's timeout at most {route:?} (`tollgate render envoy` prints both)"
+    );
+    if ttl < std::time::Duration::from_secs(16) {
+        outln!(
+            "  warning: a ttl of {ttl:?} is under Envoy's default route timeout (15 s) plus the time to receive a body: set the route timeouts, or a slot may expire while its upstream still works"
+        );
+    }
 }
 
 // The budgets marked `global: true` under `nodes` (their path so far `above`).

@@ -19,8 +19,11 @@
 //! dynamic metadata (Envoy 1.40 cannot read trailers there).
 //!
 //! A domain with concurrency limits is rendered at the filter level too: each limit becomes a take
-//! (its path and the request id) and a give-back when the response is done (`release`); a rule at
-//! the limit's node is charged by the take.
+//! (its path and the request id) and a give-back when the response is done (`release`), sent only
+//! if the response began (a Lua filter marks it), so that a client's reset does not free a slot
+//! while the upstream may still work; the connection manager's `request_timeout` and the route's
+//! `timeout` keep what Envoy lets the upstream do within the slot's ttl ([`slot_timeouts`]). A
+//! rule at the limit's node is charged by the take.
 //!
 //! A domain with prices (LLM spend budgets) is rendered by `budget.rs`: a Lua filter that reads
 //! the model, the tokens to hold and the usage out of the bodies, and filter-level entries that
@@ -242,7 +245,25 @@ fn slot_entries(domain: &Domain, mut actions: Vec<Value>, jwt: &JwtPayload) -> [
     actions.push(
         json!({ "generic_key": { "descriptor_key": crate::slot::RELEASE_KEY, "descriptor_value": "1" } }),
     );
-    [take, json!({ "actions": actions, "apply_on_stream_done": true })]
+    // The give-back's hits come from `tollgate:responded`, which the Lua filter sets when the
+    // response begins: a request reset before that (the client gone, the upstream perhaps still
+    // working) sends no give-back (Envoy drops an entry whose hits_addend is not a number) and
+    // keeps its slot until the ttl.
+    let give_back = json!({
+        "actions": actions,
+        "apply_on_stream_done": true,
+        "hits_addend": { "format": "%DYNAMIC_METADATA(tollgate:responded)%" },
+    });
+    [take, give_back]
+}
+
+/// How long Envoy may take over a request under a concurrency limit of `ttl`, so that the
+/// upstream is done with it before its slot expires: the whole request (head and body) within a
+/// sixth of the ttl (the HCM's `request_timeout`), the upstream's answer within two thirds (the
+/// route's `timeout`, which starts once the body is in). `None` for no limit.
+pub fn slot_timeouts(domain: &Domain) -> Option<(Duration, Duration)> {
+    let ttl_ms = domain.concurrency_limits().iter().map(|(_, l)| l.ttl_ms).min()?;
+    Some((Duration::from_millis(ttl_ms / 6), Duration::from_millis(ttl_ms * 2 / 3)))
 }
 
 // The entries of one rule: one per request; for `charge: always`, a check before the request and
@@ -272,8 +293,15 @@ fn entries(
 /// The Lua filter that copies response trailers `names` into dynamic metadata (`tollgate:<name>`)
 /// as a response ends, for charges after the response; it passes the body through chunk by
 /// chunk, never buffering it.
-pub fn trailer_filter(names: &[String]) -> Value {
-    let mut script = String::from("function envoy_on_response(handle)\n  for _ in handle:bodyChunks() do end\n  local trailers = handle:trailers()\n");
+pub fn trailer_filter(names: &[String], mark_responded: bool) -> Value {
+    let mut script = String::from("function envoy_on_response(handle)\n");
+    if mark_responded {
+        // What a concurrency limit's give-back reads: the response has begun.
+        script.push_str("  handle:streamInfo():dynamicMetadata():set(\"tollgate\", \"responded\", \"1\")\n");
+    }
+    if !names.is_empty() {
+        script.push_str("  for _ in handle:bodyChunks() do end\n  local trailers = handle:trailers()\n");
+    }
     for name in names {
         script.push_str(&format!(
             "  local used = trailers and trailers:get(\"{name}\")\n  if used then\n    handle:streamInfo():dynamicMetadata():set(\"tollgate\", \"{name}\", used)\n  end\n"
@@ -384,15 +412,25 @@ pub fn envoy(rules: &RuleSet, options: &RenderOptions, address: &str) -> Result<
         out["virtual_host"] = json!({ "rate_limits": limits.virtual_host });
         out["routes"] = Value::Object(routes);
     }
-    if !limits.trailers.is_empty() {
-        out["lua_filter"] = trailer_filter(&limits.trailers);
+    let slots = slot_timeouts(domain);
+    if !limits.trailers.is_empty() || slots.is_some() {
+        out["lua_filter"] = trailer_filter(&limits.trailers, slots.is_some());
     }
     // A slot is named by its request id: Envoy must make every id itself, or a client could
-    // resend an admitted request's id and be admitted as its retry, taking no slot.
-    if !domain.concurrency_limits().is_empty() {
-        out["http_connection_manager"] = budget::connection_manager();
+    // resend an admitted request's id and be admitted as its retry, taking no slot. A slot
+    // bounds what the upstream does only if Envoy gives up on a request before its ttl.
+    if let Some((request, route)) = slots {
+        let mut hcm = budget::connection_manager();
+        hcm["request_timeout"] = json!(duration(request));
+        out["http_connection_manager"] = hcm;
+        out["route"] = json!({ "timeout": duration(route) });
     }
     Ok(out)
+}
+
+// A protobuf Duration in JSON: seconds with a fraction.
+fn duration(d: Duration) -> String {
+    format!("{}s", d.as_secs_f64())
 }
 
 // tollgate's cluster: HTTP/2, as gRPC needs.
@@ -470,14 +508,15 @@ pub fn istio(
         }}}},
         "patch": { "operation": "INSERT_BEFORE", "value": http_filter(domain, &cluster, options, &limits.filter) },
     })];
-    if !limits.trailers.is_empty() {
+    let slots = slot_timeouts(domain).is_some();
+    if !limits.trailers.is_empty() || slots {
         patches.push(json!({
             "applyTo": "HTTP_FILTER",
             "match": { "context": context, "listener": { "filterChain": { "filter": {
                 "name": "envoy.filters.network.http_connection_manager",
                 "subFilter": { "name": "envoy.filters.http.router" },
             }}}},
-            "patch": { "operation": "INSERT_BEFORE", "value": trailer_filter(&limits.trailers) },
+            "patch": { "operation": "INSERT_BEFORE", "value": trailer_filter(&limits.trailers, slots) },
         }));
     }
     if limits.filter.is_empty() {

@@ -71,6 +71,22 @@ impl Stream {
         Self::open_as(addr, None).await
     }
 
+    /// A stream from the loopback address `from` (127.0.0.0/8 is all this host's): another peer.
+    pub async fn open_from(addr: &str, from: &str) -> Result<Stream, tonic::Status> {
+        let channel = tonic::transport::Endpoint::from_shared(format!("http://{addr}"))
+            .unwrap()
+            .local_address(Some(from.parse().unwrap()))
+            .connect()
+            .await
+            .unwrap();
+        let (reports, rx) = mpsc::channel(16);
+        let answers = RateLimitQuotaServiceClient::new(channel)
+            .stream_rate_limit_quotas(tonic::Request::new(ReceiverStream::new(rx)))
+            .await?
+            .into_inner();
+        Ok(Stream { reports, answers })
+    }
+
     /// A stream whose Envoy names itself `name` in the stream's metadata.
     pub async fn open_as(addr: &str, name: Option<&str>) -> Stream {
         let mut client = RateLimitQuotaServiceClient::connect(format!("http://{addr}")).await.unwrap();

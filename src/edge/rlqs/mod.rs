@@ -21,16 +21,19 @@
 //! all streams together, have tracked are capped (an id beyond a cap gets no assignment, so
 //! Envoy applies its `no_assignment_behavior`); the answers a stream has not read are bounded in
 //! bytes, and a stream that stays full past [`UNREAD_DEADLINE`] is ended with
-//! RESOURCE_EXHAUSTED and its leases given back; streams past `max_streams` are refused.
+//! RESOURCE_EXHAUSTED and its leases given back (as is one whose oldest answer waits that long);
+//! streams past `max_streams` are refused. One source address holds at most a quarter of the
+//! streams and of the tracked ids ([`peers`]), so no one client takes the replica's.
 
 pub mod answer;
 pub mod assign;
 pub mod gather;
+pub mod peers;
 pub mod pool;
 pub mod session;
 pub mod unread;
 
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -40,6 +43,7 @@ use tokio::runtime::Handle;
 use tokio::sync::watch;
 use tonic::{Request, Response, Status, Streaming};
 
+use self::peers::Peers;
 use self::pool::Pool;
 use crate::clock::Clock;
 use crate::edge::region::client::GlobalLeases;
@@ -86,9 +90,8 @@ pub struct RateLimitQuotaGrpc {
     closing: watch::Receiver<bool>,
     runtime: Handle,
     streams: AtomicU64,
-    // Streams open, and bucket ids tracked, over every stream.
-    open: Arc<AtomicUsize>,
-    tracked: Arc<AtomicUsize>,
+    // Streams open and bucket ids tracked, by peer and in all.
+    peers: Arc<Peers>,
 }
 
 impl RateLimitQuotaGrpc {
@@ -114,8 +117,7 @@ impl RateLimitQuotaGrpc {
             closing,
             runtime,
             streams: AtomicU64::new(0),
-            open: Arc::default(),
-            tracked: Arc::default(),
+            peers: Arc::default(),
         }
     }
 }
@@ -128,57 +130,36 @@ impl RateLimitQuotaService for RateLimitQuotaGrpc {
         &self,
         request: Request<Streaming<RateLimitQuotaUsageReports>>,
     ) -> Result<Response<Self::StreamRateLimitQuotasStream>, Status> {
-        // Counted before it is checked, so that streams opening together cannot all pass.
-        let open = Open::count(self.open.clone());
-        if open.now() > self.limits.max_streams {
-            metrics::counter!("tollgate_rlqs_streams_refused_total").increment(1);
-            if let Some(held_back) = crate::telemetry::logs::throttled("rlqs_max_streams") {
-                tracing::warn!(
-                    max_streams = self.limits.max_streams,
-                    held_back,
-                    "an RLQS stream refused: this replica has --rlqs-max-streams open"
-                );
+        let open = match self.peers.open(request.remote_addr().map(|a| a.ip()), &self.limits) {
+            Ok(open) => open,
+            Err(reason) => {
+                metrics::counter!("tollgate_rlqs_streams_refused_total").increment(1);
+                let most = if reason == "peer_limit" {
+                    self.limits.max_streams / 4
+                } else {
+                    self.limits.max_streams
+                };
+                if let Some(held_back) = crate::telemetry::logs::throttled("rlqs_max_streams") {
+                    tracing::warn!(max_streams = self.limits.max_streams, reason, held_back, "an RLQS stream refused: the replica has --rlqs-max-streams open, or its address a quarter of them");
+                }
+                return Err(Status::resource_exhausted(format!(
+                    "{} {most} Rate Limit Quota streams open, its most (--rlqs-max-streams; one address holds a quarter)",
+                    if reason == "peer_limit" { "this address has" } else { "this replica has" }
+                )));
             }
-            return Err(Status::resource_exhausted(format!(
-                "this replica has {} Rate Limit Quota streams open, its most (--rlqs-max-streams)",
-                self.limits.max_streams
-            )));
-        }
+        };
         let (answers, stream) = unread::unread(MAX_UNREAD_BYTES, UNREAD_DEADLINE);
         let context = session::Context {
             limiter: self.limiter.clone(),
             pool: self.pool.clone(),
             clock: self.clock.clone(),
             limits: self.limits,
-            tracked: self.tracked.clone(),
             closing: self.closing.clone(),
         };
         let id = self.streams.fetch_add(1, Ordering::Relaxed);
         let peer = session::Peer { name: envoy_name(&request) };
         self.runtime.spawn(session::run(context, id, peer, request.into_inner(), answers, open));
         Ok(Response::new(stream))
-    }
-}
-
-/// One open stream, counted among the replica's while it lives.
-pub struct Open(Arc<AtomicUsize>);
-
-impl Open {
-    /// Counts a stream in `open`.
-    pub fn count(open: Arc<AtomicUsize>) -> Open {
-        open.fetch_add(1, Ordering::SeqCst);
-        Open(open)
-    }
-
-    /// Streams open now, this one included.
-    pub fn now(&self) -> usize {
-        self.0.load(Ordering::SeqCst)
-    }
-}
-
-impl Drop for Open {
-    fn drop(&mut self) {
-        self.0.fetch_sub(1, Ordering::SeqCst);
     }
 }
 

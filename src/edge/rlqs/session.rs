@@ -31,7 +31,6 @@
 //! cached assignments is inside this replica's lease, which outlives them.
 
 use std::collections::{HashMap, HashSet, VecDeque};
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -70,8 +69,6 @@ pub struct Context {
     pub clock: Arc<dyn Clock>,
     /// Abandonment and the bucket caps.
     pub limits: RlqsLimits,
-    /// Bucket ids tracked by every stream of this replica.
-    pub tracked: Arc<AtomicUsize>,
     /// Set when the server drains.
     pub closing: watch::Receiver<bool>,
 }
@@ -111,9 +108,9 @@ pub async fn run(
     peer: Peer,
     mut reports: Streaming<RateLimitQuotaUsageReports>,
     answers: Answers,
-    _open: super::Open,
+    open: super::peers::Open,
 ) {
-    let Context { limiter, pool, clock, limits, tracked, mut closing } = context;
+    let Context { limiter, pool, clock, limits, mut closing } = context;
     let closed = async move {
         let _ = closing.wait_for(|c| *c).await;
     };
@@ -128,7 +125,7 @@ pub async fn run(
         events: events_tx,
         abandon_after_ms: limits.abandon_after.as_millis().try_into().unwrap_or(u64::MAX),
         limits,
-        tracked: &tracked,
+        tracked: &open,
         domain: None,
         buckets: HashMap::new(),
         recently_abandoned: HashMap::new(),
@@ -201,7 +198,7 @@ pub async fn run(
             pool.leave(key, &(id, name.clone()));
         }
     }
-    tracked.fetch_sub(session.buckets.len(), Ordering::SeqCst);
+    open.untrack(session.buckets.len());
     drop(events);
     metrics::gauge!("tollgate_rlqs_streams").decrement(1.0);
 }
@@ -236,7 +233,8 @@ struct Session<'a> {
     events: mpsc::Sender<Events>,
     abandon_after_ms: u64,
     limits: RlqsLimits,
-    tracked: &'a AtomicUsize,
+    // This stream's place among the peer's and the replica's, and its bucket ids there.
+    tracked: &'a super::peers::Open,
     domain: Option<String>,
     buckets: HashMap<String, Bucket>,
     // Buckets abandoned within the last STALE_REPORT_MS, and when.
@@ -339,14 +337,8 @@ impl Session<'_> {
             if !self.buckets.contains_key(name) && seen.insert(name) {
                 if self.buckets.len() + fresh.len() >= self.limits.max_buckets_per_stream {
                     self.refuse("stream_limit");
-                } else if self
-                    .tracked
-                    .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| {
-                        (n < self.limits.max_buckets).then_some(n + 1)
-                    })
-                    .is_err()
-                {
-                    self.refuse("replica_limit");
+                } else if let Err(reason) = self.tracked.track(&self.limits) {
+                    self.refuse(reason);
                 } else {
                     fresh.push((name.clone(), id.clone()));
                 }
@@ -388,7 +380,8 @@ impl Session<'_> {
             && usage.num_requests_denied == 0
     }
 
-    // A bucket id beyond a cap (`stream_limit`, `replica_limit`): not tracked, no assignment;
+    // A bucket id beyond a cap (`stream_limit`, `peer_limit`, `replica_limit`): not tracked, no
+    // assignment;
     // counted, and the stream's first logged.
     fn refuse(&mut self, reason: &'static str) {
         metrics::counter!("tollgate_rlqs_buckets_refused_total", "reason" => reason).increment(1);
@@ -402,7 +395,7 @@ impl Session<'_> {
     // for it later starts it afresh.
     fn abandon(&mut self, name: &str) {
         let Some(bucket) = self.buckets.remove(name) else { return };
-        self.tracked.fetch_sub(1, Ordering::SeqCst);
+        self.tracked.untrack(1);
         self.recently_abandoned.insert(name.to_owned(), self.clock.now_ms());
         metrics::counter!("tollgate_rlqs_abandoned_buckets_total").increment(1);
         if let RlqsBucket::Leased(target) = &bucket.kind {

@@ -5,7 +5,8 @@
 //! Envoy takes them off the connection. An Envoy that stops reading leaves them queued here, so
 //! the queue holds at most `max_bytes` of them and at most [`MAX_UNREAD_MESSAGES`] (one answer of
 //! any size always fits an empty queue); a writer that finds no room waits, and past `deadline`
-//! the stream is ended: the queue is emptied, its memory given back, and what tonic reads next is
+//! (or finding an answer queued longer than `deadline`, however few bytes wait) the stream is
+//! ended: the queue is emptied, its memory given back, and what tonic reads next is
 //! RESOURCE_EXHAUSTED. The message bound also keeps a slow reader's answers bundled: while the
 //! writer waits, the pool's events gather, and go out together in fewer, larger answers.
 
@@ -27,7 +28,8 @@ pub const MAX_UNREAD_MESSAGES: usize = 64;
 
 #[derive(Default)]
 struct Queue {
-    items: VecDeque<(Item, usize)>,
+    // Each answer, its size, and when it was queued.
+    items: VecDeque<(Item, usize, tokio::time::Instant)>,
     bytes: usize,
     // Set when the stream is ended for not reading: what the reader gets next.
     ended: Option<Status>,
@@ -80,7 +82,8 @@ impl Answers {
             Err(_) => 0,
         };
         let shared = &self.0;
-        let deadline = tokio::time::Instant::now() + shared.deadline;
+        let now = tokio::time::Instant::now();
+        let deadline = now + shared.deadline;
         loop {
             let room = shared.room.notified();
             tokio::pin!(room);
@@ -90,10 +93,17 @@ impl Answers {
                 if queue.reader_gone || queue.closed {
                     return Err(NotSent::Gone);
                 }
+                // An answer not taken for the deadline, however few bytes wait: the transport has
+                // stopped taking them (the Envoy's flow-control window is shut), and a stream with
+                // few buckets would take minutes to fill the queue.
+                if queue.items.front().is_some_and(|(_, _, at)| now.duration_since(*at) >= shared.deadline) {
+                    end(&mut queue, shared);
+                    return Err(NotSent::Unread);
+                }
                 let room = queue.items.len() < MAX_UNREAD_MESSAGES && queue.bytes + size <= shared.max_bytes;
                 if queue.items.is_empty() || room {
                     queue.bytes += size;
-                    queue.items.push_back((item, size));
+                    queue.items.push_back((item, size, tokio::time::Instant::now()));
                     if let Some(reader) = queue.reader.take() {
                         reader.wake();
                     }
@@ -101,21 +111,26 @@ impl Answers {
                 }
             }
             if tokio::time::timeout_at(deadline, room).await.is_err() {
-                let mut queue = shared.lock();
-                queue.items.clear();
-                queue.items.shrink_to_fit();
-                queue.bytes = 0;
-                queue.closed = true;
-                queue.ended = Some(Status::resource_exhausted(format!(
-                    "the stream's answers went unread for {:?} with {} bytes waiting: ended",
-                    shared.deadline, shared.max_bytes
-                )));
-                if let Some(reader) = queue.reader.take() {
-                    reader.wake();
-                }
+                end(&mut shared.lock(), shared);
                 return Err(NotSent::Unread);
             }
         }
+    }
+}
+
+// Ends the stream for answers left unread: the queue emptied, its memory given back, and what
+// the reader gets next RESOURCE_EXHAUSTED.
+fn end(queue: &mut Queue, shared: &Shared) {
+    queue.items.clear();
+    queue.items.shrink_to_fit();
+    queue.bytes = 0;
+    queue.closed = true;
+    queue.ended = Some(Status::resource_exhausted(format!(
+        "the stream's answers went unread for {:?} (at most {} bytes wait): ended",
+        shared.deadline, shared.max_bytes
+    )));
+    if let Some(reader) = queue.reader.take() {
+        reader.wake();
     }
 }
 
@@ -140,7 +155,7 @@ impl futures::Stream for Unread {
             queue.writer_gone = true;
             return Poll::Ready(Some(Err(status)));
         }
-        if let Some((item, size)) = queue.items.pop_front() {
+        if let Some((item, size, _)) = queue.items.pop_front() {
             queue.bytes -= size;
             drop(queue);
             shared.room.notify_one();
@@ -192,6 +207,18 @@ mod tests {
         Ok(RateLimitQuotaResponse {
             bucket_action: vec![BucketAction { bucket_id: Some(id), ..Default::default() }],
         })
+    }
+
+    #[tokio::test]
+    async fn an_answer_left_unread_past_the_deadline_ends_the_stream_however_small() {
+        let (answers, mut unread) = unread(1_000_000, Duration::from_millis(200));
+        answers.send(response(10)).await.unwrap();
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        answers.send(response(10)).await.unwrap();
+        // Far under the byte and message bounds, but the first answer has waited 200 ms.
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        assert_eq!(answers.send(response(10)).await, Err(NotSent::Unread));
+        assert_eq!(unread.next().await.unwrap().unwrap_err().code(), tonic::Code::ResourceExhausted);
     }
 
     #[tokio::test]
