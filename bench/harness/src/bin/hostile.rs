@@ -13,6 +13,13 @@
 //!   tollgate had closed.
 //! - `hostile idle-h2 --addr G --conns N`: N HTTP/2 connections to the gRPC port that complete
 //!   the handshake and send nothing; `closed` as above.
+//! - `hostile half-open --addr G --conns N`: from 127.0.0.2, N bare TCP connections that send
+//!   nothing, each reopened as soon as tollgate closes it, for `--hold` seconds; meanwhile, five
+//!   times a second, a new client from 127.0.0.1 opens a connection and asks one decision:
+//!   `fresh` is how many of them were answered within 2 s.
+//!
+//! `ids` with `--ids 1` is many streams on one bucket; a stream tollgate refuses is counted
+//! (`refused`).
 
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
@@ -36,6 +43,7 @@ enum Attack {
     Mute,
     SlowHttp,
     IdleH2,
+    HalfOpen,
 }
 
 /// The attack and its flags.
@@ -72,20 +80,17 @@ fn usage(prefix: &str, i: usize) -> BucketQuotaUsage {
     }
 }
 
-// A stream whose reports are sent through the returned sender.
-async fn open(
-    addr: &str,
-) -> (
-    mpsc::Sender<RateLimitQuotaUsageReports>,
-    tonic::Streaming<envoy_types::pb::envoy::service::rate_limit_quota::v3::RateLimitQuotaResponse>,
-) {
+type Answers = tonic::Streaming<envoy_types::pb::envoy::service::rate_limit_quota::v3::RateLimitQuotaResponse>;
+
+// A stream whose reports are sent through the returned sender; `None` if tollgate refused it.
+async fn open(addr: &str) -> Option<(mpsc::Sender<RateLimitQuotaUsageReports>, Answers)> {
     let mut client = RateLimitQuotaServiceClient::connect(format!("http://{addr}"))
         .await
         .unwrap()
         .max_decoding_message_size(64 << 20);
     let (tx, rx) = mpsc::channel(4);
-    let answers = client.stream_rate_limit_quotas(ReceiverStream::new(rx)).await.unwrap().into_inner();
-    (tx, answers)
+    let answers = client.stream_rate_limit_quotas(ReceiverStream::new(rx)).await.ok()?.into_inner();
+    Some((tx, answers))
 }
 
 async fn send_ids(tx: &mpsc::Sender<RateLimitQuotaUsageReports>, domain: &str, prefix: &str, ids: usize) {
@@ -100,9 +105,12 @@ async fn send_ids(tx: &mpsc::Sender<RateLimitQuotaUsageReports>, domain: &str, p
 
 async fn ids(a: &Args) {
     // Every stream names the same ids: on one replica, a hold per stream on each bucket.
-    let mut readers = Vec::new();
+    let (mut readers, mut refused) = (Vec::new(), 0);
     for _ in 0..a.streams {
-        let (tx, mut answers) = open(&a.addr).await;
+        let Some((tx, mut answers)) = open(&a.addr).await else {
+            refused += 1;
+            continue;
+        };
         let (domain, ids, hold) = (a.domain.clone(), a.ids, a.hold);
         readers.push(tokio::spawn(async move {
             let sender = tokio::spawn(async move {
@@ -128,13 +136,20 @@ async fn ids(a: &Args) {
     for reader in readers {
         assigned.push(reader.await.unwrap().to_string());
     }
-    println!("streams={} ids={} assigned={}", a.streams, a.ids, assigned.join("+"));
+    // Many streams: how many streams got how many assignments, not one figure each.
+    let mut counts: std::collections::BTreeMap<String, usize> = Default::default();
+    for n in &assigned {
+        *counts.entry(n.clone()).or_default() += 1;
+    }
+    let assigned: Vec<String> =
+        if a.streams > 20 { counts.iter().map(|(n, k)| format!("{k}x{n}")).collect() } else { assigned };
+    println!("streams={} ids={} refused={refused} assigned={}", a.streams, a.ids, assigned.join("+"));
 }
 
 async fn mute(a: &Args) {
     let mut streams = Vec::new();
     for s in 0..a.streams {
-        let (tx, answers) = open(&a.addr).await;
+        let Some((tx, answers)) = open(&a.addr).await else { continue };
         send_ids(&tx, &a.domain, &format!("mute{s}"), a.ids).await;
         streams.push((tx, answers));
     }
@@ -208,6 +223,63 @@ async fn idle_h2(a: &Args) {
     println!("conns={} opened={opened} closed={closed_count}", a.conns);
 }
 
+// A TCP connection to `to` from the loopback address `from`.
+async fn connect_from(from: &str, to: &str) -> std::io::Result<TcpStream> {
+    let socket = tokio::net::TcpSocket::new_v4()?;
+    socket.bind(format!("{from}:0").parse().unwrap())?;
+    socket.connect(to.parse().unwrap()).await
+}
+
+// One decision asked on a new connection from 127.0.0.1: answered within 2 s?
+async fn fresh_client(addr: &str, domain: &str) -> bool {
+    use envoy_types::pb::envoy::extensions::common::ratelimit::v3::{rate_limit_descriptor::Entry, RateLimitDescriptor};
+    use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_client::RateLimitServiceClient;
+    use envoy_types::pb::envoy::service::ratelimit::v3::RateLimitRequest;
+    let ask = async {
+        let mut client = RateLimitServiceClient::connect(format!("http://{addr}")).await.ok()?;
+        let entry = Entry { key: "tenant".into(), value: "fresh".into() };
+        let request = RateLimitRequest {
+            domain: domain.to_owned(),
+            descriptors: vec![RateLimitDescriptor { entries: vec![entry], ..Default::default() }],
+            hits_addend: 1,
+        };
+        client.should_rate_limit(request).await.ok()
+    };
+    matches!(tokio::time::timeout(Duration::from_secs(2), ask).await, Ok(Some(_)))
+}
+
+async fn half_open(a: &Args) {
+    let (addr, conns, hold) = (a.addr.clone(), a.conns, a.hold);
+    let flood = tokio::spawn(async move {
+        let (mut held, mut opened) = (Vec::<TcpStream>::new(), 0u64);
+        let end = Instant::now() + hold;
+        while Instant::now() < end {
+            let mut buf = [0u8; 64];
+            held.retain(|s| matches!(s.try_read(&mut buf), Err(e) if e.kind() == std::io::ErrorKind::WouldBlock));
+            while held.len() < conns {
+                let Ok(Ok(s)) = tokio::time::timeout(Duration::from_millis(200), connect_from("127.0.0.2", &addr)).await
+                else {
+                    break;
+                };
+                held.push(s);
+                opened += 1;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        opened
+    });
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let (mut asked, mut answered) = (0, 0);
+    let end = Instant::now() + a.hold.saturating_sub(Duration::from_secs(2));
+    while Instant::now() < end {
+        asked += 1;
+        answered += usize::from(fresh_client(&a.addr, "bench").await);
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let opened = flood.await.unwrap();
+    println!("conns={} opened={opened} fresh={answered}/{asked}", a.conns);
+}
+
 #[tokio::main]
 async fn main() {
     let a = Args::parse();
@@ -216,5 +288,6 @@ async fn main() {
         Attack::Mute => mute(&a).await,
         Attack::SlowHttp => slow_http(&a).await,
         Attack::IdleH2 => idle_h2(&a).await,
+        Attack::HalfOpen => half_open(&a).await,
     }
 }
