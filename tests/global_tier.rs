@@ -150,6 +150,13 @@ async fn bad_renewals_are_refused_whole_and_the_service_is_off_by_default() {
     }
     let many = vec![renewal(&acme, 1.0, 1.0, true); 10_001];
     assert_eq!(refused(renew(&addr, "eu", many).await), tonic::Code::InvalidArgument);
+    // One call naming more leaseholders than a bucket may have (one naming 3,000 ran a script for
+    // 11.8 s): refused whole, before any script runs.
+    let crowd: Vec<BucketRenewal> = (0..=tollgate::bucket::MAX_LEASEHOLDERS)
+        .map(|h| BucketRenewal { holder: format!("r{h}"), ..renewal(&acme, 1.0, 1.0, true) })
+        .collect();
+    assert_eq!(refused(renew(&addr, "eu", crowd).await), tonic::Code::InvalidArgument, "too many holders");
+    assert!(sample(&server.metrics(), "tollgate_leaseholders_refused_total", &[("by", "region")]) >= 1.0);
     // Nothing was leased by the refused calls: a whole-bucket lease still finds all of it.
     let whole = renew(&addr, "eu", vec![renewal(&acme, 100.0, 10.0, false)]).await.unwrap();
     assert_eq!(whole[0].capacity, 100.0);

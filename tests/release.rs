@@ -1,6 +1,8 @@
 //! What a team adopting tollgate reads first is true: the minimum Rust that `Cargo.toml` and the
 //! README state is the one the locked dependencies need (a dependency update that raises it fails
-//! here until both say the new one), and the repository ships the license it declares.
+//! here until both say the new one), the repository ships the license it declares, and the
+//! version is one: `tollgate --version`, the changelog's newest entry and the image the manifests
+//! name all say `Cargo.toml`'s.
 
 use std::path::Path;
 use std::process::Command;
@@ -82,4 +84,21 @@ fn the_declared_license_ships() {
     let license = read("LICENSE");
     assert!(license.contains("Apache License") && license.contains("Version 2.0, January 2004"));
     assert!(read("NOTICE").contains("tollgate"));
+}
+
+#[test]
+fn one_version_everywhere() {
+    let manifest = read("Cargo.toml");
+    let version = manifest.lines().find_map(|l| l.strip_prefix("version = ")).unwrap().trim_matches('"');
+    let out = Command::new(env!("CARGO_BIN_EXE_tollgate")).arg("--version").output().unwrap();
+    assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), format!("tollgate {version}"));
+    let changelog = read("CHANGELOG.md");
+    let newest = changelog.lines().find(|l| l.starts_with("## [")).unwrap();
+    assert!(newest.starts_with(&format!("## [{version}]")), "CHANGELOG.md's newest entry: {newest}");
+    for manifest in ["k8s/tollgate/deployment.yaml", "k8s/envoy-gateway/envoy-gateway-config.yaml"] {
+        let text = read(manifest);
+        let image = text.lines().find_map(|l| l.trim().strip_prefix("image: ")).unwrap();
+        assert!(image.contains(&format!("tollgate:{version}")), "{manifest} names {image}");
+        assert!(!image.contains("ghcr.io/tollgate-dev"), "{manifest}: nothing publishes {image}");
+    }
 }
