@@ -334,3 +334,12 @@ async fn a_control_plane_gets_a_bounded_share_of_the_replica() {
     assert!(started.elapsed() >= Duration::from_millis(500), "taken after {:?}", started.elapsed());
     assert_eq!(admitted(&server, "w1", "k=x", 2).await, 1, "the paced push is in force");
 }
+
+/// The walkthrough's server refuses a file whose unit the proto cannot carry, naming it as
+/// written (it went out as UNKNOWN, and tollgate's NACK could only say that).
+#[test]
+fn the_example_server_names_a_unit_it_cannot_push() {
+    let file = "domain: f\ndescriptors:\n  - key: k\n    descriptors:\n      - key: j\n        rate_limit: {unit: fortnight, requests_per_unit: 1}\n";
+    let said = rate_limit_config_error("f", file);
+    assert!(said.contains("\"fortnight\""), "{said}");
+}

@@ -98,10 +98,25 @@ impl AggregatedDiscoveryService for Ads {
 /// upper-case units, fields the proto lacks are ignored), named `name`.
 pub fn rate_limit_config(name: &str, yaml: &str) -> Result<RateLimitConfig, String> {
     let file: serde_json::Value = serde_saphyr::from_str(yaml).map_err(|e| e.to_string())?;
+    // The proto has no word for a unit it does not know (it would go out as UNKNOWN, and the
+    // NACK could not name what was written): refused here, by the name written.
+    if let Some(unit) = unknown_unit(&file["descriptors"]) {
+        return Err(format!("unit: {unit:?} is not one of second, minute, hour, day, week, month, year"));
+    }
     Ok(RateLimitConfig {
         name: name.to_owned(),
         domain: file["domain"].as_str().unwrap_or_default().to_owned(),
         descriptors: descriptors(&file["descriptors"]),
+    })
+}
+
+// The first `unit` under `list` that RateLimitUnit does not name.
+fn unknown_unit(list: &serde_json::Value) -> Option<String> {
+    list.as_array()?.iter().find_map(|d| {
+        let unit = d["rate_limit"]["unit"]
+            .as_str()
+            .filter(|u| RateLimitUnit::from_str_name(&u.to_ascii_uppercase()).is_none());
+        unit.map(str::to_owned).or_else(|| unknown_unit(&d["descriptors"]))
     })
 }
 

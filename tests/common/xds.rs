@@ -160,3 +160,8 @@ impl Drop for XdsServer {
 pub fn rate_limit_config(name: &str, yaml: &str) -> RateLimitConfig {
     ads::rate_limit_config(name, yaml).expect("YAML")
 }
+
+/// What the walkthrough's server says of a file it will not push.
+pub fn rate_limit_config_error(name: &str, yaml: &str) -> String {
+    ads::rate_limit_config(name, yaml).expect_err("refused")
+}
