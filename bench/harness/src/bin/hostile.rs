@@ -80,7 +80,8 @@ fn usage(prefix: &str, i: usize) -> BucketQuotaUsage {
     }
 }
 
-type Answers = tonic::Streaming<envoy_types::pb::envoy::service::rate_limit_quota::v3::RateLimitQuotaResponse>;
+type Answers =
+    tonic::Streaming<envoy_types::pb::envoy::service::rate_limit_quota::v3::RateLimitQuotaResponse>;
 
 // A stream whose reports are sent through the returned sender; `None` if tollgate refused it.
 async fn open(addr: &str) -> Option<(mpsc::Sender<RateLimitQuotaUsageReports>, Answers)> {
@@ -232,7 +233,9 @@ async fn connect_from(from: &str, to: &str) -> std::io::Result<TcpStream> {
 
 // One decision asked on a new connection from 127.0.0.1: answered within 2 s?
 async fn fresh_client(addr: &str, domain: &str) -> bool {
-    use envoy_types::pb::envoy::extensions::common::ratelimit::v3::{rate_limit_descriptor::Entry, RateLimitDescriptor};
+    use envoy_types::pb::envoy::extensions::common::ratelimit::v3::{
+        rate_limit_descriptor::Entry, RateLimitDescriptor,
+    };
     use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_client::RateLimitServiceClient;
     use envoy_types::pb::envoy::service::ratelimit::v3::RateLimitRequest;
     let ask = async {
@@ -255,9 +258,12 @@ async fn half_open(a: &Args) {
         let end = Instant::now() + hold;
         while Instant::now() < end {
             let mut buf = [0u8; 64];
-            held.retain(|s| matches!(s.try_read(&mut buf), Err(e) if e.kind() == std::io::ErrorKind::WouldBlock));
+            held.retain(
+                |s| matches!(s.try_read(&mut buf), Err(e) if e.kind() == std::io::ErrorKind::WouldBlock),
+            );
             while held.len() < conns {
-                let Ok(Ok(s)) = tokio::time::timeout(Duration::from_millis(200), connect_from("127.0.0.2", &addr)).await
+                let Ok(Ok(s)) =
+                    tokio::time::timeout(Duration::from_millis(200), connect_from("127.0.0.2", &addr)).await
                 else {
                     break;
                 };

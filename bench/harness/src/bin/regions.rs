@@ -180,7 +180,12 @@ async fn main() {
     let (_global_redis, global_redis) = redis(&a.dir, "global");
     let globals: Vec<(Child, String)> = (0..2)
         .map(|i| {
-            let flags = ["--redis-url", &format!("redis://{global_redis}"), "--global-tier", "--global-tier-insecure"];
+            let flags = [
+                "--redis-url",
+                &format!("redis://{global_redis}"),
+                "--global-tier",
+                "--global-tier-insecure",
+            ];
             tollgate(&a, &config, &format!("global-{i}"), &flags)
         })
         .collect();

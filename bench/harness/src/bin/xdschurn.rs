@@ -30,9 +30,13 @@ struct Args {
 }
 
 fn version(log: &ads::Log, version: &str) -> Option<bool> {
-    log.requests.lock().unwrap().iter().rev().find(|r| r.version_info == version || r.error_detail.is_some()).map(|r| {
-        r.error_detail.is_none() && r.version_info == version
-    })
+    log.requests
+        .lock()
+        .unwrap()
+        .iter()
+        .rev()
+        .find(|r| r.version_info == version || r.error_detail.is_some())
+        .map(|r| r.error_detail.is_none() && r.version_info == version)
 }
 
 #[tokio::main]
