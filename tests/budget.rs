@@ -938,6 +938,10 @@ async fn budgets_standing_and_alerts_across_three_replicas() {
     assert_eq!(standings[0]["levels"][0]["spent"], "1.000000000", "the org spent the same");
     let (status, body) = http_get(replicas[0].http, "/budgets?domain=llm&api_key=k").unwrap();
     assert_eq!(status, 400, "not a path from the top: {body}");
+    assert!(body.contains("next, one of org"), "says what to give: {body}");
+    let (status, body) = http_get(replicas[0].http, "/budgets?domain=llm").unwrap();
+    assert_eq!(status, 400, "{body}");
+    assert!(body.contains("as KEY=VALUE: next, one of org"), "says what to give, not \"placed: []\": {body}");
     let (status, _) = http_get(replicas[0].http, "/budgets?domain=nope&org=al").unwrap();
     assert_eq!(status, 400);
 }

@@ -78,10 +78,14 @@ impl Limiter {
             level = &nodes.last().expect("one per entry").children;
         }
         if path.len() != levels.len() || path.is_empty() || domain.root.path(&path).is_none() {
+            // Say what to give: the keys of the level where the path stopped.
+            let next: Vec<&str> = level.nodes().iter().map(|n| n.key.as_str()).collect();
             let placed: Vec<&str> = path.iter().map(|(k, _)| *k).collect();
+            let so_far = if placed.is_empty() { String::new() } else { format!(" after {}", placed.join(", ")) };
             return Err(StandingError::Path(format!(
-                "the levels do not form a path from the top of domain '{}' (placed: {placed:?}); name them from the top",
-                domain.name
+                "name the budget's levels of domain '{}' from the top, as KEY=VALUE: next{so_far}, one of {}",
+                domain.name,
+                next.join(", ")
             )));
         }
         let nodes = domain.root.path(&path).expect("walked above");
