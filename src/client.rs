@@ -134,6 +134,8 @@ pub fn render(request: &RateLimitRequest, response: &RateLimitResponse) -> Strin
         let _ =
             writeln!(out, "answered by the failure mode ({}): the server's store did not answer", mode.value);
     }
+    let unlimited = response.response_headers_to_add.is_empty()
+        && response.statuses.iter().all(|s| s.current_limit.is_none());
     for (i, status) in response.statuses.iter().enumerate() {
         let entries = request
             .descriptors
@@ -141,6 +143,13 @@ pub fn render(request: &RateLimitRequest, response: &RateLimitResponse) -> Strin
             .map(|d| d.entries.iter().map(|e| format!("{}={}", e.key, e.value)).collect::<Vec<_>>().join(","))
             .unwrap_or_default();
         let _ = write!(out, "descriptor {i} [{entries}]: {}", code(status.code));
+        // An answer that names no limit at all and carries no header: nothing limited the request,
+        // which a person debugging a config wants said rather than a bare OK.
+        if status.code == Code::Ok as i32 && unlimited {
+            out.push_str(
+                "  (no limit applied: no rule matched, the rule is unlimited, or the domain is not loaded)",
+            );
+        }
         if let Some(limit) = &status.current_limit {
             let unit = Unit::try_from(limit.unit).map(|u| u.as_str_name()).unwrap_or("UNKNOWN");
             let _ = write!(out, "  limit={}/{unit}", limit.requests_per_unit);

@@ -212,6 +212,13 @@ async fn ask_prints_codes_statuses_and_headers() {
     assert_eq!(code, 1, "OVER_LIMIT is exit code 1");
     assert!(stdout.starts_with("overall: OVER_LIMIT\n"), "{stdout}");
     assert!(stdout.contains("Retry-After: 25"), "{stdout}");
+    // Nothing limits a descriptor no rule matches, or a domain not loaded: said, exit 0.
+    for domain in ["api-gateway", "no-such-domain"] {
+        let (code, stdout, _) =
+            tollgate_code(&["ask", "--addr", &server.addr(), "--domain", domain, "--descriptor", "nobody=1"]);
+        assert_eq!(code, 0);
+        assert!(stdout.contains("OK  (no limit applied: no rule matched"), "{domain}: {stdout}");
+    }
     // A malformed descriptor is the user's error, reported as such.
     let (code, _, stderr) =
         tollgate_code(&["ask", "--addr", &server.addr(), "--domain", "d", "--descriptor", "novalue"]);

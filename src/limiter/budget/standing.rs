@@ -81,7 +81,8 @@ impl Limiter {
             // Say what to give: the keys of the level where the path stopped.
             let next: Vec<&str> = level.nodes().iter().map(|n| n.key.as_str()).collect();
             let placed: Vec<&str> = path.iter().map(|(k, _)| *k).collect();
-            let so_far = if placed.is_empty() { String::new() } else { format!(" after {}", placed.join(", ")) };
+            let so_far =
+                if placed.is_empty() { String::new() } else { format!(" after {}", placed.join(", ")) };
             return Err(StandingError::Path(format!(
                 "name the budget's levels of domain '{}' from the top, as KEY=VALUE: next{so_far}, one of {}",
                 domain.name,
