@@ -29,14 +29,15 @@ struct Args {
     every: u64,
 }
 
-fn version(log: &ads::Log, version: &str) -> Option<bool> {
-    log.requests
-        .lock()
-        .unwrap()
-        .iter()
-        .rev()
-        .find(|r| r.version_info == version || r.error_detail.is_some())
-        .map(|r| r.error_detail.is_none() && r.version_info == version)
+// How the client answered `version`, among the requests it sent from index `from` on: an ACK
+// of it (true), a NACK (false), or nothing yet.
+fn answered(log: &ads::Log, version: &str, from: usize) -> Option<bool> {
+    let requests = log.requests.lock().unwrap();
+    requests.get(from..)?.iter().find_map(|r| match (&r.error_detail, r.response_nonce.is_empty()) {
+        (Some(_), _) => Some(false),
+        (None, false) if r.version_info == version => Some(true),
+        _ => None,
+    })
 }
 
 #[tokio::main]
@@ -65,12 +66,13 @@ async fn main() {
         };
         let name = format!("v{p}");
         let sent = Instant::now();
+        let from = log.requests.lock().unwrap().len();
         snapshot.send_replace(Some((name.clone(), ads::resources(&configs))));
         // The answer (a paced push is ACKed late): 5 minutes at most.
         let mut answer = None;
         while answer.is_none() && sent.elapsed() < Duration::from_secs(300) {
             tokio::time::sleep(Duration::from_millis(20)).await;
-            answer = version(&log, &name);
+            answer = answered(&log, &name, from);
         }
         match answer {
             Some(true) => acked += 1,
