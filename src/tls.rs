@@ -32,7 +32,7 @@ use tokio_rustls::server::TlsStream;
 use tokio_rustls::TlsAcceptor;
 use tokio_stream::wrappers::ReceiverStream;
 
-use crate::connections::{self, Admitted, Conn, Refusal, OPENING_DEADLINE};
+use crate::connections::{self, Admitted, Conn};
 use crate::reload::{parent, Trigger, Watch};
 use crate::telemetry::logs::{self, ErrorChain};
 
@@ -239,17 +239,10 @@ where
             // budget, for at most the opening deadline; then the connection takes its place.
             let Some(opening) = admitted.gate.open(peer.ip()) else { continue };
             let _ = tcp.set_nodelay(true);
-            let (tx, idle, gate, handshake) =
-                (tx.clone(), admitted.idle, admitted.gate.clone(), admit(tcp, peer));
+            let (tx, idle, handshake) = (tx.clone(), admitted.idle, admit(tcp, peer));
             tokio::spawn(async move {
-                match tokio::time::timeout(OPENING_DEADLINE, handshake).await {
-                    Ok(Some(conn)) => {
-                        if let Some(admission) = opening.establish() {
-                            let _ = tx.send(Ok(Conn::new(conn, admission, idle))).await;
-                        }
-                    }
-                    Ok(None) => {}
-                    Err(_) => gate.refused(Refusal::SlowOpening),
+                if let Some((conn, admission)) = opening.complete(handshake).await {
+                    let _ = tx.send(Ok(Conn::new(conn, admission, idle))).await;
                 }
             });
         }

@@ -153,6 +153,24 @@ pub struct Opening {
 }
 
 impl Opening {
+    /// Waits for `opened` (the TLS handshake, or the first bytes: `None` if the connection is
+    /// not to be served) at most [`OPENING_DEADLINE`], then moves the connection to the
+    /// established ones. `None` (a refusal counted) when it took too long or the port has its
+    /// cap.
+    pub async fn complete<T>(
+        self,
+        opened: impl std::future::Future<Output = Option<T>>,
+    ) -> Option<(T, Admission)> {
+        match tokio::time::timeout(OPENING_DEADLINE, opened).await {
+            Ok(Some(conn)) => self.establish().map(|admission| (conn, admission)),
+            Ok(None) => None,
+            Err(_) => {
+                self.slot.gate.refused(Refusal::SlowOpening);
+                None
+            }
+        }
+    }
+
     /// Moves the connection to the established ones: its place there, or `None` (counted) when
     /// the port has its cap.
     pub fn establish(mut self) -> Option<Admission> {

@@ -122,12 +122,6 @@ pub struct Admitted {
     pub idle: Duration,
 }
 
-/// Whether `tcp`'s peer sent a byte within [`OPENING_DEADLINE`] (false for a peer that closed).
-pub async fn first_bytes(tcp: &tokio::net::TcpStream) -> bool {
-    let mut first = [0u8; 1];
-    matches!(tokio::time::timeout(OPENING_DEADLINE, tcp.peek(&mut first)).await, Ok(Ok(1)))
-}
-
 /// Logs a failed `accept` at most once a second, and backs off a little: out of descriptors,
 /// the next accept would fail at once again.
 pub async fn accept_failed(error: &io::Error) {
@@ -254,16 +248,15 @@ pub async fn serve_http(
         };
         let Some(opening) = gate.open(peer.ip()) else { continue };
         let _ = tcp.set_nodelay(true);
-        let (gate, http, router, graceful_watch) =
-            (gate.clone(), http.clone(), router.clone(), graceful.watcher());
+        let (http, router, graceful_watch) = (http.clone(), router.clone(), graceful.watcher());
         tokio::spawn(async move {
-            // Open: the first bytes of a request within the deadline (the head then has the
-            // header timeout), so that silent connections hold only the opening budget.
-            if !first_bytes(&tcp).await {
-                gate.refused(Refusal::SlowOpening);
-                return;
-            }
-            let Some(admission) = opening.establish() else { return };
+            // Open: the first bytes of a request within the opening deadline (the head then has
+            // the header timeout), so that silent connections hold only the opening budget.
+            let first_bytes = async {
+                let mut first = [0u8; 1];
+                matches!(tcp.peek(&mut first).await, Ok(1)).then_some(tcp)
+            };
+            let Some((tcp, admission)) = opening.complete(first_bytes).await else { return };
             let io = TokioIo::new(Conn::new(tcp, admission, limits.http_idle_timeout));
             let service = TowerToHyperService::new(router);
             // A connection ends with an error when its client goes or times out: nothing to say.

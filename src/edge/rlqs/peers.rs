@@ -39,11 +39,16 @@ impl Peers {
     /// not: the replica has `max_streams` open, or the peer its share of them.
     pub fn open(self: &Arc<Self>, peer: Option<IpAddr>, limits: &RlqsLimits) -> Result<Open, &'static str> {
         let ip = peer.unwrap_or(IpAddr::V4(Ipv4Addr::UNSPECIFIED));
-        let share = self.shares.lock().unwrap_or_else(|p| p.into_inner()).entry(ip).or_default().clone();
-        // Counted before they are checked, so that streams opening together cannot all pass.
-        let open = Open { peers: self.clone(), ip, share: share.clone() };
+        // Counted before they are checked, so that streams opening together cannot all pass; the
+        // share counted under the map's lock, so that a stream ending cannot remove it meanwhile.
+        let (share, theirs) = {
+            let mut shares = self.shares.lock().unwrap_or_else(|p| p.into_inner());
+            let share = shares.entry(ip).or_default().clone();
+            let theirs = share.streams.fetch_add(1, Ordering::SeqCst) + 1;
+            (share, theirs)
+        };
+        let open = Open { peers: self.clone(), ip, share };
         self.streams.fetch_add(1, Ordering::SeqCst);
-        let theirs = share.streams.fetch_add(1, Ordering::SeqCst) + 1;
         if self.streams.load(Ordering::SeqCst) > limits.max_streams {
             return Err("replica_limit");
         }
