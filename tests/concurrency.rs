@@ -197,9 +197,10 @@ async fn a_slot_given_back_on_one_replica_is_free_on_the_other_at_once() {
     given_back_on_one_replica_free_on_the_other(Backend::Cluster(cluster.seeds())).await;
 }
 
-// A take whose request also has a limit outside the tenant (another Cluster slot): the outside
-// bucket is decided first; a take that then refuses gives its tokens back, and a denial outside
-// asks for no slot. The route bucket's balance and the open slots are read back from Redis.
+// A take whose request also has a limit outside the tenant (another Cluster slot): the take is
+// decided first, so a retry gets its recorded answer without the outside bucket charged again; a
+// refused take charges nothing outside, and a denial outside undoes the take (its retry refused
+// as it was). The route bucket's balance and the open slots are read back from Redis.
 async fn a_take_with_a_limit_in_another_slot(backend: Backend, read: &dyn Fn() -> (f64, i64)) {
     const SPLIT: &str = r#"
 domain: conc
@@ -222,15 +223,19 @@ descriptors:
     assert_eq!((take("a").await, take("b").await), (OK, OK));
     assert_eq!(route(read()), 1.0);
     assert_eq!(take("c").await, OVER_LIMIT, "two slots open");
-    assert_eq!(route(read()), 1.0, "the route's token given back");
+    assert_eq!(route(read()), 1.0, "the route only read");
     let d = "tenant=acme,request_id=a,release=1";
     assert_eq!(ask(&server.addr(), req("conc", &[d], 1)).await.unwrap().overall_code, OK);
     assert_eq!(take("d").await, OK);
     assert_eq!(read(), (0.0, 2));
+    assert_eq!(take("d").await, OK, "a retry: its recorded answer, though the route is empty");
+    assert_eq!(read(), (0.0, 2), "nothing charged or taken again");
     let d = "tenant=acme,request_id=b,release=1";
     assert_eq!(ask(&server.addr(), req("conc", &[d], 1)).await.unwrap().overall_code, OK);
     assert_eq!(take("e").await, OVER_LIMIT, "the route is empty");
-    assert_eq!(read().1, 1, "and no slot was asked for");
+    assert_eq!(read(), (0.0, 1), "e's slot given back");
+    assert_eq!(take("e").await, OVER_LIMIT, "a retry of e: refused, as recorded");
+    assert_eq!(read(), (0.0, 1));
 }
 
 #[tokio::test(flavor = "multi_thread")]

@@ -42,7 +42,7 @@ fn op(rng: &mut StdRng) -> SlotOp {
     let id = rng.random_range(0..12u32);
     let bucket = BucketOp {
         key: "rl:{t}:d:tenant=t".into(),
-        spec: BucketSpec::new(4.0, 20.0).unwrap(),
+        spec: BucketSpec::new(4.0, 8.0).unwrap(),
         need: 1.0,
         unseen: 0.0,
         role: Role::Enforced,
@@ -57,7 +57,11 @@ fn op(rng: &mut StdRng) -> SlotOp {
             format!("tenant=t:path={path}")
         },
         sets,
-        action: if rng.random_bool(0.55) { SlotAction::Take } else { SlotAction::GiveBack },
+        action: match rng.random_range(0..20u32) {
+            0..11 => SlotAction::Take,
+            11..18 => SlotAction::GiveBack,
+            _ => SlotAction::Undo,
+        },
         group: if rng.random_bool(0.7) { vec![bucket] } else { Vec::new() },
     }
 }
@@ -97,6 +101,7 @@ async fn replay(seed: u64, redis: &common::Redis) -> HashMap<&'static str, usize
             assert_eq!(open(stored), open(memory.open_slots(key)), "seed {seed} step {step}: set {key}");
         }
         let what = match from_redis.verdict {
+            SlotVerdict::GivenBack(n) if n > 0 && op.action == SlotAction::Undo => "undone",
             SlotVerdict::Taken => "taken",
             SlotVerdict::Refused(Some(_)) => "refused: full",
             SlotVerdict::Refused(None) => "refused: buckets",
@@ -133,6 +138,7 @@ async fn memory_slots_and_lua_script_agree() {
         "repeated refused",
         "reused id",
         "given back",
+        "undone",
         "nothing to give back",
         "expired swept",
     ] {

@@ -143,7 +143,7 @@ async fn print_descriptor(
     for s in &explained.slots {
         let what = match s.action {
             SlotAction::Take => "takes a slot",
-            SlotAction::GiveBack => "gives back its slot",
+            SlotAction::GiveBack | SlotAction::Undo => "gives back its slot",
         };
         outln!(
             "  slots:    {what} of {} (at most {} in flight, a slot not given back freed after {:?})",

@@ -12,7 +12,7 @@ use super::decision::{SlotLimit, SlotReport};
 use super::repair::{self, Repair};
 use super::{count_store_error, drop_replaced, group, overall, trace_decision, Limiter, Plan};
 use super::{Code, DecideError, Decision, Outcome, Query, QueryDescriptor};
-use crate::bucket::{refund, Group, GroupOutcome};
+use crate::bucket::{refund, BucketOp, Group, GroupOutcome};
 use crate::config::{Domain, FailureMode};
 use crate::identity;
 use crate::slot::{SetReading, SlotAction, SlotOp, SlotOutcome, SlotSet, SlotVerdict, RELEASE_KEY};
@@ -302,25 +302,46 @@ impl Limiter {
             return;
         }
         for plan in taken {
-            let op = SlotOp { action: SlotAction::GiveBack, group: Vec::new(), ..plan.op.clone() };
-            match self.slot_call(domain, &op).await {
-                Ok(answer) => count_slots(domain, &plan.nodes, &answer.sets, SlotEvent::Other),
-                Err(_) => self.repair_slots(domain, &SlotPlan { op, ..plan.clone() }),
+            if let Some(answer) = self.undo(domain, plan).await {
+                count_slots(domain, &plan.nodes, &answer.sets, SlotEvent::Other);
             }
         }
         if let Ok(Some(admitted)) = outcome {
-            let back: Group = refund(group, admitted).into_iter().map(|(_, op)| op).collect();
-            if !back.is_empty() {
-                metrics::counter!("tollgate_store_refunds_total", "reason" => "split").increment(1);
-                let _ = self.store_call(&[back], LateReply::Keep).await;
+            self.refund_split(group, admitted).await;
+        }
+    }
+
+    // Gives back a take the request's other limits refused, its record then answering a retry
+    // as refused, as the request was; a failed undo is repaired in the background.
+    async fn undo(&self, domain: &Domain, plan: &SlotPlan<'_>) -> Option<SlotOutcome> {
+        let op = SlotOp { action: SlotAction::Undo, group: Vec::new(), ..plan.op.clone() };
+        match self.slot_call(domain, &op).await {
+            Ok(answer) => Some(answer),
+            Err(_) => {
+                self.repair_slots(domain, &SlotPlan { op, ..plan.clone() });
+                None
             }
         }
     }
 
+    // Gives back what an admitted part of a request split across Cluster slots took; whether
+    // anything was.
+    async fn refund_split(&self, group: &Group, admitted: &GroupOutcome) -> bool {
+        let back: Group = refund(group, admitted).into_iter().map(|(_, op)| op).collect();
+        if back.is_empty() {
+            return false;
+        }
+        metrics::counter!("tollgate_store_refunds_total", "reason" => "split").increment(1);
+        let _ = self.store_call(&[back], LateReply::Keep).await;
+        true
+    }
+
     // The take of `plan` with the request's token buckets, all or nothing: those in the take's
     // Cluster slot in its one script; the others (limits outside the tenant, in other slots)
-    // first, on their own, and given back if the take then refuses. The buckets' outcome in the
-    // group's order, and the take's answer (none if the others denied or failed first).
+    // after it, and the take undone if they deny (or fail under a failure mode that refuses).
+    // The take goes first so that a retry is answered from its record before anything is
+    // charged again. The buckets' outcome in the group's order (none for an answer from the
+    // record), and the take's answer.
     async fn take_with(
         &self,
         domain: &Domain,
@@ -331,44 +352,47 @@ impl Limiter {
         let (inside, outside): (Vec<usize>, Vec<usize>) =
             (0..group.len()).partition(|&n| identity::cluster_slot(&group[n].key) == slot);
         let pick = |which: &[usize]| -> Group { which.iter().map(|&n| group[n].clone()).collect() };
-        let first = if outside.is_empty() {
-            None
-        } else {
-            match self.evaluate(domain, pick(&outside)).await {
-                Ok(Some(o)) if o.admitted => Some(o),
-                // Denied or failed without the take: no slot asked for.
-                other => return (other, None),
-            }
-        };
         let op = SlotOp { group: pick(&inside), ..plan.op.clone() };
-        let answer = self.slot_call(domain, &op).await;
-        let Some(first) = first else {
-            let outcome = answer.as_ref().map(|o| o.group.clone()).map_err(Clone::clone);
-            return (outcome, Some(answer));
-        };
-        let taken = answer.as_ref().is_ok_and(|o| o.verdict == SlotVerdict::Taken);
-        let mut refunded = false;
-        if !taken {
-            let back: Group = refund(&pick(&outside), &first).into_iter().map(|(_, op)| op).collect();
-            refunded = !back.is_empty();
-            if refunded {
-                metrics::counter!("tollgate_store_refunds_total", "reason" => "split").increment(1);
-                let _ = self.store_call(&[back], LateReply::Keep).await;
+        let mut answer = self.slot_call(domain, &op).await;
+        let (taken, inner) = match &answer {
+            _ if outside.is_empty() => {
+                let outcome = answer.as_ref().map(|o| o.group.clone()).map_err(Clone::clone);
+                return (outcome, Some(answer));
             }
-        }
-        // Both parts' verdicts back in the group's order.
-        let second = match &answer {
-            Ok(SlotOutcome { group: Some(g), .. }) => g.clone(),
-            Ok(_) => return (Ok(Some(GroupOutcome { admitted: false, refunded, ..first })), Some(answer)),
+            Ok(SlotOutcome { verdict, group: Some(g), .. }) => (*verdict == SlotVerdict::Taken, g.clone()),
+            // A retry or a reused id, answered from the record: nothing else is asked.
+            Ok(_) => return (Ok(None), Some(answer)),
             Err(e) => return (Err(e.clone()), Some(answer)),
         };
-        let mut verdicts = vec![first.verdicts[0]; group.len()];
-        for (n, v) in outside.iter().zip(&first.verdicts).chain(inside.iter().zip(&second.verdicts)) {
+        // After a refused take the limits outside are only read, for the answer's headers.
+        let outer_group: Group = if taken {
+            pick(&outside)
+        } else {
+            pick(&outside).into_iter().map(|b| BucketOp { need: 0.0, ..b }).collect()
+        };
+        let outer = self.evaluate(domain, outer_group).await;
+        let outer_admits = matches!(&outer, Ok(Some(o)) if o.admitted);
+        let mut refunded = false;
+        if taken && !outer_admits && (outer.is_ok() || domain.failure_mode != FailureMode::Allow) {
+            // Reported as refused by the buckets: the slot was never the request's.
+            self.undo(domain, plan).await;
+            refunded = self.refund_split(&pick(&inside), &inner).await;
+            if let Ok(a) = &mut answer {
+                a.verdict = SlotVerdict::Refused(None);
+            }
+        }
+        let outer = match outer {
+            Ok(Some(o)) => o,
+            other => return (other, Some(answer)),
+        };
+        // Both parts' verdicts back in the group's order.
+        let mut verdicts = vec![outer.verdicts[0]; group.len()];
+        for (n, v) in outside.iter().zip(&outer.verdicts).chain(inside.iter().zip(&inner.verdicts)) {
             verdicts[*n] = *v;
         }
         let merged = GroupOutcome {
-            admitted: first.admitted && second.admitted,
-            now_ms: second.now_ms,
+            admitted: taken && outer_admits,
+            now_ms: inner.now_ms,
             verdicts,
             refunded,
             unanswered: Vec::new(),
@@ -381,12 +405,12 @@ impl Limiter {
     // and its reply been lost: the request must hold no slot). A take `allow` admitted keeps
     // whatever it took, which its own give-back frees. What still fails is left to the ttl.
     fn repair_slots(&self, domain: &Domain, plan: &SlotPlan<'_>) {
-        let kind = match plan.op.action {
+        let (kind, action) = match plan.op.action {
             SlotAction::Take if domain.failure_mode == FailureMode::Allow => return,
-            SlotAction::Take => "give_back_refused_take",
-            SlotAction::GiveBack => "give_back",
+            SlotAction::Take | SlotAction::Undo => ("give_back_refused_take", SlotAction::Undo),
+            SlotAction::GiveBack => ("give_back", SlotAction::GiveBack),
         };
-        let op = SlotOp { action: SlotAction::GiveBack, group: Vec::new(), ..plan.op.clone() };
+        let op = SlotOp { action, group: Vec::new(), ..plan.op.clone() };
         let store = self.store.clone();
         let repair = Repair {
             metric: "tollgate_concurrency_repairs_total",

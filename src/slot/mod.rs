@@ -66,6 +66,9 @@ pub enum SlotAction {
     Take,
     /// At stream end.
     GiveBack,
+    /// Giving back a take that the request's other limits refused (or the failure mode did): its
+    /// slots freed, and its record answering a retry as refused, as the request was.
+    Undo,
 }
 
 /// A request's slot operation.
@@ -215,13 +218,14 @@ impl Slots {
                 let verdict = if admitted { SlotVerdict::Taken } else { SlotVerdict::Refused(full) };
                 outcome(verdict, readings, Some(group))
             }
-            SlotAction::GiveBack => {
+            SlotAction::GiveBack | SlotAction::Undo => {
                 if !record.is_some_and(|r| r.admitted && !r.given_back) {
                     return outcome(SlotVerdict::Nothing, Vec::new(), None);
                 }
                 let (readings, given) = self.give_back(&op.sets, &op.record, now_ms);
                 if let Some(stored) = self.records.get_mut(&op.record) {
                     stored.given_back = true;
+                    stored.admitted = op.action == SlotAction::GiveBack;
                 }
                 outcome(SlotVerdict::GivenBack(given), readings, None)
             }

@@ -7,7 +7,7 @@
 -- PEXPIREAT only cleans up.
 --
 -- KEYS: the record, then the sets, then the token buckets' keys.
--- ARGV: 'take' or 'give', the binding, the set count, per set its max and ttl (ms); then the
+-- ARGV: 'take', 'give' or 'undo' (a give-back that records the take as refused), the binding, the set count, per set its max and ttl (ms); then the
 --       group as token_bucket.lua reads one group (op count, seven values per op, key indexes
 --       into KEYS).
 -- Reply: verdict ('taken', 'refused', 'repeated', 'reused', 'given', 'nothing'), its number
@@ -34,14 +34,14 @@ if rec[1] and rec[1] ~= binding then
   return {'reused', 0, now}
 end
 
-if action == 'give' then
+if action == 'give' or action == 'undo' then
   if not rec[1] or rec[2] ~= '1' or rec[3] == '1' then
     return {'nothing', 0, now}
   end
   local readings, given = give_back(sets, record)
   local out = {'given', given, now}
   append_readings(out, readings)
-  redis.call('HSET', record, 'g', 1)
+  redis.call('HSET', record, 'g', 1, 'a', action == 'give' and 1 or 0)
   return out
 end
 

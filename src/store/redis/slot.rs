@@ -17,6 +17,7 @@ impl RedisStore {
         let action = match op.action {
             SlotAction::Take => "take",
             SlotAction::GiveBack => "give",
+            SlotAction::Undo => "undo",
         };
         let mut args = vec![action.to_owned(), op.binding.clone(), op.sets.len().to_string()];
         for set in &op.sets {
