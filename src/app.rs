@@ -233,6 +233,8 @@ pub struct App {
     http_unauthenticated: bool,
     global_tier: Option<RegionAuth>,
     global_leases: Option<Arc<GlobalLeases>>,
+    // A region's money leases and the global tier's endpoints, handed back at drain.
+    money_leases: Option<(Arc<GlobalBudgets>, Vec<tonic::transport::Endpoint>)>,
     config_loaded: watch::Receiver<bool>,
     _watches: Vec<Watch>,
     _tasks: Vec<AbortOnDropHandle<()>>,
@@ -340,13 +342,13 @@ impl App {
         }
         let limiter = Arc::new(limiter);
         // Global budgets' money leases are read and sized through the limiter.
-        if let Some((budgets, endpoints, clock)) = money_leases {
+        if let Some((budgets, endpoints, clock)) = &money_leases {
             tasks.push(AbortOnDropHandle::new(tokio::spawn(
                 crate::edge::region::client::renew_budgets_forever(
                     limiter.clone(),
-                    budgets,
-                    endpoints,
-                    clock,
+                    budgets.clone(),
+                    endpoints.clone(),
+                    clock.clone(),
                 ),
             )));
         }
@@ -395,6 +397,7 @@ impl App {
             http_unauthenticated: settings.http_unauthenticated,
             global_tier: settings.global_tier.clone(),
             global_leases,
+            money_leases: money_leases.map(|(budgets, endpoints, _)| (budgets, endpoints)),
             config_loaded,
             _watches: watches,
             _tasks: tasks,
@@ -429,7 +432,12 @@ impl App {
         shutdown: impl Future<Output = Shutdown>,
     ) -> Result<(), ServeError> {
         let listeners = Listeners { grpc, tls: self.tls.clone(), http, probe };
-        server::run(listeners, self.service(), shutdown).await
+        let served = server::run(listeners, self.service(), shutdown).await;
+        if let Some((budgets, endpoints)) = &self.money_leases {
+            let clock = crate::clock::SystemClock;
+            crate::edge::region::client::hand_back_budgets(&self.limiter, budgets, endpoints, &clock).await;
+        }
+        served
     }
 }
 

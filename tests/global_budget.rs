@@ -221,3 +221,37 @@ async fn a_region_cut_off_spends_its_lease_then_denies_and_comes_back() {
     assert!(spent >= cost, "the world's calls cost {cost}, the global tier counts {spent}");
     assert!(spent + held <= 5 * 1_000_000_000, "spent and held within the amount");
 }
+
+// A region replica stopped in order (SIGTERM: a rolling restart, a scale-down) hands its money
+// lease back down to what it committed before it exits: the global tier then holds none of the
+// lease's unspent part (which would lapse 10 s later and be charged whole) and counts exactly
+// what the calls cost.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_region_replica_stopped_in_order_hands_its_lease_back() {
+    let (_dir, config) = config_file(&global_budget_config("5.00", "60s"));
+    let global_redis = Redis::start();
+    let global = Tollgate::start(
+        &config,
+        &Backend::Redis(global_redis.url()),
+        &["--global-tier", "--global-tier-insecure"],
+    );
+    let (mut eu, _proxy) = region(
+        &config,
+        &Backend::Memory,
+        &global,
+        ("eu", Duration::from_millis(5)),
+        &["--drain-delay", "0s"],
+    );
+    let admitted = paced("eu", eu.addr(), Instant::now() + Duration::from_secs(2)).await.len() as u128;
+    assert!(admitted >= 20, "eu spends: {admitted} calls");
+    let (_, held) = global_ledger(&global_redis);
+    assert!(held > 0, "while eu runs, its lease's unspent part is held at the global tier");
+    eu.proc.signal("TERM");
+    assert!(eu.proc.wait_exit(Duration::from_secs(10)).is_some_and(|s| s.success()), "eu drains and exits");
+    let (spent, held) = global_ledger(&global_redis);
+    assert_eq!(
+        (spent, held),
+        (admitted * COST, 0),
+        "the global tier: spent what the calls cost, nothing held"
+    );
+}

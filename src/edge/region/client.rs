@@ -173,6 +173,42 @@ pub async fn renew_budgets_forever(
     }
 }
 
+/// At drain, after the last request: hands this replica's money leases back down to what it has
+/// committed (one round, tried at each endpoint in turn within [`RENEW_TIMEOUT`] each), so that
+/// a replica stopped in a rolling restart or a scale-down does not leave the unspent part of its
+/// grants to lapse and be charged whole. A replica that cannot reach the global tier leaves them
+/// to lapse, as a cut-off one does.
+pub async fn hand_back_budgets(
+    limiter: &Limiter,
+    budgets: &GlobalBudgets,
+    endpoints: &[Endpoint],
+    clock: &dyn Clock,
+) {
+    budgets.end();
+    let renewals = limiter.budget_renewals().await;
+    if renewals.is_empty() {
+        return;
+    }
+    for round in renewals.chunks(MAX_BUDGET_LEASES) {
+        let mut handed = false;
+        for endpoint in endpoints {
+            let mut client = RegionLeasesClient::new(endpoint.connect_lazy());
+            if renew_budgets(budgets, &mut client, round, clock).await {
+                handed = true;
+                break;
+            }
+        }
+        if handed {
+            tracing::info!(
+                leases = round.len(),
+                "money leases of global budgets handed back down to what this replica committed"
+            );
+        } else {
+            tracing::warn!(leases = round.len(), "could not hand money leases back at drain; the global tier charges them whole when they lapse");
+        }
+    }
+}
+
 // One call; false when it failed.
 async fn renew_budgets(
     budgets: &GlobalBudgets,

@@ -3,7 +3,7 @@
 //! granted, what demand asks of it, and when it is renewed, grown or shrunk.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -64,6 +64,8 @@ pub struct GlobalBudgets {
     pub renewed: tokio::sync::watch::Sender<u64>,
     // Rounds made so far.
     rounds: AtomicU64,
+    // Set at drain: every lease is handed back down to what is committed.
+    ending: AtomicBool,
 }
 
 #[derive(Debug)]
@@ -166,7 +168,15 @@ impl GlobalBudgets {
             wanted: tokio::sync::Notify::new(),
             renewed: tokio::sync::watch::Sender::new(0),
             rounds: AtomicU64::new(0),
+            ending: AtomicBool::new(false),
         }
+    }
+
+    /// At drain, once no request is decided here any more: the next round hands every lease
+    /// back down to the money committed (spent, and held for requests this replica answered),
+    /// so that the global tier, when the lease lapses, charges that and not the whole grant.
+    pub fn end(&self) {
+        self.ending.store(true, Ordering::Relaxed);
     }
 
     /// The name this replica leases under.
@@ -253,7 +263,11 @@ impl GlobalBudgets {
         });
         table
             .iter()
-            .filter(|(_, l)| round.is_multiple_of(5) || now_ms.saturating_sub(l.used_ms) <= IDLE_MS)
+            .filter(|(_, l)| {
+                round.is_multiple_of(5)
+                    || now_ms.saturating_sub(l.used_ms) <= IDLE_MS
+                    || self.ending.load(Ordering::Relaxed)
+            })
             .map(|(k, l)| (k.clone(), l.local.clone()))
             .collect()
     }
@@ -275,6 +289,12 @@ impl GlobalBudgets {
         let ahead = lease.ahead(now_ms);
         let target = committed + ahead;
         let (wanted, shrink) = match (lease.granted, lease.cap) {
+            (None, _) if self.ending.load(Ordering::Relaxed) => return None,
+            (Some(_), _) if self.ending.load(Ordering::Relaxed) => {
+                // Handed back: nothing is admitted here any more, so nothing beyond it.
+                lease.cap = Some(committed);
+                (committed, true)
+            }
             (None, _) => (target, false),
             // Everything committed since the cap was set was admitted under it.
             (Some(_), Some(cap)) => (cap.max(committed), true),
