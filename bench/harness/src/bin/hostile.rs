@@ -17,6 +17,11 @@
 //!   nothing, each reopened as soon as tollgate closes it, for `--hold` seconds; meanwhile, five
 //!   times a second, a new client from 127.0.0.1 opens a connection and asks one decision:
 //!   `fresh` is how many of them were answered within 2 s.
+//! - `hostile holders --addr G --holders N [--per-call K]`: a region's renewals at the global
+//!   tier naming N leaseholders of one global bucket (`--domain`, `tenant=hot`), K a call, one
+//!   call after another for `--hold` seconds: `calls` answered, `ok` of them set, `refused` (a
+//!   renewal naming more holders than a bucket may have is refused whole), `leased` (holders
+//!   with a lease after the last round: the bucket's cap), and the mean and largest call time.
 //!
 //! `ids` with `--ids 1` is many streams on one bucket; a stream tollgate refuses is counted
 //! (`refused`).
@@ -44,6 +49,7 @@ enum Attack {
     SlowHttp,
     IdleH2,
     HalfOpen,
+    Holders,
 }
 
 /// The attack and its flags.
@@ -65,6 +71,12 @@ struct Args {
     /// `slow-http`, `idle-h2`: connections opened.
     #[arg(long, default_value_t = 1_000)]
     conns: usize,
+    /// `holders`: leaseholders named in each renewal.
+    #[arg(long, default_value_t = 3_000)]
+    holders: usize,
+    /// `holders`: leaseholders named in one renewal (all of them if not given).
+    #[arg(long)]
+    per_call: Option<usize>,
     /// How long the connections are held, in seconds.
     #[arg(long, default_value = "30", value_parser = seconds)]
     hold: Duration,
@@ -286,6 +298,59 @@ async fn half_open(a: &Args) {
     println!("conns={} opened={opened} fresh={answered}/{asked}", a.conns);
 }
 
+async fn holders(a: &Args) {
+    use tollgate::edge::region::proto::region_leases_client::RegionLeasesClient;
+    use tollgate::edge::region::proto::{BucketRenewal, Entry, RenewRequest};
+    let mut client = RegionLeasesClient::connect(format!("http://{}", a.addr)).await.unwrap();
+    let renewal = |n: usize| BucketRenewal {
+        domain: a.domain.clone(),
+        entries: vec![Entry { key: "tenant".into(), value: "hot".into() }],
+        capacity: 1.0,
+        refill_per_second: 1.0,
+        demand: 1.0,
+        holder: format!("h{n}"),
+        ..Default::default()
+    };
+    let per_call = a.per_call.unwrap_or(a.holders).max(1);
+    let calls_of: Vec<RenewRequest> = (0..a.holders)
+        .step_by(per_call)
+        .map(|from| RenewRequest {
+            region: "eu".into(),
+            buckets: (from..(from + per_call).min(a.holders)).map(renewal).collect(),
+        })
+        .collect();
+    let (mut calls, mut ok, mut refused, mut leased) = (0u64, 0u64, 0u64, 0usize);
+    let (mut total, mut most) = (Duration::ZERO, Duration::ZERO);
+    let end = Instant::now() + a.hold;
+    'rounds: while Instant::now() < end {
+        // One round: every holder named once; `leased` is how many held a lease in the last.
+        let mut this_round = 0;
+        for request in &calls_of {
+            if Instant::now() >= end {
+                break 'rounds;
+            }
+            let start = Instant::now();
+            match client.renew(request.clone()).await {
+                Ok(answer) => {
+                    ok += 1;
+                    this_round += answer.get_ref().leases.iter().filter(|l| l.capacity > 0.0).count();
+                }
+                Err(status) if status.code() == tonic::Code::InvalidArgument => refused += 1,
+                Err(status) => panic!("renewal failed: {status}"),
+            }
+            let took = start.elapsed();
+            (calls, total, most) = (calls + 1, total + took, most.max(took));
+        }
+        leased = this_round;
+    }
+    let mean_ms = total.as_secs_f64() * 1000.0 / calls.max(1) as f64;
+    println!(
+        "holders={} per_call={per_call} calls={calls} ok={ok} refused={refused} leased={leased} mean_ms={mean_ms:.2} max_ms={:.1}",
+        a.holders,
+        most.as_secs_f64() * 1000.0
+    );
+}
+
 #[tokio::main]
 async fn main() {
     let a = Args::parse();
@@ -295,5 +360,6 @@ async fn main() {
         Attack::SlowHttp => slow_http(&a).await,
         Attack::IdleH2 => idle_h2(&a).await,
         Attack::HalfOpen => half_open(&a).await,
+        Attack::Holders => holders(&a).await,
     }
 }
