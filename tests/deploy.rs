@@ -24,7 +24,7 @@ fn manifests(dir: &str) -> Vec<(String, Value)> {
     let mut files: Vec<PathBuf> = std::fs::read_dir(repo(dir))
         .unwrap()
         .map(|e| e.unwrap().path())
-        .filter(|p| p.extension().is_some_and(|e| e == "yaml"))
+        .filter(|p| p.extension().is_some_and(|e| e == "yaml") && !p.ends_with("kustomization.yaml"))
         .collect();
     files.sort();
     files
@@ -42,17 +42,59 @@ fn kubernetes_validate() -> PathBuf {
         .unwrap_or_else(|_| repo("target/venv/bin/kubernetes-validate"))
 }
 
+/// The overlays of `k8s/overlays`, each a way to run tollgate (docs/src/operations/kubernetes.md).
+const OVERLAYS: [&str; 5] = ["embedded", "redis", "redis-cluster", "istio", "envoy-gateway"];
+
+// What `kubectl kustomize` renders for the kustomization in `dir` (relative to the repository).
+fn kustomize(dir: &str) -> String {
+    let kubectl = std::env::var("KUBECTL_BIN").map(PathBuf::from).unwrap_or_else(|_| repo("target/venv/bin/kubectl"));
+    let out = Command::new(kubectl)
+        .arg("kustomize")
+        .arg(repo(dir))
+        .output()
+        .expect("kubectl (scripts/test installs it into target/venv)");
+    assert!(out.status.success(), "kubectl kustomize {dir}: {}", String::from_utf8_lossy(&out.stderr));
+    String::from_utf8(out.stdout).unwrap()
+}
+
+// An overlay's rendered objects.
+fn overlay(name: &str) -> Vec<Value> {
+    let text = kustomize(&format!("k8s/overlays/{name}"));
+    serde_saphyr::from_str_multiple(&text).unwrap_or_else(|e| panic!("{name}: {e}"))
+}
+
+fn find<'a>(docs: &'a [Value], kind: &str, name: &str) -> Option<&'a Value> {
+    docs.iter().find(|d| d["kind"] == kind && d["metadata"]["name"] == name)
+}
+
+// Every overlay (and one with the ServiceMonitor component) rendered by `kubectl kustomize` and
+// each object validated against the Kubernetes 1.37 schemas (kubernetes-validate --strict; the
+// kinds of CRDs, Istio's and the Prometheus Operator's, have no schema there and are skipped with
+// a warning); the demo Redis Cluster and the Deployment Envoy Gateway makes, as files.
 #[test]
 fn kubernetes_manifests_pass_the_schema_validator() {
-    let mut files: Vec<PathBuf> = Vec::new();
-    for dir in ["k8s/tollgate", "k8s/redis", "k8s/envoy-gateway"] {
-        for entry in std::fs::read_dir(repo(dir)).unwrap() {
-            let path = entry.unwrap().path();
-            if path.extension().is_some_and(|e| e == "yaml") {
-                files.push(path);
-            }
-        }
+    let rendered = repo("target/kustomize");
+    let _ = std::fs::remove_dir_all(&rendered);
+    std::fs::create_dir_all(rendered.join("monitored")).unwrap();
+    std::fs::write(
+        rendered.join("monitored/kustomization.yaml"),
+        "resources: [../../../k8s/overlays/redis]\ncomponents: [../../../k8s/components/servicemonitor]\n",
+    )
+    .unwrap();
+    let mut files = vec![
+        repo("k8s/redis/demo-redis-cluster.yaml"),
+        repo("k8s/overlays/envoy-gateway/ratelimit-deployment.yaml"),
+    ];
+    for name in OVERLAYS {
+        let file = rendered.join(format!("{name}.yaml"));
+        std::fs::write(&file, kustomize(&format!("k8s/overlays/{name}"))).unwrap();
+        files.push(file);
     }
+    let monitored = kustomize("target/kustomize/monitored");
+    assert!(monitored.contains("kind: ServiceMonitor"), "the component adds a ServiceMonitor");
+    let file = rendered.join("monitored.yaml");
+    std::fs::write(&file, monitored).unwrap();
+    files.push(file);
     let out = Command::new(kubernetes_validate())
         .arg("--strict")
         .args(&files)
@@ -60,32 +102,31 @@ fn kubernetes_manifests_pass_the_schema_validator() {
         .expect("kubernetes-validate (scripts/test installs it into target/venv)");
     let report = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
     assert!(out.status.success(), "{report}");
-    for kind in [
-        "deployment/tollgate",
-        "service/tollgate",
-        "configmap/tollgate-rules",
-        "horizontalpodautoscaler/tollgate",
-        "poddisruptionbudget/tollgate",
-        "networkpolicy/tollgate",
-        "networkpolicy/redis-only-from-tollgate",
-        "statefulset/redis-cluster",
-        "deployment/envoy-ratelimit",
-        "configmap/envoy-gateway-config",
+    let passed = |file: &str, kind: &str| report.contains(&format!("{file} passed for resource {kind} "));
+    for name in ["embedded", "redis", "redis-cluster", "istio"] {
+        for kind in ["namespace/tollgate", "deployment/tollgate", "service/tollgate", "configmap/tollgate-rules", "networkpolicy/tollgate"] {
+            assert!(passed(&format!("{name}.yaml"), kind), "{name}: {kind} not validated:\n{report}");
+        }
+    }
+    for (file, kind) in [
+        ("redis.yaml", "horizontalpodautoscaler/tollgate"),
+        ("redis.yaml", "poddisruptionbudget/tollgate"),
+        ("redis.yaml", "deployment/redis"),
+        ("redis.yaml", "networkpolicy/redis-only-from-tollgate"),
+        ("redis-cluster.yaml", "networkpolicy/redis-only-from-tollgate"),
+        ("demo-redis-cluster.yaml", "statefulset/redis-cluster"),
+        ("ratelimit-deployment.yaml", "deployment/envoy-ratelimit"),
+        ("envoy-gateway.yaml", "configmap/envoy-gateway-config"),
     ] {
-        assert!(report.contains(&format!("passed for resource {kind}")), "{kind} not validated:\n{report}");
+        assert!(passed(file, kind), "{file}: {kind} not validated:\n{report}");
     }
 }
 
 #[test]
 fn tollgate_manifests_keep_their_promises() {
-    let docs = manifests("k8s/tollgate");
-    let find = |kind: &str, name: &str| {
-        docs.iter()
-            .map(|(_, d)| d)
-            .find(|d| d["kind"] == kind && d["metadata"]["name"] == name)
-            .unwrap_or_else(|| panic!("{kind}/{name}"))
-    };
-    let deploy = find("Deployment", "tollgate");
+    let docs = overlay("redis-cluster");
+    let one = |kind: &str, name: &str| find(&docs, kind, name).unwrap_or_else(|| panic!("{kind}/{name}"));
+    let deploy = one("Deployment", "tollgate");
     let pod = &deploy["spec"]["template"]["spec"];
     let c = &pod["containers"][0];
     assert_eq!(deploy["spec"]["replicas"], 3);
@@ -104,20 +145,51 @@ fn tollgate_manifests_keep_their_promises() {
     let mount = &c["volumeMounts"][0];
     assert!(mount.get("subPath").is_none());
     assert_eq!(c["args"], json!(["serve", "--config", mount["mountPath"]]));
+    // And under the name the Deployment mounts: a hashed name would roll every pod instead.
+    assert_eq!(pod["volumes"][0]["configMap"]["name"], "tollgate-rules");
+    let env = |c: &Value, name: &str| {
+        c["env"].as_array().unwrap().iter().find(|e| e["name"] == name).map(|e| e["value"].clone())
+    };
+    assert!(env(c, "TOLLGATE_REDIS_CLUSTER").is_some_and(|v| v.as_str().unwrap().contains(":6379,")));
 
-    let service = find("Service", "tollgate");
+    let service = one("Service", "tollgate");
     let grpc = service["spec"]["ports"].as_array().unwrap().iter().find(|p| p["port"] == 8081).unwrap();
     assert_eq!((grpc["name"].as_str(), grpc["appProtocol"].as_str()), (Some("grpc"), Some("grpc")));
-    assert_eq!(find("HorizontalPodAutoscaler", "tollgate")["spec"]["minReplicas"], 3);
-    assert_eq!(find("PodDisruptionBudget", "tollgate")["spec"]["minAvailable"], 2);
+    assert_eq!(one("HorizontalPodAutoscaler", "tollgate")["spec"]["minReplicas"], 3);
+    assert_eq!(one("PodDisruptionBudget", "tollgate")["spec"]["minAvailable"], 2);
 
     // The ConfigMap carries exactly the example rules, which load.
-    let rules = &find("ConfigMap", "tollgate-rules")["data"];
+    let rules = &one("ConfigMap", "tollgate-rules")["data"];
     for file in ["tollgate.yaml", "grpc-api.yaml"] {
         let shipped = std::fs::read_to_string(repo(&format!("examples/{file}"))).unwrap();
         assert_eq!(rules[file].as_str().unwrap(), shipped, "configmap {file} differs from examples/{file}");
         tollgate::config::RuleSet::from_yaml(Path::new(file), &shipped).unwrap();
     }
+
+    // Each overlay sets its store, and every one runs the image kustomization.yaml names.
+    let version = env!("CARGO_PKG_VERSION");
+    for name in ["embedded", "redis", "redis-cluster", "istio"] {
+        let docs = overlay(name);
+        let c = &find(&docs, "Deployment", "tollgate").unwrap()["spec"]["template"]["spec"]["containers"][0];
+        assert_eq!(c["image"], format!("registry.example.com/tollgate:{version}"), "{name}");
+        let stores = ["TOLLGATE_REDIS_URL", "TOLLGATE_REDIS_CLUSTER"].map(|n| env(c, n).is_some());
+        let expected = match name {
+            "embedded" => [false, false],
+            "redis" => [true, false],
+            _ => [false, true],
+        };
+        assert_eq!(stores, expected, "{name}: its store");
+    }
+    // On the embedded store one replica, nothing that would add more.
+    let embedded = overlay("embedded");
+    assert_eq!(find(&embedded, "Deployment", "tollgate").unwrap()["spec"]["replicas"], 1);
+    assert!(find(&embedded, "HorizontalPodAutoscaler", "tollgate").is_none());
+    assert!(find(&embedded, "PodDisruptionBudget", "tollgate").is_none());
+    // In the mesh: injected, and the gRPC port open to the mesh's proxies.
+    let istio = overlay("istio");
+    assert_eq!(find(&istio, "Namespace", "tollgate").unwrap()["metadata"]["labels"]["istio-injection"], "enabled");
+    let from = &find(&istio, "NetworkPolicy", "tollgate").unwrap()["spec"]["ingress"][0]["from"];
+    assert_eq!(from[0]["podSelector"]["matchLabels"]["istio"], "ingressgateway");
 }
 
 fn render(args: &[&str]) -> Value {
@@ -138,9 +210,9 @@ fn istio_envoyfilters_are_what_render_prints() {
         "https://auth.tollgate.example",
     ];
     let gateway = render(&[&["istio", "--gateway"][..], &common].concat());
-    assert_eq!(yaml_docs("k8s/istio/ingress-gateway.yaml"), vec![gateway]);
+    assert_eq!(yaml_docs("k8s/overlays/istio/ingress-gateway.yaml"), vec![gateway]);
     let sidecar = render(&[&["istio", "--sidecar", "demo-api", "--namespace", "demo"][..], &common].concat());
-    assert_eq!(yaml_docs("k8s/istio/sidecar.yaml"), vec![sidecar]);
+    assert_eq!(yaml_docs("k8s/overlays/istio/sidecar.yaml"), vec![sidecar]);
 }
 
 #[test]
@@ -156,7 +228,7 @@ fn istio_manifests_are_well_formed() {
     ];
     let contexts = ["GATEWAY", "SIDECAR_INBOUND", "SIDECAR_OUTBOUND", "ANY"];
     let operations = ["MERGE", "ADD", "REMOVE", "INSERT_BEFORE", "INSERT_AFTER", "INSERT_FIRST", "REPLACE"];
-    let docs = manifests("k8s/istio");
+    let docs = manifests("k8s/overlays/istio");
     let mut kinds = Vec::new();
     for (file, d) in &docs {
         for field in ["apiVersion", "kind"] {
@@ -282,7 +354,7 @@ fn bootstrap_from(filter: &Value) -> Value {
 #[test]
 fn envoy_fragments_of_the_envoyfilters_load_in_envoy() {
     let filters: Vec<Value> =
-        manifests("k8s/istio").into_iter().map(|(_, d)| d).filter(|d| d["kind"] == "EnvoyFilter").collect();
+        manifests("k8s/overlays/istio").into_iter().map(|(_, d)| d).filter(|d| d["kind"] == "EnvoyFilter").collect();
     assert_eq!(filters.len(), 2);
     for filter in &filters {
         let (ok, output) = envoy_validate(&bootstrap_from(filter));
@@ -400,14 +472,14 @@ fn dockerfile_copies_what_exists() {
 #[test]
 fn envoy_gateways_ratelimit_deployment_changes_only_its_image() {
     let theirs = &yaml_docs("tests/data/envoy-gateway/deployment-default.yaml")[0];
-    let ours = &yaml_docs("k8s/envoy-gateway/ratelimit-deployment.yaml")[0];
+    let ours = &yaml_docs("k8s/overlays/envoy-gateway/ratelimit-deployment.yaml")[0];
     let (a, b) = (&theirs["spec"]["template"]["spec"], &ours["spec"]["template"]["spec"]);
     let mut theirs_container = a["containers"][0].clone();
     theirs_container["image"] = b["containers"][0]["image"].clone();
     assert_eq!(b["containers"][0], theirs_container, "only the image differs");
     assert_eq!(a["volumes"], b["volumes"]);
     assert_eq!(theirs["spec"]["selector"], ours["spec"]["selector"]);
-    let config = &yaml_docs("k8s/envoy-gateway/envoy-gateway-config.yaml")[0];
+    let config = &yaml_docs("k8s/overlays/envoy-gateway/envoy-gateway-config.yaml")[0];
     let eg: Value = serde_saphyr::from_str(config["data"]["envoy-gateway.yaml"].as_str().unwrap()).unwrap();
     assert_eq!(
         eg["provider"]["kubernetes"]["rateLimitDeployment"]["container"]["image"],

@@ -95,7 +95,10 @@ fn one_version_everywhere() {
     let changelog = read("CHANGELOG.md");
     let newest = changelog.lines().find(|l| l.starts_with("## [")).unwrap();
     assert!(newest.starts_with(&format!("## [{version}]")), "CHANGELOG.md's newest entry: {newest}");
-    for manifest in ["k8s/tollgate/deployment.yaml", "k8s/envoy-gateway/envoy-gateway-config.yaml"] {
+    let base = read("k8s/base/kustomization.yaml");
+    assert!(base.contains(&format!("newTag: {version}")), "k8s/base/kustomization.yaml's image tag");
+    assert!(base.contains(&format!("app.kubernetes.io/version: {version}")), "k8s/base's version label");
+    for manifest in ["k8s/overlays/envoy-gateway/envoy-gateway-config.yaml"] {
         let text = read(manifest);
         let image = text.lines().find_map(|l| l.trim().strip_prefix("image: ")).unwrap();
         assert!(image.contains(&format!("tollgate:{version}")), "{manifest} names {image}");
