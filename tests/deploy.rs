@@ -47,7 +47,8 @@ const OVERLAYS: [&str; 5] = ["embedded", "redis", "redis-cluster", "istio", "env
 
 // What `kubectl kustomize` renders for the kustomization in `dir` (relative to the repository).
 fn kustomize(dir: &str) -> String {
-    let kubectl = std::env::var("KUBECTL_BIN").map(PathBuf::from).unwrap_or_else(|_| repo("target/venv/bin/kubectl"));
+    let kubectl =
+        std::env::var("KUBECTL_BIN").map(PathBuf::from).unwrap_or_else(|_| repo("target/venv/bin/kubectl"));
     let out = Command::new(kubectl)
         .arg("kustomize")
         .arg(repo(dir))
@@ -104,7 +105,13 @@ fn kubernetes_manifests_pass_the_schema_validator() {
     assert!(out.status.success(), "{report}");
     let passed = |file: &str, kind: &str| report.contains(&format!("{file} passed for resource {kind} "));
     for name in ["embedded", "redis", "redis-cluster", "istio"] {
-        for kind in ["namespace/tollgate", "deployment/tollgate", "service/tollgate", "configmap/tollgate-rules", "networkpolicy/tollgate"] {
+        for kind in [
+            "namespace/tollgate",
+            "deployment/tollgate",
+            "service/tollgate",
+            "configmap/tollgate-rules",
+            "networkpolicy/tollgate",
+        ] {
             assert!(passed(&format!("{name}.yaml"), kind), "{name}: {kind} not validated:\n{report}");
         }
     }
@@ -187,7 +194,10 @@ fn tollgate_manifests_keep_their_promises() {
     assert!(find(&embedded, "PodDisruptionBudget", "tollgate").is_none());
     // In the mesh: injected, and the gRPC port open to the mesh's proxies.
     let istio = overlay("istio");
-    assert_eq!(find(&istio, "Namespace", "tollgate").unwrap()["metadata"]["labels"]["istio-injection"], "enabled");
+    assert_eq!(
+        find(&istio, "Namespace", "tollgate").unwrap()["metadata"]["labels"]["istio-injection"],
+        "enabled"
+    );
     let from = &find(&istio, "NetworkPolicy", "tollgate").unwrap()["spec"]["ingress"][0]["from"];
     assert_eq!(from[0]["podSelector"]["matchLabels"]["istio"], "ingressgateway");
 }
@@ -353,8 +363,11 @@ fn bootstrap_from(filter: &Value) -> Value {
 
 #[test]
 fn envoy_fragments_of_the_envoyfilters_load_in_envoy() {
-    let filters: Vec<Value> =
-        manifests("k8s/overlays/istio").into_iter().map(|(_, d)| d).filter(|d| d["kind"] == "EnvoyFilter").collect();
+    let filters: Vec<Value> = manifests("k8s/overlays/istio")
+        .into_iter()
+        .map(|(_, d)| d)
+        .filter(|d| d["kind"] == "EnvoyFilter")
+        .collect();
     assert_eq!(filters.len(), 2);
     for filter in &filters {
         let (ok, output) = envoy_validate(&bootstrap_from(filter));
