@@ -4,7 +4,7 @@ use std::fmt::Write as _;
 
 use tonic::transport::{Certificate, ClientTlsConfig, Endpoint, Identity};
 
-use crate::edge::rls::headers::FAILURE_MODE_HEADER;
+use crate::edge::rls::headers::{FAILURE_MODE_HEADER, GLOBAL_FALLBACK_HEADER};
 
 use envoy_types::pb::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::Entry;
 use envoy_types::pb::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor;
@@ -133,6 +133,15 @@ pub fn render(request: &RateLimitRequest, response: &RateLimitResponse) -> Strin
     if let Some(mode) = failure_mode {
         let _ =
             writeln!(out, "answered by the failure mode ({}): the server's store did not answer", mode.value);
+    }
+    let fallback =
+        response.response_headers_to_add.iter().find(|h| h.key.eq_ignore_ascii_case(GLOBAL_FALLBACK_HEADER));
+    if let Some(how) = fallback {
+        let _ = writeln!(
+            out,
+            "decided by the global fallback ({}): this region holds no live share of a global bucket",
+            how.value
+        );
     }
     let unlimited = response.response_headers_to_add.is_empty()
         && response.statuses.iter().all(|s| s.current_limit.is_none());

@@ -80,6 +80,7 @@ async fn two_regions_keep_one_global_limit_and_a_partition_falls_back_to_deny() 
             "eu's share lapsed: denied ({:?} after the cut)",
             cut.elapsed()
         );
+        assert_eq!(header(&r, "X-Tollgate-Global-Fallback"), Some("deny"), "and says the fallback denied");
     }
     let scrape = regions[0].metrics();
     let failed = sample(&scrape, "tollgate_global_rounds_total", &[("outcome", "failed")]);
@@ -207,7 +208,12 @@ async fn a_region_cut_off_decides_on_its_split_of_the_bucket_in_its_own_store() 
     assert!(split >= 60.0, "{split} decisions by the split");
     // Known to be cut off (its rounds fail), it no longer waits for a first lease.
     let asked = Instant::now();
-    ask(&region.addr(), req("api", &["tenant=acme"], 1)).await.unwrap();
+    let answer = ask(&region.addr(), req("api", &["tenant=acme"], 1)).await.unwrap();
+    assert_eq!(
+        header(&answer, "X-Tollgate-Global-Fallback"),
+        Some("split"),
+        "the answer says the split decided"
+    );
     assert!(
         asked.elapsed() < Duration::from_millis(60),
         "{:?}: no first-lease wait once cut off",

@@ -197,6 +197,28 @@ pub struct BucketReport {
     pub shadow: bool,
     /// The rule is in quota mode: a denial counts only if every quota-mode descriptor is denied.
     pub quota_mode: bool,
+    /// In a region, a global bucket decided without a live share here (`global_fallback`).
+    pub fallback: Option<GlobalFallback>,
+}
+
+/// How a region decided a global bucket it holds no live share of (none leased within the
+/// first-lease wait, or it lapsed): denied, or on its split of the bucket in its own store.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GlobalFallback {
+    /// Denied (no `global_fallback`).
+    Deny,
+    /// Decided on the region's part of the bucket (`global_fallback: {split: N}`).
+    Split,
+}
+
+impl GlobalFallback {
+    /// As the `fallback` label of `tollgate_global_fallbacks_total` and the answer's header name it.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            GlobalFallback::Deny => "deny",
+            GlobalFallback::Split => "split",
+        }
+    }
 }
 
 impl BucketReport {

@@ -34,8 +34,8 @@ pub use self::budget::{
     SERVED_MODEL_KEY, USAGE_KEY,
 };
 pub use self::decision::{
-    BucketReport, Code, DecideError, Decision, DescriptorVerdict, LimitInfo, Outcome, Query, QueryDescriptor,
-    SlotLimit, SlotReport,
+    BucketReport, Code, DecideError, Decision, DescriptorVerdict, GlobalFallback, LimitInfo, Outcome, Query,
+    QueryDescriptor, SlotLimit, SlotReport,
 };
 pub use self::explain::{Effect, Explained, Explanation, SpecOrigin};
 pub use self::global::{GlobalShares, Granted, Renewal, RENEW_EVERY};
@@ -188,11 +188,12 @@ impl Limiter {
         drop_replaced(&mut plans);
         self.resolve_quotas(domain, &mut plans).await;
         let (group, op_of) = group(&plans);
-        let outcome = match &self.shares {
+        let (outcome, fallbacks) = match &self.shares {
             Some(shares) => self.evaluate_with_shares(domain, shares, query, &plans, group, &op_of).await,
-            None => self.evaluate(domain, group).await,
+            None => (self.evaluate(domain, group).await, Vec::new()),
         };
-        let decision = self.verdicts(domain, query, &plans, &op_of, &outcome);
+        let mut decision = self.verdicts(domain, query, &plans, &op_of, &outcome);
+        global::mark_fallbacks(&mut decision, &op_of, &fallbacks);
         self.count_decision(query, &decision);
         trace_decision(&domain.name, &plans, &decision);
         match outcome {
@@ -337,6 +338,7 @@ impl Limiter {
                         verdict: group.verdicts[*i],
                         shadow: p.role == Role::Shadow,
                         quota_mode: p.role == Role::QuotaMode,
+                        fallback: None,
                     };
                     let code = if report.denied() && !report.shadow { Code::OverLimit } else { Code::Ok };
                     (code, Outcome::Bucket(report))

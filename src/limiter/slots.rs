@@ -218,6 +218,9 @@ impl Limiter {
             None => outcome,
         };
         let mut decision = self.verdicts(domain, query, &plans, &op_of, &outcome);
+        if let Some(taken) = &shared {
+            super::global::mark_fallbacks(&mut decision, &op_of, taken.fallbacks());
+        }
         // A retried or refused take whose buckets were not evaluated gets its recorded answer.
         let recorded = answers.iter().flatten().find_map(|a| match a {
             Ok(SlotOutcome { verdict: SlotVerdict::Repeated(admitted), .. }) => Some(*admitted),

@@ -47,6 +47,9 @@ use crate::limiter::{BucketReport, BudgetReport, Code, Decision, Outcome};
 
 /// Set on an answer the failure mode gave, with the mode.
 pub const FAILURE_MODE_HEADER: &str = "X-Tollgate-Failure-Mode";
+/// Set on a region's answer in which a global bucket was decided without a live share here, with
+/// how (`deny`, `split`).
+pub const GLOBAL_FALLBACK_HEADER: &str = "X-Tollgate-Global-Fallback";
 /// Names the exhausted budget level of a priced request's denial.
 pub const BUDGET_EXHAUSTED: &str = "X-Budget-Exhausted";
 /// Names each budget level whose spend is at or above a soft limit, with that limit.
@@ -80,6 +83,9 @@ pub fn response_headers(decision: &Decision) -> Vec<(&'static str, String)> {
     let mut headers = Vec::new();
     if let Some(mode) = failed {
         headers.push((FAILURE_MODE_HEADER, mode));
+    }
+    if let Some(fallback) = buckets.iter().find_map(|b| b.fallback) {
+        headers.push((GLOBAL_FALLBACK_HEADER, fallback.as_str().to_owned()));
     }
 
     budget_headers(decision, sets.retry_after, &mut headers);

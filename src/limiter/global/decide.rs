@@ -10,7 +10,7 @@
 use super::{GlobalShares, Taken, RENEW_EVERY};
 use crate::bucket::{BucketOp, BucketSpec, Group, GroupOutcome, Role, Verdict};
 use crate::config::{Domain, FailureMode};
-use crate::limiter::{Limiter, Plan, Query};
+use crate::limiter::{Decision, GlobalFallback, Limiter, Outcome, Plan, Query};
 use crate::rule::ChargeRule;
 use crate::store::StoreError;
 
@@ -18,9 +18,30 @@ use crate::store::StoreError;
 /// op the store decides (not global, or fallen back to its split in the store).
 pub(in crate::limiter) struct SharesTaken {
     taken: Vec<Option<Taken>>,
+    // Per op, how it was decided without a share (none for an op with one, or not global).
+    fallen: Vec<Option<GlobalFallback>>,
+}
+
+/// Marks each bucket of `decision` that a fallback decided (`fallbacks` per op of its group,
+/// `op_of` per descriptor), for the answer's header.
+pub(in crate::limiter) fn mark_fallbacks(
+    decision: &mut Decision,
+    op_of: &[Option<usize>],
+    fallbacks: &[Option<GlobalFallback>],
+) {
+    for (d, op) in decision.descriptors.iter_mut().zip(op_of) {
+        if let (Outcome::Bucket(b), Some(op)) = (&mut d.outcome, op) {
+            b.fallback = fallbacks.get(*op).copied().flatten();
+        }
+    }
 }
 
 impl SharesTaken {
+    /// Per op of the group, how a fallback decided it, if one did.
+    pub(in crate::limiter) fn fallbacks(&self) -> &[Option<GlobalFallback>] {
+        &self.fallen
+    }
+
     /// Whether every global op had its tokens: only then may the rest be debited.
     pub(in crate::limiter) fn all(&self) -> bool {
         self.taken.iter().flatten().all(|t| matches!(t, Taken::Yes { .. }))
@@ -93,9 +114,9 @@ impl Limiter {
         plans: &[Plan<'_>],
         mut group: Group,
         op_of: &[Option<usize>],
-    ) -> Result<Option<GroupOutcome>, StoreError> {
+    ) -> (Result<Option<GroupOutcome>, StoreError>, Vec<Option<GlobalFallback>>) {
         let Some(taken) = self.take_shares(domain, shares, query, plans, &mut group, op_of).await else {
-            return self.evaluate(domain, group).await;
+            return (self.evaluate(domain, group).await, Vec::new());
         };
         let rest = taken.rest(&group);
         let stored = if rest.is_empty() { Ok(None) } else { self.evaluate(domain, rest).await };
@@ -109,7 +130,7 @@ impl Limiter {
         if !admitted {
             taken.give_back(shares, &group, now_ms);
         }
-        taken.merged(&group, stored, now_ms)
+        (taken.merged(&group, stored, now_ms), taken.fallen)
     }
 
     /// Takes the global ops of `group` from `shares`, `None` if it has none. An op still without
@@ -163,6 +184,7 @@ impl Limiter {
             }
         }
         // Still without a share: the fallback. A split is decided in the store with the rest.
+        let mut fallen = vec![None; group.len()];
         for op in 0..group.len() {
             if taken[op] != Some(Taken::NoShare) {
                 continue;
@@ -171,16 +193,16 @@ impl Limiter {
             let part = split[op].and_then(|n| {
                 BucketSpec::new(spec.capacity() / f64::from(n), spec.refill_per_second() / f64::from(n)).ok()
             });
-            let Some(part) = part else {
-                metrics::counter!("tollgate_global_fallbacks_total", "fallback" => "deny").increment(1);
-                continue;
-            };
-            metrics::counter!("tollgate_global_fallbacks_total", "fallback" => "split").increment(1);
+            let fallback = if part.is_some() { GlobalFallback::Split } else { GlobalFallback::Deny };
+            metrics::counter!("tollgate_global_fallbacks_total", "fallback" => fallback.as_str())
+                .increment(1);
+            fallen[op] = Some(fallback);
+            let Some(part) = part else { continue };
             group[op].key = crate::identity::fallback_bucket(&group[op].key);
             group[op].spec = part;
             taken[op] = None;
         }
-        Some(SharesTaken { taken })
+        Some(SharesTaken { taken, fallen })
     }
 }
 

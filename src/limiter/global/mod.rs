@@ -26,6 +26,8 @@ use std::time::Duration;
 
 mod decide;
 
+pub(in crate::limiter) use decide::mark_fallbacks;
+
 use crate::bucket::{is_parked, Ask, Asked, BucketSpec, Share};
 
 /// How often shares are renewed.
