@@ -811,6 +811,22 @@ async fn budget_overrides_from_postgres() {
 
     let redis = Redis::start();
     let (_dir, path) = config_file(&config("2026-12-01", "10.00", "10m", "charge"));
+    // Checked against the servers' rules: a domain or level with no budget is refused, unless
+    // forced.
+    let rules = path.to_str().unwrap();
+    let (ok, out) = budget(&["set", "--domain", "lm", "--level", level, "--amount", "1", "--config", rules]);
+    assert!(!ok && out.contains("no domain 'lm'") && out.contains("--force"), "{out}");
+    let typo = "org=po,taem=t";
+    let (ok, out) = budget(&["set", "--domain", "llm", "--level", typo, "--amount", "1", "--config", rules]);
+    assert!(!ok && out.contains("no level org=po,taem=t in domain 'llm'"), "{out}");
+    let (ok, out) =
+        budget(&["set", "--domain", "llm", "--level", level, "--amount", "0.015", "--config", rules]);
+    assert!(ok && !out.contains("note:"), "{out}");
+    let forced = ["set", "--domain", "llm", "--level", typo, "--amount", "1", "--config", rules, "--force"];
+    let (ok, out) = budget(&forced);
+    assert!(ok && out.contains("stored anyway (--force)"), "{out}");
+    let (ok, _) = budget(&["delete", "--domain", "llm", "--level", typo]);
+    assert!(ok);
     let server = Tollgate::start(
         &path,
         &Backend::Redis(redis.url()),

@@ -123,6 +123,21 @@ fn operator_cli_round_trip() {
     let (ok, _, stderr) = quota(&pg, &["set", "--tenant", "t42", "--class", "x"]);
     assert!(!ok && stderr.contains("--capacity"), "{stderr}");
     assert_eq!(pg.sql("SELECT count(*) FROM tollgate_overrides WHERE class = 'x'"), "0");
+    // Checked against the servers' rules: a tier or class no domain has is refused, unless forced.
+    let examples = concat!(env!("CARGO_MANIFEST_DIR"), "/examples");
+    let (ok, _, stderr) = quota(&pg, &["set", "--tenant", "t42", "--tier", "platinum", "--config", examples]);
+    assert!(!ok && stderr.contains("no domain has tier 'platinum' (tiers: free, pro"), "{stderr}");
+    let exprot =
+        ["set", "--tenant", "t42", "--class", "exprot", "--capacity", "5", "--refill-per-second", "1"];
+    let (ok, _, stderr) = quota(&pg, &[&exprot[..], &["--config", examples]].concat());
+    assert!(!ok && stderr.contains("no rule or tier has class 'exprot'"), "{stderr}");
+    assert_eq!(pg.sql("SELECT count(*) FROM tollgate_overrides WHERE class = 'exprot'"), "0");
+    let (ok, _, stderr) = quota(&pg, &[&exprot[..], &["--config", examples, "--force"]].concat());
+    assert!(ok && stderr.contains("stored anyway (--force)"), "{stderr}");
+    let (ok, _, stderr) = quota(&pg, &["set", "--tenant", "t42", "--tier", "pro", "--config", examples]);
+    assert!(ok && stderr.is_empty(), "{stderr}");
+    let (_, stdout, _) = quota(&pg, &["delete", "--tenant", "t42", "--class", "exprot"]);
+    assert_eq!(stdout, "deleted 1 row(s)\n");
 
     let (_, stdout, _) = quota(&pg, &["delete", "--tenant", "t42", "--class", "export"]);
     assert_eq!(stdout, "deleted 1 row(s)\n");

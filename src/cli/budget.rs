@@ -11,7 +11,7 @@ use clap::{Args, Subcommand};
 use tollgate::quota::budgets::BudgetRow;
 use tollgate::quota::postgres::PostgresQuotas;
 
-use super::quota::DatabaseArgs;
+use super::quota::{DatabaseArgs, RowCheck};
 use super::{runtime, Outcome};
 
 #[derive(Args)]
@@ -38,6 +38,8 @@ enum BudgetAction {
         /// The period (minute, hour, day, week, month or year); the file's when not given.
         #[arg(long)]
         per: Option<String>,
+        #[command(flatten)]
+        check: RowCheck,
     },
     /// Show a level's override.
     Get {
@@ -64,7 +66,8 @@ pub(super) fn run(args: BudgetArgs) -> Outcome {
     let db = args.database.connect()?;
     runtime()?.block_on(async move {
         match args.action {
-            BudgetAction::Set { domain, level, amount, per } => {
+            BudgetAction::Set { domain, level, amount, per, check } => {
+                check.check(|rules| no_budget_at(rules, &domain, &level))?;
                 let path = path(&level)?;
                 db.set_budget(&domain, &path, &amount, per.as_deref()).await?;
                 print(&db, Some(&domain), Some(&path)).await?;
@@ -94,6 +97,26 @@ fn path(level: &str) -> anyhow::Result<String> {
     let entries = tollgate::client::parse_descriptor(level).map_err(anyhow::Error::msg).context("--level")?;
     let entries: Vec<(&str, &str)> = entries.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
     Ok(tollgate::identity::path_text(&entries))
+}
+
+// Why `level` of `domain` has no budget in `rules`, if it has none: the domain unknown or not
+// priced, or the level's path names no node with `budget:`.
+fn no_budget_at(rules: &tollgate::config::RuleSet, domain: &str, level: &str) -> Option<String> {
+    let Some(d) = rules.domain(domain) else { return Some(format!("no domain '{domain}'")) };
+    if d.priced.is_none() {
+        return Some(format!("domain '{domain}' prices nothing (no prices:), so it has no budgets"));
+    }
+    let entries = tollgate::client::parse_descriptor(level).ok()?;
+    let entries: Vec<(&str, &str)> = entries.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
+    match d.root.path(&entries) {
+        Some(nodes) if nodes.last().is_some_and(|n| n.budget.is_some()) => None,
+        Some(_) => {
+            Some(format!("the level {level} of domain '{domain}' has no budget: (an override replaces one)"))
+        }
+        None => {
+            Some(format!("no level {level} in domain '{domain}' (its entries name no node, from the top)"))
+        }
+    }
 }
 
 // Prints the rows found; whether there were any.

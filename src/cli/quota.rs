@@ -7,6 +7,7 @@ use std::time::{Duration, SystemTime};
 use anyhow::{bail, Context as _};
 use clap::{Args, Subcommand};
 use tollgate::bucket::BucketSpec;
+use tollgate::config::{RuleSet, Sources};
 use tollgate::quota::postgres::{Listing, PostgresQuotas};
 
 use super::{runtime, Outcome};
@@ -28,6 +29,39 @@ impl DatabaseArgs {
         let url =
             self.quota_store.as_deref().context("--quota-store (or TOLLGATE_QUOTA_STORE) is required")?;
         Ok(PostgresQuotas::connect(url, 1, self.quota_store_ca.as_deref())?)
+    }
+}
+
+/// What a row that `quota set` or `budget set` stores is checked against: a row the servers'
+/// rules can never apply (a typo in a domain, a level, a tier) would succeed and never be in force.
+#[derive(Args)]
+pub(super) struct RowCheck {
+    /// The rules the servers load (a file or a directory, as `serve --config`): a row they can
+    /// never apply is refused. Without it the row is stored unchecked, which is said.
+    #[arg(long, env = "TOLLGATE_CONFIG", value_name = "PATH")]
+    config: Option<PathBuf>,
+    /// Store the row even where the rules have nowhere it applies (rules to come).
+    #[arg(long)]
+    force: bool,
+}
+
+impl RowCheck {
+    /// Checks a row with `problem` (what is wrong with it under the rules, if anything).
+    pub(super) fn check(&self, problem: impl FnOnce(&RuleSet) -> Option<String>) -> anyhow::Result<()> {
+        let Some(path) = &self.config else {
+            eprintln!("note: not checked against any rules (give --config, or TOLLGATE_CONFIG, to check)");
+            return Ok(());
+        };
+        let rules =
+            RuleSet::compile(Sources::read(path)?).with_context(|| format!("--config {}", path.display()))?;
+        match problem(&rules) {
+            Some(problem) if self.force => {
+                eprintln!("warning: {problem}; stored anyway (--force)");
+                Ok(())
+            }
+            Some(problem) => bail!("{problem} in {}: refused (--force stores it anyway)", path.display()),
+            None => Ok(()),
+        }
     }
 }
 
@@ -58,6 +92,8 @@ enum QuotaAction {
         /// The override lapses after this long (e.g. 30d).
         #[arg(long, requires = "class", value_parser = humantime::parse_duration)]
         expires_in: Option<Duration>,
+        #[command(flatten)]
+        check: RowCheck,
     },
     /// Show a tenant's tier and overrides.
     Get {
@@ -86,10 +122,11 @@ pub(super) fn run(args: QuotaArgs) -> Outcome {
                     outln!("created {created} tollgate table(s) in {}", db.describe());
                 }
             }
-            QuotaAction::Set { tenant, tier, class, capacity, refill_per_second, expires_in } => {
+            QuotaAction::Set { tenant, tier, class, capacity, refill_per_second, expires_in, check } => {
                 if tier.is_none() && class.is_none() {
                     bail!("nothing to set: give --tier, or --class with --capacity and --refill-per-second");
                 }
+                check.check(|rules| unknown_tier_or_class(rules, tier.as_deref(), class.as_deref()))?;
                 if let Some(tier) = &tier {
                     db.set_tier(&tenant, tier).await?;
                 }
@@ -123,6 +160,20 @@ pub(super) fn run(args: QuotaArgs) -> Outcome {
         }
         Ok(ExitCode::SUCCESS)
     })
+}
+
+// What no domain of `rules` knows of `tier` and `class`: a tier is a domain's (`tiers:`), a class
+// a domain's rules' (`class:`) or a tier's.
+fn unknown_tier_or_class(rules: &RuleSet, tier: Option<&str>, class: Option<&str>) -> Option<String> {
+    let domains = || rules.domains();
+    if let Some(tier) = tier.filter(|t| !domains().any(|d| d.quotas.tiers.contains_key(*t))) {
+        let known: Vec<&str> = domains().flat_map(|d| d.quotas.tiers.keys().map(String::as_str)).collect();
+        return Some(format!("no domain has tier '{tier}' (tiers: {})", known.join(", ")));
+    }
+    let known_class = |c: &str| {
+        domains().any(|d| d.classes.contains_key(c) || d.quotas.tiers.values().any(|t| t.contains_key(c)))
+    };
+    class.filter(|c| !known_class(c)).map(|c| format!("no rule or tier has class '{c}'"))
 }
 
 fn print_listings(listings: &[Listing]) {
