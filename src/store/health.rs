@@ -2,7 +2,8 @@
 //!
 //! A store that fails at startup (a wrong password, a wrong CA, a closed port) must not fail
 //! silently: [`watch`] pings it at once and every [`INTERVAL`], and logs one line whenever its
-//! state changes, naming the cause ([`Cause`]) and the error chain, never credentials; the
+//! state changes (a new cause while down once it holds three pings in a row), naming the cause
+//! ([`Cause`]) and the error chain, never credentials; the
 //! metrics `tollgate_store_up` and `tollgate_store_down_total{cause}` follow it. `/readyz` names
 //! the same cause ([`Cause::of`]) in its body.
 
@@ -120,27 +121,75 @@ pub fn explain(error: &StoreError) -> String {
 /// is dropped.
 pub fn watch(store: Arc<dyn Store>) -> AbortOnDropHandle<()> {
     AbortOnDropHandle::new(tokio::spawn(async move {
-        let mut last: Option<Option<Cause>> = None;
+        let mut state = States::default();
         loop {
-            let now = match store.ping().await {
-                Ok(()) => None,
-                Err(error) => {
-                    let cause = Cause::of(&error);
-                    if last != Some(Some(cause)) {
-                        metrics::counter!("tollgate_store_down_total", "cause" => cause.label()).increment(1);
-                        tracing::error!(store = %store.describe(), cause = cause.label(), error = %ErrorChain(&error), "the store does not answer: {}", cause.describe());
-                    }
-                    Some(cause)
-                }
+            let (now, error) = match store.ping().await {
+                Ok(()) => (None, None),
+                Err(error) => (Some(Cause::of(&error)), Some(error)),
             };
-            if now.is_none() && last != Some(None) {
-                tracing::info!(store = %store.describe(), "the store answers");
+            match (state.seen(now), &error) {
+                (Some(Change::Down(cause)), Some(error)) => {
+                    metrics::counter!("tollgate_store_down_total", "cause" => cause.label()).increment(1);
+                    tracing::error!(store = %store.describe(), cause = cause.label(), error = %ErrorChain(error), "the store does not answer: {}", cause.describe());
+                }
+                (Some(Change::Up), _) => tracing::info!(store = %store.describe(), "the store answers"),
+                _ => {}
             }
             metrics::gauge!("tollgate_store_up").set(if now.is_none() { 1.0 } else { 0.0 });
-            last = Some(now);
             tokio::time::sleep(INTERVAL).await;
         }
     }))
+}
+
+// While the store stays down, another cause is logged once it has held this many pings in a
+// row: a server going away fails by turns (a refused reconnect, then a timeout), which logged a
+// line a second naming each in turn.
+const CAUSE_SETTLES: u32 = 3;
+
+/// What the watch logs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Change {
+    Up,
+    Down(Cause),
+}
+
+/// The state the logs last stated, and a cause that differs from it, with how many pings in a row.
+#[derive(Debug, Default)]
+struct States {
+    // None before the first ping; Some(None) up; Some(Some(cause)) down.
+    stated: Option<Option<Cause>>,
+    other: Option<(Cause, u32)>,
+}
+
+impl States {
+    // The change to log after a ping that found `now` (a cause when down), if any.
+    fn seen(&mut self, now: Option<Cause>) -> Option<Change> {
+        let change = match (self.stated, now) {
+            (Some(None), None) => None,
+            (_, None) => Some(Change::Up),
+            (Some(Some(stated)), Some(cause)) if stated != cause => {
+                let held = match self.other {
+                    Some((other, n)) if other == cause => n + 1,
+                    _ => 1,
+                };
+                self.other = Some((cause, held));
+                if held < CAUSE_SETTLES {
+                    return None;
+                }
+                Some(Change::Down(cause))
+            }
+            (Some(Some(_)), Some(_)) => {
+                self.other = None;
+                return None;
+            }
+            (_, Some(cause)) => Some(Change::Down(cause)),
+        };
+        if change.is_some() {
+            self.stated = Some(now);
+            self.other = None;
+        }
+        change
+    }
 }
 
 #[cfg(test)]
@@ -155,5 +204,23 @@ mod tests {
         }
         let refused = std::io::Error::new(std::io::ErrorKind::ConnectionRefused, "no");
         assert_eq!(Cause::of(&StoreError::Redis(refused.into())), Cause::ConnectionRefused);
+    }
+
+    #[test]
+    fn a_cause_that_alternates_is_logged_once_and_one_that_holds_is_logged() {
+        use Cause::{ConnectionRefused as Refused, Timeout};
+        let mut states = States::default();
+        let mut seen = |now| states.seen(now);
+        assert_eq!(seen(None), Some(Change::Up), "the first ping is stated");
+        assert_eq!(seen(None), None);
+        assert_eq!(seen(Some(Refused)), Some(Change::Down(Refused)));
+        for _ in 0..5 {
+            assert_eq!((seen(Some(Timeout)), seen(Some(Refused))), (None, None), "flip-flopping: no line");
+        }
+        assert_eq!((seen(Some(Timeout)), seen(Some(Timeout))), (None, None));
+        assert_eq!(seen(Some(Timeout)), Some(Change::Down(Timeout)), "three pings in a row: the new cause");
+        assert_eq!(seen(Some(Timeout)), None);
+        assert_eq!(seen(None), Some(Change::Up));
+        assert_eq!(seen(Some(Timeout)), Some(Change::Down(Timeout)), "down again: at once");
     }
 }
