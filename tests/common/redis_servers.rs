@@ -7,9 +7,15 @@ use std::time::Duration;
 
 use super::*;
 
+/// The server program the store tests start: `redis-server`, or what `TOLLGATE_TEST_SERVER`
+/// names (scripts/test runs the store tests again on Valkey 8's `valkey-server`).
+pub fn server_program() -> String {
+    std::env::var("TOLLGATE_TEST_SERVER").unwrap_or_else(|_| "redis-server".to_owned())
+}
+
 /// A `redis-server` command for loopback `port`, without persistence, logging into `dir`.
 fn redis_server(port: u16, dir: &Path) -> Command {
-    let mut cmd = Command::new("redis-server");
+    let mut cmd = Command::new(server_program());
     cmd.args(["--port", &port.to_string(), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
         .args(["--dir", dir.to_str().unwrap(), "--logfile", "redis.log"])
         .stdout(Stdio::null());

@@ -46,8 +46,12 @@ impl SentinelGroup {
                 primary = primary.port,
             );
             std::fs::write(&conf, text).unwrap();
-            let mut command =
-                Command::new(if which("redis-sentinel") { "redis-sentinel" } else { "redis-server" });
+            let program = match std::env::var("TOLLGATE_TEST_SERVER") {
+                Ok(server) => server,
+                Err(_) if which("redis-sentinel") => "redis-sentinel".to_owned(),
+                Err(_) => "redis-server".to_owned(),
+            };
+            let mut command = Command::new(program);
             command.arg(&conf).arg("--sentinel").stdout(Stdio::null());
             sentinels.push(Proc::spawn("redis-sentinel", &mut command));
             sentinel_ports.push(port);
