@@ -153,6 +153,35 @@ async fn a_global_budget_is_spent_across_regions_and_read_back_exactly() {
     for region in ["eu", "us"] {
         assert!(explained.contains(&format!("USD granted to region:{region}/")), "{explained}");
     }
+    // On a region's Redis it says where that store keeps the region's spend, not a full budget.
+    let explained = std::process::Command::new(tollgate_bin())
+        .args(["explain", "--config", config.to_str().unwrap(), "--domain", "llm"])
+        .args(["--descriptor", "org=acme,model=m,request_id=x", "--redis-url", &us_redis.url()])
+        .env("RUST_LOG", "off")
+        .output()
+        .unwrap();
+    let explained = String::from_utf8_lossy(&explained.stdout);
+    assert!(
+        explained.contains("holds no region's lease") && explained.contains(":lease:<region>/<replica>"),
+        "{explained}"
+    );
+    // A region replica's /budgets: the budget worldwide as the global tier last answered it, and
+    // its own money lease and ledger.
+    let (status, body) = http_get(us.http, "/budgets?domain=llm&org=acme").expect("/budgets");
+    assert_eq!(status, 200, "{body}");
+    let standing: serde_json::Value = serde_json::from_str(&body).unwrap();
+    let org = &standing["levels"][0];
+    let nanos = |v: &serde_json::Value| Money::parse(v.as_str().unwrap()).ok().map(|m| m.0);
+    let (spent, left) = (nanos(&org["spent"]), nanos(&org["left"]));
+    assert!(
+        spent.is_some_and(|s| s >= cost * 9 / 10),
+        "the world's spend, not this region's store's: {body}"
+    );
+    assert!(left.is_some_and(|l| l < AMOUNT / 10), "{body}");
+    let lease = &org["lease"];
+    assert!(lease["holder"].as_str().unwrap().starts_with("us/"), "{body}");
+    let here = nanos(&lease["spent"]).unwrap();
+    assert!(here > 0 && here < cost, "us's own ledger: part of the world's spend: {body}");
 
     // Spent out: a region denies, and says to come back in a second.
     let r = ask(&us.addr(), hold("us-after")).await.unwrap();

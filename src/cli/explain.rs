@@ -299,7 +299,14 @@ async fn print_budget(budget: &BudgetExplained, hits: u64, store: Option<&RedisS
         if budget.global[i] {
             outln!("            global: one budget for every region (regions spend from money leases of it)");
         }
+        let leases = read.as_ref().and_then(|(_, leases)| leases.get(i)).filter(|l| !l.is_empty());
         match read.as_ref().and_then(|(levels, _)| levels.get(i)) {
+            // A global level with no region's lease in this store: a region's store (which keeps
+            // only its replicas' own ledgers), or a global tier no region has leased from yet.
+            Some((spent, held, _)) if budget.global[i] && leases.is_none() => outln!(
+                "            spent {spent}, held {held} in this store, which holds no region's lease: if it is a region's, each replica's spend is in {}:lease:<region>/<replica>; the budget's standing is at the global tier (give its Redis, or GET /budgets on a region replica)",
+                level.base
+            ),
             Some((spent, held, end)) => outln!(
                 "            spent {spent}, held {held}, left {} (period ends {})",
                 level.amount.saturating_sub(*spent + *held),
@@ -310,9 +317,7 @@ async fn print_budget(budget: &BudgetExplained, hits: u64, store: Option<&RedisS
             }
         }
         // At the global tier, each region replica's money lease: its share of the budget.
-        for (holder, granted, reported) in
-            read.as_ref().and_then(|(_, leases)| leases.get(i)).into_iter().flatten()
-        {
+        for (holder, granted, reported) in leases.into_iter().flatten() {
             outln!(
                 "            leased: {} {} granted to {holder}, {reported} of it reported spent",
                 granted,

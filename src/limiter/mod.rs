@@ -29,8 +29,8 @@ mod repair;
 mod slots;
 
 pub use self::budget::{
-    BudgetExplained, BudgetGrant, BudgetRenewal, BudgetReport, GlobalBudgets, LevelStanding, Standing,
-    StandingError, BUDGET_LEASE_TTL, MAX_BUDGET_LEASES, REFUSED_REQUEST, REFUSED_REQUEST_ID,
+    BudgetExplained, BudgetGrant, BudgetRenewal, BudgetReport, GlobalBudgets, LeaseStanding, LevelStanding,
+    Standing, StandingError, BUDGET_LEASE_TTL, MAX_BUDGET_LEASES, REFUSED_REQUEST, REFUSED_REQUEST_ID,
     SERVED_MODEL_KEY, USAGE_KEY,
 };
 pub use self::decision::{

@@ -31,7 +31,7 @@ mod recover;
 mod standing;
 
 pub use self::money_lease::{BudgetGrant, BudgetRenewal, GlobalBudgets, BUDGET_LEASE_TTL, MAX_BUDGET_LEASES};
-pub use self::standing::{LevelStanding, Standing, StandingError};
+pub use self::standing::{LeaseStanding, LevelStanding, Standing, StandingError};
 
 use std::sync::Arc;
 

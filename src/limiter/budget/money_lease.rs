@@ -79,6 +79,9 @@ struct MoneyLease {
     granted: Option<Money>,
     unleased: Money,
     expires_ms: u64,
+    // The budget worldwide as the last answer gave it: spent, held (every lease's unspent part
+    // included), and when that answer's round was sent.
+    world: Option<(Money, Money, u64)>,
     // A shrink under way: holds are admitted under it until the smaller grant is answered.
     cap: Option<Money>,
     // Holds of this replica on their way to the store under the current amount.
@@ -214,6 +217,7 @@ impl GlobalBudgets {
                 granted: None,
                 unleased: Money::ZERO,
                 expires_ms: 0,
+                world: None,
                 cap: None,
                 in_flight: 0,
                 asked: [Money::ZERO; 2],
@@ -246,6 +250,13 @@ impl GlobalBudgets {
     }
 
     // The money nobody holds or spent at the global tier, as the last answer for `key` said.
+    /// This replica's money lease of the global level `key` as `/budgets` shows it: its grant
+    /// (none while it has no live one), and the budget's spent and held money worldwide with
+    /// when the global tier said so (none before its first answer).
+    pub(super) fn view(&self, key: &str, now_ms: u64) -> (Option<Money>, Option<(Money, Money, u64)>) {
+        self.table().get(key).map_or((None, None), |l| (l.amount(now_ms), l.world))
+    }
+
     pub(super) fn unleased(&self, key: &str) -> Money {
         self.table().get(key).map_or(Money::ZERO, |l| l.unleased)
     }
@@ -345,6 +356,7 @@ impl GlobalBudgets {
                 lease.granted = Some(grant.reading.granted);
                 lease.expires_ms = sent_ms + grant.ttl_ms;
                 lease.unleased = grant.amount.saturating_sub(grant.reading.spent + grant.reading.held);
+                lease.world = Some((grant.reading.spent, grant.reading.held, sent_ms));
             } else {
                 // The global tier is in another period (clocks apart at its turn): no lease.
                 lease.granted = None;
@@ -374,6 +386,7 @@ mod tests {
             granted,
             unleased: Money(100_000),
             expires_ms: 10_000,
+            world: None,
             cap: None,
             in_flight: 0,
             asked: [Money(1_000), Money::ZERO],

@@ -1,6 +1,9 @@
 //! Where a priced domain's budgets stand (`GET /budgets`): for the levels a caller names, each
 //! budget's period, amount (an override applied), and the money spent, held and left, read from
-//! the store by a read-only budget op ([`BudgetAction::Peek`]) that changes nothing.
+//! the store by a read-only budget op ([`BudgetAction::Peek`]) that changes nothing. In a region,
+//! a global budget's money is not in the region's store but at the global tier: its level shows
+//! the budget worldwide as the global tier last answered this replica, beside this replica's
+//! money lease and its own ledger of it.
 
 use serde::Serialize;
 
@@ -28,6 +31,25 @@ pub struct LevelStanding {
     pub held: String,
     /// Left: amount - spent - held, never negative.
     pub left: String,
+    /// In a region, for a global budget: this replica's money lease. `spent`, `held` and `left`
+    /// are then the budget's worldwide, as the global tier last answered ("unknown" before).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub lease: Option<LeaseStanding>,
+}
+
+/// A region replica's money lease of a global budget, as `/budgets` shows it.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct LeaseStanding {
+    /// The leaseholder (`<region>/<replica>`).
+    pub holder: String,
+    /// What the global tier granted it for the period ("none" while it holds no live lease).
+    pub granted: String,
+    /// What it spent of it (its own ledger in the region's store).
+    pub spent: String,
+    /// What it holds of it for requests in flight (the same ledger).
+    pub held: String,
+    /// When the round that brought the worldwide figures was sent (RFC 3339), if one did.
+    pub as_of: Option<String>,
 }
 
 /// The standing of every budget on a path.
@@ -94,19 +116,19 @@ impl Limiter {
         let now = self.clock.now_ms() as i64;
         let mut ops = Vec::new();
         let mut names = Vec::new();
+        // Per level, the global level's key whose lease this replica's ledger is, in a region.
+        let mut leased: Vec<Option<String>> = Vec::new();
         for (depth, node) in nodes.iter().enumerate() {
             let Some(budget) = &node.budget else { continue };
             let entries = &path[..=depth];
             let (amount, calendar) = super::amount_and_calendar(budget, &overrides, entries);
-            ops.push((
-                LevelOp {
-                    base: identity::budget_level(domain, entries),
-                    amount,
-                    around: calendar.around(now),
-                    alerts: Vec::new(),
-                },
-                calendar,
-            ));
+            let base = identity::budget_level(domain, entries);
+            let (base, lease_of) = match (&self.budgets, budget.global) {
+                (Some(budgets), true) => (identity::budget_lease(&base, budgets.leaseholder()), Some(base)),
+                _ => (base, None),
+            };
+            leased.push(lease_of);
+            ops.push((LevelOp { base, amount, around: calendar.around(now), alerts: Vec::new() }, calendar));
             names.push(entries[depth]);
         }
         let levels = ops.iter().map(|(l, _)| l.clone()).collect();
@@ -121,9 +143,10 @@ impl Limiter {
             .iter()
             .zip(&ops)
             .zip(names)
-            .map(|(((spent, held, end), (level, calendar)), (key, value))| {
+            .zip(&leased)
+            .map(|((((spent, held, end), (level, calendar)), (key, value)), lease_of)| {
                 let window = calendar.window(end - 1);
-                LevelStanding {
+                let mut standing = LevelStanding {
                     level: key.to_owned(),
                     value: value.to_owned(),
                     period_start: rfc3339(window.start_ms),
@@ -132,7 +155,24 @@ impl Limiter {
                     spent: spent.to_string(),
                     held: held.to_string(),
                     left: level.amount.saturating_sub(*spent + *held).to_string(),
+                    lease: None,
+                };
+                if let (Some(key), Some(budgets)) = (lease_of, &self.budgets) {
+                    let (granted, world) = budgets.view(key, self.clock.now_ms());
+                    standing.lease = Some(LeaseStanding {
+                        holder: budgets.leaseholder().to_owned(),
+                        granted: granted.map_or_else(|| "none".to_owned(), |g| g.to_string()),
+                        spent: spent.to_string(),
+                        held: held.to_string(),
+                        as_of: world.map(|(_, _, at)| rfc3339(at as i64)),
+                    });
+                    let unknown = || "unknown".to_owned();
+                    standing.spent = world.map_or_else(unknown, |(s, _, _)| s.to_string());
+                    standing.held = world.map_or_else(unknown, |(_, h, _)| h.to_string());
+                    standing.left = world
+                        .map_or_else(unknown, |(s, h, _)| level.amount.saturating_sub(s + h).to_string());
                 }
+                standing
             })
             .collect();
         Ok(Standing { domain: domain.name.clone(), currency: priced.prices.currency.clone(), levels })
