@@ -4,7 +4,7 @@
 //! checked. The only changes: the debug build stands in for `cargo run --release` (a release
 //! build takes minutes).
 //!
-//! The pages name fixed ports (8000-8091, 9901-9904, 10000-10003, 6390, 5433); the test moves each to
+//! The pages name fixed ports (8000-8121, 9901-9905, 10000-10004, 6390, 5433); the test moves each to
 //! a free one, in the blocks and in copies of the Envoy configs they use, so that the suite never
 //! clashes with a service the README told the reader to leave running. One test runs it all, one
 //! part after another.
@@ -58,7 +58,8 @@ fn block(tag: &str) -> String {
 
 /// The fixed ports the pages name.
 const PORTS: &[u16] = &[
-    8000, 8001, 8080, 8081, 8090, 8091, 9901, 9902, 9903, 9904, 10000, 10001, 10002, 10003, 6390, 5433, 18001,
+    8000, 8001, 8002, 8080, 8081, 8090, 8091, 8100, 8101, 8110, 8111, 8120, 8121, 9901, 9902, 9903, 9904,
+    9905, 10000, 10001, 10002, 10003, 10004, 6390, 5433, 18001,
 ];
 
 /// Where the walkthrough runs: a directory with copies of `envoy/` whose fixed ports are moved to
@@ -129,6 +130,7 @@ fn with_debug_build(text: &str) -> String {
     let xds_server = Path::new(tollgate_bin()).parent().unwrap().join("examples/xds-server");
     // The builds a reader runs first are the test's own, made already.
     text.replace("cargo build --release -q --example xds-server && cargo build --release -q", "true")
+        .replace("cargo build --release -q ", "true ")
         .replace("cargo run --release -q --example xds-server -- ", &format!("{} ", xds_server.display()))
         .replace("cargo run --release -q -- ", &bin)
         .replace("cargo run --release -- ", &bin)
@@ -282,6 +284,38 @@ fn the_walkthrough_works_as_printed() {
     let retry: u64 =
         headers.lines().find_map(|l| l.strip_prefix("retry-after: ")).unwrap().trim().parse().unwrap();
     assert!(reset <= 86_400 && retry == reset, "both at the key's midnight: {budgets}");
+
+    // Five slots per tenant, filled by a slow upstream: each round of seven, two refused at once
+    // and five admitted; the second round finds every slot given back.
+    let conc = run(&walk, "envoy-concurrency", Duration::from_secs(90));
+    let rounds: Vec<Vec<u16>> = conc.lines().map(codes).collect();
+    assert_eq!(rounds.len(), 2, "{conc}");
+    for round in &rounds {
+        let count = |code| round.iter().filter(|c| **c == code).count();
+        assert_eq!((count(200), count(429)), (5, 2), "{conc}");
+    }
+
+    // A global tier and two regions: the bucket of 20 is one for both; a region's /budgets shows
+    // the money budget worldwide and its own lease.
+    let started = std::time::Instant::now();
+    let global = run(&walk, "global", Duration::from_secs(180));
+    // 10 at once and 2 a second, over no more than the block's whole run.
+    let bound = 10 + 2 * started.elapsed().as_secs() as usize + 1;
+    assert!(!global.contains("NOT READY"), "{global}");
+    let mut lines = global.lines();
+    let answers: Vec<&str> = lines.next().unwrap().split_whitespace().collect();
+    assert_eq!(answers.len(), 30, "{global}");
+    let ok = |region: &str| answers.iter().filter(|a| **a == format!("{region}:ok")).count();
+    assert!(ok("eu") > 0 && ok("us") > 0, "both regions admit: {global}");
+    assert!((10..=bound).contains(&(ok("eu") + ok("us"))), "one bucket for both, at most {bound}: {global}");
+    assert!(answers.iter().any(|a| a.ends_with(":no")), "more than it holds asked: {global}");
+    let rest: Vec<&str> = lines.collect();
+    assert_eq!(&rest[..3], ["overall: OK"; 3], "{global}");
+    let standing: serde_json::Value = serde_json::from_str(rest[3]).expect(&global);
+    let org = &standing["levels"][0];
+    assert!(org["lease"]["holder"].as_str().unwrap().starts_with("eu/"), "{global}");
+    assert_eq!(org["lease"]["held"], "0.030300000", "{global}");
+    assert_ne!(org["spent"], "unknown", "{global}");
 
     // The render commands type as printed, and each prints a config.
     let render = run(&walk, "render", Duration::from_secs(30));
