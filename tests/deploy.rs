@@ -129,6 +129,40 @@ fn kubernetes_manifests_pass_the_schema_validator() {
     }
 }
 
+// The Deploy on Kubernetes page's own overlay, as printed (beside a checkout named `tollgate`,
+// with a rules file of its own): it renders, sets what it says, and validates.
+#[test]
+fn the_books_own_overlay_renders_as_printed() {
+    let page = std::fs::read_to_string(repo("docs/src/operations/kubernetes.md")).unwrap();
+    let (_, after) = page.split_once("# my-tollgate/kustomization.yaml\n").expect("the page's overlay");
+    let (overlay, _) = after.split_once("```").unwrap();
+    let dir = repo("target/kustomize/page");
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(dir.join("my-tollgate/rules")).unwrap();
+    std::os::unix::fs::symlink(repo(""), dir.join("tollgate")).unwrap();
+    std::fs::write(dir.join("my-tollgate/kustomization.yaml"), overlay).unwrap();
+    std::fs::copy(repo("examples/tollgate.yaml"), dir.join("my-tollgate/rules/api-gateway.yaml")).unwrap();
+    let text = kustomize("target/kustomize/page/my-tollgate");
+    let docs: Vec<Value> = serde_saphyr::from_str_multiple(&text).unwrap();
+    let deploy = find(&docs, "Deployment", "tollgate").unwrap();
+    let c = &deploy["spec"]["template"]["spec"]["containers"][0];
+    assert_eq!(deploy["spec"]["replicas"], 4);
+    assert_eq!(c["image"], format!("registry.mycorp.example/tollgate:{}", env!("CARGO_PKG_VERSION")));
+    let cluster =
+        c["env"].as_array().unwrap().iter().find(|e| e["name"] == "TOLLGATE_REDIS_CLUSTER").unwrap();
+    assert!(
+        cluster["value"].as_str().unwrap().starts_with("my-redis-0"),
+        "the patch hits the store's variable"
+    );
+    let rules = &find(&docs, "ConfigMap", "tollgate-rules").unwrap()["data"];
+    assert!(rules.get("api-gateway.yaml").is_some() && rules.get("grpc-api.yaml").is_none(), "{rules}");
+    assert!(find(&docs, "ServiceMonitor", "tollgate").is_some());
+    let file = dir.join("tollgate.yaml");
+    std::fs::write(&file, &text).unwrap();
+    let out = Command::new(kubernetes_validate()).arg("--strict").arg(&file).output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stdout));
+}
+
 #[test]
 fn tollgate_manifests_keep_their_promises() {
     let docs = overlay("redis-cluster");
