@@ -5,8 +5,9 @@
 
 use std::collections::HashMap;
 
-use super::lease::leases_live;
-use super::refill::{asked, covers, debit, life_ms, note_spec, raises_ceiling, refill, unleased};
+use super::refill::{
+    asked, covers, debit, leases_live, life_ms, note_spec, raises_ceiling, refill, unleased,
+};
 use super::spec::wait_between;
 use super::{
     Batch, BucketOp, BucketState, Charge, Evaluation, Group, GroupOutcome, Role, Verdict, Write, MAX_WAIT_MS,

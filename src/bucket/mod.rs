@@ -55,8 +55,9 @@ mod spec;
 mod tests;
 
 pub use self::group::{evaluate, refund};
-pub use self::lease::{lease, Asked, Lease, LeaseOp, LeaseOutcome, Others, MAX_LEASEHOLDERS};
+pub use self::lease::{lease, LeaseOp, LeaseOutcome, Others, MAX_LEASEHOLDERS};
 pub use self::refill::{covers, refill};
+pub use self::refill::{Asked, Lease};
 pub use self::share::{is_parked, Ask, Share};
 pub use self::spec::{BucketSpec, SpecError, MAX_CAPACITY, MAX_WAIT_MS, MIN_REFILL_PER_SECOND};
 

@@ -1,11 +1,115 @@
-//! One bucket's arithmetic, the twin of `src/store/redis/bucket.lua`: the refill walk between
-//! two evaluations (pending rate raises, leases expiring on the way), what the leases leave a spec,
+//! One bucket's arithmetic, the twin of `src/store/redis/bucket.lua`: the leases a bucket records
+//! and what they take of it as time passes (set by [`super::lease()`], the twin of `lease.lua`,
+//! which builds on this file as `lease.lua` follows `bucket.lua`), the refill walk between two
+//! evaluations (pending rate raises, leases expiring on the way), what the leases leave a spec,
 //! the debit with its debt floor, and how long a written bucket must live. [`super::group`]
 //! composes these into all-or-nothing groups.
 
-use super::lease::{banked_at, leased_at, leased_for_ms};
 use super::spec::wait;
 use super::{BucketOp, BucketSpec, BucketState, MAX_WAIT_MS, RATE_RAISE_DELAY_MS};
+
+/// One replica's lease on a bucket.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Lease {
+    /// The replica that took it (no whitespace: the Redis field separates by it).
+    pub replica: String,
+    /// Tokens its Envoys' local buckets may take together.
+    pub capacity: f64,
+    /// Tokens per second those local buckets refill together.
+    pub refill_per_second: f64,
+    /// When it stops counting, in clock milliseconds (alive while the clock is before it).
+    pub expires_at_ms: u64,
+    /// What its Envoys asked for, in tokens per second: what other replicas size theirs by.
+    pub demand: f64,
+    /// Tokens its rate filled while it leased no capacity, toward its capacity.
+    pub banked: f64,
+    /// When the lease was last set, in clock milliseconds (the bank fills from then).
+    pub since_ms: u64,
+}
+
+/// The capacity and rate (per second) of the leases in `leases` alive at `at_ms`, summed in order.
+pub fn leased_at(leases: &[Lease], at_ms: u64) -> (f64, f64) {
+    let mut leased = (0.0, 0.0);
+    for h in leases.iter().filter(|h| h.expires_at_ms > at_ms) {
+        leased.0 += h.capacity;
+        leased.1 += h.refill_per_second;
+    }
+    leased
+}
+
+/// What lease `h` has banked for its leaseholder as of `at_ms`: a lease with no capacity banks its
+/// rate (up to `capacity`), so that a leaseholder cut below one request still gets its rate's worth
+/// when it next grows; a lease with capacity keeps what its growth left of the bank.
+pub fn bank(h: &Lease, at_ms: u64, capacity: f64) -> f64 {
+    if h.capacity == 0.0 {
+        (h.banked + h.refill_per_second * at_ms.saturating_sub(h.since_ms) as f64 / 1000.0).min(capacity)
+    } else {
+        h.banked
+    }
+}
+
+/// What the leases alive at `alive_ms` have banked as of `at_ms`, summed in order: tokens the
+/// balance must leave room for, since their leaseholders spend them on top of it.
+pub fn banked_at(leases: &[Lease], alive_ms: u64, at_ms: u64, capacity: f64) -> f64 {
+    let mut banked = 0.0;
+    for h in leases.iter().filter(|h| h.expires_at_ms > alive_ms) {
+        banked += bank(h, at_ms, capacity);
+    }
+    banked
+}
+
+/// Whether any of `leases` is alive at `now_ms`.
+pub fn leases_live(leases: &[Lease], now_ms: u64) -> bool {
+    leases.iter().any(|h| h.expires_at_ms > now_ms)
+}
+
+/// The window over which [`Asked`] counts, in milliseconds.
+pub const ASKED_WINDOW_MS: u64 = 5_000;
+
+/// Tokens asked of a bucket by requests other than leases (RLS, `POST /json`), counted while it
+/// has leases, in two windows of `WINDOW_MS` ([`ASKED_WINDOW_MS`] in the bucket's state): the
+/// demand RLQS leases are sized beside, so that when both sides ask more than the bucket gives,
+/// each gets its demand's part (an RLS request takes what refilled whenever it comes; a lease
+/// only what its size says). A region's share counts its own demand in shorter windows.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct Asked<const WINDOW_MS: u64 = ASKED_WINDOW_MS> {
+    /// Tokens asked in the window before the current one.
+    pub previous: f64,
+    /// Tokens asked in the current window.
+    pub current: f64,
+    /// When the current window started, in clock milliseconds (0: never counted).
+    pub since_ms: u64,
+}
+
+impl<const WINDOW_MS: u64> Asked<WINDOW_MS> {
+    // Moves the windows on to the one `now_ms` falls in.
+    fn roll(&mut self, now_ms: u64) {
+        if self.since_ms == 0 || now_ms >= self.since_ms.saturating_add(2 * WINDOW_MS) {
+            *self = Asked { previous: 0.0, current: 0.0, since_ms: now_ms };
+        } else if now_ms >= self.since_ms + WINDOW_MS {
+            *self = Asked { previous: self.current, current: 0.0, since_ms: self.since_ms + WINDOW_MS };
+        }
+    }
+
+    /// Counts `need` tokens asked at `now_ms`.
+    pub fn record(&mut self, now_ms: u64, need: f64) {
+        self.roll(now_ms);
+        self.current += need;
+    }
+
+    /// Tokens asked per second over the last window and the current one, as of `now_ms`.
+    pub fn per_second(&mut self, now_ms: u64) -> f64 {
+        self.roll(now_ms);
+        let span = WINDOW_MS + now_ms.saturating_sub(self.since_ms);
+        (self.previous + self.current) * 1000.0 / span as f64
+    }
+}
+
+/// How long after `now_ms` the last lease alive then expires (0 if none): a bucket written now
+/// must live that much longer, since the leases may take all of its refill until then.
+pub fn leased_for_ms(leases: &[Lease], now_ms: u64) -> u64 {
+    leases.iter().map(|h| h.expires_at_ms.saturating_sub(now_ms)).max().unwrap_or(0)
+}
 
 /// Brings a bucket's balance up to `now_ms` under `spec`.
 ///

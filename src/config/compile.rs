@@ -15,18 +15,12 @@ use super::problem::{position, syntax, text, Problem};
 use super::tree::{Place, Tree};
 use super::{priced, raw};
 use super::{Blanket, ConfigError, Domain, FailureMode, HeaderSets};
-use crate::bucket::BucketSpec;
 use crate::quota::{Quotas, TenantRecord, DEFAULT_CLASS};
-
-/// The most YAML nodes (mappings, sequences and scalars) one domain file may hold: the parser's
-/// budget (serde-saphyr's default, set here so that the error can name it), which keeps a
-/// crafted file from growing a reload without limit.
-pub const MAX_NODES: usize = 250_000;
 
 /// Compiles the domain file `file` with contents `text`.
 pub(super) fn domain(file: &Path, text_: &str) -> Result<Domain, ConfigError> {
     let mut budget = serde_saphyr::Budget::default();
-    budget.max_nodes = MAX_NODES;
+    budget.max_nodes = raw::MAX_NODES;
     let mut options = serde_saphyr::Options::default();
     options.budget = Some(budget);
     let mut raw: raw::DomainFile =
@@ -156,7 +150,9 @@ fn quotas(
         let mut specs = IndexMap::new();
         for (class, bucket) in classes {
             tier_at.entry(tier.clone()).or_insert_with(|| position(bucket));
-            let spec = token_bucket(&bucket.value)
+            let spec = bucket
+                .value
+                .spec()
                 .map_err(|m| Problem::new(format!("tiers.{tier}.{class}"), position(bucket), m))?;
             specs.insert(class.clone(), spec);
         }
@@ -204,7 +200,7 @@ fn tenants(
         }
         let mut overrides = IndexMap::new();
         for (class, bucket) in &record.overrides {
-            let spec = token_bucket(&bucket.value).map_err(|m| {
+            let spec = bucket.value.spec().map_err(|m| {
                 Problem::new(format!("tenants.{tenant}.overrides.{class}"), position(bucket), m)
             })?;
             overrides.insert(class.clone(), spec);
@@ -215,6 +211,3 @@ fn tenants(
 }
 
 // A `token_bucket:` (of a node or a tier).
-pub(super) fn token_bucket(b: &raw::TokenBucket) -> Result<BucketSpec, String> {
-    BucketSpec::new(b.capacity, b.refill_per_second).map_err(|e| e.to_string())
-}

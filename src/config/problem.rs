@@ -8,7 +8,7 @@ use std::path::Path;
 
 use serde_saphyr::Spanned;
 
-use super::compile::MAX_NODES;
+use super::raw::MAX_NODES;
 use super::{locate, ConfigError};
 
 /// A problem and, when it is more precise than its node's, its line and column.

@@ -11,7 +11,13 @@ use indexmap::IndexMap;
 use serde::Deserialize;
 use serde_saphyr::Spanned;
 
+use crate::bucket::BucketSpec;
 use crate::rule::Source;
+
+/// The most YAML nodes (mappings, sequences and scalars) one domain file may hold: the parser's
+/// budget (serde-saphyr's default, set here so that the error can name it), which keeps a
+/// crafted file from growing a reload without limit.
+pub const MAX_NODES: usize = 250_000;
 
 /// One config file: one domain.
 #[derive(Debug, Deserialize)]
@@ -163,6 +169,13 @@ pub struct Replaces {
 pub struct TokenBucket {
     pub capacity: f64,
     pub refill_per_second: f64,
+}
+
+impl TokenBucket {
+    /// The bucket it states, or why it is not one.
+    pub fn spec(&self) -> Result<BucketSpec, String> {
+        BucketSpec::new(self.capacity, self.refill_per_second).map_err(|e| e.to_string())
+    }
 }
 
 /// A tenant of the embedded quota source.

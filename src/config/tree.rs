@@ -8,7 +8,6 @@ use std::sync::Arc;
 use indexmap::IndexMap;
 use serde_saphyr::Spanned;
 
-use super::compile::token_bucket;
 use super::problem::{position, Located};
 use super::{priced, raw};
 use super::{ChargeRule, ClassDef, ConfigError, Limit, Rule, Source};
@@ -218,7 +217,7 @@ impl Tree<'_> {
             rate = configured;
             Some(limit)
         } else if let Some(tb) = &d.token_bucket {
-            Some(Limit::Bucket(token_bucket(&tb.value).map_err(|m| at(tb, format!("token_bucket: {m}")))?))
+            Some(Limit::Bucket(tb.value.spec().map_err(|m| at(tb, format!("token_bucket: {m}")))?))
         } else if let Some(source) = &d.quota {
             self.tenant_quota(&source.value, place).map_err(|m| at(source, m))?;
             Some(Limit::TenantQuota)
