@@ -288,6 +288,7 @@ fn the_walkthrough_works_as_printed() {
     // Five slots per tenant, filled by a slow upstream: each round of seven, two refused at once
     // and five admitted; the second round finds every slot given back.
     let conc = run(&walk, "envoy-concurrency", Duration::from_secs(90));
+    assert!(!conc.contains("NOT READY"), "{conc}");
     let rounds: Vec<Vec<u16>> = conc.lines().map(codes).collect();
     assert_eq!(rounds.len(), 2, "{conc}");
     for round in &rounds {
