@@ -1,4 +1,4 @@
-//! Hot-tenant coalescing (`src/store/coalesce.rs`): concurrent requests for one slot share one
+//! Hot-tenant coalescing (`src/store/redis/coalesce.rs`): concurrent requests for one slot share one
 //! script call and stay exact. A burst of concurrent requests for one bucket admits exactly its
 //! capacity, with coalescing on and off, against a real Redis and a real Redis Cluster, and with
 //! coalescing on it takes far fewer script calls than requests.

@@ -10,7 +10,9 @@
 //!
 //! [`Precheck`] wraps a store and answers denials that are certain without asking it. The Redis
 //! backend can coalesce concurrent calls for one Cluster slot into one script run
-//! (`coalesce`), which changes round trips, not answers.
+//! (`redis/coalesce.rs`), which changes round trips, not answers. Everything only Redis needs
+//! (its nodes, Cluster, Sentinel, coalescing, the scripts and their wire format) is under `redis/`:
+//! a backend in one folder.
 //!
 //! Results are per group so that a Cluster shard that is down fails only the groups whose keys
 //! live on it.
@@ -20,14 +22,10 @@
 //! leases, budget recovery) runs [`in_background`]: under a longer deadline of its own, and on
 //! connections of its own, so that it never queues in front of a request.
 
-mod cluster;
-mod coalesce;
 pub mod health;
 mod memory;
-mod node;
 mod precheck;
 mod redis;
-mod sentinel;
 
 use std::time::Duration;
 
@@ -35,8 +33,8 @@ use futures::future::BoxFuture;
 
 pub use self::memory::MemoryStore;
 pub use self::precheck::{Precheck, MAX_AGE_MS};
+pub use self::redis::SentinelTarget;
 pub use self::redis::{parse_leases, ConnectError, Peek, RedisStore, RedisTarget, RedisTls};
-pub use self::sentinel::SentinelTarget;
 use crate::bucket::{Batch, GroupOutcome, LeaseOp, LeaseOutcome};
 use crate::budget::{BudgetOp, BudgetOutcome};
 use crate::slot::{SlotOp, SlotOutcome};

@@ -7,7 +7,7 @@
 //! Logs stay readable under faults: what can happen once per request (a store failure answered
 //! by the failure mode) is written at most once per [`THROTTLE`] per kind, with the number of
 //! occurrences held back since the last line ([`throttled`]); connection trouble is logged once
-//! per change of state (`store/node.rs`). Metrics keep the exact counts.
+//! per change of state (`store/redis/node.rs`). Metrics keep the exact counts.
 
 use std::collections::HashMap;
 use std::io::IsTerminal;

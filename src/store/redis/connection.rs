@@ -8,11 +8,11 @@ use std::time::Duration;
 use redis::aio::ConnectionManagerConfig;
 use redis::{ClientTlsConfig, IntoConnectionInfo, TlsCertificates, Value};
 
+use super::cluster::{Cluster, ClusterError};
 use super::late_window;
+use super::node::{self, Node, Script};
+use super::sentinel::{Sentinel, SentinelTarget};
 use crate::identity::cluster_slot;
-use crate::store::cluster::{Cluster, ClusterError};
-use crate::store::node::{self, Node, Script};
-use crate::store::sentinel::{Sentinel, SentinelTarget};
 use crate::store::StoreError;
 
 /// Which Redis deployment to use.

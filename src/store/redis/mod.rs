@@ -22,24 +22,29 @@
 //! slot; with coalescing off it never holds a call back to batch it.
 
 mod budget;
+mod cluster;
+mod coalesce;
 mod connection;
 mod lease;
+mod node;
 mod raises;
+mod sentinel;
 mod slot;
 mod split;
 mod wire;
 
 pub use self::connection::{ConnectError, RedisTarget, RedisTls};
 pub use self::lease::parse_leases;
+pub use self::sentinel::SentinelTarget;
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use futures::future::BoxFuture;
 
+use self::coalesce::{Call, Coalescer};
 use self::connection::Connection;
-use super::coalesce::{Call, Coalescer};
-use super::node::{self, Script};
+use self::node::Script;
 use super::{LateReply, Store, StoreError};
 use crate::bucket::{Batch, BucketState, Group, GroupOutcome, LeaseOp, LeaseOutcome};
 use crate::budget::{BudgetOp, BudgetOutcome};

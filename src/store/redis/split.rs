@@ -9,9 +9,9 @@ use std::sync::Arc;
 
 use futures::future::join_all;
 
+use super::coalesce::Late;
 use super::RedisStore;
 use crate::bucket::{refund, Batch, BucketOp, Group, GroupOutcome, Role, Verdict};
-use crate::store::coalesce::Late;
 use crate::store::{LateReply, StoreError};
 use crate::telemetry::logs;
 

@@ -32,8 +32,8 @@ use std::time::{Duration, Instant};
 use futures::future::BoxFuture;
 use tokio::sync::oneshot;
 
-use super::{LateReply, StoreError};
 use crate::bucket::{refund, Group, GroupOutcome};
+use crate::store::{LateReply, StoreError};
 use crate::telemetry::logs::{self, ErrorChain};
 
 /// Most concurrent calls per slot when coalescing; beyond, requests queue for the next call.
@@ -133,7 +133,7 @@ impl Coalescer {
                 });
             }
         }
-        let deadline = super::deadline_or(self.deadline);
+        let deadline = crate::store::deadline_or(self.deadline);
         match tokio::time::timeout(deadline, answer).await {
             Ok(Ok(reply)) => reply,
             Ok(Err(_)) => Err(StoreError::Protocol("the call was abandoned".into())),
