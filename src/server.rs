@@ -214,16 +214,13 @@ pub async fn run(
     } = service;
     // gRPC health says SERVING once a config is in force (at once for files), and not after
     // draining has begun.
+    let services = served_services(global_tier.is_some());
     let serving = {
         let (health, draining, mut loaded) = (health.clone(), draining.clone(), config_loaded.clone());
         tokio::spawn(async move {
-            health.set_service_status("", tonic_health::ServingStatus::NotServing).await;
-            health.set_not_serving::<RateLimitServiceServer<RateLimitGrpc>>().await;
-            health.set_not_serving::<RateLimitQuotaServiceServer<RateLimitQuotaGrpc>>().await;
+            set_health(&health, services, false).await;
             if loaded.wait_for(|loaded| *loaded).await.is_ok() && !draining.load(Ordering::SeqCst) {
-                health.set_service_status("", tonic_health::ServingStatus::Serving).await;
-                health.set_serving::<RateLimitServiceServer<RateLimitGrpc>>().await;
-                health.set_serving::<RateLimitQuotaServiceServer<RateLimitQuotaGrpc>>().await;
+                set_health(&health, services, true).await;
             }
         })
     };
@@ -317,9 +314,7 @@ pub async fn run(
         let how = shutdown.await;
         draining.store(true, Ordering::SeqCst);
         serving.abort();
-        health.set_service_status("", tonic_health::ServingStatus::NotServing).await;
-        health.set_not_serving::<RateLimitServiceServer<RateLimitGrpc>>().await;
-        health.set_not_serving::<RateLimitQuotaServiceServer<RateLimitQuotaGrpc>>().await;
+        set_health(&health, services, false).await;
         if let Shutdown::Drain(delay) = how {
             tracing::info!(?delay, "shutting down: unready now, draining after the delay");
             tokio::time::sleep(delay).await;
@@ -350,4 +345,29 @@ pub async fn run(
     result?;
     tracing::info!("stopped");
     Ok(())
+}
+
+// The gRPC services this server answers, by their health names: the whole server (""), RLS,
+// RLQS and, at the global tier, RegionLeases.
+fn served_services(global_tier: bool) -> &'static [&'static str] {
+    const ALL: [&str; 4] = [
+        "",
+        <RateLimitServiceServer<RateLimitGrpc> as tonic::server::NamedService>::NAME,
+        <RateLimitQuotaServiceServer<RateLimitQuotaGrpc> as tonic::server::NamedService>::NAME,
+        <RegionLeasesServer<RegionLeasesGrpc> as tonic::server::NamedService>::NAME,
+    ];
+    if global_tier {
+        &ALL
+    } else {
+        &ALL[..3]
+    }
+}
+
+// Sets every one of `services` serving or not, together.
+async fn set_health(health: &tonic_health::server::HealthReporter, services: &[&str], serving: bool) {
+    let status =
+        if serving { tonic_health::ServingStatus::Serving } else { tonic_health::ServingStatus::NotServing };
+    for service in services {
+        health.set_service_status(*service, status).await;
+    }
 }

@@ -161,8 +161,32 @@ async fn bad_renewals_are_refused_whole_and_the_service_is_off_by_default() {
     let whole = renew(&addr, "eu", vec![renewal(&acme, 100.0, 10.0, false)]).await.unwrap();
     assert_eq!(whole[0].capacity, 100.0);
 
+    // gRPC health names the service where it is served.
+    let health = |addr: std::net::SocketAddr| async move {
+        let channel = tonic::transport::Channel::from_shared(format!("http://{addr}"))
+            .unwrap()
+            .connect()
+            .await
+            .unwrap();
+        let request =
+            tonic_health::pb::HealthCheckRequest { service: "tollgate.region.v1.RegionLeases".into() };
+        tonic_health::pb::health_client::HealthClient::new(channel)
+            .check(request)
+            .await
+            .map(|r| r.into_inner().status)
+    };
+    assert_eq!(
+        health(server.grpc).await.ok(),
+        Some(tonic_health::pb::health_check_response::ServingStatus::Serving as i32)
+    );
+
     let (_dir2, config2) = config_file(CONFIG);
     let regional = Tollgate::start(&config2, &Backend::Memory, &[]);
+    assert_eq!(
+        health(regional.grpc).await.map_err(|s| s.code()),
+        Err(tonic::Code::NotFound),
+        "not served: unknown"
+    );
     let off = renew(&regional.addr(), "eu", vec![renewal(&acme, 1.0, 1.0, true)]).await;
     assert_eq!(refused(off), tonic::Code::Unimplemented);
 }
