@@ -10,7 +10,7 @@
 //!
 //! Once a [`TICK`], at its phase of the tick, each member's [`LocalLease`] says whether its lease is
 //! due to be set again (new, resized, cut short, hot, after a failure, or up for renewal); the due
-//! ones of a phase go to the store together, [`HOLDS_PER_CALL`] to a call, and each outcome goes to
+//! ones of a phase go to the store together, [`LEASE_OPS_PER_CALL`] to a call, and each outcome goes to
 //! its stream as an assignment that lives [`ASSIGNMENT_TTL`], well inside the lease's life. So an
 //! idle bucket costs one renewal a [`crate::limiter::RENEW_AFTER`] and nothing else. A bucket's
 //! phase is one of [`PHASES`] slices of the tick, from its key's Cluster slot, so that the calls
@@ -48,7 +48,7 @@ pub const TICK: Duration = Duration::from_secs(1);
 pub const PHASES: u64 = 10;
 /// Most lease ops in one store call (one script run per slot in it): thousands of new buckets in
 /// one script would hold Redis up for everyone else.
-const HOLDS_PER_CALL: usize = 256;
+const LEASE_OPS_PER_CALL: usize = 256;
 /// Most store calls this replica's rounds have in flight together: a first report of thousands
 /// of buckets, booked in chunks, starts a round per chunk, and calls queued behind too many
 /// others in Redis would outlast the background deadline. Redis runs one script at a time, and
@@ -324,7 +324,7 @@ impl Inner {
         self.started.elapsed().as_millis() as u64
     }
 
-    // One round: the ops it calls for, in calls of [`HOLDS_PER_CALL`]; as each call is answered,
+    // One round: the ops it calls for, in calls of [`LEASE_OPS_PER_CALL`]; as each call is answered,
     // each stream's events of it as one batch, delivered in a task of its own, so that a stream
     // that reads nothing holds up no one else, and the first buckets of a round of thousands are
     // assigned without waiting for the last.
@@ -348,7 +348,7 @@ impl Inner {
             for planned in [local, global] {
                 let mut planned = planned.into_iter().peekable();
                 while planned.peek().is_some() {
-                    calls.push(planned.by_ref().take(HOLDS_PER_CALL).collect());
+                    calls.push(planned.by_ref().take(LEASE_OPS_PER_CALL).collect());
                 }
             }
             calls
