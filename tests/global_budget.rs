@@ -17,7 +17,7 @@ mod common;
 use std::time::{Duration, Instant};
 
 use common::proxy::Fault;
-use common::regions::{eu_and_us, global_budget_config, region};
+use common::regions::{eu_and_us, explain, global_budget_config, global_tier, region};
 use common::*;
 use envoy_types::pb::envoy::service::ratelimit::v3::RateLimitRequest;
 use envoy_types::pb::google::protobuf::UInt64Value;
@@ -99,11 +99,7 @@ async fn a_global_budget_is_spent_across_regions_and_read_back_exactly() {
         "validate says which budget is global: {said}"
     );
     let global_redis = Redis::start();
-    let global = Tollgate::start(
-        &config,
-        &Backend::Redis(global_redis.url()),
-        &["--global-tier", "--global-tier-insecure"],
-    );
+    let global = global_tier(&config, &Backend::Redis(global_redis.url()));
     let (eu_redis, us_redis) = (Redis::start(), Redis::start());
     let at = |name: &str, redis: &Redis| {
         region(&config, &Backend::Redis(redis.url()), &global, (name, Duration::from_millis(80)), &[])
@@ -141,26 +137,14 @@ async fn a_global_budget_is_spent_across_regions_and_read_back_exactly() {
     assert!(ledger.0 + ledger.1 <= AMOUNT, "spent and held within the amount: {ledger:?}");
 
     // `tollgate explain` on the global tier's Redis shows each region replica's money lease.
-    let explained = std::process::Command::new(tollgate_bin())
-        .args(["explain", "--config", config.to_str().unwrap(), "--domain", "llm"])
-        .args(["--descriptor", "org=acme,model=m,request_id=x", "--redis-url", &global_redis.url()])
-        .env("RUST_LOG", "off")
-        .output()
-        .unwrap();
-    let explained = String::from_utf8_lossy(&explained.stdout);
+    let explained = explain(&config, "llm", "org=acme,model=m,request_id=x", &global_redis.url());
     println!("{explained}");
     assert!(explained.contains("global: one budget for every region"), "{explained}");
     for region in ["eu", "us"] {
         assert!(explained.contains(&format!("USD granted to region:{region}/")), "{explained}");
     }
     // On a region's Redis it says where that store keeps the region's spend, not a full budget.
-    let explained = std::process::Command::new(tollgate_bin())
-        .args(["explain", "--config", config.to_str().unwrap(), "--domain", "llm"])
-        .args(["--descriptor", "org=acme,model=m,request_id=x", "--redis-url", &us_redis.url()])
-        .env("RUST_LOG", "off")
-        .output()
-        .unwrap();
-    let explained = String::from_utf8_lossy(&explained.stdout);
+    let explained = explain(&config, "llm", "org=acme,model=m,request_id=x", &us_redis.url());
     assert!(
         explained.contains("holds no region's lease") && explained.contains(":lease:<region>/<replica>"),
         "{explained}"
@@ -194,11 +178,7 @@ async fn a_global_budget_is_spent_across_regions_and_read_back_exactly() {
 async fn a_region_cut_off_spends_its_lease_then_denies_and_comes_back() {
     let (_dir, config) = config_file(&global_budget_config("5.00", "60s"));
     let global_redis = Redis::start();
-    let global = Tollgate::start(
-        &config,
-        &Backend::Redis(global_redis.url()),
-        &["--global-tier", "--global-tier-insecure"],
-    );
+    let global = global_tier(&config, &Backend::Redis(global_redis.url()));
     let (regions, proxies) = eu_and_us(&config, &global, Duration::from_millis(80));
 
     // Both spend for 3 s; then us is cut off for 20 s, and healed.
@@ -259,11 +239,7 @@ async fn a_region_cut_off_spends_its_lease_then_denies_and_comes_back() {
 async fn a_region_replica_stopped_in_order_hands_its_lease_back() {
     let (_dir, config) = config_file(&global_budget_config("5.00", "60s"));
     let global_redis = Redis::start();
-    let global = Tollgate::start(
-        &config,
-        &Backend::Redis(global_redis.url()),
-        &["--global-tier", "--global-tier-insecure"],
-    );
+    let global = global_tier(&config, &Backend::Redis(global_redis.url()));
     let (mut eu, _proxy) = region(
         &config,
         &Backend::Memory,

@@ -11,7 +11,7 @@ use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
 use common::paced::{excess, Admitted, GLOBAL_TENANT_RULE};
-use common::regions::eu_and_us;
+use common::regions::{eu_and_us, global_tier};
 use common::*;
 use serde_json::json;
 
@@ -23,8 +23,7 @@ const RATE: f64 = 10.0;
 async fn through_envoy_a_new_global_bucket_is_denied_not_let_through_while_its_lease_comes() {
     let redis = Redis::start();
     let (_dir, config) = config_file(CONFIG);
-    let global =
-        Tollgate::start(&config, &Backend::Redis(redis.url()), &["--global-tier", "--global-tier-insecure"]);
+    let global = global_tier(&config, &Backend::Redis(redis.url()));
     let (regions, _proxies) = eu_and_us(&config, &global, Duration::from_millis(150));
     let filter = json!({
         "name": "envoy.filters.http.ratelimit",

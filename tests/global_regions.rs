@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 
 use common::paced::{excess, Admitted, GLOBAL_TENANT_RULE};
 use common::proxy::{Fault, FaultProxy};
-use common::regions::{eu_and_us, region};
+use common::regions::{eu_and_us, global_tier, region};
 use common::*;
 
 const CONFIG: &str = GLOBAL_TENANT_RULE;
@@ -40,8 +40,7 @@ async fn load(addr: String, until: Instant, admitted: Admitted) -> (u32, u32) {
 async fn two_regions_keep_one_global_limit_and_a_partition_falls_back_to_deny() {
     let redis = Redis::start();
     let (_dir, config) = config_file(CONFIG);
-    let global =
-        Tollgate::start(&config, &Backend::Redis(redis.url()), &["--global-tier", "--global-tier-insecure"]);
+    let global = global_tier(&config, &Backend::Redis(redis.url()));
     let (regions, proxies) = eu_and_us(&config, &global, Duration::from_millis(100));
 
     // Six seconds of both regions asking 50 a second each, against 10 a second in all.
@@ -132,8 +131,7 @@ async fn two_regions_keep_one_global_limit_and_a_partition_falls_back_to_deny() 
 async fn a_quiet_bucket_is_parked_renewed_seldom_and_still_answers_at_once() {
     let redis = Redis::start();
     let (_dir, config) = config_file(CONFIG);
-    let global =
-        Tollgate::start(&config, &Backend::Redis(redis.url()), &["--global-tier", "--global-tier-insecure"]);
+    let global = global_tier(&config, &Backend::Redis(redis.url()));
     // Each first request waits for its first lease (100 ms away), rather than being denied.
     let wait = ["--global-first-lease-wait", "1s"];
     let (region, _proxy) =

@@ -13,7 +13,7 @@ mod common;
 use std::time::Duration;
 
 use common::proxy::Fault;
-use common::regions::region;
+use common::regions::{global_tier, region};
 use common::rlqs::*;
 use common::*;
 use tollgate::bucket::{BucketSpec, LeaseOp};
@@ -40,8 +40,7 @@ const BUCKET: &str = "rl:{acme}:api:tenant=acme";
 async fn an_envoy_in_a_region_is_assigned_a_lease_of_the_global_bucket() {
     let redis = Redis::start();
     let (_dir, config) = config_file(CONFIG);
-    let global =
-        Tollgate::start(&config, &Backend::Redis(redis.url()), &["--global-tier", "--global-tier-insecure"]);
+    let global = global_tier(&config, &Backend::Redis(redis.url()));
     let delay = Fault::DelayReplies(Duration::from_millis(50));
     let (eu, proxy) = region(&config, &Backend::Memory, &global, ("eu", Duration::from_millis(50)), &[]);
 

@@ -53,8 +53,7 @@ async fn renew(
 async fn regions_lease_a_global_bucket_and_rls_spends_the_rest() {
     let redis = Redis::start();
     let (_dir, config) = config_file(CONFIG);
-    let server =
-        Tollgate::start(&config, &Backend::Redis(redis.url()), &["--global-tier", "--global-tier-insecure"]);
+    let server = regions::global_tier(&config, &Backend::Redis(redis.url()));
     let addr = server.addr();
     let acme = [("tenant", "acme")];
 
@@ -83,13 +82,7 @@ async fn regions_lease_a_global_bucket_and_rls_spends_the_rest() {
     let tokens: f64 = redis::cmd("HGET").arg(BUCKET).arg("t").query(&mut con).unwrap();
     assert!(tokens < 1.0, "the leases took the capacity: {tokens} left");
     // `tollgate explain` on the global tier's Redis shows each region's share.
-    let explained = std::process::Command::new(tollgate_bin())
-        .args(["explain", "--config", config.to_str().unwrap(), "--domain", "api"])
-        .args(["--descriptor", "tenant=acme", "--redis-url", &redis.url()])
-        .env("RUST_LOG", "off")
-        .output()
-        .unwrap();
-    let explained = String::from_utf8_lossy(&explained.stdout);
+    let explained = regions::explain(&config, "api", "tenant=acme", &redis.url());
     assert!(explained.contains("global: one bucket for every region"), "{explained}");
     assert!(explained.contains("leased:   60.000 tokens, 6.000/s to region:eu"), "{explained}");
     assert!(explained.contains("leased:   40.000 tokens, 3.000/s to region:us"), "{explained}");
@@ -125,7 +118,7 @@ async fn regions_lease_a_global_bucket_and_rls_spends_the_rest() {
 #[tokio::test(flavor = "multi_thread")]
 async fn bad_renewals_are_refused_whole_and_the_service_is_off_by_default() {
     let (_dir, config) = config_file(CONFIG);
-    let server = Tollgate::start(&config, &Backend::Memory, &["--global-tier", "--global-tier-insecure"]);
+    let server = regions::global_tier(&config, &Backend::Memory);
     let addr = server.addr();
     let acme = [("tenant", "acme")];
     let refused = |r: Result<Vec<BucketLease>, tonic::Status>| r.unwrap_err().code();
@@ -197,8 +190,7 @@ async fn bad_renewals_are_refused_whole_and_the_service_is_off_by_default() {
 async fn a_leaseholder_beneath_a_region_holds_its_own_lease_for_the_life_it_asks() {
     let redis = Redis::start();
     let (_dir, config) = config_file(CONFIG);
-    let server =
-        Tollgate::start(&config, &Backend::Redis(redis.url()), &["--global-tier", "--global-tier-insecure"]);
+    let server = regions::global_tier(&config, &Backend::Redis(redis.url()));
     let addr = server.addr();
     let acme = [("tenant", "acme")];
     let region = renew(&addr, "eu", vec![renewal(&acme, 20.0, 2.0, true)]).await.unwrap();

@@ -336,8 +336,7 @@ async fn envoys_in_two_regions_share_one_global_bucket() {
         .replace("domain: quota", "domain: quota\ntenant_key: tenant")
         .replace("refill_per_second: 10}", "refill_per_second: 10}\n    global: true");
     let (_dir, config) = config_file(&global_rule);
-    let global =
-        Tollgate::start(&config, &Backend::Redis(redis.url()), &["--global-tier", "--global-tier-insecure"]);
+    let global = regions::global_tier(&config, &Backend::Redis(redis.url()));
     let (regions, _proxies) = regions::eu_and_us(&config, &global, Duration::from_millis(50));
     let (mut envoys, mut listeners) = (Vec::new(), Vec::new());
     for region in &regions {

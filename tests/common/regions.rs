@@ -9,6 +9,23 @@ use std::time::Duration;
 use super::proxy::{Fault, FaultProxy};
 use super::service::{Backend, Tollgate};
 
+/// A global tier on `backend` with `config`, for a trial on loopback (no region certificates).
+pub fn global_tier(config: &Path, backend: &Backend) -> Tollgate {
+    Tollgate::start(config, backend, &["--global-tier", "--global-tier-insecure"])
+}
+
+/// What `tollgate explain` prints for `descriptor` of `domain` in `config`, reading the Redis at
+/// `redis_url`.
+pub fn explain(config: &Path, domain: &str, descriptor: &str, redis_url: &str) -> String {
+    let out = std::process::Command::new(super::tollgate_bin())
+        .args(["explain", "--config", config.to_str().unwrap(), "--domain", domain])
+        .args(["--descriptor", descriptor, "--redis-url", redis_url])
+        .env("RUST_LOG", "off")
+        .output()
+        .unwrap();
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
 /// A region `name` on `backend` with `config` and the `extra` flags, `delay` from the global
 /// tier at `global`: its tollgate, and the proxy between them.
 pub fn region(
