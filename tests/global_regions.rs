@@ -89,10 +89,10 @@ async fn two_regions_keep_one_global_limit_and_a_partition_falls_back_to_deny() 
     let fallback = sample(&scrape, "tollgate_global_fallbacks_total", &[("fallback", "deny")]);
     assert!(fallback >= 3.0, "{fallback} fallback denials counted");
     let cut_off = sample(&scrape, "tollgate_global_cut_off_seconds", &[]);
-    // Set when a failed round ends, counted from the first that failed (up to a round after the
-    // cut): 8 s on an idle machine, 4 s once with other tests and a build on the same two cores
-    // (rounds end late there). What it must say: cut off, for no longer than the cut.
-    assert!((2.0..=10.5).contains(&cut_off), "cut off for {cut_off} s by the gauge, 10.5 s after the cut");
+    // Counted from the last round answered, at most a share's renewal interval (under 6 s) before
+    // the cut; set after each round, at least every 2 s (counted from the first failed round it
+    // read 4 s here once, with the rounds sparse before the cut).
+    assert!((8.0..=17.0).contains(&cut_off), "cut off for {cut_off} s by the gauge, 10.5 s after the cut");
     // Still ready (it serves), and saying why its global limits deny.
     let (status, body) = http_get(regions[0].http, "/readyz").expect("/readyz");
     assert_eq!(status, 200, "{body}");

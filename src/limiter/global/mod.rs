@@ -106,8 +106,11 @@ pub struct GlobalShares {
     pub wanted: tokio::sync::Notify,
     /// Sent after every round (its time, ms).
     pub renewed: tokio::sync::watch::Sender<u64>,
-    // When the rounds started failing, in clock ms (0: the last one reached the global tier).
+    // Since when the replica has been cut off, in clock ms: once a round fails, the time of the
+    // last one answered (0: the last one reached the global tier).
     cut_off_since_ms: AtomicU64,
+    // When a round was last answered (ms; 0: never).
+    answered_ms: AtomicU64,
 }
 
 #[derive(Debug)]
@@ -137,6 +140,7 @@ impl GlobalShares {
             wanted: tokio::sync::Notify::new(),
             renewed: tokio::sync::watch::Sender::new(0),
             cut_off_since_ms: AtomicU64::new(0),
+            answered_ms: AtomicU64::new(0),
         }
     }
 
@@ -305,6 +309,7 @@ impl GlobalShares {
             .set(table.values().filter(|e| e.share.is_some()).count() as f64);
         drop(table);
         self.cut_off_since_ms.store(0, Ordering::Relaxed);
+        self.answered_ms.store(now_ms, Ordering::Relaxed);
         self.renewed.send_replace(now_ms);
         short
     }
@@ -317,10 +322,15 @@ impl GlobalShares {
     }
 
     /// A round, at `now_ms`, that got no answer: its renewals are dropped (the shares keep their
-    /// life), and the replica counts as cut off from the first such round on.
+    /// life), and the replica counts as cut off since the last round that was answered (rounds
+    /// are sparse while the shares need none: counting from the first failed round read 4 s ten
+    /// seconds into a cut), or since now if none ever was.
     pub fn failed(&self, renewals: &[Renewal], now_ms: u64) {
-        let _ =
-            self.cut_off_since_ms.compare_exchange(0, now_ms.max(1), Ordering::Relaxed, Ordering::Relaxed);
+        let since = match self.answered_ms.load(Ordering::Relaxed) {
+            0 => now_ms,
+            answered => answered,
+        };
+        let _ = self.cut_off_since_ms.compare_exchange(0, since.max(1), Ordering::Relaxed, Ordering::Relaxed);
         let mut table = self.table();
         for r in renewals {
             if let Some(e) = table.get_mut(&r.key) {
@@ -349,6 +359,24 @@ mod tests {
         let answers = shares.due(0).into_iter().map(|r| (r.key, Some(granted))).collect();
         shares.answered(answers, 100);
         shares
+    }
+
+    #[test]
+    fn cut_off_counts_from_the_last_round_answered() {
+        let shares = shares_with(1);
+        assert_eq!(shares.cut_off_for_ms(4_000), None, "the last round was answered");
+        shares.failed(&[], 5_000);
+        shares.failed(&[], 7_000);
+        assert_eq!(
+            shares.cut_off_for_ms(8_000),
+            Some(7_900),
+            "since the answer at 100, not the first failure"
+        );
+        shares.answered(Vec::new(), 9_000);
+        assert_eq!(shares.cut_off_for_ms(9_500), None);
+        let never = GlobalShares::new("eu/r".into(), Duration::ZERO);
+        never.failed(&[], 1_000);
+        assert_eq!(never.cut_off_for_ms(3_000), Some(2_000), "never answered: since the first failure");
     }
 
     #[test]
