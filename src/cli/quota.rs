@@ -167,7 +167,12 @@ pub(super) fn run(args: QuotaArgs) -> Outcome {
 fn unknown_tier_or_class(rules: &RuleSet, tier: Option<&str>, class: Option<&str>) -> Option<String> {
     let domains = || rules.domains();
     if let Some(tier) = tier.filter(|t| !domains().any(|d| d.quotas.tiers.contains_key(*t))) {
-        let known: Vec<&str> = domains().flat_map(|d| d.quotas.tiers.keys().map(String::as_str)).collect();
+        let mut known: Vec<&str> = Vec::new();
+        for name in domains().flat_map(|d| d.quotas.tiers.keys().map(String::as_str)) {
+            if !known.contains(&name) {
+                known.push(name);
+            }
+        }
         return Some(format!("no domain has tier '{tier}' (tiers: {})", known.join(", ")));
     }
     let known_class = |c: &str| {
