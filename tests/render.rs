@@ -40,11 +40,21 @@ fn assert_same_entries(a: &Value, b: &Value, what: &str) {
     }
 }
 
+// The HTTP connection manager of a shipped Envoy config's first listener.
+fn connection_manager(shipped: &Value) -> &Value {
+    &shipped["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+}
+
+// The HTTP filter `name` of connection manager `hcm`.
+fn http_filter<'a>(hcm: &'a Value, name: &str) -> &'a Value {
+    hcm["http_filters"].as_array().unwrap().iter().find(|f| f["name"] == name).unwrap()
+}
+
 #[test]
 fn rendering_the_examples_reproduces_the_shipped_front_proxy() {
     let rendered = render(&["envoy", "--config", &examples(), "--domain", "api-gateway"]).unwrap();
     let shipped = repo_yaml("envoy/front-proxy.yaml");
-    let hcm = &shipped["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"];
+    let hcm = connection_manager(&shipped);
     let vhost = &hcm["route_config"]["virtual_hosts"][0];
     assert_same_entries(&vhost["rate_limits"], &rendered["virtual_host"]["rate_limits"], "virtual host");
     let export =
@@ -56,12 +66,7 @@ fn rendering_the_examples_reproduces_the_shipped_front_proxy() {
     );
     assert_eq!(rendered["routes"].as_object().unwrap().len(), 1);
 
-    let filter = hcm["http_filters"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|f| f["name"] == "envoy.filters.http.ratelimit")
-        .unwrap();
+    let filter = http_filter(hcm, "envoy.filters.http.ratelimit");
     assert_eq!(filter["typed_config"], rendered["http_filter"]["typed_config"]);
     assert_same_tollgate_cluster(&shipped, &rendered);
 }
@@ -70,10 +75,8 @@ fn rendering_the_examples_reproduces_the_shipped_front_proxy() {
 fn rendering_the_llm_example_reproduces_the_shipped_llm_gateway() {
     let rendered = render(&["envoy", "--config", &examples(), "--domain", "llm-gateway"]).unwrap();
     let shipped = repo_yaml("envoy/llm-gateway.yaml");
-    let hcm = &shipped["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"];
-    let filter = |name: &str| {
-        hcm["http_filters"].as_array().unwrap().iter().find(|f| f["name"] == name).unwrap().clone()
-    };
+    let hcm = connection_manager(&shipped);
+    let filter = |name: &str| http_filter(hcm, name).clone();
     let mut shipped_filter = filter("envoy.filters.http.ratelimit");
     let mut rendered_filter = rendered["http_filter"].clone();
     assert_same_entries(
@@ -92,7 +95,7 @@ fn rendering_the_llm_example_reproduces_the_shipped_llm_gateway() {
 fn rendering_the_budgets_example_reproduces_the_shipped_llm_budgets_gateway() {
     let rendered = render(&["envoy", "--config", &examples(), "--domain", "llm"]).unwrap();
     let shipped = repo_yaml("envoy/llm-budgets.yaml");
-    let hcm = &shipped["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"];
+    let hcm = connection_manager(&shipped);
     let filters = hcm["http_filters"].as_array().unwrap();
     let names: Vec<&str> = filters.iter().map(|f| f["name"].as_str().unwrap()).collect();
     assert_eq!(
@@ -114,7 +117,7 @@ fn rendering_the_grpc_example_for_rlqs_reproduces_the_shipped_rlqs_proxy() {
     let rendered =
         render(&["envoy", "--config", &examples(), "--domain", "grpc-api", "--protocol", "rlqs"]).unwrap();
     let shipped = repo_yaml("envoy/rlqs-proxy.yaml");
-    let hcm = &shipped["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"];
+    let hcm = connection_manager(&shipped);
     let filters = hcm["http_filters"].as_array().unwrap();
     let names: Vec<&str> = filters.iter().map(|f| f["name"].as_str().unwrap()).collect();
     assert_eq!(names.first(), Some(&"envoy.filters.http.jwt_authn"), "the claims are verified first");
@@ -362,13 +365,8 @@ descriptors:
 fn the_concurrency_front_proxy_is_what_render_prints() {
     let rendered = render(&["envoy", "--config", &examples(), "--domain", "exports"]).unwrap();
     let shipped = repo_yaml("envoy/concurrency.yaml");
-    let hcm = &shipped["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"];
-    let filter = hcm["http_filters"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|f| f["name"] == "envoy.filters.http.ratelimit")
-        .unwrap();
+    let hcm = connection_manager(&shipped);
+    let filter = http_filter(hcm, "envoy.filters.http.ratelimit");
     let ours = &rendered["http_filter"]["typed_config"];
     assert_eq!(filter["typed_config"]["rate_limits"], ours["rate_limits"]);
     assert_eq!(filter["typed_config"]["failure_mode_deny"], ours["failure_mode_deny"]);
@@ -381,12 +379,7 @@ fn the_concurrency_front_proxy_is_what_render_prints() {
     assert_eq!(rendered["http_connection_manager"]["request_timeout"], "5s");
     let route = &hcm["route_config"]["virtual_hosts"][0]["routes"][0]["route"];
     assert_eq!(route["timeout"], rendered["route"]["timeout"]);
-    let lua = hcm["http_filters"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|f| f["name"] == "envoy.filters.http.lua")
-        .unwrap();
+    let lua = http_filter(hcm, "envoy.filters.http.lua");
     assert_eq!(lua["typed_config"], rendered["lua_filter"]["typed_config"]);
     let give_back =
         ours["rate_limits"].as_array().unwrap().iter().find(|e| e["apply_on_stream_done"] == true).unwrap();
