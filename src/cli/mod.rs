@@ -140,6 +140,15 @@ fn from_ratelimit_env(as_ratelimit: bool) -> Result<Vec<String>, String> {
 
 /// A multi-threaded Tokio runtime for a handler.
 fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
+    runtime_with(None)
+}
+
+/// A multi-threaded Tokio runtime with `workers` threads (`None`: one per core).
+fn runtime_with(workers: Option<usize>) -> anyhow::Result<tokio::runtime::Runtime> {
     use anyhow::Context as _;
-    tokio::runtime::Builder::new_multi_thread().enable_all().build().context("starting the async runtime")
+    let mut builder = tokio::runtime::Builder::new_multi_thread();
+    if let Some(workers) = workers {
+        builder.worker_threads(workers);
+    }
+    builder.enable_all().build().context("starting the async runtime")
 }

@@ -23,7 +23,7 @@ use tollgate::tls::TlsFiles;
 
 use super::redis_args::RedisArgs;
 use super::xds_args::{pair, StatsArgs, XdsArgs};
-use super::{runtime, Outcome};
+use super::{runtime_with, Outcome};
 
 #[derive(Args)]
 pub(super) struct ServeArgs {
@@ -107,6 +107,9 @@ pub(super) struct ServeArgs {
     /// Most decisions in progress at once; beyond it requests are refused with RESOURCE_EXHAUSTED.
     #[arg(long, env = "TOLLGATE_MAX_INFLIGHT", default_value_t = 10_000)]
     max_inflight: usize,
+    /// Threads deciding requests (the async runtime's workers); default: one per core.
+    #[arg(long, env = "TOLLGATE_WORKER_THREADS", value_parser = clap::value_parser!(u16).range(1..=1024))]
+    worker_threads: Option<u16>,
     /// Serve gRPC over TLS with this certificate chain (PEM); reloaded when the file changes.
     #[arg(long, env = "TOLLGATE_TLS_CERT", requires = "tls_key")]
     tls_cert: Option<PathBuf>,
@@ -340,7 +343,7 @@ impl ServeArgs {
 /// `main` because the trace exporter, when configured, runs on this command's runtime.
 pub(super) fn run(args: ServeArgs, json: bool, ignored: &[String]) -> Outcome {
     let settings = args.settings()?;
-    let runtime = runtime()?;
+    let runtime = runtime_with(args.worker_threads.map(usize::from))?;
     let traces = {
         let _inside = runtime.enter();
         args.otlp_endpoint.as_deref().map(Traces::start).transpose()?
