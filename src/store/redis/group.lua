@@ -126,6 +126,13 @@ local function read_group(a)
   return group, a
 end
 
+-- A number as the reply carries it: an integer reply when it is one (most balances, debts and
+-- rates are; Redis then neither formats nor the replica parses text), else exact as %.17g text.
+local function exact(x)
+  if x == math.floor(x) and x > -2^53 and x < 2^53 then return x end
+  return string.format('%.17g', x)
+end
+
 -- Appends a group's reply to out: admitted, then seven values per op; how long each key is kept
 -- is left as 0 in a slot noted in pending, for fill_kept once every group has run and written.
 local function reply_group(out, admitted, results, pending)
@@ -133,11 +140,11 @@ local function reply_group(out, admitted, results, pending)
   for _, r in ipairs(results) do
     local allowed, tokens, retry, reset, forgiven, fastest, k = unpack(r)
     out[#out + 1] = allowed and 1 or 0
-    out[#out + 1] = string.format('%.17g', tokens)
+    out[#out + 1] = exact(tokens)
     out[#out + 1] = retry
     out[#out + 1] = reset
-    out[#out + 1] = string.format('%.17g', forgiven)
-    out[#out + 1] = string.format('%.17g', fastest)
+    out[#out + 1] = exact(forgiven)
+    out[#out + 1] = exact(fastest)
     out[#out + 1] = 0
     pending[#pending + 1] = {#out, k}
   end

@@ -7,9 +7,10 @@
 --       asked unseen (by requests answered without the store since); then the channel the key of
 --       every bucket an admitted group credits (need < 0) is published on ('' = none), so that
 --       other replicas' pre-checks hear of the raise (src/store/redis/raises.rs).
--- Reply: now_ms, then per group: admitted (1/0), then per op: allowed (1/0), tokens (exact, as
---        %.17g), retry_after_ms (-1 = never), reset_ms, forgiven tokens (%.17g), the fastest
---        refill per second the bucket may get, in force or pending (%.17g), ms after now the
+-- Reply: now_ms, then per group: admitted (1/0), then per op: allowed (1/0), tokens (exact: an
+--        integer when integral, else %.17g text), retry_after_ms (-1 = never), reset_ms, forgiven
+--        tokens (exact), the fastest refill per second the bucket may get, in force or pending
+--        (exact), ms after now the
 --        key is certainly kept (its new TTL if written, else what is left of its expiry; 0 when
 --        missing).
 

@@ -12,7 +12,7 @@ use crate::slot::SetReading;
 use crate::store::StoreError;
 
 // The distinct keys of `batch` and the ARGV that names them by index.
-pub(super) fn encode<'a>(batch: &[&'a Group]) -> (Vec<&'a str>, Vec<String>) {
+pub(super) fn encode(batch: &[Group]) -> (Vec<&str>, Vec<String>) {
     let mut keys: Vec<&str> = Vec::new();
     let mut key_index: HashMap<&str, usize> = HashMap::new();
     let mut args: Vec<String> = Vec::with_capacity(2 + batch.iter().map(|g| 1 + 7 * g.len()).sum::<usize>());
@@ -95,7 +95,7 @@ pub(super) fn peek(reply: Value) -> Result<Peek, StoreError> {
 }
 
 // Reads the flat reply described at the top of `token_bucket.lua`: one outcome per group.
-pub(super) fn groups(reply: Value, batch: &[&Group]) -> Result<Vec<GroupOutcome>, StoreError> {
+pub(super) fn groups(reply: Value, batch: &[Group]) -> Result<Vec<GroupOutcome>, StoreError> {
     let Value::Array(items) = reply else {
         return Err(StoreError::Protocol(format!("expected an array, got {reply:?}")));
     };
@@ -158,8 +158,10 @@ pub(super) fn set_reading(items: &mut impl Iterator<Item = Value>) -> Result<Set
     Ok(SetReading { open, expired, frees_in_ms, given_back })
 }
 
+// An exact number of the reply: an integer, or %.17g text where it is not integral.
 fn float(items: &mut impl Iterator<Item = Value>) -> Result<f64, StoreError> {
     match items.next() {
+        Some(Value::Int(n)) => Ok(n as f64),
         Some(Value::BulkString(b)) => bulk_number(&b)
             .ok_or_else(|| StoreError::Protocol(format!("not a number: {:?}", String::from_utf8_lossy(&b)))),
         other => Err(StoreError::Protocol(format!("expected a number, got {other:?}"))),
