@@ -45,8 +45,10 @@ pub const MAX_IN_FLIGHT_UNCOALESCED: usize = 64;
 pub const MAX_OPS_PER_CALL: usize = 256;
 
 /// One script call for a list of groups of one slot, answering one outcome per group in order.
-pub type Call =
-    Arc<dyn Fn(u16, Vec<Group>) -> BoxFuture<'static, Result<Vec<GroupOutcome>, StoreError>> + Send + Sync>;
+/// It borrows the groups: they stay with the call's task, which needs them again for refunds.
+pub type Call = Arc<
+    dyn for<'a> Fn(u16, &'a [Group]) -> BoxFuture<'a, Result<Vec<GroupOutcome>, StoreError>> + Send + Sync,
+>;
 
 type Reply = Result<Vec<GroupOutcome>, StoreError>;
 
@@ -69,7 +71,9 @@ struct Queue {
 }
 
 struct Waiter {
+    // Its groups until they are sent; then how many there were.
     groups: Vec<Group>,
+    count: usize,
     late: Late,
     reply: oneshot::Sender<Reply>,
 }
@@ -121,7 +125,7 @@ impl Coalescer {
         {
             let mut slots = self.lock();
             let queue = slots.entry(slot).or_default();
-            queue.waiting.push(Waiter { groups, late, reply });
+            queue.waiting.push(Waiter { count: groups.len(), groups, late, reply });
             let latest_is_slow = queue.last_sent.is_none_or(|t| t.elapsed() >= self.delay);
             if queue.in_flight == 0 || (queue.in_flight < self.max_in_flight && latest_is_slow) {
                 self.send(slot, queue);
@@ -173,14 +177,18 @@ impl Coalescer {
             taken += 1;
             ops += size;
         }
-        let waiters: Vec<Waiter> = queue.waiting.drain(..taken).collect();
+        let mut waiters: Vec<Waiter> = queue.waiting.drain(..taken).collect();
         queue.in_flight += 1;
         queue.last_sent = Some(Instant::now());
         let me = self.clone();
         tokio::spawn(async move {
-            let all: Vec<Group> = waiters.iter().flat_map(|w| w.groups.iter().cloned()).collect();
-            let result = (me.call)(slot, all).await;
-            me.answer(slot, waiters, result);
+            // The groups move into the call (no copy of their keys); each waiter keeps its count.
+            let mut all: Vec<Group> = Vec::with_capacity(waiters.iter().map(|w| w.groups.len()).sum());
+            for waiter in &mut waiters {
+                all.append(&mut waiter.groups);
+            }
+            let result = (me.call)(slot, &all).await;
+            me.answer(slot, waiters, all, result);
             let mut slots = me.lock();
             if let Some(queue) = slots.get_mut(&slot) {
                 queue.in_flight -= 1;
@@ -194,21 +202,19 @@ impl Coalescer {
 
     // Hands each waiter its outcomes; refunds what was taken for waiters that gave up and asked
     // for their tokens back, in a task of its own so that the slot's next calls need not wait.
-    fn answer(&self, slot: u16, waiters: Vec<Waiter>, result: Reply) {
+    fn answer(&self, slot: u16, waiters: Vec<Waiter>, groups: Vec<Group>, result: Reply) {
         let mut late_refund = Group::new();
         match result {
             Ok(outcomes) => {
                 let mut outcomes = outcomes.into_iter();
+                let mut rest: &[Group] = &groups;
                 for waiter in waiters {
-                    let mine: Vec<GroupOutcome> = outcomes.by_ref().take(waiter.groups.len()).collect();
+                    let mine: Vec<GroupOutcome> = outcomes.by_ref().take(waiter.count).collect();
+                    let (sent, after) = rest.split_at(waiter.count.min(rest.len()));
+                    rest = after;
                     let Err(Ok(mine)) = waiter.reply.send(Ok(mine)) else { continue };
-                    let taken: Vec<_> = waiter
-                        .groups
-                        .iter()
-                        .zip(&mine)
-                        .flat_map(|(g, o)| refund(g, o))
-                        .map(|(_, op)| op)
-                        .collect();
+                    let taken: Vec<_> =
+                        sent.iter().zip(&mine).flat_map(|(g, o)| refund(g, o)).map(|(_, op)| op).collect();
                     if taken.is_empty() {
                         continue;
                     }
@@ -236,7 +242,7 @@ impl Coalescer {
         let refunds = self.refunds.clone();
         refunds.fetch_add(1, Ordering::SeqCst);
         tokio::spawn(async move {
-            let result = call(slot, vec![late_refund]).await;
+            let result = call(slot, std::slice::from_ref(&late_refund)).await;
             refunds.fetch_add(1, Ordering::SeqCst);
             if let Err(error) = result {
                 metrics::counter!("tollgate_store_refund_failures_total").increment(1);

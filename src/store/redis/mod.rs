@@ -134,9 +134,9 @@ impl RedisStore {
             description,
         });
         let call_shared = shared.clone();
-        let call: Call = Arc::new(move |slot: u16, groups: Vec<Group>| {
+        let call: Call = Arc::new(move |slot: u16, groups: &[Group]| {
             let shared = call_shared.clone();
-            Box::pin(async move { shared.run(slot, &groups.iter().collect::<Vec<_>>()).await })
+            Box::pin(async move { shared.run(slot, groups).await })
         });
         let coalescer = Coalescer::new(call, coalesce_delay, deadline);
         Ok(RedisStore { shared, coalescer })
@@ -160,7 +160,7 @@ impl RedisStore {
 
 impl Shared {
     // One script run for groups that all live in `slot` (or on one standalone server).
-    async fn run(&self, slot: u16, batch: &[&Group]) -> Result<Vec<GroupOutcome>, StoreError> {
+    async fn run(&self, slot: u16, batch: &[Group]) -> Result<Vec<GroupOutcome>, StoreError> {
         let (keys, args) = wire::encode(batch);
         let call = node::Call { keys: &keys, args: &args };
         let start = Instant::now();

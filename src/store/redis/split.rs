@@ -47,7 +47,15 @@ impl RedisStore {
         batch: &Batch,
         late: LateReply,
     ) -> Vec<Result<GroupOutcome, StoreError>> {
-        // Each group's operations by slot; a standalone server is one slot.
+        // The common case, every operation in one slot (a standalone server is one slot), needs
+        // no parts, no join and no copies of them.
+        if let Some(slot) = self.one_slot(batch) {
+            return match self.coalescer.submit(slot, batch.to_vec(), Late::Fixed(late)).await {
+                Ok(outcomes) => outcomes.into_iter().map(Ok).collect(),
+                Err(e) => batch.iter().map(|_| Err(e.clone())).collect(),
+            };
+        }
+        // Each group's operations by slot.
         let split: Vec<Vec<Part>> = batch
             .iter()
             .map(|group| {
@@ -100,13 +108,9 @@ impl RedisStore {
             }
             late => Late::Fixed(late),
         };
-        // The common case, one slot, needs no join.
-        let answers = if calls.len() == 1 {
-            let call = calls.pop().expect("one call");
-            vec![self.coalescer.submit(call.slot, call.groups, late_for(late)).await]
-        } else {
-            join_all(calls.into_iter().map(|c| self.coalescer.submit(c.slot, c.groups, late_for(late)))).await
-        };
+        let answers =
+            join_all(calls.into_iter().map(|c| self.coalescer.submit(c.slot, c.groups, late_for(late))))
+                .await;
         let mut part_answers: Vec<Vec<Option<Result<GroupOutcome, StoreError>>>> =
             split.iter().map(|parts| parts.iter().map(|_| None).collect()).collect();
         for (owners, answer) in owners.iter().zip(answers) {
@@ -138,6 +142,13 @@ impl RedisStore {
 
     fn slot_of(&self, op: &BucketOp) -> u16 {
         self.shared.connection.slot(&op.key)
+    }
+
+    // The one slot of every operation of `batch`, if they share one and there is one.
+    fn one_slot(&self, batch: &Batch) -> Option<u16> {
+        let mut ops = batch.iter().flatten();
+        let slot = self.slot_of(ops.next()?);
+        (batch.iter().all(|g| !g.is_empty()) && ops.all(|op| self.slot_of(op) == slot)).then_some(slot)
     }
 
     // Gives back what the admitted parts of a group took, before its caller is answered.
