@@ -67,6 +67,9 @@ pub struct Settings {
     pub answer_extras: AnswerExtras,
     /// Most decisions in flight.
     pub max_inflight: usize,
+    /// Answer `ShouldRateLimit` on the fast path (`src/edge/rls/fast.rs`) rather than through
+    /// tonic's generic stack.
+    pub rls_fast_path: bool,
     /// The RLQS edge's bounds: abandonment, bucket and stream caps.
     pub rlqs: RlqsLimits,
     /// Connection caps and timeouts on both ports.
@@ -110,6 +113,7 @@ impl Settings {
             modes: ServiceModes::default(),
             answer_extras: AnswerExtras::default(),
             max_inflight: 10_000,
+            rls_fast_path: true,
             rlqs: RlqsLimits::default(),
             connections: ConnLimits::default(),
             http_unauthenticated: false,
@@ -227,6 +231,7 @@ pub struct App {
     /// The gRPC TLS configuration, reloaded when its files change.
     pub tls: Option<Arc<ReloadingTls>>,
     max_inflight: usize,
+    rls_fast_path: bool,
     answer_extras: AnswerExtras,
     rlqs: RlqsLimits,
     connections: ConnLimits,
@@ -391,6 +396,7 @@ impl App {
             telemetry,
             tls,
             max_inflight: settings.max_inflight,
+            rls_fast_path: settings.rls_fast_path,
             answer_extras: settings.answer_extras.clone(),
             rlqs: settings.rlqs,
             connections: settings.connections,
@@ -411,6 +417,7 @@ impl App {
             limiter: self.limiter.clone(),
             telemetry: self.telemetry.clone(),
             max_inflight: self.max_inflight,
+            rls_fast_path: self.rls_fast_path,
             answer_extras: self.answer_extras.clone(),
             rlqs: self.rlqs,
             connections: self.connections,

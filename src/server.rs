@@ -31,6 +31,7 @@ use crate::config::RuleSet;
 use crate::connections::{Admitted, ConnLimits};
 use crate::edge::region::client::GlobalLeases;
 use crate::edge::rlqs::{RateLimitQuotaGrpc, RlqsLimits};
+use crate::edge::rls::fast::FastLayer;
 use crate::edge::rls::{AnswerExtras, RateLimitGrpc};
 use crate::http::{self, Access, HttpState};
 use crate::limiter::Limiter;
@@ -113,6 +114,8 @@ pub enum Shutdown {
 pub struct Service {
     /// Most decisions in flight at once; more are refused at once with RESOURCE_EXHAUSTED.
     pub max_inflight: usize,
+    /// Answer `ShouldRateLimit` on the fast path rather than through tonic's generic stack.
+    pub rls_fast_path: bool,
     /// The rules in force, swapped by reloads.
     pub rules: Arc<ArcSwap<RuleSet>>,
     /// The decision maker.
@@ -204,6 +207,7 @@ pub async fn run(
         limiter,
         telemetry,
         max_inflight,
+        rls_fast_path,
         answer_extras,
         rlqs: rlqs_limits,
         connections,
@@ -277,6 +281,7 @@ pub async fn run(
         stop_rx.clone(),
         rlqs_runtime.handle().clone(),
     );
+    let rls_fast = rls.clone();
     let grpc_routes = Routes::new(health_service)
         .add_service(RateLimitServiceServer::from_arc(rls))
         .add_service(RateLimitQuotaServiceServer::new(rlqs));
@@ -298,6 +303,7 @@ pub async fn run(
         .max_connection_age(connections.max_age)
         .max_connection_age_grace(connections.max_age_grace)
         .layer(tower::util::MapResponseLayer::new(client_decode_errors))
+        .layer(tower::util::option_layer(rls_fast_path.then(|| FastLayer::new(rls_fast))))
         .add_routes(grpc_routes);
     let admitted = Admitted { gate: grpc_gate, idle: connections.grpc_idle_timeout };
     let grpc_server: Pin<Box<dyn Future<Output = Result<(), tonic::transport::Error>> + Send>> = match &tls {

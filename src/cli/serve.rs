@@ -107,7 +107,12 @@ pub(super) struct ServeArgs {
     /// Most decisions in progress at once; beyond it requests are refused with RESOURCE_EXHAUSTED.
     #[arg(long, env = "TOLLGATE_MAX_INFLIGHT", default_value_t = 10_000)]
     max_inflight: usize,
-    /// Threads deciding requests (the async runtime's workers); default: one per core.
+    /// Answer ShouldRateLimit on the fast path (false: through tonic's generic gRPC stack, the
+    /// same answers at a higher CPU cost; for comparison).
+    #[arg(long, env = "TOLLGATE_RLS_FAST_PATH", default_value_t = true, action = clap::ArgAction::Set)]
+    rls_fast_path: bool,
+    /// Threads deciding requests (the async runtime's workers); default: half the cores the
+    /// process may use, rounded up.
     #[arg(long, env = "TOLLGATE_WORKER_THREADS", value_parser = clap::value_parser!(u16).range(1..=1024))]
     worker_threads: Option<u16>,
     /// Serve gRPC over TLS with this certificate chain (PEM); reloaded when the file changes.
@@ -286,6 +291,7 @@ impl ServeArgs {
                 },
             },
             max_inflight: self.max_inflight,
+            rls_fast_path: self.rls_fast_path,
             connections: ConnLimits {
                 max_connections: self.max_connections,
                 max_per_source: self.max_connections_per_source,
@@ -343,7 +349,7 @@ impl ServeArgs {
 /// `main` because the trace exporter, when configured, runs on this command's runtime.
 pub(super) fn run(args: ServeArgs, json: bool, ignored: &[String]) -> Outcome {
     let settings = args.settings()?;
-    let runtime = runtime_with(args.worker_threads.map(usize::from))?;
+    let runtime = runtime_with(Some(args.worker_threads.map_or_else(default_workers, usize::from)))?;
     let traces = {
         let _inside = runtime.enter();
         args.otlp_endpoint.as_deref().map(Traces::start).transpose()?
@@ -401,4 +407,13 @@ async fn shutdown_signal(drain_delay: Duration) -> Shutdown {
         }
     }
     Shutdown::Drain(drain_delay)
+}
+
+// Half the cores this process may use (its cgroup's quota included), at least one. Measured on
+// two cores (bench/RESULTS.md, the RLS decision path): one worker spent 17-30 % less CPU per
+// decision than two, which hand requests, wake-ups and memory to each other; a fleet pays for
+// CPU per decision, and a replica short of cores is scaled out. The kernel's network work
+// (loopback delivery, softirq) and the runtimes of RLQS and background work use the other half.
+fn default_workers() -> usize {
+    std::thread::available_parallelism().map_or(1, |n| n.get().div_ceil(2))
 }

@@ -250,6 +250,7 @@ pub const METRICS: &[(&str, Kind, &str)] = &[
     ("tollgate_top_denied_tenant_hits", Kind::Gauge, "Denied hits of the most-denied tenants in the last complete window."),
     ("tollgate_invalid_requests_total", Kind::Counter, "Requests rejected with INVALID_ARGUMENT."),
     ("tollgate_overload_rejections_total", Kind::Counter, "Requests refused with RESOURCE_EXHAUSTED because --max-inflight decisions were in progress."),
+    ("tollgate_rls_fast_path_fallbacks_total", Kind::Counter, "ShouldRateLimit requests the fast path handed to tonic's generic stack (compressed, malformed or undecodable)."),
     ("tollgate_connections_refused_total", Kind::Counter, "Connections closed at once, by port (grpc, http) and reason: cap (--max-connections established), per_source (--max-connections-per-source), opening (the budget for connections still opening, or the source's part of it), slow_opening (no TLS handshake or first bytes within 5 s)."),
     ("tollgate_request_duration_seconds", Kind::Histogram, "Time to answer one ShouldRateLimit call, from receipt to response."),
     ("tollgate_store_duration_seconds", Kind::Histogram, "Time of one bucket script call, measured at the Redis client, failures included."),
@@ -331,6 +332,7 @@ pub const METRICS: &[(&str, Kind, &str)] = &[
 const AT_ZERO: &[(&str, &[(&str, &str)])] = &[
     ("tollgate_invalid_requests_total", &[]),
     ("tollgate_overload_rejections_total", &[]),
+    ("tollgate_rls_fast_path_fallbacks_total", &[]),
     ("tollgate_connections_refused_total", &[("port", "grpc"), ("reason", "cap")]),
     ("tollgate_connections_refused_total", &[("port", "grpc"), ("reason", "per_source")]),
     ("tollgate_connections_refused_total", &[("port", "grpc"), ("reason", "opening")]),

@@ -8,6 +8,7 @@
 //! Beyond `max_inflight` concurrent decisions, requests are refused at once with
 //! `RESOURCE_EXHAUSTED`.
 
+pub mod fast;
 pub mod headers;
 pub mod json;
 pub mod metadata;
@@ -117,31 +118,43 @@ impl RateLimitGrpc {
     }
 }
 
-#[tonic::async_trait]
-impl RateLimitService for RateLimitGrpc {
-    async fn should_rate_limit(
+impl RateLimitGrpc {
+    /// [`RateLimitGrpc::answer`] inside the request's `ratelimit` span, continuing the trace the
+    /// caller's `metadata` names: what a gRPC call gets, by the fast path or tonic's.
+    pub async fn answer_traced(
         &self,
-        request: Request<RateLimitRequest>,
-    ) -> Result<Response<RateLimitResponse>, Status> {
+        metadata: &tonic::metadata::MetadataMap,
+        request: &RateLimitRequest,
+    ) -> Result<RateLimitResponse, Status> {
         let span = tracing::trace_span!(
             target: traces::TARGET,
             "ratelimit",
             otel.kind = "server",
-            descriptors = request.get_ref().descriptors.len(),
+            descriptors = request.descriptors.len(),
             domain = tracing::field::Empty,
             rules = tracing::field::Empty,
             tenant = tracing::field::Empty,
             outcome = tracing::field::Empty,
             otel.status_code = tracing::field::Empty,
         );
-        traces::continue_from(&span, request.metadata());
-        let answer = self.answer(request.get_ref()).instrument(span.clone()).await;
+        traces::continue_from(&span, metadata);
+        let answer = self.answer(request).instrument(span.clone()).await;
         if let Err(status) = &answer {
             span.record("outcome", "error");
             span.record("otel.status_code", "ERROR");
             tracing::trace!(target: traces::TARGET, parent: &span, code = ?status.code(), "no decision");
         }
-        answer.map(Response::new)
+        answer
+    }
+}
+
+#[tonic::async_trait]
+impl RateLimitService for RateLimitGrpc {
+    async fn should_rate_limit(
+        &self,
+        request: Request<RateLimitRequest>,
+    ) -> Result<Response<RateLimitResponse>, Status> {
+        self.answer_traced(request.metadata(), request.get_ref()).await.map(Response::new)
     }
 }
 
