@@ -68,6 +68,17 @@ path_rows() {
     --duration "$DURATION" --warmup "$WARMUP" "${WL_A[@]}" --rate "$half")
   PATH_OPEN_RATE=$half
   echo "open loop at $half/s: $PATH_OPEN" >&2
+  # Through one real Envoy (bench/run's envoy_row): tollgate's CPU per request against what the
+  # ratelimit filter costs Envoy itself (its CPU per request with the filter less without).
+  PATH_ENVOY=()
+  for binary in $PATH_BINARIES; do
+    TOLLGATE=$binary start_tollgate --redis-url "redis://127.0.0.1:$REDIS_PORT"
+    envoy_row none "Envoy, no rate limiting"
+    local none=$ENVOY_OWN_CPU_none
+    envoy_row rls "Envoy + ratelimit filter, $(path_label "$binary")"
+    PATH_ENVOY+=("| $(path_label "$binary") | $ENVOY_RPS_rls | $ENVOY_CPU_rls | $ENVOY_OWN_CPU_rls | $none | $(ratio "$ENVOY_CPU_rls" "$(python3 -c "print($ENVOY_OWN_CPU_rls - $none)")") |")
+    stop_envoys
+  done
   stop_tollgate
 }
 
@@ -85,5 +96,35 @@ path_report() {
   done
   echo
   echo "Raw EVALSHA on one key, pipeline 16, 50 clients (redis-benchmark): a plain token bucket (bench/plain_bucket.lua) $PLAIN_P16/s at $PLAIN_P16_CPU µs of Redis CPU each; tollgate's bucket script, one decision per call, $RAW_HOT_P16/s at $RAW_HOT_P16_CPU µs."
+  echo
+  echo "| through one Envoy (RLS filter), tollgate + Redis | requests/s | tollgate CPU ms / 1000 req | front Envoy CPU ms / 1000 req, with the filter | without | tollgate / the filter's own cost |"
+  echo "|---|---:|---:|---:|---:|---:|"
+  printf '%s\n' "${PATH_ENVOY[@]}"
+  echo
   echo "Open loop at $PATH_OPEN_RATE/s (half of $(path_label "${PATH_BINARIES##* }")'s Zipf peak), load generator pinned to one core and tollgate to the other: p99 $(field p99_us <<<"$PATH_OPEN") µs, $(field cpu_us <<<"$PATH_OPEN") µs of tollgate CPU per decision."
+}
+
+# path_flames: a flame graph of each binary of PATH_BINARIES deciding for one hot tenant on Redis
+# (h2load), from `perf record` call stacks (DWARF unwinding: the release build keeps no frame
+# pointers), rendered by inferno into target/bench/flame-<label>.svg. Needs perf.
+path_flames() {
+  flame_tool
+  [ -n "${PATH_BINARIES:-}" ] || PATH_BINARIES="$ROOT/target/ab/tollgate-before $TOLLGATE"
+  for binary in $PATH_BINARIES; do
+    local label; label=$(path_label "$binary" | tr -c 'A-Za-z0-9\n' -)
+    R flushall >/dev/null
+    TOLLGATE=$binary start_tollgate --redis-url "redis://127.0.0.1:$REDIS_PORT"
+    h2 "$OUT/hot.bin" >/dev/null # warm
+    perf record -F 499 --call-graph dwarf,32768 -p "$TG_PID" -o "$OUT/perf-$label.data" -- sleep "$DURATION" \
+      >/dev/null 2>&1 &
+    local perf=$!
+    h2 "$OUT/hot.bin" >/dev/null
+    wait "$perf" || true
+    perf script -i "$OUT/perf-$label.data" 2>/dev/null | "$INFERNO_COLLAPSE" --all >"$OUT/flame-$label.folded"
+    "$INFERNO_FLAMEGRAPH" --title "tollgate ($label): one hot tenant on Redis, h2load" --width 1200 --minwidth 0.5 \
+      <"$OUT/flame-$label.folded" >"$OUT/flame-$label.svg"
+    echo "flame graph: $OUT/flame-$label.svg" >&2
+    python3 bench/flame_table.py "$OUT/flame-$label.folded" >"$OUT/flame-$label.md"
+    stop_tollgate
+  done
 }

@@ -52,6 +52,19 @@ venv_tools() {
     "$ENVOY_BIN" --version >/dev/null
 }
 
+# flame_tool: inferno's perf collapser and flame graph renderer, pinned, built into target/tools
+# when missing (about 2 minutes on two cores). Exports INFERNO_COLLAPSE and INFERNO_FLAMEGRAPH.
+flame_tool() {
+    local root=target/tools version=0.12.3
+    if ! cargo install --list --root "$root" | grep -q "^inferno v$version:"; then
+        echo "installing inferno $version into $root" >&2
+        cargo install --quiet --locked --root "$root" --no-default-features --features cli \
+            inferno --version "$version"
+    fi
+    export INFERNO_COLLAPSE="$PWD/$root/bin/inferno-collapse-perf"
+    export INFERNO_FLAMEGRAPH="$PWD/$root/bin/inferno-flamegraph"
+}
+
 # book_tool: mdBook, pinned, built into target/tools when missing (about 3 minutes on two cores;
 # without the watch and serve features, which only `mdbook serve` needs). Exports MDBOOK_BIN.
 book_tool() {
