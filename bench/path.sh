@@ -57,15 +57,17 @@ path_rows() {
     for binary in $PATH_BINARIES; do path_round "$binary" "$(path_label "$binary" | tr -c 'A-Za-z0-9\n' _)"; done
   done
   # Latency at half of the last binary's Zipf peak, open loop, the load generator on a core of its
-  # own (tollgate on the other, beside Redis).
+  # own, tollgate and Redis on the other.
   local peak half last
   last=${PATH_BINARIES##* }
   peak=$(median "$(eval echo "\${PATH_$(path_label "$last" | tr -c 'A-Za-z0-9\n' _)_redis_zipf_rps}")")
   half=$(python3 -c "print(int(float('$peak') / 2))")
   R flushall >/dev/null
   TOLLGATE=$last TG_WRAP="taskset -c 0" start_tollgate --redis-url "redis://127.0.0.1:$REDIS_PORT"
+  taskset -a -p -c 0 "$REDIS_PID" >/dev/null
   PATH_OPEN=$(path_one taskset -c 1 "$LOADGEN" run --addr "127.0.0.1:$TG_GRPC" --domain bench \
     --duration "$DURATION" --warmup "$WARMUP" "${WL_A[@]}" --rate "$half")
+  taskset -a -p -c "0-$(($(nproc) - 1))" "$REDIS_PID" >/dev/null
   PATH_OPEN_RATE=$half
   echo "open loop at $half/s: $PATH_OPEN" >&2
   # Through one real Envoy (bench/run's envoy_row): tollgate's CPU per request against what the
@@ -101,7 +103,7 @@ path_report() {
   echo "|---|---:|---:|---:|---:|---:|"
   printf '%s\n' "${PATH_ENVOY[@]}"
   echo
-  echo "Open loop at $PATH_OPEN_RATE/s (half of $(path_label "${PATH_BINARIES##* }")'s Zipf peak), load generator pinned to one core and tollgate to the other: p99 $(field p99_us <<<"$PATH_OPEN") µs, $(field cpu_us <<<"$PATH_OPEN") µs of tollgate CPU per decision."
+  echo "Open loop at $PATH_OPEN_RATE/s (half of $(path_label "${PATH_BINARIES##* }")'s Zipf peak), load generator pinned to one core, tollgate and Redis to the other: p99 $(field p99_us <<<"$PATH_OPEN") µs, $(field cpu_us <<<"$PATH_OPEN") µs of tollgate CPU per decision."
 }
 
 # path_flames: a flame graph of each binary of PATH_BINARIES deciding for one hot tenant on Redis
