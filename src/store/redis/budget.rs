@@ -76,7 +76,8 @@ impl RedisStore {
                 }
             }
         }
-        let reply = self.shared.eval_in_slot(&self.shared.budget_script, slot, &keys, &args).await?;
+        let reply =
+            self.shared.eval_in_slot(&self.shared.budget_script, slot, &keys, &wire::texts(&args)).await?;
         parse(reply)
     }
 }

@@ -9,7 +9,7 @@ use std::collections::HashMap;
 use futures::future::join_all;
 use redis::Value;
 
-use super::wire::int;
+use super::wire::{int, texts};
 use super::RedisStore;
 use crate::bucket::{Lease, LeaseOp, LeaseOutcome, Others};
 use crate::store::StoreError;
@@ -46,7 +46,7 @@ impl RedisStore {
                     op.of_unleased.to_string(),
                 ]);
             }
-            let reply = self.shared.eval_in_slot(&self.shared.lease_script, slot, &keys, &args).await;
+            let reply = self.shared.eval_in_slot(&self.shared.lease_script, slot, &keys, &texts(&args)).await;
             (members, reply.and_then(|r| parse_outcomes(r, ops.len())))
         });
         let mut results: Vec<Option<Result<LeaseOutcome, StoreError>>> = ops.iter().map(|_| None).collect();

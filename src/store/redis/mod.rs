@@ -108,6 +108,8 @@ struct Shared {
     slot_script: Script,
     deadline: Duration,
     description: String,
+    // Where a credit's raise is published (`crate::identity::raise_channel`), named once.
+    raise_channel: String,
 }
 
 impl RedisStore {
@@ -132,6 +134,7 @@ impl RedisStore {
             slot_script: Script::new(SLOT_SCRIPT),
             deadline,
             description,
+            raise_channel: crate::identity::raise_channel(),
         });
         let call_shared = shared.clone();
         let call: Call = Arc::new(move |slot: u16, groups: &[Group]| {
@@ -161,7 +164,7 @@ impl RedisStore {
 impl Shared {
     // One script run for groups that all live in `slot` (or on one standalone server).
     async fn run(&self, slot: u16, batch: &[Group]) -> Result<Vec<GroupOutcome>, StoreError> {
-        let (keys, args) = wire::encode(batch);
+        let (keys, args) = wire::encode(batch, &self.raise_channel);
         let call = node::Call { keys: &keys, args: &args };
         let start = Instant::now();
         let reply = self.eval(&self.script, slot, &call).await;
@@ -178,7 +181,7 @@ impl Shared {
         script: &Script,
         slot: u16,
         keys: &[&str],
-        args: &[String],
+        args: &[wire::Arg<'_>],
     ) -> Result<redis::Value, StoreError> {
         let call = node::Call { keys, args };
         let deadline = super::deadline_or(self.deadline);

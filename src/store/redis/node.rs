@@ -41,7 +41,7 @@ impl Script {
 /// One script call: its keys and arguments.
 pub(crate) struct Call<'a> {
     pub keys: &'a [&'a str],
-    pub args: &'a [String],
+    pub args: &'a [super::wire::Arg<'a>],
 }
 
 /// A connection to one Redis server.

@@ -5,7 +5,8 @@ use std::collections::HashMap;
 
 use redis::Value;
 
-use super::{wire, RedisStore};
+use super::wire::{self, Arg};
+use super::RedisStore;
 use crate::slot::{SlotAction, SlotOp, SlotOutcome, SlotVerdict};
 use crate::store::StoreError;
 
@@ -19,9 +20,9 @@ impl RedisStore {
             SlotAction::GiveBack => "give",
             SlotAction::Undo => "undo",
         };
-        let mut args = vec![action.to_owned(), op.binding.clone(), op.sets.len().to_string()];
+        let mut args = vec![Arg::Text(action), Arg::Text(&op.binding), Arg::Int(op.sets.len() as u64)];
         for set in &op.sets {
-            args.extend([set.max.to_string(), set.ttl_ms.to_string()]);
+            args.extend([Arg::Int(set.max), Arg::Int(set.ttl_ms)]);
         }
         let mut index: HashMap<&str, usize> = keys.iter().enumerate().map(|(i, k)| (*k, i + 1)).collect();
         let mut bucket_keys = Vec::new();

@@ -11,12 +11,39 @@ use crate::bucket::{BucketState, Charge, Group, GroupOutcome, Role, Verdict};
 use crate::slot::SetReading;
 use crate::store::StoreError;
 
+/// One script argument, written straight into the command: numbers are formatted there (the
+/// shortest text that parses back to the same double, as `ryu` writes it), with no `String` of
+/// their own. A call carries seven per bucket operation.
+pub(crate) enum Arg<'a> {
+    Int(u64),
+    Number(f64),
+    Text(&'a str),
+}
+
+impl redis::ToRedisArgs for Arg<'_> {
+    fn write_redis_args<W>(&self, out: &mut W)
+    where
+        W: ?Sized + redis::RedisWrite,
+    {
+        match self {
+            Arg::Int(n) => n.write_redis_args(out),
+            Arg::Number(x) => x.write_redis_args(out),
+            Arg::Text(text) => out.write_arg(text.as_bytes()),
+        }
+    }
+}
+
+/// `texts` as arguments, for the scripts whose arguments are built as text.
+pub(super) fn texts(texts: &[String]) -> Vec<Arg<'_>> {
+    texts.iter().map(|t| Arg::Text(t)).collect()
+}
+
 // The distinct keys of `batch` and the ARGV that names them by index.
-pub(super) fn encode(batch: &[Group]) -> (Vec<&str>, Vec<String>) {
+pub(super) fn encode<'a>(batch: &'a [Group], channel: &'a str) -> (Vec<&'a str>, Vec<Arg<'a>>) {
     let mut keys: Vec<&str> = Vec::new();
     let mut key_index: HashMap<&str, usize> = HashMap::new();
-    let mut args: Vec<String> = Vec::with_capacity(2 + batch.iter().map(|g| 1 + 7 * g.len()).sum::<usize>());
-    args.push(batch.len().to_string());
+    let mut args: Vec<Arg<'_>> = Vec::with_capacity(2 + batch.iter().map(|g| 1 + 7 * g.len()).sum::<usize>());
+    args.push(Arg::Int(batch.len() as u64));
     for group in batch {
         encode_group(
             group,
@@ -29,7 +56,7 @@ pub(super) fn encode(batch: &[Group]) -> (Vec<&str>, Vec<String>) {
             &mut args,
         );
     }
-    args.push(crate::identity::raise_channel());
+    args.push(Arg::Text(channel));
     (keys, args)
 }
 
@@ -38,28 +65,24 @@ pub(super) fn encode(batch: &[Group]) -> (Vec<&str>, Vec<String>) {
 pub(super) fn encode_group<'a>(
     group: &'a Group,
     index: &mut dyn FnMut(&'a str) -> usize,
-    args: &mut Vec<String>,
+    args: &mut Vec<Arg<'a>>,
 ) {
-    args.push(group.len().to_string());
+    args.push(Arg::Int(group.len() as u64));
     for op in group.iter() {
-        args.push(index(op.key.as_str()).to_string());
-        // Display of f64 is the shortest text that parses back to the same double.
-        args.push(op.spec.capacity().to_string());
-        args.push(op.spec.refill_per_second().to_string());
-        args.push(op.need.to_string());
-        args.push(
-            match op.role {
-                Role::Enforced => "0",
-                Role::Shadow => "1",
-                Role::QuotaMode => "2",
-            }
-            .to_owned(),
-        );
+        args.push(Arg::Int(index(op.key.as_str()) as u64));
+        args.push(Arg::Number(op.spec.capacity()));
+        args.push(Arg::Number(op.spec.refill_per_second()));
+        args.push(Arg::Number(op.need));
+        args.push(Arg::Text(match op.role {
+            Role::Enforced => "0",
+            Role::Shadow => "1",
+            Role::QuotaMode => "2",
+        }));
         args.push(match op.charge {
-            Charge::Admitted => String::new(),
-            Charge::Always { max_debt } => max_debt.to_string(),
+            Charge::Admitted => Arg::Text(""),
+            Charge::Always { max_debt } => Arg::Number(max_debt),
         });
-        args.push(op.unseen.to_string());
+        args.push(Arg::Number(op.unseen));
     }
 }
 
