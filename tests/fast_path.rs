@@ -46,9 +46,9 @@ fn fields(map: &http::HeaderMap) -> Vec<(String, String)> {
     out
 }
 
-// Sends `body` with `headers` to `addr` over plaintext HTTP/2 and reads the whole answer. Times
-// the bucket reports in are cut to whole seconds: two servers asked a moment apart agree on them.
-async fn send(addr: &str, headers: &[(&str, &str)], body: Vec<u8>) -> Raw {
+// Sends `body` with `headers` to `addr` over plaintext HTTP/2 and reads the whole answer; with
+// `end` false the request stays open after the body, as a client that keeps sending would.
+async fn send(addr: &str, headers: &[(&str, &str)], body: Vec<u8>, end: bool) -> Raw {
     let tcp = tokio::net::TcpStream::connect(addr).await.unwrap();
     let (mut client, connection) = h2::client::handshake(tcp).await.unwrap();
     tokio::spawn(connection);
@@ -59,7 +59,7 @@ async fn send(addr: &str, headers: &[(&str, &str)], body: Vec<u8>) -> Raw {
         request = request.header(*name, *value);
     }
     let (answer, mut send) = client.send_request(request.body(()).unwrap(), false).unwrap();
-    send.send_data(Bytes::from(body), true).unwrap();
+    send.send_data(Bytes::from(body), end).unwrap();
     let response = answer.await.unwrap();
     let (parts, mut body) = response.into_parts();
     let mut bytes = Vec::new();
@@ -102,8 +102,23 @@ fn request(domain: &str, descriptor: &str) -> Vec<u8> {
 
 // The same exchange with both servers; returns the fast path's answer.
 async fn same(fast: &Tollgate, tonic: &Tollgate, headers: &[(&str, &str)], body: Vec<u8>) -> Raw {
-    let a = send(&fast.addr(), headers, body.clone()).await;
-    let b = send(&tonic.addr(), headers, body).await;
+    same_sent(fast, tonic, headers, body, true).await
+}
+
+async fn same_sent(
+    fast: &Tollgate,
+    tonic: &Tollgate,
+    headers: &[(&str, &str)],
+    body: Vec<u8>,
+    end: bool,
+) -> Raw {
+    let within = |addr: String, body: Vec<u8>| async move {
+        tokio::time::timeout(Duration::from_secs(20), send(&addr, headers, body, end))
+            .await
+            .unwrap_or_else(|_| panic!("{addr} did not answer within 20 s"))
+    };
+    let a = within(fast.addr(), body.clone()).await;
+    let b = within(tonic.addr(), body).await;
     assert_eq!(a, b, "the fast path answered otherwise than tonic's");
     a
 }
@@ -165,11 +180,18 @@ async fn the_fast_path_answers_as_tonic_does() {
         let raw = same(&fast, &tonic, &headers, body).await;
         assert_eq!(grpc_status(&raw), Some(code), "{raw:?}");
     }
+    // A message longer than tonic takes, sent on and on: the fast path holds no more than one
+    // message's worth and hands it to tonic, which refuses it by its length prefix.
+    let mut endless = frame(0, &[]);
+    endless[1..5].copy_from_slice(&(8u32 << 20).to_be_bytes());
+    endless.resize(6 << 20, 0);
+    let refused = same_sent(&fast, &tonic, &[], endless, false).await;
+    assert_eq!(grpc_status(&refused), Some("11"), "OUT_OF_RANGE: {refused:?}");
     assert_eq!(counted(&fast), counted(&tonic), "the same metrics");
     // The fast path served the rest itself.
     let fallbacks =
         |server: &Tollgate| sample(&server.metrics(), "tollgate_rls_fast_path_fallbacks_total", &[]);
-    assert_eq!((fallbacks(&fast), fallbacks(&tonic)), (5.0, 0.0), "only the five odd requests reach tonic");
+    assert_eq!((fallbacks(&fast), fallbacks(&tonic)), (6.0, 0.0), "only the six odd requests reach tonic");
 }
 
 // A store that takes connections and never answers: every call waits for its deadline.

@@ -11,9 +11,11 @@
 //! and its trailers.
 //!
 //! Only the plain case is served here: one uncompressed message within the size limit that
-//! decodes. Anything else (a compressed message, an encoding header, several messages, bytes that
-//! are not a `RateLimitRequest`, a body that fails) goes to tonic with the bytes read, so its
-//! answer is tonic's, word for word. `tests/fast_path.rs` holds both paths to the same answers.
+//! decodes. Anything else (a compressed message, an encoding header, several messages, a body
+//! longer than one message may be, bytes that are not a `RateLimitRequest`) goes to tonic with
+//! the bytes read and the rest of the body, so its answer is tonic's, word for word; the path
+//! holds at most one message's worth of a body. `tests/fast_path.rs` holds both paths to the
+//! same answers.
 
 use std::convert::Infallible;
 use std::sync::Arc;
@@ -22,7 +24,8 @@ use std::task::{Context, Poll};
 use axum::http::{HeaderMap, HeaderValue, Request, Response};
 use envoy_types::pb::envoy::service::ratelimit::v3::RateLimitRequest;
 use futures::future::{BoxFuture, Either};
-use http_body_util::{BodyExt as _, Full, StreamBody};
+use futures::StreamExt as _;
+use http_body_util::{BodyExt as _, BodyStream, StreamBody};
 use hyper::body::{Bytes, Frame};
 use prost::Message as _;
 use tonic::body::Body;
@@ -97,22 +100,29 @@ where
 
 async fn serve<S>(
     rls: Arc<RateLimitGrpc>,
-    mut inner: S,
+    inner: S,
     request: Request<Body>,
 ) -> Result<Response<Body>, S::Error>
 where
     S: tower::Service<Request<Body>, Response = Response<Body>>,
 {
-    let (parts, body) = request.into_parts();
-    let bytes = match body.collect().await {
-        Ok(collected) => collected.to_bytes(),
-        // What tonic answers to a body that fails midway.
-        Err(error) => return Ok(tonic::Status::from_error(error.into()).into_http()),
-    };
-    let Some(message) = plain_message(&bytes).and_then(|m| RateLimitRequest::decode(m).ok()) else {
-        fell_back();
-        let request = Request::from_parts(parts, Body::new(Full::new(bytes)));
-        return inner.call(request).await;
+    let (parts, mut body) = request.into_parts();
+    // Read at most one message's worth: past it the body is not a plain request, and what a client
+    // sends beyond it is tonic's to refuse (by the length prefix, as it always did), not bytes
+    // this path holds.
+    let mut read = Vec::new();
+    while let Some(frame) = body.frame().await {
+        match frame {
+            Ok(frame) => read.extend_from_slice(frame.data_ref().map_or(&[][..], |d| d.as_ref())),
+            // What tonic answers to a body that fails midway.
+            Err(error) => return Ok(tonic::Status::from_error(error.into()).into_http()),
+        }
+        if read.len() > PREFIX + MAX_MESSAGE {
+            return fall_back(inner, parts, read, body).await;
+        }
+    }
+    let Some(message) = plain_message(&read).and_then(|m| RateLimitRequest::decode(m).ok()) else {
+        return fall_back(inner, parts, read, body).await;
     };
     let metadata = MetadataMap::from_headers(parts.headers);
     Ok(match rls.answer_traced(&metadata, &message).await {
@@ -123,6 +133,22 @@ where
 
 fn fell_back() {
     metrics::counter!("tollgate_rls_fast_path_fallbacks_total").increment(1);
+}
+
+// Hands the request to tonic: the bytes read, then whatever of the body is still to come.
+async fn fall_back<S>(
+    mut inner: S,
+    parts: axum::http::request::Parts,
+    read: Vec<u8>,
+    rest: Body,
+) -> Result<Response<Body>, S::Error>
+where
+    S: tower::Service<Request<Body>, Response = Response<Body>>,
+{
+    fell_back();
+    let first = futures::stream::once(async move { Ok(Frame::data(Bytes::from(read))) });
+    let body = StreamBody::new(first.chain(BodyStream::new(rest)));
+    inner.call(Request::from_parts(parts, Body::new(body))).await
 }
 
 // The message of a body that is exactly one uncompressed message within the limit.
