@@ -410,8 +410,9 @@ async fn shutdown_signal(drain_delay: Duration) -> Shutdown {
 }
 
 // Half the cores this process may use (its cgroup's quota included), at least one. Measured on
-// two cores (bench/RESULTS.md, the RLS decision path): one worker spent 17-30 % less CPU per
-// decision than two, which hand requests, wake-ups and memory to each other; a fleet pays for
+// two cores (bench/RESULTS.md, the RLS decision path): one worker spent up to a quarter less CPU
+// per decision than two (none less on a hot tenant with Redis), which hand requests, wake-ups
+// and memory to each other; a fleet pays for
 // CPU per decision, and a replica short of cores is scaled out. The kernel's network work
 // (loopback delivery, softirq) and the runtimes of RLQS and background work use the other half.
 fn default_workers() -> usize {

@@ -183,12 +183,10 @@ pub(super) fn set_reading(items: &mut impl Iterator<Item = Value>) -> Result<Set
 
 // An exact number of the reply: an integer, or %.17g text where it is not integral.
 fn float(items: &mut impl Iterator<Item = Value>) -> Result<f64, StoreError> {
-    match items.next() {
-        Some(Value::Int(n)) => Ok(n as f64),
-        Some(Value::BulkString(b)) => bulk_number(&b)
-            .ok_or_else(|| StoreError::Protocol(format!("not a number: {:?}", String::from_utf8_lossy(&b)))),
-        other => Err(StoreError::Protocol(format!("expected a number, got {other:?}"))),
-    }
+    let item = items.next();
+    item.as_ref()
+        .and_then(reply_number)
+        .ok_or_else(|| StoreError::Protocol(format!("expected a number, got {item:?}")))
 }
 
 // A number the scripts return as a bulk string (Lua numbers are not exact as integer replies).
